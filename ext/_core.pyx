@@ -1,0 +1,216 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Low-level layer over the C++ collective engine (include/hpcdl/engine.hpp).
+
+Mirrors the core closely; the Pythonic layer is hpcdl/collectives.py.
+"""
+
+from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_RECORDS_RO, PyBuffer_IsContiguous,
+                             PyBuffer_Release, PyObject_GetBuffer)
+from cpython.exc cimport PyErr_CheckSignals
+from libc.stdint cimport uint64_t
+from libcpp.memory cimport shared_ptr
+from libcpp.string cimport string
+from libcpp.utility cimport move
+from libcpp.vector cimport vector
+from mpi4py cimport MPI
+from mpi4py.libmpi cimport MPI_COMM_NULL
+
+from libhpcdl.engine cimport (CDType, CEngine, CEngineStats, COpKind, COpRequest,
+                              COperation, COpTimes, CReduceOp, kDefaultChunkBytes)
+from libhpcdl.status cimport CStatus, check_status
+from libhpcdl.timeline cimport CTimeline, CTraceEvent
+
+import warnings
+
+DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
+
+# dtype name -> (core code, item size)
+DTYPES = {
+    "float32": (<int>CDType.kFloat32, 4),
+    "float64": (<int>CDType.kFloat64, 8),
+    "float16": (<int>CDType.kFloat16, 2),
+    "bfloat16": (<int>CDType.kBFloat16, 2),
+    "int32": (<int>CDType.kInt32, 4),
+    "int64": (<int>CDType.kInt64, 8),
+}
+_FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "l": "int64", "q": "int64"}
+_OPS = {"sum": <int>CReduceOp.kSum, "average": <int>CReduceOp.kAverage}
+
+
+class StallWarning(UserWarning):
+    """An operation waits for ranks that have not submitted it."""
+
+
+cdef class Buffer:
+    """A C-contiguous buffer taken through the buffer protocol, zero-copy.
+
+    The one intake path for every array handed to the core: it checks layout,
+    writability and dtype before any communication starts.
+    """
+    cdef Py_buffer view
+    cdef bint held
+    cdef readonly str dtype
+    cdef readonly Py_ssize_t count
+    cdef readonly object owner
+
+    def __cinit__(self, obj, dtype=None, bint writable=True):
+        self.held = False
+        try:
+            PyObject_GetBuffer(obj, &self.view, PyBUF_RECORDS_RO | PyBUF_FORMAT)
+        except (TypeError, BufferError, ValueError) as exc:
+            raise TypeError(f"hpcdl needs an array exposing the buffer protocol, got {type(obj).__name__}: {exc}") from None
+        self.held = True
+        self.owner = obj
+        if writable and self.view.readonly:
+            raise ValueError(f"buffer is read-only; hpcdl reduces in place and needs a writable {type(obj).__name__}")
+        if not PyBuffer_IsContiguous(&self.view, b"C"):
+            raise ValueError("buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)")
+        self.dtype = _resolve_dtype(obj, dtype, self.view.format, self.view.itemsize)
+        self.count = self.view.len // self.view.itemsize if self.view.itemsize else 0
+        if DTYPES[self.dtype][1] != self.view.itemsize:
+            raise TypeError(f"dtype {self.dtype} has {DTYPES[self.dtype][1]}-byte elements, "
+                            f"the buffer has {self.view.itemsize}-byte items")
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+    cdef void* ptr(self):
+        return self.view.buf
+
+    @property
+    def nbytes(self):
+        return self.view.len
+
+
+def _resolve_dtype(obj, dtype, const char* fmt, Py_ssize_t itemsize):
+    if dtype is not None:
+        name = str(getattr(dtype, "name", dtype))
+    elif hasattr(obj, "dtype"):
+        name = str(obj.dtype)
+    else:
+        code = (fmt or b"B").decode().lstrip("@=<>!")
+        name = _FORMATS.get(code, f"format '{code}'")
+        if name == "int64" and itemsize != 8:
+            name = f"format '{code}' of {itemsize} bytes"
+    if name not in DTYPES:
+        raise TypeError(f"unsupported dtype {name}; hpcdl reduces {', '.join(DTYPES)} "
+                        "(bfloat16 through ml_dtypes, or a uint16 view with dtype='bfloat16')")
+    return name
+
+
+cdef class Handle:
+    """An operation submitted to the engine: wait() for it, or poll done()."""
+    cdef shared_ptr[COperation] op
+    cdef readonly Buffer buffer  # keeps the memory alive while the engine uses it
+    cdef readonly str name
+    cdef bint checked
+
+    def done(self):
+        """True once the operation has finished (successfully or not)."""
+        return self.op.get().done()
+
+    def wait(self, timeout=None):
+        """Block until the operation finishes; raise its error if it failed.
+
+        Stall warnings from the engine are issued here (StallWarning), naming
+        the ranks that have not submitted the operation.
+        """
+        cdef COperation* op = self.op.get()
+        cdef bint finished = False
+        cdef double slice_s = 0.1
+        cdef double waited = 0.0
+        while not finished:
+            with nogil:
+                finished = op.wait_for(slice_s)
+            for notice in op.take_notices():
+                warnings.warn(notice.decode("utf-8", "replace"), StallWarning, stacklevel=2)
+            if not finished:
+                PyErr_CheckSignals()
+                waited += slice_s
+                if timeout is not None and waited >= timeout:
+                    raise TimeoutError(f"hpcdl operation '{self.name}' not finished after {timeout} s")
+        _inflight.discard(self)
+        check_status(op.status())
+        return None if self.buffer is None else self.buffer.owner
+
+    def timings(self):
+        """Wall-clock microseconds: submitted, started, reduce-scatter end, finished."""
+        cdef COpTimes t = self.op.get().times()
+        return {"submitted_us": t.submitted_us, "started_us": t.started_us,
+                "reduce_scatter_end_us": t.reduce_scatter_end_us, "finished_us": t.finished_us}
+
+
+# Handles not yet waited for: their buffers must outlive the engine's use.
+_inflight = set()
+
+
+def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=0,
+           uint64_t chunk_bytes=0, codec=""):
+    """Submit one operation to the engine; returns a Handle."""
+    cdef COpRequest req
+    cdef shared_ptr[COperation] op
+    cdef CStatus st
+    if comm is None or comm.ob_mpi == MPI_COMM_NULL:
+        raise ValueError("communicator is MPI.COMM_NULL")
+    req.name = (name or "").encode()
+    req.desc.kind = <COpKind>kind
+    req.desc.dtype = <CDType>DTYPES[buf.dtype][0] if buf is not None else CDType.kInt32
+    req.desc.count = buf.count if buf is not None else 0
+    req.desc.reduce_op = <CReduceOp>reduce_op
+    req.desc.root = root
+    req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
+    req.desc.codec = codec.encode()
+    req.data = buf.ptr() if buf is not None else NULL
+    with nogil:
+        st = CEngine.instance().submit(comm.ob_mpi, move(req), &op)
+    check_status(st)
+    cdef Handle h = Handle.__new__(Handle)
+    h.op = op
+    h.buffer = buf
+    h.name = op.get().name().decode()
+    _inflight.add(h)
+    return h
+
+
+def parse_op(op):
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}") from None
+
+
+KIND_ALLREDUCE = <int>COpKind.kAllreduce
+KIND_BROADCAST = <int>COpKind.kBroadcast
+KIND_BARRIER = <int>COpKind.kBarrier
+
+
+def set_stall_limits(double warn_seconds, double error_seconds):
+    CEngine.instance().set_stall_limits(warn_seconds, error_seconds)
+
+
+def stats():
+    """Engine counters: a list of dicts, one per (kind, codec)."""
+    cdef vector[CEngineStats] rows = CEngine.instance().stats()
+    return [{"kind": r.kind.decode(), "codec": r.codec.decode(), "ops": r.ops,
+             "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
+             "dense_bytes": r.dense_bytes, "seconds": r.seconds} for r in rows]
+
+
+def reset_stats():
+    CEngine.instance().reset_stats()
+
+
+def shutdown():
+    with nogil:
+        CEngine.instance().shutdown()
+
+
+def timeline_enable(bint on):
+    CTimeline.instance().enable(on)
+
+
+def timeline_take():
+    """Recorded trace events since the last call: (name, category, start_us, duration_us, track)."""
+    cdef vector[CTraceEvent] events = CTimeline.instance().take()
+    return [(e.name.decode(), e.category.decode(), e.start_us, e.duration_us, e.track) for e in events]

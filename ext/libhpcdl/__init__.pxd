@@ -1,0 +1,1 @@
+# Declarations of the C++ core (include/hpcdl/), one .pxd per concern.

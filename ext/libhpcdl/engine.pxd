@@ -1,0 +1,68 @@
+from libc.stdint cimport int32_t, uint64_t
+from libcpp cimport bool as cbool
+from libcpp.memory cimport shared_ptr
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+from mpi4py.libmpi cimport MPI_Comm
+
+from libhpcdl.status cimport CStatus
+
+cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
+    cdef enum class COpKind "hpcdl::OpKind":
+        kAllreduce
+        kBroadcast
+        kBarrier
+
+    cdef enum class CDType "hpcdl::DType":
+        kFloat32
+        kFloat64
+        kFloat16
+        kBFloat16
+        kInt32
+        kInt64
+
+    cdef enum class CReduceOp "hpcdl::ReduceOp":
+        kSum
+        kAverage
+
+    cdef cppclass COpDesc "hpcdl::OpDesc":
+        COpKind kind
+        CDType dtype
+        CReduceOp reduce_op
+        int32_t root
+        uint64_t count
+        uint64_t chunk_bytes
+        string codec
+
+    cdef cppclass COpRequest "hpcdl::OpRequest":
+        string name
+        COpDesc desc
+        void* data
+
+    cdef cppclass COpTimes "hpcdl::OpTimes":
+        double submitted_us, started_us, reduce_scatter_end_us, finished_us
+
+    cdef cppclass COperation "hpcdl::Operation":
+        const string& name()
+        cbool done()
+        cbool wait_for(double seconds)
+        CStatus status()
+        vector[string] take_notices()
+        COpTimes times()
+
+    cdef cppclass CEngineStats "hpcdl::EngineStats":
+        string kind, codec
+        uint64_t ops, bytes_sent, bytes_received, dense_bytes
+        double seconds
+
+    cdef cppclass CEngine "hpcdl::Engine":
+        @staticmethod
+        CEngine& instance()
+        CStatus submit(MPI_Comm comm, COpRequest req, shared_ptr[COperation]* out)
+        void set_stall_limits(double warn_seconds, double error_seconds)
+        vector[CEngineStats] stats()
+        void reset_stats()
+        void shutdown()
+
+cdef extern from "hpcdl/ring.hpp" namespace "hpcdl" nogil:
+    size_t kDefaultChunkBytes

@@ -1,0 +1,83 @@
+"""hpcdl: distributed deep-learning training on HPC clusters.
+
+A pipelined ring allreduce run by a background engine thread, an HDF5-packed
+small-file store and a clairvoyant prefetcher, all over mpi4py communicators.
+"""
+
+import atexit
+import os
+
+# The extension links libmpi through the MPI compiler wrapper; importing
+# mpi4py.MPI first puts that same libmpi in the process (and initializes MPI
+# with MPI_THREAD_MULTIPLE, which the engine thread needs).
+from mpi4py import MPI
+
+from hpcdl import _core
+from hpcdl._core import Handle, StallWarning
+from hpcdl.collectives import (allreduce, allreduce_async, barrier, broadcast, broadcast_async,
+                               configure, stats)
+from hpcdl.errors import (CancelledError, CorruptDataError, HpcdlError, MismatchError, MPIError,
+                          StallTimeoutError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "allreduce", "allreduce_async", "broadcast", "broadcast_async", "barrier", "configure",
+    "stats", "init", "rank", "size", "local_rank", "local_size", "Handle", "StallWarning",
+    "HpcdlError", "MismatchError", "MPIError", "CancelledError", "CorruptDataError",
+    "StallTimeoutError",
+]
+
+_world = {"comm": MPI.COMM_WORLD, "local": None}
+
+
+def init(comm=None):
+    """Choose the communicator the conveniences below describe (default COMM_WORLD).
+
+    MPI itself is initialized by importing hpcdl (through mpi4py), under
+    ``mpiexec`` and ``srun --mpi=pmi2`` alike.
+    """
+    _world["comm"] = MPI.COMM_WORLD if comm is None else comm
+    _world["local"] = None
+    return _world["comm"]
+
+
+def rank():
+    """This process's rank in the communicator given to init()."""
+    return _world["comm"].Get_rank()
+
+
+def size():
+    """The number of ranks in the communicator given to init()."""
+    return _world["comm"].Get_size()
+
+
+def _local_comm():
+    if _world["local"] is None:
+        _world["local"] = _world["comm"].Split_type(MPI.COMM_TYPE_SHARED)
+    return _world["local"]
+
+
+_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK")
+
+
+def local_rank():
+    """This process's rank among the ranks on the same node (for device selection).
+
+    Read from the launcher's environment (mpiexec, srun) when it says; else
+    found with a shared-memory split of the communicator, which is collective.
+    """
+    if _world["comm"] == MPI.COMM_WORLD:
+        for var in _LOCAL_RANK_VARS:
+            if os.environ.get(var, "").isdigit():
+                return int(os.environ[var])
+    return _local_comm().Get_rank()
+
+
+def local_size():
+    """The number of ranks on this node (collective on first call)."""
+    return _local_comm().Get_size()
+
+
+# Stop the engine thread before mpi4py finalizes MPI at exit.
+atexit.register(_core.shutdown)

@@ -1,0 +1,129 @@
+// The collective engine: one background thread per process makes every MPI
+// call for hpcdl's collectives. Callers submit operations (allreduce,
+// broadcast, barrier) from any thread; the engine agrees on one execution
+// order with the other ranks and runs them on a duplicate of the caller's
+// communicator, so hpcdl traffic never mixes with the user's.
+//
+// Agreement: every rank reports operations that are ready to a coordinator
+// (rank 0 of the communicator). The coordinator runs an operation once every
+// rank has reported it, after checking that they all describe it the same
+// way, and broadcasts the order. Names seen before are reported as small
+// integer ids, so repeated training steps cost a few bytes per tensor.
+#pragma once
+
+#include <mpi.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hpcdl/dtype.hpp"
+#include "hpcdl/ring.hpp"
+#include "hpcdl/status.hpp"
+
+namespace hpcdl {
+
+enum class OpKind : int { kAllreduce = 0, kBroadcast = 1, kBarrier = 2 };
+
+const char* op_kind_name(OpKind k);
+
+// What every rank must agree on for one operation.
+struct OpDesc {
+  OpKind kind = OpKind::kAllreduce;
+  DType dtype = DType::kFloat32;
+  ReduceOp reduce_op = ReduceOp::kSum;
+  std::int32_t root = 0;
+  std::uint64_t count = 0;
+  std::uint64_t chunk_bytes = 0;
+  std::string codec;  // codec config, canonical text; empty = none
+
+  std::string serialize(const std::string& name) const;
+  static bool parse(const std::string& bytes, std::string* name, OpDesc* out);
+};
+
+struct OpRequest {
+  std::string name;  // empty: named by submission order on this communicator
+  OpDesc desc;
+  void* data = nullptr;
+};
+
+struct OpTimes {
+  double submitted_us = 0, started_us = 0, reduce_scatter_end_us = 0, finished_us = 0;
+};
+
+class Operation {
+ public:
+  explicit Operation(std::string name, OpRequest req) : name_(std::move(name)), req_(std::move(req)) {}
+  const std::string& name() const { return name_; }
+  bool done();
+  // Waits up to `seconds`; true once the operation has finished.
+  bool wait_for(double seconds);
+  Status status();
+  // Warnings for whoever waits on this operation (stalls), oldest first.
+  std::vector<std::string> take_notices();
+  OpTimes times();
+
+ private:
+  friend class Engine;
+  friend class CommContext;
+  void finish(Status st);
+  void notify(std::string message);
+
+  std::string name_;
+  OpRequest req_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  Status status_;
+  std::vector<std::string> notices_;
+  OpTimes times_;
+};
+
+struct EngineStats {
+  std::string kind;   // allreduce, broadcast, barrier
+  std::string codec;  // allreduce only
+  std::uint64_t ops = 0, bytes_sent = 0, bytes_received = 0, dense_bytes = 0;
+  double seconds = 0;
+};
+
+class CommContext;
+
+class Engine {
+ public:
+  static Engine& instance();
+
+  Status submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out);
+  // Warn after `warn_seconds` that an operation waits for ranks that never
+  // submitted it; fail it after `error_seconds` (0: never).
+  void set_stall_limits(double warn_seconds, double error_seconds);
+  std::vector<EngineStats> stats();
+  void reset_stats();
+  // Joins the thread; operations not yet run finish with kCancelled.
+  void shutdown();
+
+ private:
+  Engine() = default;
+  void loop();
+  Status context_for(MPI_Comm comm, CommContext** out);
+  bool drain_submissions();
+  void execute(CommContext& ctx, Operation& op);
+  void record(const Operation& op, const RingTraffic& traffic, double seconds);
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::pair<CommContext*, std::shared_ptr<Operation>>> queue_;
+  std::map<MPI_Comm, std::unique_ptr<CommContext>> contexts_;
+  std::thread thread_;
+  bool running_ = false, stopped_ = false;
+  double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;
+
+  std::mutex stats_mu_;
+  std::map<std::pair<std::string, std::string>, EngineStats> stats_;
+};
+
+}  // namespace hpcdl

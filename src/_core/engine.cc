@@ -1,0 +1,628 @@
+#include "hpcdl/engine.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <set>
+#include <sstream>
+
+#include "hpcdl/ring.hpp"
+#include "hpcdl/timeline.hpp"
+#include "hpcdl/wire.hpp"
+
+namespace hpcdl {
+
+namespace {
+
+constexpr int kTagReady = 1;  // worker -> coordinator: operations ready here
+constexpr int kTagPlan = 2;   // coordinator -> workers: what to run, in order
+constexpr int kTagData = 3;
+
+enum class PlanResult : std::uint8_t { kRun = 0, kMismatch = 1, kStall = 2, kTimeout = 3 };
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::ostringstream os;
+  os << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (std::size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+  return os.str();
+}
+
+// "count differs: 1000 on ranks 0, 1, 3; 998 on rank 2" for each field where ranks disagree.
+std::string describe_disagreement(const std::vector<OpDesc>& descs) {
+  std::ostringstream os;
+  auto field = [&](const char* label, auto value_of) {
+    std::map<std::string, std::vector<int>> by_value;
+    for (std::size_t r = 0; r < descs.size(); ++r) by_value[value_of(descs[r])].push_back(static_cast<int>(r));
+    if (by_value.size() < 2) return;
+    if (os.tellp() > 0) os << "; ";
+    os << label << " differs:";
+    bool first = true;
+    for (auto& kv : by_value) {
+      os << (first ? " " : ", ") << kv.first << " on " << rank_list(kv.second);
+      first = false;
+    }
+  };
+  field("operation", [](const OpDesc& d) { return std::string(op_kind_name(d.kind)); });
+  field("dtype", [](const OpDesc& d) { return std::string(dtype_name(d.dtype)); });
+  field("count", [](const OpDesc& d) { return std::to_string(d.count); });
+  field("op", [](const OpDesc& d) { return std::string(d.reduce_op == ReduceOp::kSum ? "sum" : "average"); });
+  field("root", [](const OpDesc& d) { return std::to_string(d.root); });
+  field("chunk_bytes", [](const OpDesc& d) { return std::to_string(d.chunk_bytes); });
+  field("compression", [](const OpDesc& d) { return d.codec.empty() ? std::string("none") : d.codec; });
+  return os.str();
+}
+
+}  // namespace
+
+const char* op_kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+std::string OpDesc::serialize(const std::string& name) const {
+  WireWriter w;
+  w.put_string(name);
+  w.put<std::int32_t>(static_cast<std::int32_t>(kind));
+  w.put<std::int32_t>(static_cast<std::int32_t>(dtype));
+  w.put<std::int32_t>(static_cast<std::int32_t>(reduce_op));
+  w.put<std::int32_t>(root);
+  w.put<std::uint64_t>(count);
+  w.put<std::uint64_t>(chunk_bytes);
+  w.put_string(codec);
+  return std::string(w.buffer().begin(), w.buffer().end());
+}
+
+bool OpDesc::parse(const std::string& bytes, std::string* name, OpDesc* out) {
+  WireReader r(bytes.data(), bytes.size());
+  std::int32_t kind, dtype, op;
+  if (!r.get_string(name) || !r.get(&kind) || !r.get(&dtype) || !r.get(&op) || !r.get(&out->root) ||
+      !r.get(&out->count) || !r.get(&out->chunk_bytes) || !r.get_string(&out->codec))
+    return false;
+  out->kind = static_cast<OpKind>(kind);
+  out->dtype = static_cast<DType>(dtype);
+  out->reduce_op = static_cast<ReduceOp>(op);
+  return true;
+}
+
+// ---- Operation ----
+
+bool Operation::done() {
+  std::lock_guard<std::mutex> g(mu_);
+  return done_;
+}
+
+bool Operation::wait_for(double seconds) {
+  std::unique_lock<std::mutex> g(mu_);
+  cv_.wait_for(g, std::chrono::duration<double>(seconds), [this] { return done_; });
+  return done_;
+}
+
+Status Operation::status() {
+  std::lock_guard<std::mutex> g(mu_);
+  return status_;
+}
+
+std::vector<std::string> Operation::take_notices() {
+  std::lock_guard<std::mutex> g(mu_);
+  std::vector<std::string> out;
+  out.swap(notices_);
+  return out;
+}
+
+OpTimes Operation::times() {
+  std::lock_guard<std::mutex> g(mu_);
+  return times_;
+}
+
+void Operation::finish(Status st) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (done_) return;
+    status_ = std::move(st);
+    times_.finished_us = now_us();
+    done_ = true;
+  }
+  cv_.notify_all();
+}
+
+void Operation::notify(std::string message) {
+  std::lock_guard<std::mutex> g(mu_);
+  notices_.push_back(std::move(message));
+}
+
+// ---- CommContext: one user communicator, its two duplicates and the agreement state ----
+
+class CommContext {
+ public:
+  MPI_Comm ctl = MPI_COMM_NULL, data = MPI_COMM_NULL;
+  int rank = 0, size = 1;
+  std::uint64_t unnamed_seq = 0;  // advanced on submitting threads, under Engine::mu_
+  std::set<std::string> in_flight;  // names submitted and not finished, under Engine::mu_
+
+  bool is_coordinator() const { return rank == 0; }
+
+  // Worker side: operations waiting to run here, by name.
+  std::map<std::string, std::shared_ptr<Operation>> pending;
+  std::vector<std::string> unreported;
+  std::map<std::string, std::uint32_t> ids;
+  std::vector<std::string> names_by_id;
+  std::map<std::string, std::string> last_reported;  // name -> serialized desc last sent
+
+  // Coordinator side.
+  struct Entry {
+    std::vector<char> ready;
+    int ready_count = 0;
+    std::chrono::steady_clock::time_point first_seen;
+    double warned_at = 0;  // seconds after first_seen of the last stall warning
+  };
+  std::map<std::string, std::uint32_t> coord_ids;
+  std::vector<std::string> coord_names;
+  std::vector<std::vector<std::string>> last_desc;  // [id][rank] serialized desc
+  std::vector<char> announced;                      // [id] name already sent in a plan
+  std::map<std::uint32_t, Entry> table;
+
+  struct Outgoing {
+    MPI_Request req;
+    std::vector<char> bytes;
+  };
+  std::vector<std::unique_ptr<Outgoing>> outbox;
+
+  Status send(int dest, int tag, std::vector<char> bytes) {
+    auto out = std::make_unique<Outgoing>();
+    out->bytes = std::move(bytes);
+    int rc = MPI_Isend(out->bytes.data(), static_cast<int>(out->bytes.size()), MPI_BYTE, dest, tag, ctl, &out->req);
+    HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Isend(control)"));
+    outbox.push_back(std::move(out));
+    return Status::OK();
+  }
+
+  Status flush_outbox() {
+    for (auto it = outbox.begin(); it != outbox.end();) {
+      int flag = 0;
+      int rc = MPI_Test(&(*it)->req, &flag, MPI_STATUS_IGNORE);
+      HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Test(control)"));
+      it = flag ? outbox.erase(it) : it + 1;
+    }
+    return Status::OK();
+  }
+
+  // Report newly submitted operations to the coordinator.
+  Status report(std::vector<char>* plan_for_self);
+
+  // Coordinator: take one rank's report.
+  Status on_ready(int source, const char* bytes, std::size_t n);
+  // Coordinator: plan what is complete, warn about what stalls.
+  void plan(double warn_s, double error_s, WireWriter* w, std::uint32_t* entries);
+};
+
+Status CommContext::report(std::vector<char>* plan_for_self) {
+  if (unreported.empty()) return Status::OK();
+  WireWriter w;
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(unreported.size()));
+  for (const std::string& name : unreported) {
+    const std::string desc = pending.at(name)->req_.desc.serialize(name);
+    auto id = ids.find(name);
+    auto last = last_reported.find(name);
+    if (id != ids.end() && last != last_reported.end() && last->second == desc) {
+      w.put<std::uint8_t>(1);
+      w.put<std::uint32_t>(id->second);
+    } else {
+      w.put<std::uint8_t>(0);
+      w.put_string(desc);
+      last_reported[name] = desc;
+    }
+  }
+  unreported.clear();
+  if (is_coordinator()) {
+    *plan_for_self = std::move(w.buffer());
+    return Status::OK();
+  }
+  return send(0, kTagReady, std::move(w.buffer()));
+}
+
+Status CommContext::on_ready(int source, const char* bytes, std::size_t n) {
+  WireReader r(bytes, n);
+  std::uint32_t count;
+  if (!r.get(&count)) return Status::Internal("malformed ready message");
+  for (std::uint32_t i = 0; i < count; ++i) {
+    std::uint8_t cached;
+    std::uint32_t id;
+    if (!r.get(&cached)) return Status::Internal("malformed ready message");
+    if (cached) {
+      if (!r.get(&id) || id >= coord_names.size()) return Status::Internal("unknown operation id in ready message");
+    } else {
+      std::string desc, name;
+      OpDesc parsed;
+      if (!r.get_string(&desc) || !OpDesc::parse(desc, &name, &parsed))
+        return Status::Internal("malformed operation description");
+      auto it = coord_ids.find(name);
+      if (it == coord_ids.end()) {
+        id = static_cast<std::uint32_t>(coord_names.size());
+        coord_ids.emplace(name, id);
+        coord_names.push_back(name);
+        last_desc.emplace_back(size);
+        announced.push_back(0);
+      } else {
+        id = it->second;
+      }
+      last_desc[id][source] = desc;
+    }
+    Entry& e = table[id];
+    if (e.ready.empty()) {
+      e.ready.assign(size, 0);
+      e.first_seen = std::chrono::steady_clock::now();
+    }
+    if (!e.ready[source]) {
+      e.ready[source] = 1;
+      ++e.ready_count;
+    }
+  }
+  return Status::OK();
+}
+
+void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32_t* entries) {
+  auto put_entry = [&](std::uint32_t id, PlanResult result, const std::string& message) {
+    w->put<std::uint32_t>(id);
+    w->put<std::uint8_t>(static_cast<std::uint8_t>(result));
+    const bool with_name = result != PlanResult::kRun || !announced[id];
+    w->put<std::uint8_t>(with_name ? 1 : 0);
+    if (with_name) w->put_string(coord_names[id]);
+    if (result == PlanResult::kRun) announced[id] = 1;
+    if (result != PlanResult::kRun) w->put_string(message);
+    ++*entries;
+  };
+  // Entries completed in the same cycle run in id order: only the coordinator
+  // decides, so every rank gets the same order.
+  for (auto it = table.begin(); it != table.end();) {
+    const std::uint32_t id = it->first;
+    Entry& e = it->second;
+    if (e.ready_count == size) {
+      std::vector<OpDesc> descs(size);
+      bool same = true;
+      for (int r = 0; r < size; ++r) {
+        std::string name;
+        OpDesc::parse(last_desc[id][r], &name, &descs[r]);
+        same = same && last_desc[id][r] == last_desc[id][0];
+      }
+      if (same) {
+        put_entry(id, PlanResult::kRun, "");
+      } else {
+        put_entry(id, PlanResult::kMismatch,
+                  "hpcdl: ranks disagree on operation '" + coord_names[id] + "': " + describe_disagreement(descs));
+      }
+      it = table.erase(it);
+      continue;
+    }
+    const double waited = seconds_since(e.first_seen);
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r)
+      if (!e.ready[r]) missing.push_back(r);
+    if (error_s > 0 && waited >= error_s) {
+      put_entry(id, PlanResult::kTimeout,
+                "hpcdl: operation '" + coord_names[id] + "' was never submitted by " + rank_list(missing) +
+                    " (gave up after " + std::to_string(static_cast<int>(waited)) + " s)");
+      it = table.erase(it);
+      continue;
+    }
+    if (warn_s > 0 && waited >= warn_s && waited - e.warned_at >= warn_s) {
+      e.warned_at = waited;
+      std::ostringstream os;
+      os << "hpcdl: operation '" << coord_names[id] << "' has waited " << static_cast<int>(waited)
+         << " s for " << rank_list(missing) << ", which have not submitted it (ready on "
+         << e.ready_count << " of " << size << " ranks)";
+      put_entry(id, PlanResult::kStall, os.str());
+    }
+    ++it;
+  }
+}
+
+// ---- Engine ----
+
+Engine& Engine::instance() {
+  static Engine* engine = new Engine();  // never destroyed: outlives static teardown order
+  return *engine;
+}
+
+void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
+  std::lock_guard<std::mutex> g(mu_);
+  stall_warn_s_ = warn_seconds;
+  stall_error_s_ = error_seconds;
+}
+
+Status Engine::context_for(MPI_Comm comm, CommContext** out) {
+  auto it = contexts_.find(comm);
+  if (it != contexts_.end()) {
+    *out = it->second.get();
+    return Status::OK();
+  }
+  auto ctx = std::make_unique<CommContext>();
+  int rc = MPI_Comm_dup(comm, &ctx->ctl);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_dup"));
+  rc = MPI_Comm_dup(comm, &ctx->data);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_dup"));
+  MPI_Comm_set_errhandler(ctx->ctl, MPI_ERRORS_RETURN);
+  MPI_Comm_set_errhandler(ctx->data, MPI_ERRORS_RETURN);
+  MPI_Comm_rank(comm, &ctx->rank);
+  MPI_Comm_size(comm, &ctx->size);
+  *out = ctx.get();
+  contexts_.emplace(comm, std::move(ctx));
+  return Status::OK();
+}
+
+Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
+  int initialized = 0, finalized = 0, level = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized || finalized) return Status::Invalid("MPI is not initialized (or already finalized)");
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_MULTIPLE)
+    return Status::Invalid(
+        "hpcdl needs MPI_THREAD_MULTIPLE (its engine thread makes MPI calls while yours do); "
+        "initialize MPI with it (mpi4py does by default: mpi4py.rc.thread_level = 'multiple')");
+  if (comm == MPI_COMM_NULL) return Status::Invalid("communicator is MPI_COMM_NULL");
+  const OpDesc& d = req.desc;
+  if (d.kind == OpKind::kAllreduce && d.reduce_op == ReduceOp::kAverage && !dtype_is_float(d.dtype))
+    return Status::Invalid(std::string("op='average' needs a floating-point dtype, got ") + dtype_name(d.dtype));
+  if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < 64 || d.chunk_bytes > kMaxChunkBytes))
+    return Status::Invalid("chunk_bytes must be between 64 and 2^30, got " + std::to_string(d.chunk_bytes));
+  if (d.kind == OpKind::kAllreduce && !d.codec.empty())
+    return Status::Invalid("unknown compression '" + d.codec + "'");
+
+  std::lock_guard<std::mutex> g(mu_);
+  if (stopped_) return Status::Cancelled("hpcdl's engine has shut down (interpreter exit)");
+  CommContext* ctx = nullptr;
+  HPCDL_RETURN_NOT_OK(context_for(comm, &ctx));
+  if (d.kind == OpKind::kBroadcast && (d.root < 0 || d.root >= ctx->size))
+    return Status::Invalid("root " + std::to_string(d.root) + " is not a rank of a communicator of size " +
+                           std::to_string(ctx->size));
+  std::string name = req.name.empty() ? "op#" + std::to_string(ctx->unnamed_seq++) : req.name;
+  if (ctx->in_flight.count(name))
+    return Status::Invalid("an operation named '" + name + "' is already in flight on this communicator");
+  ctx->in_flight.insert(name);
+  auto op = std::make_shared<Operation>(name, std::move(req));
+  op->times_.submitted_us = now_us();
+  queue_.emplace_back(ctx, op);
+  if (!running_) {
+    running_ = true;
+    thread_ = std::thread([this] { loop(); });
+  }
+  cv_.notify_one();
+  *out = std::move(op);
+  return Status::OK();
+}
+
+bool Engine::drain_submissions() {
+  std::vector<std::pair<CommContext*, std::shared_ptr<Operation>>> batch;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    batch.swap(queue_);
+  }
+  for (auto& item : batch) {
+    item.first->pending.emplace(item.second->name(), item.second);
+    item.first->unreported.push_back(item.second->name());
+  }
+  return !batch.empty();
+}
+
+void Engine::record(const Operation& op, const RingTraffic& traffic, double seconds) {
+  const OpDesc& d = op.req_.desc;
+  const std::string kind = op_kind_name(d.kind);
+  const std::string codec = d.kind == OpKind::kAllreduce ? (d.codec.empty() ? "none" : d.codec) : "";
+  std::lock_guard<std::mutex> g(stats_mu_);
+  EngineStats& s = stats_[{kind, codec}];
+  s.kind = kind;
+  s.codec = codec;
+  s.ops += 1;
+  s.bytes_sent += traffic.bytes_sent;
+  s.bytes_received += traffic.bytes_received;
+  s.dense_bytes += traffic.dense_bytes;
+  s.seconds += seconds;
+}
+
+std::vector<EngineStats> Engine::stats() {
+  std::lock_guard<std::mutex> g(stats_mu_);
+  std::vector<EngineStats> out;
+  for (auto& kv : stats_) out.push_back(kv.second);
+  return out;
+}
+
+void Engine::reset_stats() {
+  std::lock_guard<std::mutex> g(stats_mu_);
+  stats_.clear();
+}
+
+void Engine::execute(CommContext& ctx, Operation& op) {
+  const OpDesc& d = op.req_.desc;
+  const double t0 = MPI_Wtime();
+  const double start_us = now_us();
+  {
+    std::lock_guard<std::mutex> g(op.mu_);
+    op.times_.started_us = start_us;
+  }
+  Status st;
+  RingTraffic traffic;
+  if (d.kind == OpKind::kAllreduce) {
+    const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
+    if (ctx.size == 1) {
+      scale_buffer(d.dtype, op.req_.data, d.count, scale);
+    } else {
+      RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
+      DenseRingPolicy policy(plan, op.req_.data, d.dtype, scale);
+      traffic.dense_bytes = plan.dense_bytes_sent();
+      st = run_ring(plan, policy, ctx.data, kTagData, &traffic);
+    }
+  } else if (d.kind == OpKind::kBroadcast) {
+    const std::size_t total = d.count * dtype_size(d.dtype);
+    char* p = static_cast<char*>(op.req_.data);
+    for (std::size_t off = 0; off < total && st.ok(); off += kMaxChunkBytes) {
+      const int n = static_cast<int>(std::min(kMaxChunkBytes, total - off));
+      st = mpi_status(MPI_Bcast(p + off, n, MPI_BYTE, d.root, ctx.data), "MPI_Bcast");
+      if (ctx.rank == d.root) traffic.bytes_sent += n; else traffic.bytes_received += n;
+    }
+  }
+  // A barrier needs nothing more: it ran because every rank had entered it.
+  const double end_us = now_us();
+  {
+    std::lock_guard<std::mutex> g(op.mu_);
+    op.times_.reduce_scatter_end_us =
+        traffic.reduce_scatter_end > 0 ? start_us + (traffic.reduce_scatter_end - t0) * 1e6 : 0;
+  }
+  record(op, traffic, MPI_Wtime() - t0);
+  Timeline& tl = Timeline::instance();
+  if (tl.enabled()) {
+    const OpTimes t = op.times();
+    tl.record(op.name(), "negotiate", t.submitted_us, start_us, 0);
+    if (t.reduce_scatter_end_us > 0) {
+      tl.record(op.name(), "reduce_scatter", start_us, t.reduce_scatter_end_us, 0);
+      tl.record(op.name(), "allgather", t.reduce_scatter_end_us, end_us, 0);
+    } else {
+      tl.record(op.name(), op_kind_name(d.kind), start_us, end_us, 0);
+    }
+  }
+  op.finish(st);
+}
+
+void Engine::loop() {
+  auto idle = std::chrono::microseconds(20);
+  auto last_plan = std::chrono::steady_clock::now();
+  std::vector<char> msg;
+  for (;;) {
+    bool busy = drain_submissions();
+    double warn_s, error_s;
+    std::vector<CommContext*> contexts;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!running_) break;
+      warn_s = stall_warn_s_;
+      error_s = stall_error_s_;
+      for (auto& kv : contexts_) contexts.push_back(kv.second.get());
+    }
+    const bool stall_check = seconds_since(last_plan) > 0.1;
+    for (CommContext* ctx : contexts) {
+      Status st;
+      std::vector<char> own_report;
+      std::vector<std::vector<char>> plans;  // plans received (workers) or made (coordinator)
+      st = ctx->report(&own_report);
+      if (st.ok() && !own_report.empty()) st = ctx->on_ready(0, own_report.data(), own_report.size());
+      // Take every control message that has arrived.
+      while (st.ok()) {
+        int flag = 0;
+        MPI_Status probe;
+        int rc = MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, ctx->ctl, &flag, &probe);
+        st = mpi_status(rc, "MPI_Iprobe");
+        if (!st.ok() || !flag) break;
+        int n = 0;
+        MPI_Get_count(&probe, MPI_BYTE, &n);
+        msg.resize(static_cast<std::size_t>(n));
+        rc = MPI_Recv(msg.data(), n, MPI_BYTE, probe.MPI_SOURCE, probe.MPI_TAG, ctx->ctl, MPI_STATUS_IGNORE);
+        st = mpi_status(rc, "MPI_Recv(control)");
+        if (!st.ok()) break;
+        busy = true;
+        if (probe.MPI_TAG == kTagReady && ctx->is_coordinator())
+          st = ctx->on_ready(probe.MPI_SOURCE, msg.data(), msg.size());
+        else if (probe.MPI_TAG == kTagPlan)
+          plans.push_back(msg);
+      }
+      if (st.ok() && ctx->is_coordinator() && (busy || stall_check) && !ctx->table.empty()) {
+        WireWriter w;
+        std::uint32_t entries = 0;
+        w.put<std::uint32_t>(0);
+        ctx->plan(warn_s, error_s, &w, &entries);
+        if (entries) {
+          std::memcpy(w.buffer().data(), &entries, sizeof(entries));
+          for (int r = 1; r < ctx->size && st.ok(); ++r) st = ctx->send(r, kTagPlan, w.buffer());
+          plans.push_back(std::move(w.buffer()));
+        }
+      }
+      if (st.ok()) st = ctx->flush_outbox();
+      for (auto& plan : plans) {
+        WireReader r(plan.data(), plan.size());
+        std::uint32_t entries = 0;
+        r.get(&entries);
+        for (std::uint32_t i = 0; i < entries; ++i) {
+          std::uint32_t id;
+          std::uint8_t result, with_name;
+          std::string name, message;
+          r.get(&id);
+          r.get(&result);
+          r.get(&with_name);
+          if (with_name) {
+            r.get_string(&name);
+          } else if (id < ctx->names_by_id.size()) {
+            name = ctx->names_by_id[id];
+          }
+          if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+            if (id >= ctx->names_by_id.size()) ctx->names_by_id.resize(id + 1);
+            ctx->names_by_id[id] = name;
+            ctx->ids[name] = id;
+          } else {
+            r.get_string(&message);
+          }
+          auto it = ctx->pending.find(name);
+          if (it == ctx->pending.end()) continue;  // a stall notice for an op this rank never submitted
+          std::shared_ptr<Operation> op = it->second;
+          if (static_cast<PlanResult>(result) == PlanResult::kStall) {
+            op->notify(message);
+            continue;
+          }
+          ctx->pending.erase(it);
+          if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+            execute(*ctx, *op);
+          } else {
+            ctx->last_reported.erase(name);  // report it in full next time
+            op->finish(static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
+                                                                               : Status::Mismatch(message));
+          }
+          std::lock_guard<std::mutex> g(mu_);
+          ctx->in_flight.erase(name);
+        }
+        busy = true;
+      }
+      if (!st.ok()) {
+        // The control channel is broken: nothing pending here can complete.
+        std::fprintf(stderr, "[hpcdl rank %d] engine error: %s\n", ctx->rank, st.message().c_str());
+        for (auto& kv : ctx->pending) kv.second->finish(st);
+        ctx->pending.clear();
+        std::lock_guard<std::mutex> g(mu_);
+        ctx->in_flight.clear();
+      }
+    }
+    if (stall_check) last_plan = std::chrono::steady_clock::now();
+    if (busy) {
+      idle = std::chrono::microseconds(20);
+      continue;
+    }
+    std::unique_lock<std::mutex> g(mu_);
+    cv_.wait_for(g, idle, [this] { return !queue_.empty() || !running_; });
+    idle = std::min(idle * 2, std::chrono::microseconds(1000));
+  }
+  // Shutting down: whatever has not run never will.
+  drain_submissions();
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& kv : contexts_) {
+    for (auto& op : kv.second->pending) op.second->finish(Status::Cancelled("hpcdl's engine shut down before '" + op.first + "' ran"));
+    kv.second->pending.clear();
+    kv.second->in_flight.clear();
+  }
+}
+
+void Engine::shutdown() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stopped_ = true;
+    if (!running_) return;
+    running_ = false;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace hpcdl
