@@ -1,0 +1,5 @@
+import sys
+
+from hpcdl.cli import main
+
+sys.exit(main())
