@@ -4,7 +4,7 @@
 Mirrors the core closely; the Pythonic layer is hpcdl/collectives.py.
 """
 
-from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_RECORDS_RO, PyBuffer_IsContiguous,
+from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContiguous,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport uint64_t
@@ -56,16 +56,22 @@ cdef class Buffer:
     def __cinit__(self, obj, dtype=None, bint writable=True):
         self.held = False
         try:
-            PyObject_GetBuffer(obj, &self.view, PyBUF_RECORDS_RO | PyBUF_FORMAT)
+            PyObject_GetBuffer(obj, &self.view, PyBUF_RECORDS_RO)
         except (TypeError, BufferError, ValueError) as exc:
-            raise TypeError(f"hpcdl needs an array exposing the buffer protocol, got {type(obj).__name__}: {exc}") from None
+            # Arrays of extension dtypes (ml_dtypes' bfloat16) export no format
+            # string: their dtype attribute names the type instead.
+            if not hasattr(obj, "dtype"):
+                raise TypeError(f"hpcdl needs an array exposing the buffer protocol, "
+                                f"got {type(obj).__name__}: {exc}") from None
+            PyObject_GetBuffer(obj, &self.view, PyBUF_STRIDES)
         self.held = True
         self.owner = obj
         if writable and self.view.readonly:
             raise ValueError(f"buffer is read-only; hpcdl reduces in place and needs a writable {type(obj).__name__}")
         if not PyBuffer_IsContiguous(&self.view, b"C"):
             raise ValueError("buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)")
-        self.dtype = _resolve_dtype(obj, dtype, self.view.format, self.view.itemsize)
+        fmt = self.view.format.decode() if self.view.format != NULL else "B"
+        self.dtype = _resolve_dtype(obj, dtype, fmt, self.view.itemsize)
         self.count = self.view.len // self.view.itemsize if self.view.itemsize else 0
         if DTYPES[self.dtype][1] != self.view.itemsize:
             raise TypeError(f"dtype {self.dtype} has {DTYPES[self.dtype][1]}-byte elements, "
@@ -83,13 +89,13 @@ cdef class Buffer:
         return self.view.len
 
 
-def _resolve_dtype(obj, dtype, const char* fmt, Py_ssize_t itemsize):
+def _resolve_dtype(obj, dtype, str fmt, Py_ssize_t itemsize):
     if dtype is not None:
         name = str(getattr(dtype, "name", dtype))
     elif hasattr(obj, "dtype"):
         name = str(obj.dtype)
     else:
-        code = (fmt or b"B").decode().lstrip("@=<>!")
+        code = fmt.lstrip("@=<>!")
         name = _FORMATS.get(code, f"format '{code}'")
         if name == "int64" and itemsize != 8:
             name = f"format '{code}' of {itemsize} bytes"

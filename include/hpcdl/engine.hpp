@@ -109,15 +109,19 @@ class Engine {
  private:
   Engine() = default;
   void loop();
-  Status context_for(MPI_Comm comm, CommContext** out);
+  Status context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out);
+  static int on_comm_freed(MPI_Comm comm, int keyval, void* context, void* extra_state);
   bool drain_submissions();
   void execute(CommContext& ctx, Operation& op);
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<std::pair<CommContext*, std::shared_ptr<Operation>>> queue_;
-  std::map<MPI_Comm, std::unique_ptr<CommContext>> contexts_;
+  std::vector<std::pair<std::shared_ptr<CommContext>, std::shared_ptr<Operation>>> queue_;
+  // A context lives as an attribute of the user's communicator (so a freed
+  // handle that MPI hands out again never finds a stale one); the engine owns it.
+  int keyval_ = MPI_KEYVAL_INVALID;
+  std::vector<std::shared_ptr<CommContext>> contexts_;
   std::thread thread_;
   bool running_ = false, stopped_ = false;
   double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;

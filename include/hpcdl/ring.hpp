@@ -134,7 +134,11 @@ struct RingTraffic {
 };
 
 // Runs the unit stream. Dependencies: unit u is sent only after unit u - C
-// (C = chunks per step) has been consumed, since that is where its data came from.
+// (C = chunks per step) has been consumed, since that is where its data came
+// from. Nothing ever blocks on a send alone: a rank waits for "my next
+// receive or my oldest send", so a neighbour that is waiting for us to post a
+// receive always gets it (blocking on sends deadlocks the ring once a step
+// holds more chunks than the send window).
 template <typename Policy>
 Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, RingTraffic* traffic) {
   const std::size_t total = plan.units();
@@ -145,31 +149,30 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
   std::size_t next_recv = 0, next_send = 0, consumed = 0;
   int rc;
 
-  auto complete_sends_through = [&](std::size_t unit) -> Status {
-    while (!send_req.empty() && send_req.front().first <= unit) {
-      rc = MPI_Wait(&send_req.front().second, MPI_STATUS_IGNORE);
-      HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(send)"));
+  auto sent_through = [&](std::size_t unit) -> bool {
+    return next_send > unit && (send_req.empty() || send_req.front().first > unit);
+  };
+  auto post = [&]() -> Status {
+    // Retire sends that have completed, oldest first.
+    while (!send_req.empty()) {
+      int flag = 0;
+      rc = MPI_Test(&send_req.front().second, &flag, MPI_STATUS_IGNORE);
+      HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Test(send)"));
+      if (!flag) break;
       send_req.pop_front();
     }
-    return Status::OK();
-  };
-  auto post_recvs = [&]() -> Status {
     while (next_recv < total && next_recv < consumed + kPipelineDepth) {
       // An allgather unit lands in place, where reduce-scatter unit u - rs_units
       // sent from: that send must be complete before the buffer is reused.
-      if (next_recv >= rs_units) HPCDL_RETURN_NOT_OK(complete_sends_through(next_recv - rs_units));
+      if (next_recv >= rs_units && !sent_through(next_recv - rs_units)) break;
       RingBuffer b = policy.recv_slot(next_recv);
       rc = MPI_Irecv(b.data, static_cast<int>(b.bytes), MPI_BYTE, plan.left(), tag, comm,
                      &recv_req[next_recv % kPipelineDepth]);
       HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Irecv"));
       ++next_recv;
     }
-    return Status::OK();
-  };
-  auto post_sends = [&]() -> Status {
-    while (next_send < total && (next_send < C || next_send - C < consumed)) {
-      if (send_req.size() >= static_cast<std::size_t>(kPipelineDepth))
-        HPCDL_RETURN_NOT_OK(complete_sends_through(send_req.front().first));
+    while (next_send < total && (next_send < C || next_send - C < consumed) &&
+           send_req.size() < static_cast<std::size_t>(kPipelineDepth)) {
       RingBuffer b = policy.send(next_send);
       send_req.emplace_back(next_send, MPI_REQUEST_NULL);
       rc = MPI_Isend(b.data, static_cast<int>(b.bytes), MPI_BYTE, plan.right(), tag, comm, &send_req.back().second);
@@ -180,23 +183,42 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
     return Status::OK();
   };
 
-  HPCDL_RETURN_NOT_OK(post_recvs());
-  HPCDL_RETURN_NOT_OK(post_sends());
+  HPCDL_RETURN_NOT_OK(post());
   while (consumed < total) {
+    // Wait for the next receive, or for the oldest send if that is what holds us up.
+    MPI_Request wait_on[2];
+    int n = 0, recv_index = -1;
+    if (next_recv > consumed) {
+      recv_index = n;
+      wait_on[n++] = recv_req[consumed % kPipelineDepth];
+    }
+    if (!send_req.empty()) wait_on[n++] = send_req.front().second;
+    if (n == 0) return Status::Internal("ring schedule stalled with nothing in flight");
+    int index = MPI_UNDEFINED;
     MPI_Status st;
-    rc = MPI_Wait(&recv_req[consumed % kPipelineDepth], &st);
-    HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(recv)"));
-    int got = 0;
-    MPI_Get_count(&st, MPI_BYTE, &got);
-    traffic->bytes_received += static_cast<std::uint64_t>(got);
-    HPCDL_RETURN_NOT_OK(policy.received(consumed, static_cast<std::size_t>(got)));
-    ++consumed;
-    if (consumed == rs_units) traffic->reduce_scatter_end = MPI_Wtime();
-    // Receive first: the next unit's transfer then runs while we post sends and reduce.
-    HPCDL_RETURN_NOT_OK(post_recvs());
-    HPCDL_RETURN_NOT_OK(post_sends());
+    rc = MPI_Waitany(n, wait_on, &index, &st);
+    HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Waitany"));
+    if (index == recv_index) {
+      recv_req[consumed % kPipelineDepth] = MPI_REQUEST_NULL;
+      int got = 0;
+      MPI_Get_count(&st, MPI_BYTE, &got);
+      traffic->bytes_received += static_cast<std::uint64_t>(got);
+      HPCDL_RETURN_NOT_OK(policy.received(consumed, static_cast<std::size_t>(got)));
+      ++consumed;
+      if (consumed == rs_units) traffic->reduce_scatter_end = MPI_Wtime();
+    } else {
+      send_req.pop_front();
+    }
+    HPCDL_RETURN_NOT_OK(post());
   }
-  return complete_sends_through(total);
+  // The send window may still hold back the last units: drain it.
+  while (!send_req.empty()) {
+    rc = MPI_Wait(&send_req.front().second, MPI_STATUS_IGNORE);
+    HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(send)"));
+    send_req.pop_front();
+    HPCDL_RETURN_NOT_OK(post());
+  }
+  return Status::OK();
 }
 
 // Uncompressed policy: sends straight from the user's buffer (zero copy),

@@ -146,6 +146,7 @@ class CommContext {
   int rank = 0, size = 1;
   std::uint64_t unnamed_seq = 0;  // advanced on submitting threads, under Engine::mu_
   std::set<std::string> in_flight;  // names submitted and not finished, under Engine::mu_
+  bool freed = false;               // the user freed the communicator, under Engine::mu_
 
   bool is_coordinator() const { return rank == 0; }
 
@@ -337,14 +338,23 @@ void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
   stall_error_s_ = error_seconds;
 }
 
-Status Engine::context_for(MPI_Comm comm, CommContext** out) {
-  auto it = contexts_.find(comm);
-  if (it != contexts_.end()) {
-    *out = it->second.get();
-    return Status::OK();
+Status Engine::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
+  int rc;
+  if (keyval_ == MPI_KEYVAL_INVALID) {
+    rc = MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &Engine::on_comm_freed, &keyval_, this);
+    HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_create_keyval"));
   }
-  auto ctx = std::make_unique<CommContext>();
-  int rc = MPI_Comm_dup(comm, &ctx->ctl);
+  void* attr = nullptr;
+  int found = 0;
+  rc = MPI_Comm_get_attr(comm, keyval_, &attr, &found);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_get_attr"));
+  if (found) {
+    for (auto& c : contexts_)
+      if (c.get() == attr) *out = c;
+    if (*out) return Status::OK();
+  }
+  auto ctx = std::make_shared<CommContext>();
+  rc = MPI_Comm_dup(comm, &ctx->ctl);
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_dup"));
   rc = MPI_Comm_dup(comm, &ctx->data);
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_dup"));
@@ -352,9 +362,20 @@ Status Engine::context_for(MPI_Comm comm, CommContext** out) {
   MPI_Comm_set_errhandler(ctx->data, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm, &ctx->rank);
   MPI_Comm_size(comm, &ctx->size);
-  *out = ctx.get();
-  contexts_.emplace(comm, std::move(ctx));
+  rc = MPI_Comm_set_attr(comm, keyval_, ctx.get());
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_set_attr"));
+  *out = ctx;
+  contexts_.push_back(std::move(ctx));
   return Status::OK();
+}
+
+// Called by MPI when the user frees a communicator hpcdl has used: the engine
+// thread cancels what is still pending on it and drops the context.
+int Engine::on_comm_freed(MPI_Comm, int, void* context, void* extra_state) {
+  Engine* engine = static_cast<Engine*>(extra_state);
+  std::lock_guard<std::mutex> g(engine->mu_);
+  static_cast<CommContext*>(context)->freed = true;
+  return MPI_SUCCESS;
 }
 
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
@@ -378,7 +399,7 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
 
   std::lock_guard<std::mutex> g(mu_);
   if (stopped_) return Status::Cancelled("hpcdl's engine has shut down (interpreter exit)");
-  CommContext* ctx = nullptr;
+  std::shared_ptr<CommContext> ctx;
   HPCDL_RETURN_NOT_OK(context_for(comm, &ctx));
   if (d.kind == OpKind::kBroadcast && (d.root < 0 || d.root >= ctx->size))
     return Status::Invalid("root " + std::to_string(d.root) + " is not a rank of a communicator of size " +
@@ -400,7 +421,7 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
 }
 
 bool Engine::drain_submissions() {
-  std::vector<std::pair<CommContext*, std::shared_ptr<Operation>>> batch;
+  std::vector<std::pair<std::shared_ptr<CommContext>, std::shared_ptr<Operation>>> batch;
   {
     std::lock_guard<std::mutex> g(mu_);
     batch.swap(queue_);
@@ -497,16 +518,23 @@ void Engine::loop() {
   for (;;) {
     bool busy = drain_submissions();
     double warn_s, error_s;
-    std::vector<CommContext*> contexts;
+    std::vector<std::shared_ptr<CommContext>> contexts, freed;
     {
       std::lock_guard<std::mutex> g(mu_);
       if (!running_) break;
       warn_s = stall_warn_s_;
       error_s = stall_error_s_;
-      for (auto& kv : contexts_) contexts.push_back(kv.second.get());
+      for (auto& c : contexts_) (c->freed ? freed : contexts).push_back(c);
+      contexts_ = contexts;
+    }
+    for (auto& ctx : freed) {
+      for (auto& kv : ctx->pending)
+        kv.second->finish(Status::Cancelled("the communicator of '" + kv.first + "' was freed before it ran"));
+      MPI_Comm_free(&ctx->ctl);
+      MPI_Comm_free(&ctx->data);
     }
     const bool stall_check = seconds_since(last_plan) > 0.1;
-    for (CommContext* ctx : contexts) {
+    for (auto& ctx : contexts) {
       Status st;
       std::vector<char> own_report;
       std::vector<std::vector<char>> plans;  // plans received (workers) or made (coordinator)
@@ -607,10 +635,11 @@ void Engine::loop() {
   // Shutting down: whatever has not run never will.
   drain_submissions();
   std::lock_guard<std::mutex> g(mu_);
-  for (auto& kv : contexts_) {
-    for (auto& op : kv.second->pending) op.second->finish(Status::Cancelled("hpcdl's engine shut down before '" + op.first + "' ran"));
-    kv.second->pending.clear();
-    kv.second->in_flight.clear();
+  for (auto& ctx : contexts_) {
+    for (auto& op : ctx->pending)
+      op.second->finish(Status::Cancelled("hpcdl's engine shut down before '" + op.first + "' ran"));
+    ctx->pending.clear();
+    ctx->in_flight.clear();
   }
 }
 

@@ -1,0 +1,300 @@
+"""Ring allreduce, broadcast and barrier under MPI (run with 3, 4 and 5 ranks).
+
+Every result is checked against a float64 reference and for bitwise equality
+across ranks; ranks agree on the verdict before asserting (tests/conftest.py).
+"""
+
+import hashlib
+import time
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import hpcdl
+from conftest import agree, collective, outcome
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WORLD = MPI.COMM_WORLD
+COUNTS = [0, 1, 2, 3, 5, 7, 64, 1000, 4097, 65537]
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+
+
+def np_dtype(name):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def contribution(rank, count, dtype):
+    """Rank r's data: deterministic, so any rank can compute every rank's input."""
+    rng = np.random.default_rng(1000 + rank)
+    if dtype.startswith("int"):
+        return rng.integers(-1000, 1000, count).astype(dtype)
+    return rng.standard_normal(count).astype(np_dtype(dtype))
+
+
+def digest(a):
+    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def tolerance(dtype, size, reference_abs):
+    eps = {"float32": 2.0 ** -23, "float64": 2.0 ** -52, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+    if dtype.startswith("int"):
+        return 0.0
+    # one rounding per hop, each bounded by eps times the running partial sum
+    return 2 * size * eps[dtype] * reference_abs + 1e-30
+
+
+def check_allreduce(comm, count, dtype, op):
+    size = comm.Get_size()
+    data = contribution(comm.Get_rank(), count, dtype)
+    inputs = [contribution(r, count, dtype).astype(np.float64) for r in range(size)]
+    reference = np.sum(inputs, axis=0) if count else np.zeros(0)
+    reference_abs = np.sum(np.abs(inputs), axis=0) if count else np.zeros(0)
+    if op == "average":
+        reference, reference_abs = reference / size, reference_abs / size
+    out = hpcdl.allreduce(data, op=op, comm=comm)
+    assert out is data
+    err = np.abs(data.astype(np.float64) - reference)
+    tol = tolerance(dtype, size, reference_abs)
+    ok = bool(np.all(err <= tol))
+    digests = comm.allgather(digest(data))
+    same = len(set(digests)) == 1
+    detail = "" if ok and same else f"max err {err.max() if count else 0}, bitwise same: {same}"
+    return ok and same, detail
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_sum_all_counts_and_dtypes(dtype):
+    problems = []
+    for count in COUNTS:
+        ok, detail = check_allreduce(WORLD, count, dtype, "sum")
+        if not ok:
+            problems.append(f"count {count}: {detail}")
+    agree(WORLD, not problems, problems)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_allreduce_average(dtype):
+    problems = []
+    for count in (1, 7, 4097):
+        ok, detail = check_allreduce(WORLD, count, dtype, "average")
+        if not ok:
+            problems.append(f"count {count}: {detail}")
+    agree(WORLD, not problems, problems)
+
+
+@pytest.mark.parametrize("sub_size", [2, 3])
+def test_allreduce_on_sub_communicators(sub_size):
+    """Rings of 2 and 3 ranks inside the world, each group on its own communicator."""
+    rank = WORLD.Get_rank()
+    color = rank // sub_size
+    sub = WORLD.Split(color, rank)
+    problems = []
+    for dtype in ("float32", "float16", "int64"):
+        for count in (0, 1, sub.Get_size() - 1, 1001):
+            ok, detail = check_allreduce(sub, count, dtype, "sum")
+            if not ok:
+                problems.append(f"{dtype} count {count}: {detail}")
+    sub.Free()
+    agree(WORLD, not problems, problems)
+
+
+def test_many_chunks_and_tiny_chunks():
+    """Many pipeline chunks per segment, including empty chunks, stay exact."""
+    problems = []
+    try:
+        for chunk_bytes in (64, 4096, 1 << 16):
+            hpcdl.configure(chunk_bytes=chunk_bytes)
+            for count in (3, 33, 300_001):
+                ok, detail = check_allreduce(WORLD, count, "float32", "sum")
+                if not ok:
+                    problems.append(f"chunk {chunk_bytes} count {count}: {detail}")
+    finally:
+        hpcdl.configure(chunk_bytes=hpcdl._core.DEFAULT_CHUNK_BYTES)
+    agree(WORLD, not problems, problems)
+
+
+def test_two_rank_half_precision_matches_numpy_bitwise():
+    """With 2 ranks each element is one fp32 add rounded once: exactly numpy's result."""
+    rank = WORLD.Get_rank()
+    pair = WORLD.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    ok, detail = True, ""
+    if pair != MPI.COMM_NULL:
+        for dtype in ("float16", "bfloat16"):
+            a = contribution(pair.Get_rank(), 5001, dtype)
+            both = [contribution(r, 5001, dtype) for r in range(2)]
+            expected = (both[0].astype(np.float32) + both[1].astype(np.float32)).astype(np_dtype(dtype))
+            hpcdl.allreduce(a, comm=pair)
+            if a.tobytes() != expected.tobytes():
+                ok, detail = False, f"{dtype}: {np.count_nonzero(a != expected)} elements differ from numpy"
+        pair.Free()
+    agree(WORLD, ok, detail)
+
+
+def test_bfloat16_uint16_view_equals_ml_dtypes():
+    a = contribution(WORLD.Get_rank(), 999, "bfloat16")
+    b = a.copy().view(np.uint16)
+    hpcdl.allreduce(a)
+    hpcdl.allreduce(b, dtype="bfloat16")
+    agree(WORLD, a.view(np.uint16).tobytes() == b.tobytes(), "uint16 view result differs")
+
+
+def test_named_ops_submitted_in_different_orders():
+    """Autograd hooks fire in any order: named ops still pair up correctly."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    names = [f"grad.{i}" for i in range(12)]
+    order = np.random.default_rng(rank).permutation(len(names))
+    arrays = {n: np.full(100 + i, float(rank + i), dtype=np.float32) for i, n in enumerate(names)}
+    handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i]) for i in order]
+    collective(WORLD, lambda: [h.wait() for h in handles])
+    bad = [n for i, n in enumerate(names)
+           if not np.all(arrays[n] == sum(r + i for r in range(size)))]
+    agree(WORLD, not bad, f"wrong results for {bad}")
+
+
+def test_async_handle_done_and_wait_return_buffer():
+    a = np.ones(10_000, dtype=np.float64)
+    h = hpcdl.allreduce_async(a, name="handle-test")
+    out = collective(WORLD, h.wait)
+    agree(WORLD, out is a and h.done() and np.all(a == WORLD.Get_size()))
+
+
+def test_name_already_in_flight_is_refused():
+    """Rank 0 submits "dup" twice before the others submit it once: the second is refused."""
+    rank = WORLD.Get_rank()
+    a = np.ones(4, dtype=np.float32)
+    err = None
+    if rank == 0:
+        handle = hpcdl.allreduce_async(a, name="dup")
+        _, err = outcome(hpcdl.allreduce_async, np.ones(4, dtype=np.float32), name="dup")
+        WORLD.barrier()
+    else:
+        WORLD.barrier()
+        handle = hpcdl.allreduce_async(a, name="dup")
+    collective(WORLD, handle.wait)
+    ok = rank != 0 or (isinstance(err, ValueError) and "already in flight" in str(err))
+    agree(WORLD, ok and np.all(a == WORLD.Get_size()), repr(err))
+
+
+def test_stats_count_ring_bytes_exactly():
+    """Each element crosses 2(p-1) links in a ring: the sum of bytes over ranks says so."""
+    size = WORLD.Get_size()
+    hpcdl.stats(reset=True)
+    n = 100_003
+    hpcdl.allreduce(np.ones(n, dtype=np.float32))
+    row = hpcdl.stats()["allreduce"]["none"]
+    total_sent = WORLD.allreduce(row["bytes_sent"])
+    total_received = WORLD.allreduce(row["bytes_received"])
+    expected = 2 * (size - 1) * n * 4
+    agree(WORLD, row["ops"] == 1 and total_sent == expected and total_received == expected
+          and row["dense_bytes"] == row["bytes_sent"], f"{row}, total {total_sent} vs {expected}")
+
+
+def test_mismatched_count_raises_on_every_rank():
+    rank = WORLD.Get_rank()
+    n = 1000 + (2 if rank == WORLD.Get_size() - 1 else 0)
+    a = np.ones(n, dtype=np.float32)
+    before = a.copy()
+    _, err = outcome(hpcdl.allreduce, a, name="mismatched.count")
+    message = str(err)
+    ok = (isinstance(err, hpcdl.MismatchError) and "mismatched.count" in message and "count differs" in message
+          and f"rank {WORLD.Get_size() - 1}" in message and np.array_equal(a, before))
+    agree(WORLD, ok, repr(err))
+    # The engine keeps working afterwards.
+    ok2, detail = check_allreduce(WORLD, 100, "float32", "sum")
+    agree(WORLD, ok2, detail)
+
+
+def test_mismatched_dtype_and_op_raise_on_every_rank():
+    rank = WORLD.Get_rank()
+    a = np.ones(64, dtype=np.float64 if rank == 0 else np.float32)
+    _, err = outcome(hpcdl.allreduce, a, name="mismatched.dtype")
+    ok = isinstance(err, hpcdl.MismatchError) and "dtype differs" in str(err) and "float64 on rank 0" in str(err)
+    b = np.ones(64, dtype=np.float32)
+    _, err2 = outcome(hpcdl.allreduce, b, op="average" if rank == 1 else "sum", name="mismatched.op")
+    ok2 = isinstance(err2, hpcdl.MismatchError) and "op differs" in str(err2)
+    agree(WORLD, ok and ok2, f"{err!r} / {err2!r}")
+
+
+def test_unnamed_allreduce_against_broadcast_is_a_mismatch():
+    rank = WORLD.Get_rank()
+    a = np.ones(8, dtype=np.float32)
+    call = hpcdl.broadcast if rank == 0 else hpcdl.allreduce
+    _, err = outcome(call, a)
+    agree(WORLD, isinstance(err, hpcdl.MismatchError) and "operation differs" in str(err), repr(err))
+
+
+def test_stall_warning_names_the_missing_rank():
+    rank = WORLD.Get_rank()
+    hpcdl.configure(stall_warning_seconds=0.3)
+    try:
+        a = np.ones(16, dtype=np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == 0:
+                time.sleep(1.5)
+            collective(WORLD, hpcdl.allreduce, a, name="late.tensor")
+        stall = [str(w.message) for w in caught if issubclass(w.category, hpcdl.StallWarning)]
+        if rank == 0:
+            ok = not stall
+        else:
+            ok = bool(stall) and "late.tensor" in stall[0] and "rank 0" in stall[0]
+        agree(WORLD, ok and np.all(a == WORLD.Get_size()), stall)
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
+
+
+def test_stall_error_fails_waiting_ranks_instead_of_hanging():
+    rank = WORLD.Get_rank()
+    hpcdl.configure(stall_error_seconds=0.5)
+    try:
+        if rank != 0:
+            _, err = outcome(hpcdl.allreduce, np.ones(4, dtype=np.float32), name="never.on.rank0")
+            ok = isinstance(err, hpcdl.StallTimeoutError) and "rank 0" in str(err)
+        else:
+            err, ok = None, True
+        agree(WORLD, ok, repr(err))
+    finally:
+        hpcdl.configure(stall_error_seconds=0)
+    hpcdl.barrier()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_from_every_root(dtype):
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    problems = []
+    for root in range(size):
+        expected = contribution(root, 3001, dtype)
+        a = expected.copy() if rank == root else np.zeros(3001, dtype=np_dtype(dtype))
+        hpcdl.broadcast(a, root=root)
+        if a.tobytes() != expected.tobytes():
+            problems.append(f"root {root}")
+    agree(WORLD, not problems, problems)
+
+
+def test_broadcast_root_disagreement_and_bad_root():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    a = np.zeros(10, dtype=np.float32)
+    _, err = outcome(hpcdl.broadcast, a, root=0 if rank else 1, name="bcast.roots")
+    _, err2 = outcome(hpcdl.broadcast, a, root=size)
+    agree(WORLD, isinstance(err, hpcdl.MismatchError) and "root differs" in str(err)
+          and isinstance(err2, ValueError) and "root" in str(err2), f"{err!r} / {err2!r}")
+
+
+def test_barrier_waits_for_everyone():
+    rank = WORLD.Get_rank()
+    if rank == 0:
+        time.sleep(0.5)
+    t_enter = MPI.Wtime()
+    hpcdl.barrier()
+    waited = MPI.Wtime() - t_enter
+    # rank 0 was late by 0.5 s: everyone else must have waited for it
+    agree(WORLD, rank == 0 or waited > 0.3, f"barrier returned after {waited:.3f} s")
+
+
+def test_large_message_default_chunks():
+    ok, detail = check_allreduce(WORLD, 3 * (1 << 20) + 17, "float32", "sum")
+    agree(WORLD, ok, detail)

@@ -1,0 +1,97 @@
+"""Single-process checks: bad input is refused before any communication, and a
+one-rank communicator behaves."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import hpcdl
+
+
+def test_non_contiguous_buffer_is_refused():
+    a = np.ones((10, 10), dtype=np.float32)[:, ::2]
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        hpcdl.allreduce(a)
+
+
+def test_fortran_order_buffer_is_refused():
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        hpcdl.allreduce(np.ones((4, 5), dtype=np.float32, order="F"))
+
+
+def test_read_only_buffer_is_refused():
+    a = np.ones(10, dtype=np.float32)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        hpcdl.allreduce(a)
+    with pytest.raises(ValueError, match="read-only"):
+        hpcdl.allreduce(b"\x00" * 16, dtype="float32")
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.uint8, np.int16, np.bool_])
+def test_unsupported_dtype_is_refused(dtype):
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        hpcdl.allreduce(np.zeros(8, dtype=dtype))
+
+
+def test_object_without_buffer_protocol_is_refused():
+    with pytest.raises(TypeError, match="buffer protocol"):
+        hpcdl.allreduce([1.0, 2.0])
+
+
+def test_explicit_dtype_must_match_item_size():
+    with pytest.raises(TypeError, match="2-byte elements"):
+        hpcdl.allreduce(np.zeros(8, dtype=np.float32), dtype="bfloat16")
+
+
+def test_bad_op_and_average_of_integers():
+    with pytest.raises(ValueError, match="op must be one of"):
+        hpcdl.allreduce(np.zeros(4, dtype=np.float32), op="max")
+    with pytest.raises(ValueError, match="floating-point"):
+        hpcdl.allreduce(np.zeros(4, dtype=np.int32), op="average")
+
+
+def test_bad_communicator_and_configuration():
+    with pytest.raises(TypeError, match="mpi4py.MPI.Comm"):
+        hpcdl.allreduce(np.zeros(4, dtype=np.float32), comm="world")
+    with pytest.raises(ValueError, match="COMM_NULL"):
+        hpcdl.allreduce(np.zeros(4, dtype=np.float32), comm=MPI.COMM_NULL)
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        hpcdl.configure(chunk_bytes=8)
+    with pytest.raises(ValueError, match=">= 0"):
+        hpcdl.configure(stall_warning_seconds=-1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64"])
+def test_one_rank_sum_and_average_leave_data_unchanged(dtype):
+    a = (np.arange(101) - 50).astype(dtype)
+    expected = a.copy()
+    hpcdl.allreduce(a, comm=MPI.COMM_SELF)
+    assert a.tobytes() == expected.tobytes()
+    if not dtype.startswith("int"):
+        hpcdl.allreduce(a, op="average", comm=MPI.COMM_SELF)
+        assert a.tobytes() == expected.tobytes()
+
+
+def test_bfloat16_through_ml_dtypes_on_one_rank():
+    a = np.linspace(-3, 3, 50).astype(ml_dtypes.bfloat16)
+    expected = a.copy()
+    hpcdl.allreduce(a, comm=MPI.COMM_SELF, name="bf16.self")
+    assert a.tobytes() == expected.tobytes()
+
+
+def test_broadcast_and_barrier_on_one_rank():
+    a = np.arange(5, dtype=np.int64)
+    assert hpcdl.broadcast(a, root=0, comm=MPI.COMM_SELF) is a
+    hpcdl.barrier(MPI.COMM_SELF)
+    with pytest.raises(ValueError, match="root 1"):
+        hpcdl.broadcast(a, root=1, comm=MPI.COMM_SELF)
+
+
+def test_stats_shape():
+    hpcdl.stats(reset=True)
+    hpcdl.allreduce(np.ones(10, dtype=np.float32), comm=MPI.COMM_SELF)
+    s = hpcdl.stats()
+    row = s["allreduce"]["none"]
+    assert row["ops"] == 1 and row["bytes_sent"] == 0 and row["seconds"] >= 0
