@@ -701,9 +701,9 @@ class Store:
     def verify(self, progress=False):
         """Read every sample front to back and check its CRC32C. Returns a
         VerifyReport; report.problems lists (index, name, reason), empty when all is well."""
+        bar = _bar(progress, total=int(self.sizes.sum()), unit="B", unit_scale=True, desc="verify")
         started = time.monotonic()
         problems, bytes_read = [], 0
-        bar = _bar(progress, total=int(self.sizes.sum()), unit="B", unit_scale=True, desc="verify")
         for k in range(len(self.shard_paths)):
             bad, reasons, nbytes = self._reader.verify_shard(k)
             problems.extend((i, self.names[i], r) for i, r in zip(bad, reasons))

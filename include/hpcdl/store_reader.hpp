@@ -185,6 +185,15 @@ class StoreReader {
     std::iota(order.begin(), order.end(), sh.first);
     std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return file_offset_[a] < file_offset_[b]; });
     const std::uint64_t shard_end = last_byte(shard);
+    // A scan gets its own descriptor with read-ahead on (the shared one is set for random reads).
+    Shard scan = sh;
+    scan.fd = ::open(sh.path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (scan.fd < 0) return Status::IO("cannot open shard '" + sh.path + "': " + std::strerror(errno));
+    ::posix_fadvise(scan.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+    struct Closer {
+      int fd;
+      ~Closer() { ::close(fd); }
+    } closer{scan.fd};
     std::vector<char> buf;
     std::uint64_t buf_start = 0, buf_len = 0;
     for (std::size_t i : order) {
@@ -194,7 +203,7 @@ class StoreReader {
         buf_len = std::max<std::uint64_t>(len, std::min<std::uint64_t>(kScanBlock, shard_end - off));
         buf.resize(buf_len);
         std::uint64_t got = 0;
-        HPCDL_RETURN_NOT_OK(pread_some(sh, i, off, buf_len, buf.data(), &got));
+        HPCDL_RETURN_NOT_OK(pread_some(scan, i, off, buf_len, buf.data(), &got));
         *bytes_read += got;
         buf_len = got;  // a short read: the samples past it are reported truncated below
       }
