@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A private single-node Slurm cluster on this machine, for testing slurm/*.sbatch.
 #
+#   scripts/slurm-cluster.sh install  # apt-get install the packages if missing (root)
 #   scripts/slurm-cluster.sh start    # install (apt, as root) if missing, configure, start, wait idle
 #   scripts/slurm-cluster.sh status   # exit 0 when the node answers and is usable
 #   scripts/slurm-cluster.sh stop     # stop what start started and remove its directory
@@ -13,7 +14,8 @@
 # machine run 4 ranks), MpiDefault=pmi2, no cgroups (proctrack/linuxproc, task/none).
 #
 # Exit status of start: 0 running; 1 failed to start (daemon logs printed);
-# 3 Slurm is not installed and cannot be (not root, or apt-get failed).
+# 3 Slurm cannot run here: not root (slurmd and munged need it), or not installed
+#   and apt-get cannot install it.
 set -uo pipefail
 
 DIR=${HPCDL_SLURM_DIR:-/tmp/hpcdl-slurm}
@@ -68,7 +70,7 @@ write_config() {
   cat >"$CONF" <<EOF
 # Written by scripts/slurm-cluster.sh: a private one-node cluster (slurm $(slurmd -V | awk '{print $2}')).
 ClusterName=hpcdl-test
-SlurmctldHost=$NODE
+SlurmctldHost=$NODE(127.0.0.1)
 SlurmctldPort=$CTLD_PORT
 SlurmdPort=$SLURMD_PORT
 SlurmUser=root
@@ -115,6 +117,10 @@ print_logs() {
 }
 
 start() {
+  if [ "$(id -u)" != 0 ]; then
+    say "starting a private cluster needs root (slurmd runs jobs as their users, munged as munge)"
+    return 3
+  fi
   install_slurm || return $?
   if status >/dev/null 2>&1; then
     say "already running (SLURM_CONF=$CONF)"
@@ -200,9 +206,10 @@ stop() {
 }
 
 case ${1:-} in
+  install) install_slurm ;;
   start) start ;;
   stop) stop ;;
   status) status ;;
   env) echo "export SLURM_CONF=$CONF" ;;
-  *) echo "usage: $0 start|stop|status|env" >&2; exit 2 ;;
+  *) echo "usage: $0 install|start|stop|status|env" >&2; exit 2 ;;
 esac
