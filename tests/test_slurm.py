@@ -124,6 +124,12 @@ def test_failures_reach_the_sbatch_exit_status(slurm_env, tmp_path):
     assert "HPCDL_LAUNCH must be srun or mpiexec, got 'qsub'" in text
     assert list(node_local.iterdir()) == [], text
 
+    # srun without a PMI plugin starts 4 separate 1-rank MPI jobs: the check script says so.
+    status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "check.sbatch", HPCDL_SRUN_MPI="none",
+                          SLURM_TMPDIR=node_local)
+    assert status != 0, text
+    assert len(re.findall(r"FAILED on \S+: 1 ranks in MPI_COMM_WORLD but 4 Slurm tasks", text)) == RANKS, text
+
     status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "pack.sbatch")
     assert status == 2, text
     assert "usage: sbatch slurm/pack.sbatch SRC_DIR DST.h5" in text
