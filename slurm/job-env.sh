@@ -55,23 +55,40 @@ on_every_node() {
 hpcdl_cleanup() {
   local status=$?
   trap - EXIT
-  on_every_node rm -rf "$HPCDL_SCRATCH" || hpcdl_log "could not remove $HPCDL_SCRATCH on every node"
+  # The batch step's own node first: that works even once Slurm has ended the job.
+  rm -rf "$HPCDL_SCRATCH"
+  if [ "$SLURM_JOB_NUM_NODES" -gt 1 ]; then
+    on_every_node rm -rf "$HPCDL_SCRATCH" ||
+      hpcdl_log "could not remove $HPCDL_SCRATCH on the other nodes (job already ended?)"
+  fi
   hpcdl_log "finished with exit status $status"
   exit "$status"
 }
 trap hpcdl_cleanup EXIT
-# scancel and the time limit send SIGTERM: leave through the EXIT trap so scratch is removed.
-trap 'exit 143' TERM INT
+# SIGTERM to the batch shell (sbatch --signal=B:TERM@SECONDS before the time limit, or
+# scancel --batch --signal=TERM) ends the run while the job can still start the
+# clean-up steps; launch() waits in the background so the trap runs at once.
+hpcdl_on_signal() {
+  if [ -n "${hpcdl_launched:-}" ]; then
+    kill -TERM "$hpcdl_launched" 2>/dev/null
+    wait "$hpcdl_launched" 2>/dev/null
+  fi
+  exit 143
+}
+trap hpcdl_on_signal TERM INT
 on_every_node mkdir -p "$HPCDL_SCRATCH"
 
 # ---- launch ---------------------------------------------------------------------------
 launch() {
   case ${HPCDL_LAUNCH:-srun} in
-    srun) srun --mpi="${HPCDL_SRUN_MPI:-pmi2}" "$@" ;;
+    srun) set -- srun --mpi="${HPCDL_SRUN_MPI:-pmi2}" "$@" ;;
     # A site MPI's own launcher; it reads the allocation from Slurm's environment.
-    mpiexec) mpiexec -n "$SLURM_NTASKS" "$@" ;;
+    mpiexec) set -- mpiexec -n "$SLURM_NTASKS" "$@" ;;
     *) echo "HPCDL_LAUNCH must be srun or mpiexec, got '$HPCDL_LAUNCH'" >&2; return 2 ;;
   esac
+  "$@" &
+  hpcdl_launched=$!
+  wait "$hpcdl_launched"
 }
 
 launch_description=${HPCDL_LAUNCH:-srun}

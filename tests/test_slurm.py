@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -133,6 +134,29 @@ def test_failures_reach_the_sbatch_exit_status(slurm_env, tmp_path):
     status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "pack.sbatch")
     assert status == 2, text
     assert "usage: sbatch slurm/pack.sbatch SRC_DIR DST.h5" in text
+
+
+def test_scancel_removes_node_local_scratch(slurm_env, tmp_path):
+    node_local = tmp_path / "node-local"
+    node_local.mkdir()
+    job = tmp_path / "sleep.sbatch"
+    job.write_text('#!/bin/bash\nsource "$HPCDL_HOME/slurm/job-env.sh"\nlaunch sleep 600\n')
+    env = dict(slurm_env, SLURM_TMPDIR=str(node_local))
+    job_id = subprocess.run(["sbatch", "--parsable", "--ntasks=2", f"--output={tmp_path}/sleep.out",
+                             str(job)], env=env, cwd=REPO, capture_output=True, text=True,
+                            check=True).stdout.strip().split(";")[0]
+    scratch = node_local / f"hpcdl-{job_id}"
+    deadline = time.monotonic() + 120
+    while not scratch.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert scratch.is_dir(), "the job did not make its scratch directory"
+    subprocess.run(["scancel", job_id], env=env, check=True)
+    while time.monotonic() < deadline and subprocess.run(
+            ["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout.strip():
+        time.sleep(0.2)
+    text = (tmp_path / "sleep.out").read_text()
+    assert "finished with exit status 143" in text, text
+    assert not scratch.exists(), text
 
 
 # ---- the scripts for the pack CLI, the training examples and the benchmarks ----
