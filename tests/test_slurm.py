@@ -29,7 +29,8 @@ def slurm_env():
     """Environment for sbatch: SLURM_CONF of the private cluster, this Python's venv and hpcdl."""
     cluster_dir = os.environ.get("HPCDL_SLURM_DIR", "/tmp/hpcdl-slurm")
     # Test runs on one machine share the cluster's directory and ports: take turns.
-    with open(cluster_dir + ".lock", "w") as lock:
+    # (Read-only: any user can lock it, and then hear from the script why Slurm won't start.)
+    with open(os.open(cluster_dir + ".lock", os.O_RDONLY | os.O_CREAT, 0o644)) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         already_running = subprocess.run(["bash", str(CLUSTER_SCRIPT), "status"],
                                           capture_output=True).returncode == 0
