@@ -78,9 +78,9 @@ class System:
 
 
 class HpcdlSystem(System):
-    def __init__(self, comm, chunk_bytes=None):
+    def __init__(self, comm, chunk_bytes=None, hang_seconds=120.0):
         import hpcdl
-        self.hpcdl, self.comm, self.chunk_bytes = hpcdl, comm, chunk_bytes
+        self.hpcdl, self.comm, self.chunk_bytes, self.hang_seconds = hpcdl, comm, chunk_bytes, hang_seconds
         self.name = "hpcdl" if chunk_bytes is None else f"hpcdl[chunk={format_bytes(chunk_bytes)}]"
         if chunk_bytes is None:
             self.chunk_bytes = hpcdl.configure()["chunk_bytes"]
@@ -89,7 +89,13 @@ class HpcdlSystem(System):
         self.hpcdl.configure(chunk_bytes=self.chunk_bytes)
 
     def run(self, work):
-        self.hpcdl.allreduce(work, op="sum", comm=self.comm)
+        try:
+            self.hpcdl.allreduce_async(work, op="sum", comm=self.comm).wait(timeout=self.hang_seconds)
+        except TimeoutError:
+            # The engine thread is stuck in MPI and cannot be stopped: say so and end the job.
+            print(f"[bench rank {self.comm.rank}] {self.name}: allreduce of {format_bytes(work.nbytes)} not "
+                  f"finished after {self.hang_seconds:g} s; aborting", file=sys.stderr, flush=True)
+            os._exit(3)
 
 
 class MpiSystem(System):
@@ -131,10 +137,10 @@ class GlooSystem(System):
         self.dist.destroy_process_group()
 
 
-def make_systems(names, chunk_sizes, comm):
+def make_systems(names, chunk_sizes, comm, hang_seconds):
     """Systems in the order asked for; hpcdl once per chunk size when a sweep is asked."""
     factories = {
-        "hpcdl": lambda: [HpcdlSystem(comm, c) for c in (chunk_sizes or [None])],
+        "hpcdl": lambda: [HpcdlSystem(comm, c, hang_seconds) for c in (chunk_sizes or [None])],
         "mpi": lambda: [MpiSystem(comm)],
         "gloo": lambda: [GlooSystem(comm)],
     }
@@ -215,6 +221,14 @@ def write_atomic(path, write):
     os.replace(tmp, path)
 
 
+def write_csv(path, rows):
+    def write(f):
+        w = csv.DictWriter(f, FIELDS, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    write_atomic(path, write)
+
+
 def summarize(rows, names):
     """{(system, bytes): median over runs of busbw}, None where any run was wrong."""
     out = {}
@@ -293,6 +307,8 @@ def parse_args(argv):
     p.add_argument("--max-iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations after the checked one")
     p.add_argument("--runs", type=int, default=1, help="repeat the whole sweep; the table shows medians over runs")
+    p.add_argument("--hang-seconds", type=float, default=120.0, help="abort the job when one hpcdl "
+                   "allreduce takes longer than this")
     p.add_argument("--out", default="bench/results", help="directory for <tag>.csv/.png/.json")
     p.add_argument("--tag", default="allreduce", help="file name stem and plot title")
     args = p.parse_args(argv)
@@ -312,7 +328,7 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     try:
         args = parse_args(argv)
-        systems = make_systems(args.systems, args.chunk_sizes, comm)
+        systems = make_systems(args.systems, args.chunk_sizes, comm, args.hang_seconds)
     except ValueError as e:  # the same on every rank: all of them stop
         if comm.rank == 0:
             print(f"[bench rank 0] error: {e}", file=sys.stderr)
@@ -322,6 +338,7 @@ def main(argv=None):
     rows = []
     progress = None
     if comm.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
         from tqdm import tqdm
         progress = tqdm(total=args.runs * len(args.sizes), desc="[bench rank 0] allreduce", file=sys.stderr)
     for run in range(args.runs):
@@ -337,7 +354,8 @@ def main(argv=None):
                     row["algbw_MBps"], row["busbw_MBps"] = bandwidths(nbytes, median, comm.size)
                     row["busbw_best_MBps"] = bandwidths(nbytes, best, comm.size)[1]
                 rows.append(row)
-            if progress:
+            if progress:  # kept current, so an aborted sweep leaves what it measured
+                write_csv(os.path.join(args.out, args.tag + ".csv"), rows)
                 progress.set_postfix(size=format_bytes(nbytes))
                 progress.update()
     for system in systems:
@@ -349,15 +367,8 @@ def main(argv=None):
     summary = summarize(rows, names)
     print(f"{args.tag}: {comm.size} ranks, {args.runs} run(s)")
     print_table(summary, names, args.sizes, stream)
-    os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.tag)
-
-    def write_csv(f):
-        w = csv.DictWriter(f, FIELDS, restval="")
-        w.writeheader()
-        w.writerows(rows)
-
-    write_atomic(stem + ".csv", write_csv)
+    write_csv(stem + ".csv", rows)
     meta = {"command": " ".join(sys.argv), "ranks": comm.size, "runs": args.runs, "systems": names,
             "stream_MBps": stream, "mpi": MPI.Get_library_version().splitlines()[0],
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(), "cpus": os.cpu_count()}

@@ -87,7 +87,8 @@ case "${1:-}" in
     shift
     [ "${1:-}" = "--" ] && shift
     [ $# -gt 0 ] || { echo "usage: $0 run -- CMD..." >&2; exit 2; }
-    trap 'down; log "down"' EXIT INT TERM
+    trap 'down; log "down"' EXIT
+    trap 'exit 130' INT TERM
     up
     rate=$(stream)
     log "TCP stream hn0 -> hn1: $rate MB/s"
