@@ -1,0 +1,385 @@
+"""Allreduce bandwidth: hpcdl against MPI_Allreduce and torch.distributed (gloo).
+
+Run under mpiexec; every system reduces the same float32 buffers in the same
+run, interleaved iteration by iteration so they meet the same conditions:
+
+    mpiexec -n 4 python bench/allreduce.py                      # one host
+    bench/netcluster.sh run -- mpiexec -n 4 bench/netns-exec.sh \\
+        python bench/allreduce.py --tag cluster                 # emulated 1 Gbit/s cluster
+    mpiexec -n 4 python bench/allreduce.py --systems hpcdl \\
+        --chunk-bytes 64KiB,256KiB,1MiB,4MiB --sizes 16MiB,64MiB    # chunk-size sweep
+
+Per size and system: median and min over iterations of the slowest rank's
+time, algbw = bytes / time and busbw = algbw * 2(p-1)/p (as nccl-tests
+reports), in MB/s (10^6 bytes/s). Each system's result is checked against the
+exact sum once per size, so a fast wrong answer cannot win. Rank 0 prints a
+table and writes <out>/<tag>.csv (one row per run, system and size),
+<out>/<tag>.png (busbw against size) and <out>/<tag>.json (the settings).
+Under bench/netcluster.sh the TCP stream rate it measured
+(HPCDL_BENCH_STREAM_MBPS) is shown as the line to reach.
+"""
+
+import argparse
+import csv
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+DTYPE = np.float32
+UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "K": 1 << 10, "MIB": 1 << 20, "M": 1 << 20, "GIB": 1 << 30, "G": 1 << 30}
+DEFAULT_SIZES = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB"
+
+
+def parse_bytes(text):
+    """'4KiB' -> 4096, '1MiB' -> 1048576, '512' -> 512."""
+    text = text.strip()
+    digits = len(text) - len(text.lstrip("0123456789"))
+    unit = text[digits:].strip().upper()
+    if digits == 0 or unit not in UNITS:
+        raise ValueError(f"not a byte size: {text!r} (use e.g. 4096, 64KiB, 16MiB)")
+    return int(text[:digits]) * UNITS[unit]
+
+
+def format_bytes(n):
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+def byte_list(text):
+    sizes = [parse_bytes(t) for t in text.split(",") if t.strip()]
+    if not sizes:
+        raise ValueError("empty size list")
+    return sizes
+
+
+# ---- systems: each reduces a float32 numpy array in place, summing over ranks ----
+
+class System:
+    """One allreduce implementation under test. `run` is what is timed."""
+
+    name = "?"
+
+    def prepare(self):
+        """Untimed, before every call of run (e.g. select a tunable)."""
+
+    def run(self, work):
+        raise NotImplementedError
+
+    def close(self):
+        pass
+
+
+class HpcdlSystem(System):
+    def __init__(self, comm, chunk_bytes=None, hang_seconds=120.0):
+        import hpcdl
+        self.hpcdl, self.comm, self.chunk_bytes, self.hang_seconds = hpcdl, comm, chunk_bytes, hang_seconds
+        self.name = "hpcdl" if chunk_bytes is None else f"hpcdl[chunk={format_bytes(chunk_bytes)}]"
+        if chunk_bytes is None:
+            self.chunk_bytes = hpcdl.configure()["chunk_bytes"]
+
+    def prepare(self):
+        self.hpcdl.configure(chunk_bytes=self.chunk_bytes)
+
+    def run(self, work):
+        try:
+            self.hpcdl.allreduce_async(work, op="sum", comm=self.comm).wait(timeout=self.hang_seconds)
+        except TimeoutError:
+            # The engine thread is stuck in MPI and cannot be stopped: say so and end the job.
+            print(f"[bench rank {self.comm.rank}] {self.name}: allreduce of {format_bytes(work.nbytes)} not "
+                  f"finished after {self.hang_seconds:g} s; aborting", file=sys.stderr, flush=True)
+            os._exit(3)
+
+
+class MpiSystem(System):
+    name = "mpi"
+
+    def __init__(self, comm):
+        self.comm = comm.Dup()
+
+    def run(self, work):
+        self.comm.Allreduce(MPI.IN_PLACE, work, op=MPI.SUM)
+
+    def close(self):
+        self.comm.Free()
+
+
+class GlooSystem(System):
+    """torch.distributed with the gloo backend; rendezvous at MASTER_ADDR (default 127.0.0.1)."""
+
+    name = "gloo"
+
+    def __init__(self, comm):
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
+        if port is None and comm.rank == 0:
+            with socket.socket() as probe:  # a free port on rank 0's host
+                probe.bind((addr, 0))
+                port = probe.getsockname()[1]
+        port = comm.bcast(port, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                                world_size=comm.size)
+
+    def run(self, work):
+        self.dist.all_reduce(self.torch.from_numpy(work))
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+def make_systems(names, chunk_sizes, comm, hang_seconds):
+    """Systems in the order asked for; hpcdl once per chunk size when a sweep is asked."""
+    factories = {
+        "hpcdl": lambda: [HpcdlSystem(comm, c, hang_seconds) for c in (chunk_sizes or [None])],
+        "mpi": lambda: [MpiSystem(comm)],
+        "gloo": lambda: [GlooSystem(comm)],
+    }
+    unknown = [n for n in names if n not in factories]
+    if unknown:
+        raise ValueError(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(factories)}")
+    return [system for n in names for system in factories[n]()]
+
+
+# ---- measurement ----
+
+def rank_input(count, rank):
+    """Small integers, so every partial sum is exact in float32."""
+    return ((np.arange(count, dtype=np.int64) * 7 + rank) % 13).astype(DTYPE)
+
+
+def expected_sum(count, size):
+    return sum(rank_input(count, r) for r in range(size)).astype(DTYPE)
+
+
+def timed_call(comm, system, work, source):
+    np.copyto(work, source)
+    system.prepare()
+    comm.Barrier()
+    t0 = time.perf_counter()
+    system.run(work)
+    return time.perf_counter() - t0
+
+
+def measure_size(comm, systems, nbytes, args):
+    """{system name: [per-iteration seconds, slowest rank]} or None for a wrong result."""
+    count = nbytes // np.dtype(DTYPE).itemsize
+    source = rank_input(count, comm.rank)
+    work = np.empty_like(source)
+    expected = expected_sum(count, comm.size)
+    live, results, warm_s = [], {}, 0.0
+    for system in systems:
+        timed_call(comm, system, work, source)
+        correct = comm.allreduce(bool(np.array_equal(work, expected)), op=MPI.LAND)
+        if not correct:
+            results[system.name] = None
+            continue
+        for _ in range(args.warmup):
+            warm_s = max(warm_s, timed_call(comm, system, work, source))
+        live.append(system)
+    del expected
+    if args.iters:
+        iters = args.iters
+    else:
+        slowest = comm.allreduce(warm_s, op=MPI.MAX)
+        iters = int(min(args.max_iters, max(args.min_iters, args.budget / max(slowest, 1e-6))))
+    times = np.zeros((len(live), iters))
+    for i in range(iters):  # interleaved: iteration i of every system, then i + 1
+        for s, system in enumerate(live):
+            times[s, i] = timed_call(comm, system, work, source)
+    slowest_rank = np.empty_like(times)
+    comm.Allreduce(times, slowest_rank, op=MPI.MAX)
+    for s, system in enumerate(live):
+        results[system.name] = slowest_rank[s].tolist()
+    return results
+
+
+def bandwidths(nbytes, seconds, ranks):
+    algbw = nbytes / seconds / 1e6
+    return algbw, algbw * 2 * (ranks - 1) / ranks
+
+
+# ---- output (rank 0) ----
+
+FIELDS = ["tag", "run", "system", "ranks", "bytes", "iters", "time_median_s", "time_min_s",
+          "algbw_MBps", "busbw_MBps", "busbw_best_MBps", "correct", "stream_MBps"]
+
+
+def write_atomic(path, write):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        write(f)
+    os.replace(tmp, path)
+
+
+def write_csv(path, rows):
+    def write(f):
+        w = csv.DictWriter(f, FIELDS, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    write_atomic(path, write)
+
+
+def summarize(rows, names):
+    """{(system, bytes): median over runs of busbw}, None where any run was wrong."""
+    out = {}
+    for name in names:
+        for nbytes in sorted({r["bytes"] for r in rows}):
+            mine = [r for r in rows if r["system"] == name and r["bytes"] == nbytes]
+            if mine:
+                ok = all(r["correct"] for r in mine)
+                out[name, nbytes] = statistics.median(r["busbw_MBps"] for r in mine) if ok else None
+    return out
+
+
+def print_table(summary, names, sizes, stream):
+    head = ["size"] + [f"{n} busbw" for n in names]
+    base = names[0]
+    others = [n for n in names[1:]]
+    head += [f"{base}/{n}" for n in others]
+    if stream:
+        head.append(f"{base}/stream")
+    lines = [head]
+    for nbytes in sizes:
+        cells = [format_bytes(nbytes)]
+        for n in names:
+            v = summary.get((n, nbytes))
+            cells.append("WRONG" if v is None else f"{v:.1f}")
+        b = summary.get((base, nbytes))
+        for n in others:
+            v = summary.get((n, nbytes))
+            cells.append(f"{b / v:.2f}" if b and v else "-")
+        if stream:
+            cells.append(f"{100 * b / stream:.0f}%" if b else "-")
+        lines.append(cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    print("busbw in MB/s (10^6 bytes/s), median over runs of each run's median time"
+          + (f"; TCP stream {stream:.1f} MB/s" if stream else ""))
+
+
+def plot(path, summary, names, sizes, stream, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for n in names:
+        xs = [s for s in sizes if summary.get((n, s))]
+        ax.plot(xs, [summary[n, s] for s in xs], marker="o", label=n)
+    if stream:
+        ax.axhline(stream, color="gray", linestyle="--", label=f"TCP stream {stream:.0f} MB/s")
+        ax.axhline(0.95 * stream, color="gray", linestyle=":", label="95% of stream")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [format_bytes(s) for s in sizes], rotation=45)
+    ax.set_xlabel("message size")
+    ax.set_ylabel("busbw (MB/s)")
+    ax.set_title(title)
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=110)
+    os.replace(tmp, path)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated "
+                   f"(KiB/MiB/GiB suffixes; default {DEFAULT_SIZES})")
+    p.add_argument("--systems", default="hpcdl,mpi,gloo", help="comma-separated, from hpcdl, mpi, gloo; "
+                   "the first is the one the ratio columns are about")
+    p.add_argument("--chunk-bytes", default="", help="sweep hpcdl's chunk size over this list "
+                   "(one hpcdl system per value); default: hpcdl's configured chunk size")
+    p.add_argument("--iters", type=int, default=0, help="timed iterations per size and system "
+                   "(default 0: adaptive, about --budget seconds each)")
+    p.add_argument("--budget", type=float, default=2.0, help="seconds per size and system when adaptive")
+    p.add_argument("--min-iters", type=int, default=3)
+    p.add_argument("--max-iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=1, help="untimed iterations after the checked one")
+    p.add_argument("--runs", type=int, default=1, help="repeat the whole sweep; the table shows medians over runs")
+    p.add_argument("--hang-seconds", type=float, default=120.0, help="abort the job when one hpcdl "
+                   "allreduce takes longer than this")
+    p.add_argument("--out", default="bench/results", help="directory for <tag>.csv/.png/.json")
+    p.add_argument("--tag", default="allreduce", help="file name stem and plot title")
+    args = p.parse_args(argv)
+    args.sizes = byte_list(args.sizes)
+    args.chunk_sizes = byte_list(args.chunk_bytes) if args.chunk_bytes else []
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    itemsize = np.dtype(DTYPE).itemsize
+    bad = [format_bytes(s) for s in args.sizes if s <= 0 or s % itemsize]
+    if bad:
+        raise ValueError(f"sizes must be positive multiples of {itemsize} bytes (float32): {', '.join(bad)}")
+    if args.iters < 0 or args.min_iters < 1 or args.max_iters < args.min_iters or args.runs < 1 or args.warmup < 0:
+        raise ValueError("need --iters >= 0, 1 <= --min-iters <= --max-iters, --runs >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv=None):
+    comm = MPI.COMM_WORLD
+    try:
+        args = parse_args(argv)
+        systems = make_systems(args.systems, args.chunk_sizes, comm, args.hang_seconds)
+    except ValueError as e:  # the same on every rank: all of them stop
+        if comm.rank == 0:
+            print(f"[bench rank 0] error: {e}", file=sys.stderr)
+        return 2
+    stream = float(os.environ["HPCDL_BENCH_STREAM_MBPS"]) if os.environ.get("HPCDL_BENCH_STREAM_MBPS") else None
+    names = [s.name for s in systems]
+    rows = []
+    progress = None
+    if comm.rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        from tqdm import tqdm
+        progress = tqdm(total=args.runs * len(args.sizes), desc="[bench rank 0] allreduce", file=sys.stderr)
+    for run in range(args.runs):
+        for nbytes in args.sizes:
+            results = measure_size(comm, systems, nbytes, args)
+            for name in names:
+                times = results[name]
+                row = {"tag": args.tag, "run": run, "system": name, "ranks": comm.size, "bytes": nbytes,
+                       "correct": times is not None, "stream_MBps": stream or ""}
+                if times:
+                    median, best = statistics.median(times), min(times)
+                    row.update(iters=len(times), time_median_s=median, time_min_s=best)
+                    row["algbw_MBps"], row["busbw_MBps"] = bandwidths(nbytes, median, comm.size)
+                    row["busbw_best_MBps"] = bandwidths(nbytes, best, comm.size)[1]
+                rows.append(row)
+            if progress:  # kept current, so an aborted sweep leaves what it measured
+                write_csv(os.path.join(args.out, args.tag + ".csv"), rows)
+                progress.set_postfix(size=format_bytes(nbytes))
+                progress.update()
+    for system in systems:
+        system.close()
+    if comm.rank != 0:
+        return 0
+    progress.close()
+    wrong = sorted({(r["system"], format_bytes(r["bytes"])) for r in rows if not r["correct"]})
+    summary = summarize(rows, names)
+    print(f"{args.tag}: {comm.size} ranks, {args.runs} run(s)")
+    print_table(summary, names, args.sizes, stream)
+    stem = os.path.join(args.out, args.tag)
+    write_csv(stem + ".csv", rows)
+    meta = {"command": " ".join(sys.argv), "ranks": comm.size, "runs": args.runs, "systems": names,
+            "stream_MBps": stream, "mpi": MPI.Get_library_version().splitlines()[0],
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(), "cpus": os.cpu_count()}
+    write_atomic(stem + ".json", lambda f: json.dump(meta, f, indent=1))
+    plot(stem + ".png", summary, names, args.sizes, stream, f"allreduce busbw, {comm.size} ranks ({args.tag})")
+    print(f"wrote {stem}.csv, {stem}.png, {stem}.json")
+    if wrong:
+        print("WRONG results: " + ", ".join(f"{s} at {b}" for s, b in wrong), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

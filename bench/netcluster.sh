@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# An emulated cluster on one machine: N "hosts", each a network namespace
+# (hn0..hn{N-1}) with one interface eth0, all joined by a Linux bridge that
+# lives in a namespace of its own (hnbr), every host link limited with a token
+# bucket (tc tbf) in both directions. Addresses are 10.77.0.(i+1)/24 and exist
+# only inside these namespaces, so no traffic leaves them.
+#
+#   bench/netcluster.sh up        create the namespaces (replaces a stale set)
+#   bench/netcluster.sh down      remove them
+#   bench/netcluster.sh stream    measure one TCP stream hn0 -> hn1 (MB/s)
+#   bench/netcluster.sh run -- CMD...
+#                                 up, measure the stream, run CMD in the root
+#                                 namespace with HPCDL_BENCH_STREAM_MBPS set,
+#                                 down (always, also on error or Ctrl-C)
+#
+# CMD is typically `mpiexec -n 4 bench/netns-exec.sh python bench/allreduce.py`:
+# mpiexec stays here, bench/netns-exec.sh moves each rank into hn$PMI_RANK.
+# Needs root. Env: HPCDL_NET_HOSTS (4), HPCDL_NET_RATE (1gbit),
+# HPCDL_NET_BURST (256kb), HPCDL_NET_LATENCY (50ms).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+HOSTS=${HPCDL_NET_HOSTS:-4}
+RATE=${HPCDL_NET_RATE:-1gbit}
+BURST=${HPCDL_NET_BURST:-256kb}
+LATENCY=${HPCDL_NET_LATENCY:-50ms}
+BRIDGE_NS=hnbr
+SUBNET=10.77.0
+PY=${HPCDL_VENV:-.venv}/bin/python
+[ -x "$PY" ] || PY=python3
+
+log() { echo "[netcluster] $*" >&2; }
+
+host_addr() { echo "$SUBNET.$(($1 + 1))"; }
+
+shape() {  # shape NS DEV: limit what leaves DEV inside namespace NS
+  ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$RATE" burst "$BURST" latency "$LATENCY"
+}
+
+down() {
+  local ns
+  for ns in $(ip netns list | awk '{print $1}' | grep -E "^(hn[0-9]+|$BRIDGE_NS)$" || true); do
+    ip netns del "$ns" || true  # deleting a namespace deletes its veth ends too
+  done
+}
+
+up() {
+  down
+  ip netns add "$BRIDGE_NS"
+  ip -n "$BRIDGE_NS" link set lo up
+  ip -n "$BRIDGE_NS" link add br0 type bridge
+  ip -n "$BRIDGE_NS" link set br0 up
+  for i in $(seq 0 $((HOSTS - 1))); do
+    local ns=hn$i
+    ip netns add "$ns"
+    ip -n "$ns" link set lo up
+    # One veth pair per host: eth0 in the host, port$i on the bridge.
+    ip link add "hnv$i" netns "$ns" type veth peer name "port$i" netns "$BRIDGE_NS"
+    ip -n "$ns" link set "hnv$i" name eth0
+    ip -n "$ns" addr add "$(host_addr "$i")/24" dev eth0
+    ip -n "$ns" link set eth0 up
+    ip -n "$BRIDGE_NS" link set "port$i" master br0 up
+    shape "$ns" eth0                 # host -> network
+    shape "$BRIDGE_NS" "port$i"      # network -> host
+  done
+  log "$HOSTS hosts up: hn0..hn$((HOSTS - 1)) at $SUBNET.1..$SUBNET.$HOSTS, links $RATE (tbf burst $BURST)"
+}
+
+# One TCP stream hn0 -> hn1 for a few seconds; prints MB/s (10^6 bytes/s).
+stream() {
+  local port=5201 out
+  out=$(mktemp)
+  ip netns exec hn1 "$PY" bench/tcp_stream.py receive --port "$port" >"$out" &
+  local receiver=$!
+  sleep 0.5
+  ip netns exec hn0 "$PY" bench/tcp_stream.py send --host "$(host_addr 1)" --port "$port" --seconds "${HPCDL_STREAM_SECONDS:-5}"
+  wait "$receiver"
+  cat "$out"
+  rm -f "$out"
+}
+
+case "${1:-}" in
+  up) up ;;
+  down) down; log "down" ;;
+  stream) stream ;;
+  run)
+    shift
+    [ "${1:-}" = "--" ] && shift
+    [ $# -gt 0 ] || { echo "usage: $0 run -- CMD..." >&2; exit 2; }
+    trap 'down; log "down"' EXIT
+    trap 'exit 130' INT TERM
+    up
+    rate=$(stream)
+    log "TCP stream hn0 -> hn1: $rate MB/s"
+    HPCDL_BENCH_STREAM_MBPS=$rate "$@"
+    ;;
+  *) echo "usage: $0 up|down|stream|run -- CMD..." >&2; exit 2 ;;
+esac
