@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 VENV=${HPCDL_VENV:-.venv}
-export PATH="$PWD/$VENV/bin:$PATH" OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2
+export PATH="$(cd "$VENV" && pwd)/bin:$PATH" OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2
 exec mpiexec -n "${HPCDL_DEMO_RANKS:-4}" python -m hpcdl.demo "$@"

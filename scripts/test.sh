@@ -5,7 +5,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh || exit 1
 VENV=${HPCDL_VENV:-.venv}
-export PATH="$PWD/$VENV/bin:$PATH"
+export PATH="$(cd "$VENV" && pwd)/bin:$PATH"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2
 # A hang becomes a failure: pytest-timeout per test, `timeout` per run.
 status=0

@@ -179,6 +179,17 @@ def test_name_already_in_flight_is_refused():
     agree(WORLD, ok and np.all(a == WORLD.Get_size()), repr(err))
 
 
+def test_same_name_reused_step_after_step():
+    """A training loop reuses each name as soon as the last op under it finished."""
+    a = np.ones(257, dtype=np.float32)
+    for step in range(100):
+        a[:] = step
+        collective(WORLD, hpcdl.allreduce, a, name="reused.every.step")
+        if not np.all(a == step * WORLD.Get_size()):
+            break
+    agree(WORLD, np.all(a == step * WORLD.Get_size()) and step == 99, f"step {step}: {a[:3]}")
+
+
 def test_stats_count_ring_bytes_exactly():
     """Each element crosses 2(p-1) links in a ring: the sum of bytes over ranks says so."""
     size = WORLD.Get_size()

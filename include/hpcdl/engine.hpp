@@ -112,7 +112,7 @@ class Engine {
   Status context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out);
   static int on_comm_freed(MPI_Comm comm, int keyval, void* context, void* extra_state);
   bool drain_submissions();
-  void execute(CommContext& ctx, Operation& op);
+  Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
 
   std::mutex mu_;

@@ -460,7 +460,7 @@ void Engine::reset_stats() {
   stats_.clear();
 }
 
-void Engine::execute(CommContext& ctx, Operation& op) {
+Status Engine::execute(CommContext& ctx, Operation& op) {
   const OpDesc& d = op.req_.desc;
   const double t0 = MPI_Wtime();
   const double start_us = now_us();
@@ -508,7 +508,7 @@ void Engine::execute(CommContext& ctx, Operation& op) {
       tl.record(op.name(), op_kind_name(d.kind), start_us, end_us, 0);
     }
   }
-  op.finish(st);
+  return st;
 }
 
 void Engine::loop() {
@@ -602,15 +602,20 @@ void Engine::loop() {
             continue;
           }
           ctx->pending.erase(it);
+          Status st;
           if (static_cast<PlanResult>(result) == PlanResult::kRun) {
-            execute(*ctx, *op);
+            st = execute(*ctx, *op);
           } else {
             ctx->last_reported.erase(name);  // report it in full next time
-            op->finish(static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
-                                                                               : Status::Mismatch(message));
+            st = static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
+                                                                         : Status::Mismatch(message);
           }
-          std::lock_guard<std::mutex> g(mu_);
-          ctx->in_flight.erase(name);
+          {
+            // Retire the name before the waiter wakes: its next step may reuse it at once.
+            std::lock_guard<std::mutex> g(mu_);
+            ctx->in_flight.erase(name);
+          }
+          op->finish(st);
         }
         busy = true;
       }
