@@ -633,9 +633,14 @@ void Engine::loop() {
       idle = std::chrono::microseconds(20);
       continue;
     }
+    // Someone waits for a plan: poll the control channel often. Nothing
+    // pending: back off to 1 ms, so an idle engine costs no core.
+    bool waiting = false;
+    for (auto& ctx : contexts) waiting = waiting || !ctx->pending.empty();
+    const auto max_idle = std::chrono::microseconds(waiting ? 50 : 1000);
     std::unique_lock<std::mutex> g(mu_);
     cv_.wait_for(g, idle, [this] { return !queue_.empty() || !running_; });
-    idle = std::min(idle * 2, std::chrono::microseconds(1000));
+    idle = std::min(idle * 2, max_idle);
   }
   // Shutting down: whatever has not run never will.
   drain_submissions();
