@@ -81,3 +81,8 @@ def local_size():
 
 # Stop the engine thread before mpi4py finalizes MPI at exit.
 atexit.register(_core.shutdown)
+
+if os.environ.get("HPCDL_TIMELINE"):
+    from hpcdl import timeline as _timeline
+
+    _timeline.enable(os.environ["HPCDL_TIMELINE"])

@@ -1,0 +1,84 @@
+"""Timeline: a Chrome-trace / Perfetto JSON of every collective and prefetcher stall.
+
+Set ``HPCDL_TIMELINE=/path/run.json`` (or call ``enable(path)``): the engine
+records, per operation, the wait for agreement ("negotiate") and the ring
+phases ("reduce_scatter", "allgather"); the prefetcher records its stalls and
+fetches. One process track per rank, one thread track per part (engine,
+prefetcher). Open the file in https://ui.perfetto.dev or chrome://tracing.
+
+At exit each rank writes ``path.rank<N>.part`` and rank 0 merges the parts it
+finds into ``path``. No MPI call happens at exit, so a rank that died early
+never makes the others hang: rank 0 waits a bounded time
+(``HPCDL_TIMELINE_WAIT_SECONDS``, default 30) for missing parts and notes them.
+"""
+
+import atexit
+import glob
+import json
+import os
+import sys
+import time
+
+from mpi4py import MPI
+
+from hpcdl import _core
+
+TRACKS = {0: "engine", 1: "prefetcher"}
+_state = {"path": None}
+
+
+def enable(path, comm=None):
+    """Record from now on; the merged trace is written to ``path`` at exit."""
+    comm = MPI.COMM_WORLD if comm is None else comm
+    if _state["path"] is None:
+        atexit.register(_write_at_exit)
+    _state.update(path=os.path.abspath(path), rank=comm.Get_rank(), size=comm.Get_size())
+    stale = _part(_state["path"], _state["rank"])  # left by an earlier run that died
+    if os.path.exists(stale):
+        os.remove(stale)
+    _core.timeline_enable(True)
+
+
+def _part(path, rank):
+    return f"{path}.rank{rank}.part"
+
+
+def _events(rank, raw):
+    events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
+    events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+               for tid, name in TRACKS.items()]
+    events += [{"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": track, "ts": start, "dur": dur}
+               for name, cat, start, dur, track in raw]
+    return events
+
+
+def _write_at_exit():
+    path, rank, size = _state["path"], _state["rank"], _state["size"]
+    _core.shutdown()  # no event is recorded after this
+    part = _part(path, rank)
+    with open(part + ".tmp", "w") as f:
+        json.dump(_events(rank, _core.timeline_take()), f)
+    os.replace(part + ".tmp", part)
+    if rank != 0:
+        return
+    deadline = time.monotonic() + float(os.environ.get("HPCDL_TIMELINE_WAIT_SECONDS", 30))
+    parts = [_part(path, r) for r in range(size)]
+    while not all(os.path.exists(p) for p in parts) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    merged, missing = [], []
+    for r, p in enumerate(parts):
+        if not os.path.exists(p):
+            missing.append(r)
+            continue
+        with open(p) as f:
+            merged += json.load(f)
+    trace = {"traceEvents": merged, "displayTimeUnit": "ms",
+             "otherData": {"ranks": size, "missing_ranks": missing}}
+    with open(path + ".tmp", "w") as f:
+        json.dump(trace, f)
+    os.replace(path + ".tmp", path)
+    for p in glob.glob(f"{glob.escape(path)}.rank*.part"):
+        os.remove(p)
+    note = f", no part from ranks {missing}" if missing else ""
+    print(f"[hpcdl rank 0] timeline: {len(merged)} events from {size - len(missing)} ranks in {path}{note}",
+          file=sys.stderr)
