@@ -23,7 +23,7 @@
 namespace hpcdl {
 
 constexpr int kPipelineDepth = 2;
-constexpr std::size_t kDefaultChunkBytes = 1 << 20;  // measured: docs/performance.md
+constexpr std::size_t kDefaultChunkBytes = 4 << 20;  // measured: docs/performance.md
 constexpr std::size_t kMaxChunkBytes = std::size_t(1) << 30;  // one MPI message, count fits an int
 
 inline Status mpi_status(int rc, const char* what) {
