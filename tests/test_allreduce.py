@@ -298,3 +298,19 @@ def test_barrier_waits_for_everyone():
 def test_large_message_default_chunks():
     ok, detail = check_allreduce(WORLD, 3 * (1 << 20) + 17, "float32", "sum")
     agree(WORLD, ok, detail)
+
+
+def test_same_name_resubmitted_right_after_wait():
+    """A training loop reuses each bucket's name every step: wait() must free the name."""
+    a = np.ones(64, dtype=np.float32)
+    problems = []
+    hpcdl.configure(stall_error_seconds=5)  # a rank that fails to submit must not hang the others
+    try:
+        for step in range(300):
+            _, err = outcome(lambda: hpcdl.allreduce_async(a, op="average", name="every.step").wait())
+            if err is not None:
+                problems.append(f"step {step}: {err!r}")
+                break
+    finally:
+        hpcdl.configure(stall_error_seconds=0)
+    agree(WORLD, not problems and np.all(a == 1), problems)

@@ -602,6 +602,12 @@ void Engine::loop() {
             continue;
           }
           ctx->pending.erase(it);
+          {
+            // Free the name before the operation finishes: a caller woken by the
+            // finish may submit the same name at once (the next training step).
+            std::lock_guard<std::mutex> g(mu_);
+            ctx->in_flight.erase(name);
+          }
           if (static_cast<PlanResult>(result) == PlanResult::kRun) {
             execute(*ctx, *op);
           } else {
@@ -609,8 +615,6 @@ void Engine::loop() {
             op->finish(static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
                                                                                : Status::Mismatch(message));
           }
-          std::lock_guard<std::mutex> g(mu_);
-          ctx->in_flight.erase(name);
         }
         busy = true;
       }
