@@ -313,3 +313,18 @@ def test_ddp_comm_hook_equals_reference():
     finally:
         dist.destroy_process_group()
     agree(WORLD, diff < 2e-5 and ops >= 4, f"max diff {diff}, hpcdl allreduce ops {ops}")
+
+
+def test_torch_example_learns_the_digits(tmp_path):
+    """examples/train_torch.py end to end in one process: pack, read, train, report."""
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, os.path.join(root, "examples", "train_torch.py"), "--epochs", "3"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    accuracies = [float(a) for a in re.findall(r"test acc (\d\.\d+)", run.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] > 0.7, run.stdout
