@@ -1,0 +1,138 @@
+"""Training step time: hpcdl.torch.DistributedOptimizer vs DistributedDataParallel over gloo.
+
+    mpiexec -n 4 python bench/train.py --out bench/results --tag train-onehost
+    bench/netcluster.sh run -- mpiexec -n 4 bench/netns-exec.sh python bench/train.py \\
+        --master-addr 10.77.0.1 --out bench/results --tag train-cluster
+
+The same MLP (CPU), the same data and step on every system; systems alternate
+in rounds so that machine noise hits them alike; the figure is the median step
+time over all timed steps. Writes TAG.csv and TAG.png; rank 0 prints a table.
+"""
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+
+import torch
+from mpi4py import MPI
+
+import hpcdl
+import hpcdl.torch
+
+WORLD = MPI.COMM_WORLD
+
+
+def make_model(features, hidden, layers, classes):
+    torch.manual_seed(0)
+    body = [torch.nn.Linear(features, hidden), torch.nn.ReLU()]
+    for _ in range(layers - 1):
+        body += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*body, torch.nn.Linear(hidden, classes))
+
+
+def codecs(names):
+    """[(label, codec)] for the requested --codecs; codecs the build lacks are reported and left out."""
+    out = []
+    for name in names:
+        if name == "dense":
+            out.append(("dense", None))
+            continue
+        try:
+            import hpcdl.compression as c
+        except ImportError:
+            if WORLD.Get_rank() == 0:
+                print(f"[hpcdl rank 0] hpcdl.compression missing: {name} left out", file=sys.stderr)
+            continue
+        out.append((name, {"fp16": c.FP16, "int8": lambda: c.Int8(), "topk": lambda: c.TopK(ratio=0.01)}[name]()))
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=32, help="per rank")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per system and round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--codecs", default="dense,int8,topk")
+    parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
+    parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address for gloo")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="train-onehost")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    port = WORLD.bcast(29400 + os.getpid() % 500 if rank == 0 else None)
+    os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+
+    features, classes = 784, 10
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, features, generator=g)
+    y = torch.randint(0, classes, (args.batch,), generator=g)
+
+    systems = {}
+    ddp_model = DistributedDataParallel(make_model(features, args.hidden, args.layers, classes))
+    systems["ddp-gloo"] = (ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.01))
+    for label, codec in codecs(args.codecs.split(",")):
+        model = make_model(features, args.hidden, args.layers, classes)
+        opt = hpcdl.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                               model.named_parameters(), compression=codec,
+                                               bucket_bytes=args.bucket_bytes, name=f"bench.{label}")
+        systems[f"hpcdl-{label}"] = (model, opt)
+    params = sum(p.numel() for p in ddp_model.parameters())
+
+    def step(model, opt):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    times = {name: [] for name in systems}
+    for rnd in range(args.rounds + 1):  # round 0 warms up
+        for name, (model, opt) in systems.items():
+            WORLD.Barrier()
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                step(model, opt)
+                elapsed = WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                if rnd:
+                    times[name].append(elapsed)
+    dist.destroy_process_group()
+    if rank != 0:
+        return
+    ddp_median = statistics.median(times["ddp-gloo"])
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    print(f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params, "
+          f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank")
+    for name, samples in times.items():
+        median = statistics.median(samples)
+        rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
+                     "median_step_ms": round(median * 1e3, 3), "samples_per_s": round(size * args.batch / median, 1),
+                     "throughput_vs_ddp": round(ddp_median / median, 3), "steps_timed": len(samples)})
+        print(f"[hpcdl rank 0] {name:14s} {median * 1e3:9.2f} ms/step  {size * args.batch / median:9.0f} samples/s"
+              f"  {ddp_median / median:5.2f}x DDP")
+    with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar([r["system"] for r in rows], [r["samples_per_s"] for r in rows], color="tab:blue")
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.set_title(f"{args.tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, f"{args.tag}.png"), dpi=110)
+
+
+if __name__ == "__main__":
+    main()
