@@ -8,6 +8,7 @@ from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContigu
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport uint8_t, uint64_t
+from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
 from libcpp.utility cimport move
@@ -211,6 +212,26 @@ def reset_stats():
 def reset_compression_state():
     """Forget every error-feedback residual."""
     CEngine.instance().reset_compression_state()
+
+
+def residual(MPI.Comm comm, name):
+    """A float32 copy of tensor `name`'s error-feedback residual, or None."""
+    cdef vector[float] out
+    cdef cbool found = False
+    cdef string text = name.encode()
+    cdef CStatus st
+    with nogil:
+        st = CEngine.instance().copy_residual(comm.ob_mpi, text, &out, &found)
+    check_status(st)
+    if not found:
+        return None
+    import numpy
+    arr = numpy.empty(out.size(), dtype=numpy.float32)
+    cdef float[::1] view = arr
+    cdef size_t i
+    for i in range(out.size()):
+        view[i] = out[i]
+    return arr
 
 
 # ---- codec kernels on one whole array (tests, bench/codecs.py) ----

@@ -16,7 +16,7 @@ import math
 
 from hpcdl import _core
 
-__all__ = ["Codec", "NoCompression", "FP16", "BF16", "Int8", "TopK", "from_config", "reset_state"]
+__all__ = ["Codec", "NoCompression", "FP16", "BF16", "Int8", "TopK", "from_config", "residual", "reset_state"]
 
 
 class Codec:
@@ -152,6 +152,12 @@ def canonical(compression):
     if not isinstance(compression, Codec):
         raise TypeError(f"compression must be an hpcdl.compression codec or None, got {type(compression).__name__}")
     return compression.canonical()
+
+
+def residual(name, comm=None):
+    """A copy (float32) of the error-feedback residual kept for tensor ``name``, or None."""
+    from mpi4py import MPI
+    return _core.residual(MPI.COMM_WORLD if comm is None else comm, name)
 
 
 def reset_state():

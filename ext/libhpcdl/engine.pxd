@@ -63,6 +63,7 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         vector[CEngineStats] stats()
         void reset_stats()
         void reset_compression_state()
+        CStatus copy_residual(MPI_Comm comm, const string& name, vector[float]* out, cbool* found)
         void shutdown()
 
 cdef extern from "hpcdl/ring.hpp" namespace "hpcdl" nogil:

@@ -105,6 +105,9 @@ class Engine {
   void reset_stats();
   // Forgets every error-feedback residual (hpcdl.compression.reset_state()).
   void reset_compression_state();
+  // A copy of tensor `name`'s error-feedback residual on `comm`; *found is
+  // false when there is none (never compressed with that name, or reset).
+  Status copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found);
   // Joins the thread; operations not yet run finish with kCancelled.
   void shutdown();
 

@@ -478,6 +478,27 @@ void Engine::reset_compression_state() {
   residuals_.clear();
 }
 
+Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found) {
+  *found = false;
+  // Look the context up only: making one is collective (MPI_Comm_dup).
+  std::uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
+    void* attr = nullptr;
+    int has = 0;
+    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, keyval_, &attr, &has), "MPI_Comm_get_attr"));
+    if (!has) return Status::OK();
+    id = static_cast<CommContext*>(attr)->id;
+  }
+  std::lock_guard<std::mutex> g(residual_mu_);
+  auto it = residuals_.find({id, name});
+  if (it == residuals_.end()) return Status::OK();
+  *out = *it->second;
+  *found = true;
+  return Status::OK();
+}
+
 std::shared_ptr<std::vector<float>> Engine::residual_for(std::uint64_t context_id, const std::string& name,
                                                          std::size_t count) {
   std::lock_guard<std::mutex> g(residual_mu_);
@@ -678,6 +699,11 @@ void Engine::loop() {
             continue;
           }
           ctx->pending.erase(it);
+          {
+            // Before finishing: a caller may reuse the name as soon as its wait returns.
+            std::lock_guard<std::mutex> g(mu_);
+            ctx->in_flight.erase(name);
+          }
           if (static_cast<PlanResult>(result) == PlanResult::kRun) {
             execute(*ctx, *op);
           } else {
@@ -685,8 +711,6 @@ void Engine::loop() {
             op->finish(static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
                                                                                : Status::Mismatch(message));
           }
-          std::lock_guard<std::mutex> g(mu_);
-          ctx->in_flight.erase(name);
         }
         busy = true;
       }
