@@ -8,11 +8,16 @@ run, interleaved iteration by iteration so they meet the same conditions:
         python bench/allreduce.py --tag cluster                 # emulated 1 Gbit/s cluster
     mpiexec -n 4 python bench/allreduce.py --systems hpcdl \\
         --chunk-bytes 64KiB,256KiB,1MiB,4MiB --sizes 16MiB,64MiB    # chunk-size sweep
+    mpiexec -n 4 python bench/allreduce.py --systems mpi \\
+        --compression none,fp16,int8,topk0.01 --sizes 4MiB,64MiB    # codecs (hpcdl[int8], ...)
 
 Per size and system: median and min over iterations of the slowest rank's
 time, algbw = bytes / time and busbw = algbw * 2(p-1)/p (as nccl-tests
 reports), in MB/s (10^6 bytes/s). Each system's result is checked against the
-exact sum once per size, so a fast wrong answer cannot win. Rank 0 prints a
+exact sum once per size, so a fast wrong answer cannot win; a compressed
+system is lossy, so it is checked against the documented tolerance of its codec
+instead (docs/compression.md), and its wire bytes per call (hpcdl.stats) go
+into the CSV. Rank 0 prints a
 table and writes <out>/<tag>.csv (one row per run, system and size),
 <out>/<tag>.png (busbw against size) and <out>/<tag>.json (the settings).
 Under bench/netcluster.sh the TCP stream rate it measured
@@ -21,6 +26,7 @@ Under bench/netcluster.sh the TCP stream rate it measured
 
 import argparse
 import csv
+import hashlib
 import json
 import os
 import socket
@@ -73,24 +79,73 @@ class System:
     def run(self, work):
         raise NotImplementedError
 
+    def correct(self, work, expected, comm):
+        """This rank's verdict on one result (exact unless the system is lossy)."""
+        return bool(np.array_equal(work, expected))
+
+    def wire_bytes(self):
+        """Bytes this rank sent since the last call, when the system can tell (else None)."""
+        return None
+
     def close(self):
         pass
 
 
+def parse_codec(text):
+    """'none', 'fp16', 'bf16', 'int8', 'int8:64' (block), 'topk0.01' -> an hpcdl codec (None = dense)."""
+    from hpcdl.compression import BF16, FP16, Int8, TopK
+    text = text.strip().lower()
+    try:
+        if text == "none":
+            return None
+        if text in ("fp16", "bf16"):
+            return FP16() if text == "fp16" else BF16()
+        if text.startswith("int8"):
+            return Int8(block=int(text[5:])) if text.startswith("int8:") else Int8()
+        if text.startswith("topk"):
+            return TopK(float(text[4:]))
+    except ValueError as e:
+        raise ValueError(f"bad codec {text!r}: {e}") from None
+    raise ValueError(f"unknown codec {text!r}; use none, fp16, bf16, int8[:BLOCK], topkRATIO")
+
+
 class HpcdlSystem(System):
-    def __init__(self, comm, chunk_bytes=None, hang_seconds=120.0):
+    def __init__(self, comm, chunk_bytes=None, hang_seconds=120.0, codec_text="none"):
         import hpcdl
         self.hpcdl, self.comm, self.chunk_bytes, self.hang_seconds = hpcdl, comm, chunk_bytes, hang_seconds
+        self.codec = parse_codec(codec_text)
         self.name = "hpcdl" if chunk_bytes is None else f"hpcdl[chunk={format_bytes(chunk_bytes)}]"
+        if self.codec is not None:
+            self.name += f"[{codec_text}]"
         if chunk_bytes is None:
             self.chunk_bytes = hpcdl.configure()["chunk_bytes"]
 
     def prepare(self):
         self.hpcdl.configure(chunk_bytes=self.chunk_bytes)
+        if self.codec is not None:
+            self.hpcdl.compression.reset_state()  # each call starts from the same state
+
+    def correct(self, work, expected, comm):
+        """Dense: exact. fp16/bf16: exact too (partial sums of these small integers are
+        representable). int8: within the ring bound of docs/compression.md. topk: every
+        value is 0 or a partial sum of the exact one, and ranks agree bitwise."""
+        name = None if self.codec is None else self.codec.name
+        if name in (None, "fp16", "bf16"):
+            return bool(np.array_equal(work, expected))
+        same = len(set(comm.allgather(hashlib.sha1(work.tobytes()).hexdigest()))) == 1
+        if name == "int8":
+            bound = ((1 + 1 / 254) ** comm.size - 1) * 12 * comm.size + 1e-3
+            return same and bool(np.all(np.abs(work - expected) <= bound))
+        return same and bool(np.all((work >= 0) & (work <= expected)))
+
+    def wire_bytes(self):
+        rows = self.hpcdl.stats(reset=True).get("allreduce", {})
+        return sum(r["bytes_sent"] for r in rows.values())
 
     def run(self, work):
         try:
-            self.hpcdl.allreduce_async(work, op="sum", comm=self.comm).wait(timeout=self.hang_seconds)
+            self.hpcdl.allreduce_async(work, op="sum", comm=self.comm, name="bench",
+                                       compression=self.codec).wait(timeout=self.hang_seconds)
         except TimeoutError:
             # The engine thread is stuck in MPI and cannot be stopped: say so and end the job.
             print(f"[bench rank {self.comm.rank}] {self.name}: allreduce of {format_bytes(work.nbytes)} not "
@@ -137,8 +192,10 @@ class GlooSystem(System):
         self.dist.destroy_process_group()
 
 
-def make_systems(names, chunk_sizes, comm, hang_seconds):
-    """Systems in the order asked for; hpcdl once per chunk size when a sweep is asked."""
+def make_systems(names, chunk_sizes, comm, hang_seconds, codecs=()):
+    """Systems in the order asked for; hpcdl once per chunk size when a sweep is
+    asked, and once per codec (first, in the order given) when codecs are asked."""
+    codec_systems = [HpcdlSystem(comm, None, hang_seconds, c) for c in codecs]
     factories = {
         "hpcdl": lambda: [HpcdlSystem(comm, c, hang_seconds) for c in (chunk_sizes or [None])],
         "mpi": lambda: [MpiSystem(comm)],
@@ -147,7 +204,8 @@ def make_systems(names, chunk_sizes, comm, hang_seconds):
     unknown = [n for n in names if n not in factories]
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(factories)}")
-    return [system for n in names for system in factories[n]()]
+    return codec_systems + [system for n in names if not (codecs and n == "hpcdl")
+                            for system in factories[n]()]
 
 
 # ---- measurement ----
@@ -171,15 +229,20 @@ def timed_call(comm, system, work, source):
 
 
 def measure_size(comm, systems, nbytes, args):
-    """{system name: [per-iteration seconds, slowest rank]} or None for a wrong result."""
+    """{system name: [per-iteration seconds, slowest rank]} or None for a wrong result,
+    and {system name: bytes sent per call, summed over ranks} where known."""
     count = nbytes // np.dtype(DTYPE).itemsize
     source = rank_input(count, comm.rank)
     work = np.empty_like(source)
     expected = expected_sum(count, comm.size)
-    live, results, warm_s = [], {}, 0.0
+    live, results, wire, warm_s = [], {}, {}, 0.0
     for system in systems:
+        system.wire_bytes()
         timed_call(comm, system, work, source)
-        correct = comm.allreduce(bool(np.array_equal(work, expected)), op=MPI.LAND)
+        sent = system.wire_bytes()
+        if sent is not None:
+            wire[system.name] = comm.allreduce(sent)
+        correct = comm.allreduce(system.correct(work, expected, comm), op=MPI.LAND)
         if not correct:
             results[system.name] = None
             continue
@@ -200,7 +263,7 @@ def measure_size(comm, systems, nbytes, args):
     comm.Allreduce(times, slowest_rank, op=MPI.MAX)
     for s, system in enumerate(live):
         results[system.name] = slowest_rank[s].tolist()
-    return results
+    return results, wire
 
 
 def bandwidths(nbytes, seconds, ranks):
@@ -211,7 +274,7 @@ def bandwidths(nbytes, seconds, ranks):
 # ---- output (rank 0) ----
 
 FIELDS = ["tag", "run", "system", "ranks", "bytes", "iters", "time_median_s", "time_min_s",
-          "algbw_MBps", "busbw_MBps", "busbw_best_MBps", "correct", "stream_MBps"]
+          "algbw_MBps", "busbw_MBps", "busbw_best_MBps", "correct", "stream_MBps", "wire_bytes"]
 
 
 def write_atomic(path, write):
@@ -268,6 +331,26 @@ def print_table(summary, names, sizes, stream):
           + (f"; TCP stream {stream:.1f} MB/s" if stream else ""))
 
 
+def print_codec_table(rows, names, sizes):
+    """Per size and system: median time, effective bandwidth (original bytes / time),
+    wire bytes per call (all ranks), and speedup over MPI_Allreduce when it ran."""
+    def median_of(name, nbytes, field):
+        vals = [r[field] for r in rows if r["system"] == name and r["bytes"] == nbytes and r["correct"]]
+        return statistics.median(vals) if vals else None
+    print(f"{'size':>6}  {'system':<24} {'time ms':>9} {'eff MB/s':>9} {'wire MB':>9} {'vs mpi':>7}")
+    for nbytes in sizes:
+        t_mpi = median_of("mpi", nbytes, "time_median_s")
+        for name in names:
+            t = median_of(name, nbytes, "time_median_s")
+            if t is None:
+                print(f"{format_bytes(nbytes):>6}  {name:<24} {'WRONG':>9}")
+                continue
+            w = [r["wire_bytes"] for r in rows if r["system"] == name and r["bytes"] == nbytes]
+            wire_mb = f"{w[0] / 1e6:9.2f}" if w and w[0] != "" else f"{'-':>9}"
+            speedup = f"{t_mpi / t:7.2f}" if t_mpi else f"{'-':>7}"
+            print(f"{format_bytes(nbytes):>6}  {name:<24} {t * 1e3:9.1f} {nbytes / t / 1e6:9.1f} {wire_mb} {speedup}")
+
+
 def plot(path, summary, names, sizes, stream, title):
     import matplotlib
     matplotlib.use("Agg")
@@ -300,6 +383,9 @@ def parse_args(argv):
                    "the first is the one the ratio columns are about")
     p.add_argument("--chunk-bytes", default="", help="sweep hpcdl's chunk size over this list "
                    "(one hpcdl system per value); default: hpcdl's configured chunk size")
+    p.add_argument("--compression", default="", help="comma-separated codecs for hpcdl, one system each "
+                   "(none, fp16, bf16, int8[:BLOCK], topkRATIO, e.g. none,fp16,int8,topk0.01); they replace "
+                   "'hpcdl' in --systems and come first")
     p.add_argument("--iters", type=int, default=0, help="timed iterations per size and system "
                    "(default 0: adaptive, about --budget seconds each)")
     p.add_argument("--budget", type=float, default=2.0, help="seconds per size and system when adaptive")
@@ -315,6 +401,9 @@ def parse_args(argv):
     args.sizes = byte_list(args.sizes)
     args.chunk_sizes = byte_list(args.chunk_bytes) if args.chunk_bytes else []
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    args.codecs = [c.strip() for c in args.compression.split(",") if c.strip()]
+    for c in args.codecs:
+        parse_codec(c)
     itemsize = np.dtype(DTYPE).itemsize
     bad = [format_bytes(s) for s in args.sizes if s <= 0 or s % itemsize]
     if bad:
@@ -328,7 +417,7 @@ def main(argv=None):
     comm = MPI.COMM_WORLD
     try:
         args = parse_args(argv)
-        systems = make_systems(args.systems, args.chunk_sizes, comm, args.hang_seconds)
+        systems = make_systems(args.systems, args.chunk_sizes, comm, args.hang_seconds, args.codecs)
     except ValueError as e:  # the same on every rank: all of them stop
         if comm.rank == 0:
             print(f"[bench rank 0] error: {e}", file=sys.stderr)
@@ -343,11 +432,11 @@ def main(argv=None):
         progress = tqdm(total=args.runs * len(args.sizes), desc="[bench rank 0] allreduce", file=sys.stderr)
     for run in range(args.runs):
         for nbytes in args.sizes:
-            results = measure_size(comm, systems, nbytes, args)
+            results, wire = measure_size(comm, systems, nbytes, args)
             for name in names:
                 times = results[name]
                 row = {"tag": args.tag, "run": run, "system": name, "ranks": comm.size, "bytes": nbytes,
-                       "correct": times is not None, "stream_MBps": stream or ""}
+                       "correct": times is not None, "stream_MBps": stream or "", "wire_bytes": wire.get(name, "")}
                 if times:
                     median, best = statistics.median(times), min(times)
                     row.update(iters=len(times), time_median_s=median, time_min_s=best)
@@ -367,6 +456,8 @@ def main(argv=None):
     summary = summarize(rows, names)
     print(f"{args.tag}: {comm.size} ranks, {args.runs} run(s)")
     print_table(summary, names, args.sizes, stream)
+    if args.codecs:
+        print_codec_table(rows, names, args.sizes)
     stem = os.path.join(args.out, args.tag)
     write_csv(stem + ".csv", rows)
     meta = {"command": " ".join(sys.argv), "ranks": comm.size, "runs": args.runs, "systems": names,

@@ -7,7 +7,8 @@ Mirrors the core closely; the Pythonic layer is hpcdl/collectives.py.
 from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContiguous,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
-from libc.stdint cimport uint64_t
+from libc.stdint cimport uint8_t, uint64_t
+from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
 from libcpp.utility cimport move
@@ -15,6 +16,7 @@ from libcpp.vector cimport vector
 from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_COMM_NULL
 
+from libhpcdl.codecs cimport codec_decode, codec_encode, codec_encoded_bytes
 from libhpcdl.engine cimport (CDType, CEngine, CEngineStats, COpKind, COpRequest,
                               COperation, COpTimes, CReduceOp, kDefaultChunkBytes)
 from libhpcdl.status cimport CStatus, check_status
@@ -205,6 +207,90 @@ def stats():
 
 def reset_stats():
     CEngine.instance().reset_stats()
+
+
+def reset_compression_state():
+    """Forget every error-feedback residual."""
+    CEngine.instance().reset_compression_state()
+
+
+def residual(MPI.Comm comm, name):
+    """A float32 copy of tensor `name`'s error-feedback residual, or None."""
+    cdef vector[float] out
+    cdef cbool found = False
+    cdef string text = name.encode()
+    cdef CStatus st
+    with nogil:
+        st = CEngine.instance().copy_residual(comm.ob_mpi, text, &out, &found)
+    check_status(st)
+    if not found:
+        return None
+    import numpy
+    arr = numpy.empty(out.size(), dtype=numpy.float32)
+    cdef float[::1] view = arr
+    cdef size_t i
+    for i in range(out.size()):
+        view[i] = out[i]
+    return arr
+
+
+# ---- codec kernels on one whole array (tests, bench/codecs.py) ----
+
+cdef Buffer _float32(obj, bint writable):
+    cdef Buffer b = Buffer(obj, None, writable)
+    if b.dtype != "float32":
+        raise TypeError(f"codec kernels take float32 arrays, got {b.dtype}")
+    return b
+
+
+def codec_encoded_size(codec, size_t count):
+    """Bytes that `count` float32 values take on the wire under `codec` (canonical text)."""
+    cdef size_t out = 0
+    cdef string text = codec.encode()
+    check_status(codec_encoded_bytes(text, count, &out))
+    return out
+
+
+def codec_encode_into(codec, values, out, err=None, uint64_t stream=0):
+    """Encode float32 `values` into the uint8 array `out` (codec_encoded_size bytes);
+    `err`, if given (float32, same length), receives values - decode(encoded)."""
+    cdef Buffer src = _float32(values, False)
+    cdef string text = codec.encode()
+    cdef size_t need = codec_encoded_size(codec, src.count)
+    cdef Buffer e = None
+    cdef float* err_ptr = NULL
+    cdef uint8_t[::1] out_view = out
+    cdef CStatus st
+    if <size_t>out_view.shape[0] != need:
+        raise ValueError(f"out has {out_view.shape[0]} bytes, the encoding needs {need}")
+    if err is not None:
+        e = _float32(err, True)
+        if e.count != src.count:
+            raise ValueError("err must have as many values as values")
+        err_ptr = <float*>e.ptr()
+    cdef const float* src_ptr = <const float*>src.ptr()
+    cdef size_t count = src.count
+    cdef uint8_t* out_ptr = &out_view[0] if need else NULL
+    with nogil:
+        st = codec_encode(text, src_ptr, count, out_ptr, err_ptr, stream)
+    check_status(st)
+
+
+def codec_decode_into(codec, encoded, out):
+    """Decode the uint8 array `encoded` into the float32 array `out` (the original length)."""
+    cdef Buffer dst = _float32(out, True)
+    cdef string text = codec.encode()
+    cdef size_t need = codec_encoded_size(codec, dst.count)
+    cdef const uint8_t[::1] in_view = encoded
+    cdef CStatus st
+    if <size_t>in_view.shape[0] != need:
+        raise ValueError(f"encoded has {in_view.shape[0]} bytes, {dst.count} values need {need}")
+    cdef const uint8_t* in_ptr = &in_view[0] if need else NULL
+    cdef float* dst_ptr = <float*>dst.ptr()
+    cdef size_t count = dst.count
+    with nogil:
+        st = codec_decode(text, in_ptr, count, dst_ptr)
+    check_status(st)
 
 
 def shutdown():

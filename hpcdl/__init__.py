@@ -12,7 +12,7 @@ import os
 # with MPI_THREAD_MULTIPLE, which the engine thread needs).
 from mpi4py import MPI
 
-from hpcdl import _core
+from hpcdl import _core, compression
 from hpcdl._core import Handle, StallWarning
 from hpcdl.collectives import (allreduce, allreduce_async, barrier, broadcast, broadcast_async,
                                configure, stats)
@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "allreduce", "allreduce_async", "broadcast", "broadcast_async", "barrier", "configure",
-    "stats", "init", "rank", "size", "local_rank", "local_size", "Handle", "StallWarning",
+    "stats", "compression", "init", "rank", "size", "local_rank", "local_size", "Handle", "StallWarning",
     "HpcdlError", "MismatchError", "MPIError", "CancelledError", "CorruptDataError",
     "StallTimeoutError",
 ]

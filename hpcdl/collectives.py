@@ -11,6 +11,7 @@ import os
 from mpi4py import MPI
 
 from hpcdl import _core
+from hpcdl.compression import canonical as _codec_text
 
 _config = {
     "chunk_bytes": int(os.environ.get("HPCDL_CHUNK_BYTES", _core.DEFAULT_CHUNK_BYTES)),
@@ -54,28 +55,35 @@ def _comm(comm):
     return comm
 
 
-def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None):
+def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression=None):
     """Start an in-place allreduce of ``buf``; returns a Handle (``wait()``, ``done()``).
 
     op: "sum" or "average" (average needs a floating dtype).
     name: identifies the operation across ranks. Named operations may be
         submitted in any order on different ranks: the engine agrees on one
         order before running them. Unnamed ones are matched by submission order.
+        With compression, a name also keys the tensor's error-feedback residual.
     dtype: read the buffer as this dtype (e.g. "bfloat16" for a uint16 view).
+    compression: None (dense) or a codec from hpcdl.compression (Int8(),
+        FP16(), BF16(), TopK(ratio)); float32 data only. Every rank must pass
+        the same codec settings.
     """
+    codec = _codec_text(compression)
     buffer = _core.Buffer(buf, dtype, True)
     reduce_op = _core.parse_op(op)
     return _core.submit(_core.KIND_ALLREDUCE, buffer, _comm(comm), name, reduce_op, 0,
-                        _config["chunk_bytes"])
+                        _config["chunk_bytes"], codec)
 
 
-def allreduce(buf, op="sum", comm=None, name=None, dtype=None):
+def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None):
     """Allreduce ``buf`` in place over ``comm`` and return it.
 
     Ring reduce-scatter + allgather, pipelined in chunks; every rank ends with
-    bitwise identical values. 16-bit floats are summed in fp32.
+    bitwise identical values. 16-bit floats are summed in fp32. With
+    ``compression`` (see allreduce_async) the result is approximate but still
+    bitwise identical on every rank.
     """
-    return allreduce_async(buf, op, comm, name, dtype).wait()
+    return allreduce_async(buf, op, comm, name, dtype, compression).wait()
 
 
 def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):

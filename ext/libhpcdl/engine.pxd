@@ -62,6 +62,8 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         void set_stall_limits(double warn_seconds, double error_seconds)
         vector[CEngineStats] stats()
         void reset_stats()
+        void reset_compression_state()
+        CStatus copy_residual(MPI_Comm comm, const string& name, vector[float]* out, cbool* found)
         void shutdown()
 
 cdef extern from "hpcdl/ring.hpp" namespace "hpcdl" nogil:

@@ -103,6 +103,11 @@ class Engine {
   void set_stall_limits(double warn_seconds, double error_seconds);
   std::vector<EngineStats> stats();
   void reset_stats();
+  // Forgets every error-feedback residual (hpcdl.compression.reset_state()).
+  void reset_compression_state();
+  // A copy of tensor `name`'s error-feedback residual on `comm`; *found is
+  // false when there is none (never compressed with that name, or reset).
+  Status copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found);
   // Joins the thread; operations not yet run finish with kCancelled.
   void shutdown();
 
@@ -114,6 +119,11 @@ class Engine {
   bool drain_submissions();
   Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
+  Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic);
+  // Error feedback: the residual of tensor `name` on a context, count floats
+  // (made, zeroed, when new or when the count changed).
+  std::shared_ptr<std::vector<float>> residual_for(std::uint64_t context_id, const std::string& name,
+                                                   std::size_t count);
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -125,6 +135,10 @@ class Engine {
   std::thread thread_;
   bool running_ = false, stopped_ = false;
   double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;
+
+  std::mutex residual_mu_;
+  std::map<std::pair<std::uint64_t, std::string>, std::shared_ptr<std::vector<float>>> residuals_;
+  std::uint64_t next_context_id_ = 0;  // under mu_
 
   std::mutex stats_mu_;
   std::map<std::pair<std::string, std::string>, EngineStats> stats_;

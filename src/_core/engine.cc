@@ -2,12 +2,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
+#include <limits>
 #include <cstdio>
 #include <set>
 #include <sstream>
 
+#include "hpcdl/codecs.hpp"
+#include "hpcdl/compressed_ring.hpp"
 #include "hpcdl/ring.hpp"
 #include "hpcdl/timeline.hpp"
+#include "hpcdl/topk.hpp"
 #include "hpcdl/wire.hpp"
 
 namespace hpcdl {
@@ -144,6 +149,8 @@ class CommContext {
  public:
   MPI_Comm ctl = MPI_COMM_NULL, data = MPI_COMM_NULL;
   int rank = 0, size = 1;
+  std::uint64_t id = 0;              // never reused: keys error-feedback state
+  std::uint64_t compressed_ops = 0;  // engine thread: keys stochastic rounding draws
   std::uint64_t unnamed_seq = 0;  // advanced on submitting threads, under Engine::mu_
   std::set<std::string> in_flight;  // names submitted and not finished, under Engine::mu_
   bool freed = false;               // the user freed the communicator, under Engine::mu_
@@ -362,6 +369,7 @@ Status Engine::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
   MPI_Comm_set_errhandler(ctx->data, MPI_ERRORS_RETURN);
   MPI_Comm_rank(comm, &ctx->rank);
   MPI_Comm_size(comm, &ctx->size);
+  ctx->id = next_context_id_++;
   rc = MPI_Comm_set_attr(comm, keyval_, ctx.get());
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_set_attr"));
   *out = ctx;
@@ -394,8 +402,13 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
     return Status::Invalid(std::string("op='average' needs a floating-point dtype, got ") + dtype_name(d.dtype));
   if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < 64 || d.chunk_bytes > kMaxChunkBytes))
     return Status::Invalid("chunk_bytes must be between 64 and 2^30, got " + std::to_string(d.chunk_bytes));
-  if (d.kind == OpKind::kAllreduce && !d.codec.empty())
-    return Status::Invalid("unknown compression '" + d.codec + "'");
+  if (d.kind == OpKind::kAllreduce && !d.codec.empty()) {
+    CodecSpec spec;
+    HPCDL_RETURN_NOT_OK(parse_codec(d.codec, &spec));
+    HPCDL_RETURN_NOT_OK(check_codec_dtype(spec, d.codec, d.dtype));
+    if (spec.kind == CodecKind::kTopK && d.count > std::numeric_limits<std::uint32_t>::max())
+      return Status::Invalid("top-k sends uint32 indices: at most 2^32 - 1 elements, got " + std::to_string(d.count));
+  }
 
   std::lock_guard<std::mutex> g(mu_);
   if (stopped_) return Status::Cancelled("hpcdl's engine has shut down (interpreter exit)");
@@ -460,6 +473,83 @@ void Engine::reset_stats() {
   stats_.clear();
 }
 
+void Engine::reset_compression_state() {
+  std::lock_guard<std::mutex> g(residual_mu_);
+  residuals_.clear();
+}
+
+Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found) {
+  *found = false;
+  // Look the context up only: making one is collective (MPI_Comm_dup).
+  std::uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
+    void* attr = nullptr;
+    int has = 0;
+    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, keyval_, &attr, &has), "MPI_Comm_get_attr"));
+    if (!has) return Status::OK();
+    id = static_cast<CommContext*>(attr)->id;
+  }
+  std::lock_guard<std::mutex> g(residual_mu_);
+  auto it = residuals_.find({id, name});
+  if (it == residuals_.end()) return Status::OK();
+  *out = *it->second;
+  *found = true;
+  return Status::OK();
+}
+
+std::shared_ptr<std::vector<float>> Engine::residual_for(std::uint64_t context_id, const std::string& name,
+                                                         std::size_t count) {
+  std::lock_guard<std::mutex> g(residual_mu_);
+  auto& slot = residuals_[{context_id, name}];
+  if (!slot || slot->size() != count) slot = std::make_shared<std::vector<float>>(count, 0.0f);
+  return slot;
+}
+
+// A compressed allreduce (p > 1): adds the tensor's residual first (error
+// feedback, named tensors only), then runs the codec's scheme.
+Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic) {
+  const OpDesc& d = op.req_.desc;
+  CodecSpec spec;
+  HPCDL_RETURN_NOT_OK(parse_codec(d.codec, &spec));
+  float* data = static_cast<float*>(op.req_.data);
+  const std::size_t n = d.count;
+  const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
+  std::shared_ptr<std::vector<float>> residual;  // kept alive even if reset_state() runs meanwhile
+  if (!op.req_.name.empty()) {
+    residual = residual_for(ctx.id, op.req_.name, n);
+    const float* r = residual->data();
+    for (std::size_t i = 0; i < n; ++i) data[i] += r[i];
+  }
+  float* res = residual ? residual->data() : nullptr;
+  RingPlan plan(ctx.size, ctx.rank, n, sizeof(float), d.chunk_bytes);
+  traffic->dense_bytes = plan.dense_bytes_sent();
+  const std::uint64_t stream = mix64((ctx.compressed_ops++ << 20) ^ static_cast<std::uint64_t>(ctx.rank)) << 32;
+  switch (spec.kind) {
+    case CodecKind::kInt8: {
+      Int8Codec codec(spec);
+      CompressedRingPolicy<Int8Codec> policy(plan, data, codec, scale, res, stream);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic);
+    }
+    case CodecKind::kFp16: {
+      Fp16Codec codec(spec);
+      CompressedRingPolicy<Fp16Codec> policy(plan, data, codec, scale, res, stream);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic);
+    }
+    case CodecKind::kBf16: {
+      Bf16Codec codec(spec);
+      CompressedRingPolicy<Bf16Codec> policy(plan, data, codec, scale, res, stream);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic);
+    }
+    case CodecKind::kTopK:
+      return topk_allreduce(ctx.data, ctx.size, data, n, spec.ratio, scale, res, traffic);
+    case CodecKind::kNone:
+      break;
+  }
+  return Status::Internal("run_compressed without a codec");
+}
+
 Status Engine::execute(CommContext& ctx, Operation& op) {
   const OpDesc& d = op.req_.desc;
   const double t0 = MPI_Wtime();
@@ -474,6 +564,8 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
     const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
     if (ctx.size == 1) {
       scale_buffer(d.dtype, op.req_.data, d.count, scale);
+    } else if (!d.codec.empty()) {
+      st = run_compressed(ctx, op, &traffic);
     } else {
       RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
       DenseRingPolicy policy(plan, op.req_.data, d.dtype, scale);
@@ -528,6 +620,11 @@ void Engine::loop() {
       contexts_ = contexts;
     }
     for (auto& ctx : freed) {
+      {
+        std::lock_guard<std::mutex> g(residual_mu_);
+        for (auto it = residuals_.begin(); it != residuals_.end();)
+          it = it->first.first == ctx->id ? residuals_.erase(it) : std::next(it);
+      }
       for (auto& kv : ctx->pending)
         kv.second->finish(Status::Cancelled("the communicator of '" + kv.first + "' was freed before it ran"));
       MPI_Comm_free(&ctx->ctl);

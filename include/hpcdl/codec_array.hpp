@@ -1,0 +1,72 @@
+// Any codec over one whole array, as a single chunk: the entry points that
+// tests and bench/codecs.py use to check and time the kernels alone.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "hpcdl/codecs.hpp"
+#include "hpcdl/status.hpp"
+#include "hpcdl/topk.hpp"
+
+namespace hpcdl {
+
+inline Status codec_encoded_bytes(const std::string& text, std::size_t n, std::size_t* out) {
+  CodecSpec spec;
+  HPCDL_RETURN_NOT_OK(parse_codec(text, &spec));
+  switch (spec.kind) {
+    case CodecKind::kNone: *out = n * sizeof(float); break;
+    case CodecKind::kFp16: *out = Fp16Codec(spec).encoded_bytes(n); break;
+    case CodecKind::kBf16: *out = Bf16Codec(spec).encoded_bytes(n); break;
+    case CodecKind::kInt8: *out = Int8Codec(spec).encoded_bytes(n); break;
+    case CodecKind::kTopK: *out = topk_encoded_bytes(topk_count(n, spec.ratio)); break;
+  }
+  return Status::OK();
+}
+
+// err (optional, n floats): x - decode(encoded). stream keys stochastic rounding.
+inline Status codec_encode(const std::string& text, const float* x, std::size_t n, std::uint8_t* out, float* err,
+                           std::uint64_t stream) {
+  CodecSpec spec;
+  HPCDL_RETURN_NOT_OK(parse_codec(text, &spec));
+  switch (spec.kind) {
+    case CodecKind::kNone:
+      std::memcpy(out, x, n * sizeof(float));
+      if (err) std::memset(err, 0, n * sizeof(float));
+      break;
+    case CodecKind::kFp16: Fp16Codec(spec).encode(x, n, out, err, stream); break;
+    case CodecKind::kBf16: Bf16Codec(spec).encode(x, n, out, err, stream); break;
+    case CodecKind::kInt8: Int8Codec(spec).encode(x, n, out, err, stream); break;
+    case CodecKind::kTopK: {
+      const std::size_t k = topk_count(n, spec.ratio);
+      topk_encode(x, n, k, out);
+      if (err) {
+        std::memcpy(err, x, n * sizeof(float));
+        const std::uint32_t* idx = reinterpret_cast<const std::uint32_t*>(out);
+        for (std::size_t j = 0; j < k; ++j) err[idx[j]] = 0;
+      }
+      break;
+    }
+  }
+  return Status::OK();
+}
+
+inline Status codec_decode(const std::string& text, const std::uint8_t* in, std::size_t n, float* out) {
+  CodecSpec spec;
+  HPCDL_RETURN_NOT_OK(parse_codec(text, &spec));
+  switch (spec.kind) {
+    case CodecKind::kNone: std::memcpy(out, in, n * sizeof(float)); break;
+    case CodecKind::kFp16: Fp16Codec(spec).decode(in, n, out); break;
+    case CodecKind::kBf16: Bf16Codec(spec).decode(in, n, out); break;
+    case CodecKind::kInt8: Int8Codec(spec).decode(in, n, out); break;
+    case CodecKind::kTopK:
+      std::memset(out, 0, n * sizeof(float));
+      topk_decode_add(in, topk_count(n, spec.ratio), out);
+      break;
+  }
+  return Status::OK();
+}
+
+}  // namespace hpcdl

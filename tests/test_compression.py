@@ -1,0 +1,348 @@
+"""Gradient compression: codec kernels (single process) and compressed allreduce (MPI).
+
+Kernels are checked through hpcdl._core's whole-array hooks against numpy;
+the MPI tests check every rank's result against the documented error bound,
+for bitwise equality across ranks, and the error-feedback identity.
+"""
+
+import hashlib
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import hpcdl
+from conftest import agree, outcome
+from hpcdl import _core
+from hpcdl.compression import BF16, FP16, Int8, NoCompression, TopK, from_config
+
+WORLD = MPI.COMM_WORLD
+ODD_COUNTS = [0, 1, 2, 3, 5, 7, 63, 64, 65, 255, 257, 4097, 100_003]
+
+
+def roundtrip(codec, x, stream=0):
+    enc = np.empty(codec.encoded_size(x.size), dtype=np.uint8)
+    err = np.empty_like(x)
+    _core.codec_encode_into(codec.canonical(), x, enc, err, stream)
+    out = np.empty_like(x)
+    _core.codec_decode_into(codec.canonical(), enc, out)
+    return enc, out, err
+
+
+def block_absmax(x, block):
+    """max |x| of each element's block, element-wise."""
+    n = x.size
+    pad = (-n) % block
+    a = np.abs(np.concatenate([x, np.zeros(pad, x.dtype)])).reshape(-1, block).max(axis=1)
+    return np.repeat(a, block)[:n]
+
+
+# ---- single-process: codec kernels and settings ----
+
+@pytest.mark.parametrize("block", [1, 7, 64, 256])
+def test_int8_error_within_half_a_step_per_block(block):
+    rng = np.random.default_rng(block)
+    for n in ODD_COUNTS:
+        x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 1e3], n)).astype(np.float32)
+        enc, out, err = roundtrip(Int8(block=block), x)
+        assert enc.size == math.ceil(n / block) * 4 + n
+        bound = block_absmax(x, block) / 254 * (1 + 1e-6)
+        assert np.all(np.abs(out - x) <= bound), n
+        np.testing.assert_array_equal(err, x - out)
+
+
+def test_int8_zeros_constants_and_extremes():
+    codec = Int8(block=16)
+    _, out, _ = roundtrip(codec, np.zeros(100, np.float32))
+    assert np.all(out == 0) and not np.signbit(out).any()
+    c = np.full(33, -3.25, np.float32)
+    _, out, _ = roundtrip(codec, c)
+    assert np.all(np.abs(out - c) <= 3.25 / 254 * 1.000001)
+    big = np.array([3e38, -3e38, 1e-38, 0], np.float32)
+    _, out, _ = roundtrip(codec, big)
+    assert np.all(np.isfinite(out)) and out[0] > 2.9e38 and out[1] < -2.9e38
+
+
+def test_int8_nan_and_inf_poison_their_block_only():
+    x = np.ones(64, np.float32)
+    x[3], x[40] = np.nan, np.inf
+    _, out, _ = roundtrip(Int8(block=16), x)
+    assert np.all(np.isnan(out[0:16])) and np.all(np.isnan(out[32:48]))
+    assert np.all(out[16:32] == 1) and np.all(out[48:] == 1)
+
+
+def test_int8_stochastic_rounding_is_reproducible_and_unbiased():
+    codec = Int8(block=32, rounding="stochastic", seed=11)
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    a, out_a, _ = roundtrip(codec, x, stream=5)
+    b, _, _ = roundtrip(codec, x, stream=5)
+    c, _, _ = roundtrip(codec, x, stream=6)
+    other_seed, _, _ = roundtrip(Int8(block=32, rounding="stochastic", seed=12), x, stream=5)
+    assert a.tobytes() == b.tobytes()
+    assert a.tobytes() != c.tobytes() and a.tobytes() != other_seed.tobytes()
+    step = block_absmax(x, 32) / 127
+    assert np.all(np.abs(out_a - x) <= step * (1 + 1e-6))
+    mean = np.mean([roundtrip(codec, x, stream=s)[1] for s in range(200)], axis=0)
+    # nearest rounding is off by up to step/2; stochastic rounding averages out
+    assert np.abs(mean - x).mean() < 0.05 * step.mean()
+
+
+@pytest.mark.parametrize("codec,np_type", [(FP16(), np.float16), (BF16(), ml_dtypes.bfloat16)])
+def test_casts_equal_numpy_casts_bitwise(codec, np_type):
+    x = np.random.default_rng(1).standard_normal(1001).astype(np.float32) * 100
+    x[:4] = [np.nan, np.inf, -np.inf, 1e6]
+    enc, out, _ = roundtrip(codec, x)
+    with np.errstate(over="ignore"):
+        expected = x.astype(np_type)
+    assert enc.size == 2 * x.size
+    assert enc.view(np.uint16)[1:].tobytes() == expected.view(np.uint16)[1:].tobytes()
+    assert np.isnan(out[0])
+    np.testing.assert_array_equal(out[1:], expected[1:].astype(np.float32))
+
+
+def test_topk_keeps_exactly_the_k_largest_magnitudes():
+    rng = np.random.default_rng(2)
+    for n, ratio in [(1, 0.5), (10, 0.3), (4097, 0.01), (100_000, 0.01), (100_000, 0.001), (50_000, 0.2)]:
+        x = rng.permutation(np.arange(1, n + 1, dtype=np.float32)) * rng.choice([-1, 1], n).astype(np.float32)
+        codec = TopK(ratio)
+        k = codec.k(n)
+        assert k == max(1, math.ceil(ratio * n))
+        enc, out, err = roundtrip(codec, x)
+        idx = enc[:4 * k].view(np.uint32)
+        expected = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+        np.testing.assert_array_equal(idx, expected)
+        np.testing.assert_array_equal(enc[4 * k:].view(np.float32), x[expected])
+        np.testing.assert_array_equal(out + err, x)
+        assert np.count_nonzero(out) == k
+
+
+def test_topk_tiny_ratio_keeps_one_ties_and_nan():
+    assert TopK(1e-9).k(1000) == 1 and TopK(1.0).k(7) == 7 and TopK(0.5).k(0) == 0
+    x = np.zeros(9000, np.float32)
+    x[[10, 20, 30]] = 5.0  # ties: lower indices win
+    enc, _, _ = roundtrip(TopK(2 / 9000), x)
+    np.testing.assert_array_equal(enc[:8].view(np.uint32), [10, 20])
+    x[4000] = np.nan
+    enc, out, _ = roundtrip(TopK(1 / 9000), x)
+    assert enc[:4].view(np.uint32)[0] == 4000 and np.isnan(out[4000])
+
+
+def test_codec_configs_round_trip_and_reject_bad_settings():
+    for codec in (NoCompression(), FP16(), BF16(), Int8(), Int8(block=64, rounding="stochastic", seed=3),
+                  TopK(0.01)):
+        again = from_config(codec.get_config())
+        assert again == codec and again.canonical() == codec.canonical()
+    assert str(Int8()) == "int8(block=256)" and str(TopK(0.01)) == "topk(ratio=0.01)"
+    assert str(NoCompression()) == "none" and NoCompression().canonical() == ""
+    for bad in (lambda: Int8(block=0), lambda: Int8(rounding="up"), lambda: TopK(0), lambda: TopK(1.5),
+                lambda: TopK(float("nan")), lambda: from_config({"name": "zip"}),
+                lambda: Int8.from_config({"name": "topk", "ratio": 0.1})):
+        with pytest.raises(ValueError):
+            bad()
+
+
+def test_bad_compression_arguments_fail_before_communication():
+    with pytest.raises(TypeError, match="compression"):
+        hpcdl.allreduce(np.ones(4, np.float32), compression="int8")
+    for dtype in ("int32", "float64", "float16"):
+        with pytest.raises(ValueError, match="float32"):
+            hpcdl.allreduce(np.ones(4, dtype), compression=Int8())
+    with pytest.raises(ValueError, match="unknown compression"):
+        _core.codec_encoded_size("zip(level=9)", 4)
+
+
+# ---- MPI: compressed allreduce ----
+
+def contribution(rank, count, scale=1.0):
+    rng = np.random.default_rng(500 + rank)
+    return (rng.standard_normal(count) * scale).astype(np.float32)
+
+
+def digest(a):
+    return hashlib.sha1(a.tobytes()).hexdigest()
+
+
+def int8_ring_bound(inputs, block, size):
+    """Documented bound: ((1 + 1/254)^p - 1) * sum over ranks of the absmax over
+    each element's block (taken over a window of 2*block - 1, since chunk
+    boundaries shift the blocks), plus float32 rounding of the sums."""
+    n = inputs[0].size
+    total = np.zeros(n)
+    for x in inputs:
+        padded = np.concatenate([np.zeros(block - 1), np.abs(x.astype(np.float64)), np.zeros(block - 1)])
+        total += np.lib.stride_tricks.sliding_window_view(padded, 2 * block - 1).max(axis=1)
+    return ((1 + 1 / 254) ** size - 1) * total + 4 * size * 2.0 ** -23 * total
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_int8_ring_within_bound_and_bitwise_identical(op):
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    problems = []
+    try:
+        for chunk_bytes in (256, 1 << 20):
+            hpcdl.configure(chunk_bytes=chunk_bytes)
+            for count in ODD_COUNTS:
+                inputs = [contribution(r, count) for r in range(size)]
+                data = inputs[rank].copy()
+                hpcdl.allreduce(data, op=op, compression=Int8(block=64))
+                reference = np.sum([x.astype(np.float64) for x in inputs], axis=0)
+                bound = int8_ring_bound(inputs, 64, size) if count else np.zeros(0)
+                if op == "average":
+                    reference, bound = reference / size, bound / size
+                err = np.abs(data - reference)
+                if not np.all(err <= bound):
+                    problems.append(f"chunk {chunk_bytes} count {count}: err {err.max()} > {bound[err.argmax()]}")
+                if len(set(WORLD.allgather(digest(data)))) != 1:
+                    problems.append(f"chunk {chunk_bytes} count {count}: ranks differ")
+    finally:
+        hpcdl.configure(chunk_bytes=_core.DEFAULT_CHUNK_BYTES)
+    agree(WORLD, not problems, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", [FP16(), BF16(), Int8(rounding="stochastic", seed=5), TopK(0.05)],
+                         ids=str)
+def test_other_codecs_bitwise_identical_and_close(codec):
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    rel = {"fp16": 2.0 ** -10, "bf16": 2.0 ** -7}.get(codec.name, 2 / 127)
+    problems = []
+    for count in ODD_COUNTS:
+        inputs = [contribution(r, count) for r in range(size)]
+        data = inputs[rank].copy()
+        hpcdl.allreduce(data, compression=codec)
+        if len(set(WORLD.allgather(digest(data)))) != 1:
+            problems.append(f"count {count}: ranks differ")
+        if codec.name != "topk" and count:
+            scale = np.sum([np.abs(x) for x in inputs], axis=0).max()
+            err = np.abs(data - np.sum(inputs, axis=0, dtype=np.float64)).max()
+            if err > size * rel * scale:
+                problems.append(f"count {count}: err {err}")
+    agree(WORLD, not problems, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_topk_allreduce_sums_every_ranks_k_largest_in_rank_order():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    problems = []
+    for count, ratio in [(1, 0.01), (5, 0.01), (1000, 0.01), (100_003, 0.01), (4097, 1.0)]:
+        inputs = [contribution(r, count) for r in range(size)]
+        codec = TopK(ratio)
+        expected = np.zeros(count, np.float32)
+        for x in inputs:  # rank order, float32: what every rank must compute
+            keep = np.argsort(-np.abs(x), kind="stable")[:codec.k(count)]
+            expected[keep] += x[keep]
+        data = inputs[rank].copy()
+        hpcdl.allreduce(data, compression=codec)
+        if data.tobytes() != expected.tobytes():
+            problems.append(f"count {count} ratio {ratio}: {np.count_nonzero(data != expected)} differ")
+        if ratio == 1.0:
+            dense = inputs[rank].copy()
+            hpcdl.allreduce(dense)
+            if not np.allclose(data, dense, rtol=1e-5, atol=1e-5):
+                problems.append("ratio 1.0 differs from the dense result")
+    agree(WORLD, not problems, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", [Int8(block=32), TopK(0.01), FP16()], ids=str)
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_error_feedback_identity(codec, op):
+    """After T steps: sum of applied results (in sum units) + sum over ranks of
+    residuals == sum of the true gradients, up to float rounding."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    hpcdl.compression.reset_state()
+    name = f"ef.{codec.name}.{op}"
+    count, steps = 3001, 6
+    applied = np.zeros(count, np.float64)
+    true_total = np.zeros(count, np.float64)
+    magnitude = 0.0
+    for t in range(steps):
+        grads = [contribution(r + 10 * t, count) for r in range(size)]
+        true_total += np.sum(grads, axis=0, dtype=np.float64)
+        magnitude += np.sum(np.abs(grads))
+        g = grads[rank].copy()
+        hpcdl.allreduce(g, op=op, name=name, compression=codec)
+        applied += g.astype(np.float64) * (size if op == "average" else 1)
+    residual = hpcdl.compression.residual(name)
+    residual_sum = WORLD.allreduce(residual.astype(np.float64))
+    gap = np.abs(applied + residual_sum - true_total).max()
+    dropped = np.abs(true_total - applied).max()
+    ok = gap <= 1e-5 * magnitude / count * size and dropped > 100 * gap
+    hpcdl.compression.reset_state()
+    gone = hpcdl.compression.residual(name) is None
+    agree(WORLD, ok and gone, f"identity gap {gap}, dropped {dropped}, reset {gone}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_feedback_recovers_what_topk_dropped():
+    """A constant gradient under top-k 10%: with error feedback every element is
+    eventually sent; the running total tracks the truth far better than without."""
+    size = WORLD.Get_size()
+    hpcdl.compression.reset_state()
+    count, steps = 1000, 100
+    with_ef, without = np.zeros(count), np.zeros(count)
+    grad = np.linspace(0.5, 1.5, count).astype(np.float32)
+    for _ in range(steps):
+        a, b = grad.copy(), grad.copy()
+        hpcdl.allreduce(a, name="ef.constant", compression=TopK(0.1))
+        hpcdl.allreduce(b, compression=TopK(0.1))
+        with_ef += a
+        without += b
+    truth = steps * size * grad.astype(np.float64)
+    err_ef, err_plain = np.abs(with_ef - truth).max(), np.abs(without - truth).max()
+    hpcdl.compression.reset_state()
+    agree(WORLD, err_ef < 0.2 * err_plain and hpcdl.compression.residual("ef.constant") is None,
+          f"{err_ef} vs {err_plain}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", [Int8(block=16), TopK(0.1), FP16()], ids=str)
+def test_nan_and_inf_propagate_without_hanging(codec):
+    rank = WORLD.Get_rank()
+    data = np.ones(1000, np.float32)
+    if rank == 0:
+        data[5], data[700] = np.nan, np.inf
+        data[100] = 50  # make topk pick more than the specials
+    hpcdl.allreduce(data, compression=codec)
+    same = len(set(WORLD.allgather(digest(data)))) == 1
+    agree(WORLD, same and not np.isfinite(data[5]) and not np.isfinite(data[700]) and np.isfinite(data[300]),
+          f"{data[[5, 700, 300]]}, same {same}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_codec_disagreement_is_a_mismatch_on_every_rank():
+    rank = WORLD.Get_rank()
+    data = np.ones(100, np.float32)
+    before = data.copy()
+    codec = Int8(block=128) if rank == 1 else Int8()
+    _, err = outcome(hpcdl.allreduce, data, name="mismatched.codec", compression=codec)
+    message = str(err)
+    ok = (isinstance(err, hpcdl.MismatchError) and "compression differs" in message
+          and "int8(block=128) on rank 1" in message and np.array_equal(data, before))
+    _, err2 = outcome(hpcdl.allreduce, data.copy(), name="codec.vs.none",
+                      compression=None if rank == 0 else FP16())
+    ok2 = isinstance(err2, hpcdl.MismatchError) and "none on rank 0" in str(err2)
+    agree(WORLD, ok and ok2, f"{err!r} / {err2!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_stats_measure_compressed_bytes_exactly():
+    size = WORLD.Get_size()
+    n, block = 100_003, 256
+    hpcdl.stats(reset=True)
+    hpcdl.allreduce(np.ones(n, np.float32), compression=Int8(block=block))
+    hpcdl.allreduce(np.ones(n, np.float32), compression=TopK(0.01))
+    hpcdl.allreduce(np.ones(n, np.float32))
+    rows = hpcdl.stats()["allreduce"]
+    int8, topk, dense = rows["int8(block=256)"], rows["topk(ratio=0.01)"], rows["none"]
+    seg_lens = [n // size + (1 if s < n % size else 0) for s in range(size)]  # one chunk per segment here
+    expected_int8 = 2 * (size - 1) * sum(math.ceil(s / block) * 4 + s for s in seg_lens)
+    expected_topk = size * (size - 1) * 8 * TopK(0.01).k(n)
+    totals = {k: WORLD.allreduce(r["bytes_sent"]) for k, r in (("int8", int8), ("topk", topk))}
+    ok = (totals["int8"] == expected_int8 and totals["topk"] == expected_topk
+          and int8["dense_bytes"] == dense["bytes_sent"] == topk["dense_bytes"]
+          and int8["dense_bytes"] / int8["bytes_sent"] > 3.9 and int8["ops"] == 1 and int8["seconds"] > 0)
+    agree(WORLD, ok, f"{rows}, totals {totals} vs {expected_int8}, {expected_topk}")
