@@ -67,14 +67,21 @@ def _cmd_pack(args):
     return 0
 
 
-def _cmd_verify(args):
+def _open_store(args):
+    """The store at args.dst, damaged shards allowed (they are reported), or None after an error."""
     from hpcdl import store
     from hpcdl.errors import HpcdlError
 
     try:
-        st = store.Store(args.dst, allow_damaged=True)
+        return store.Store(args.dst, allow_damaged=True)
     except (OSError, HpcdlError) as exc:
-        print(f"hpcdl verify: error: {exc}", file=sys.stderr)
+        print(f"hpcdl {args.command}: error: {exc}", file=sys.stderr)
+        return None
+
+
+def _cmd_verify(args):
+    st = _open_store(args)
+    if st is None:
         return 1
     report = st.verify(progress=not args.quiet)
     mb = report.bytes_read / 1e6
@@ -94,13 +101,8 @@ def _cmd_verify(args):
 def _cmd_ls(args):
     import numpy as np
 
-    from hpcdl import store
-    from hpcdl.errors import HpcdlError
-
-    try:
-        st = store.Store(args.dst, allow_damaged=True)
-    except (OSError, HpcdlError) as exc:
-        print(f"hpcdl ls: error: {exc}", file=sys.stderr)
+    st = _open_store(args)
+    if st is None:
         return 1
     sizes = st.sizes
     print(f"store {st.root} (format version {st.attrs['format_version']}, packed from {st.attrs['source']})")
