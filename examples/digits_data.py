@@ -62,6 +62,11 @@ def decode(store, indices):
     return np.stack(rows).astype(np.float32), store.labels[indices].astype(np.int64)
 
 
+def eval_batch_size(indices, comm=MPI.COMM_WORLD):
+    """Up to 16 per rank, fewer when the held-out set is small (every rank still gets one batch)."""
+    return max(1, min(16, len(indices) // comm.Get_size()))
+
+
 def epoch_batches(store, indices, batch_size, epoch, seed, comm=MPI.COMM_WORLD):
     """This rank's batches for one epoch: (x, y, seconds spent waiting for them).
 

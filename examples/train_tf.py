@@ -22,7 +22,7 @@ import tensorflow as tf  # noqa: E402
 
 import hpcdl  # noqa: E402
 import hpcdl.tensorflow  # noqa: E402
-from digits_data import (add_common_arguments, compression_codec, epoch_batches, log, prepare_store,  # noqa: E402
+from digits_data import (add_common_arguments, compression_codec, epoch_batches, eval_batch_size, log, prepare_store,  # noqa: E402
                          report_epoch, split)
 
 
@@ -75,7 +75,7 @@ def main():
             stall += waited
         seconds = time.perf_counter() - started
         test_correct = test_count = 0
-        for x, y, _ in epoch_batches(store, test_idx, 16, 0, args.seed, comm):
+        for x, y, _ in epoch_batches(store, test_idx, eval_batch_size(test_idx, comm), 0, args.seed, comm):
             test_correct += int(np.sum(np.argmax(model(x, training=False).numpy(), 1) == y))
             test_count += len(y)
         report_epoch(comm, epoch, seconds, samples, loss_sum, correct, stall, test_correct, test_count)

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import hpcdl  # noqa: E402
 import hpcdl.torch  # noqa: E402
-from digits_data import (add_common_arguments, compression_codec, epoch_batches, log, prepare_store,  # noqa: E402
+from digits_data import (add_common_arguments, compression_codec, epoch_batches, eval_batch_size, log, prepare_store,  # noqa: E402
                          report_epoch, split)
 
 
@@ -70,7 +70,7 @@ def main():
         model.eval()
         test_correct = test_count = 0
         with torch.no_grad():
-            for x, y, _ in epoch_batches(store, test_idx, 16, 0, args.seed, comm):
+            for x, y, _ in epoch_batches(store, test_idx, eval_batch_size(test_idx, comm), 0, args.seed, comm):
                 test_correct += int((model(torch.from_numpy(x)).argmax(1) == torch.from_numpy(y)).sum())
                 test_count += len(y)
         report_epoch(comm, epoch, seconds, samples, loss_sum, correct, stall, test_correct, test_count)

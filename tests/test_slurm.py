@@ -134,7 +134,7 @@ def test_failures_reach_the_sbatch_exit_status(slurm_env, tmp_path):
 
     status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "pack.sbatch")
     assert status == 2, text
-    assert "usage: sbatch slurm/pack.sbatch SRC_DIR DST.h5" in text
+    assert "usage: sbatch slurm/pack.sbatch SRC_DIR DST_STORE_DIR" in text
 
 
 def test_scancel_removes_node_local_scratch(slurm_env, tmp_path):
@@ -151,6 +151,12 @@ def test_scancel_removes_node_local_scratch(slurm_env, tmp_path):
     while not scratch.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert scratch.is_dir(), "the job did not make its scratch directory"
+    # Cancel once the srun step runs: a job cancelled while srun is still
+    # launching ends with srun's own error instead of the SIGTERM under test.
+    while time.monotonic() < deadline and "sleep" not in subprocess.run(
+            ["squeue", "-h", "-s", "-j", job_id, "-o", "%j"], env=env, capture_output=True, text=True).stdout:
+        time.sleep(0.2)
+    time.sleep(1)
     subprocess.run(["scancel", job_id], env=env, check=True)
     while time.monotonic() < deadline and subprocess.run(
             ["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout.strip():
@@ -203,7 +209,7 @@ def test_train_script(slurm_env, packed_store, tmp_path, framework):
     store, _, pack_status, pack_text = packed_store
     assert_job_ok(pack_status, pack_text)
     status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / f"train_{framework}.sbatch",
-                          "--data", store, "--epochs", 1)
+                          "--data", store, "--epochs", 1, "--batch-size", 2)
     assert_job_ok(status, text)
     assert re.search(r"loss", text, re.IGNORECASE), text
 
