@@ -44,8 +44,9 @@ def reference_order(n, seed, epoch):
     return order
 
 
-def make_store(root, files=150, seed=0, max_size=3000):
-    """A packed store of random files (sizes 0..max_size, a few classes); returns the Store."""
+def make_store(root, files=150, seed=0, max_size=3000, comm=None):
+    """A packed store of random files (sizes 0..max_size, a few classes); returns the Store.
+    Packing is collective over comm (default COMM_WORLD)."""
     rng = np.random.default_rng(seed)
     src = os.path.join(root, "src")
     for i in range(files):
@@ -54,7 +55,7 @@ def make_store(root, files=150, seed=0, max_size=3000):
         with open(path, "wb") as fh:
             fh.write(rng.bytes(int(rng.integers(0, max_size)) if i % 17 else 0))
     dst = os.path.join(root, "store")
-    store.pack(src, dst, progress=False)
+    store.pack(src, dst, progress=False, comm=comm)
     return store.Store(dst)
 
 
@@ -361,3 +362,32 @@ def test_stats_and_trace(st, tmp_path, monkeypatch):
     names = {e["name"] for e in events}
     assert "fetch ram" in names and all(e["tid"] == 1 and e["ph"] == "X" for e in events)
     assert sum(e["name"].startswith("fetch") for e in events) == steps * 8
+
+
+# --------------------------------------------------------------------------- adapters
+
+def test_torch_dataset_in_stream_order(st):
+    import torch
+    from torch.utils.data import DataLoader
+
+    expected = prefetch.rank_stream(len(st), 8, 1, 0, 2, 4)
+    with Prefetcher(st, 8, 2, 4, ram_bytes=10**6) as pf:
+        ds = prefetch.TorchDataset(pf, transform=lambda v: torch.tensor(len(v)), epochs=1)
+        assert len(ds) == len(expected) // 2
+        first = [(int(x), int(y)) for x, y in DataLoader(ds, batch_size=None, num_workers=0)]
+        loader = DataLoader(prefetch.TorchDataset(pf, transform=lambda v: torch.tensor(v[:4].sum(), dtype=torch.int64)),
+                            batch_size=pf.local_batch)
+        second = torch.cat([x for x, _ in loader]).tolist()
+    assert first == [(len(st.read(int(i))), int(st.labels[i])) for i in expected[:len(first)]]
+    assert second == [sum(st.read(int(i))[:4]) for i in expected[len(first):]]
+
+
+def test_tf_dataset_in_stream_order(st):
+    import tensorflow as tf
+
+    expected = prefetch.rank_stream(len(st), 8, 1, 0, 1, 6)
+    with Prefetcher(st, 8, 1, 6, ram_bytes=0) as pf:
+        ds = prefetch.tf_dataset(pf)
+        got = [(bytes(x.numpy()), int(y)) for x, y in ds]
+    assert got == [(st.read(int(i)), int(st.labels[i])) for i in expected]
+    assert isinstance(ds, tf.data.Dataset)

@@ -129,8 +129,8 @@ class Prefetcher {
     stop();
     Status st;
     if (peers_) {
+      st = peers_->shutdown(timeout_s);  // after it, every request to this rank was answered
       stats_.served_to_peers = peers_->served();
-      st = peers_->shutdown(timeout_s);
       peers_.reset();
     }
     if (disk_fd_ >= 0) {
