@@ -15,7 +15,8 @@ from libcpp.vector cimport vector
 
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.store cimport (CShardInfo, CStoreReader, CThreadPool, crc32c as c_crc32c,
-                             crc32c_hardware_available, crc32c_software as c_crc32c_software)
+                             crc32c_hardware_available, crc32c_software as c_crc32c_software,
+                             shard_infos)
 
 
 def crc32c(const unsigned char[::1] data, uint32_t crc=0):
@@ -41,14 +42,6 @@ def crc32c_hardware():
     return crc32c_hardware_available()
 
 
-cdef void _copy_u64(vector[uint64_t]& dst, arr) except *:
-    cdef const uint64_t[::1] view = np.ascontiguousarray(arr, dtype=np.uint64)
-    cdef size_t n = view.shape[0]
-    dst.resize(n)
-    for i in range(n):
-        dst[i] = view[i]
-
-
 cdef class Reader:
     """Serves samples of opened shards with pread; see hpcdl.store.Store.
 
@@ -62,28 +55,10 @@ cdef class Reader:
     cdef readonly int threads
 
     def __cinit__(self, shards, int threads=8, bint verify_checksums=True):
-        cdef vector[CShardInfo] infos
-        cdef CShardInfo* info
-        cdef const uint32_t[::1] crcs
+        cdef vector[CShardInfo] infos = shard_infos(shards)
         cdef CStatus st
         self.pool = NULL
         self.threads = max(threads, 1)
-        for s in shards:
-            infos.resize(infos.size() + 1)
-            info = &infos.back()
-            info.path = os.fsencode(s["path"])
-            if s.get("damaged"):
-                info.damaged = str(s["damaged"]).encode()
-                info.damaged_count = s["count"]
-            else:
-                info.data_offset = s["data_offset"]
-                info.data_bytes = s["data_bytes"]
-                _copy_u64(info.offsets, s["offsets"])
-                _copy_u64(info.sizes, s["sizes"])
-                crcs = np.ascontiguousarray(s["crc32c"], dtype=np.uint32)
-                info.crc32c.resize(crcs.shape[0])
-                for i in range(crcs.shape[0]):
-                    info.crc32c[i] = crcs[i]
         with nogil:
             st = CStoreReader.open(move(infos), &self.reader)
         check_status(st)

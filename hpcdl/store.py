@@ -593,6 +593,7 @@ class Store:
         lengths = np.fromiter((len(n) for n in name_parts), dtype=np.int64, count=len(name_parts))
         self.names = _Names(b"".join(name_parts), np.concatenate([[0], np.cumsum(lengths)]))
         del name_parts
+        self.shard_infos = infos  # kept: the prefetcher opens its own reader over the same shards
         self._reader = _store.Reader(infos, threads, verify_checksums)
         self.sizes = np.concatenate([i["sizes"] if "sizes" in i else np.zeros(i["count"], np.uint64)
                                      for i in infos]) if infos else np.zeros(0, np.uint64)

@@ -44,3 +44,41 @@ cdef extern from "hpcdl/store_reader.hpp" namespace "hpcdl" nogil:
                           CThreadPool* pool, uint64_t* failed)
         CStatus verify_shard(size_t shard, vector[uint64_t]* bad, vector[string]* reasons,
                              uint64_t* bytes_read)
+
+
+cdef inline void _copy_u64(vector[uint64_t]& dst, arr) except *:
+    import numpy as np
+    cdef const uint64_t[::1] view = np.ascontiguousarray(arr, dtype=np.uint64)
+    cdef size_t n = view.shape[0]
+    dst.resize(n)
+    for i in range(n):
+        dst[i] = view[i]
+
+
+# The shard descriptions of hpcdl.store.Store (dicts) as the core's ShardInfo
+# list: one dict per shard with path, data_offset, data_bytes and numpy arrays
+# offsets (uint64), sizes (uint64), crc32c (uint32); or path, damaged (the
+# reason) and count for a shard that cannot be used.
+cdef inline vector[CShardInfo] shard_infos(shards) except *:
+    import os
+    import numpy as np
+    cdef vector[CShardInfo] infos
+    cdef CShardInfo* info
+    cdef const uint32_t[::1] crcs
+    for s in shards:
+        infos.resize(infos.size() + 1)
+        info = &infos.back()
+        info.path = os.fsencode(s["path"])
+        if s.get("damaged"):
+            info.damaged = str(s["damaged"]).encode()
+            info.damaged_count = s["count"]
+        else:
+            info.data_offset = s["data_offset"]
+            info.data_bytes = s["data_bytes"]
+            _copy_u64(info.offsets, s["offsets"])
+            _copy_u64(info.sizes, s["sizes"])
+            crcs = np.ascontiguousarray(s["crc32c"], dtype=np.uint32)
+            info.crc32c.resize(crcs.shape[0])
+            for i in range(crcs.shape[0]):
+                info.crc32c[i] = crcs[i]
+    return infos

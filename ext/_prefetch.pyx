@@ -1,0 +1,232 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Low-level layer over the shuffle, streams, placement and the prefetcher
+(include/hpcdl/shuffle.hpp, stream.hpp, placement.hpp, prefetcher.hpp).
+The Pythonic layer is hpcdl/prefetch.py."""
+
+import numpy as np
+
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libcpp.memory cimport unique_ptr
+from libcpp.string cimport string
+from libcpp.utility cimport move
+from libcpp.vector cimport vector
+from mpi4py cimport MPI
+from mpi4py.libmpi cimport MPI_Comm, MPI_COMM_NULL
+
+from libhpcdl.prefetch cimport (CBatchView, CPlacement, CPrefetchConfig, CPrefetcher, CPrefetchStats,
+                                CStreamSpec, epoch_order as c_epoch_order, peer_ram_holders as c_peer_ram_holders,
+                                place as c_place, shuffle_draw as c_shuffle_draw)
+from libhpcdl.status cimport CStatus, check_status
+from libhpcdl.store cimport CShardInfo, CStoreReader, shard_infos
+from libhpcdl.timeline cimport CTimeline, CTraceEvent
+
+SOURCES = ("ram", "disk", "peer", "store")
+
+
+cdef CStreamSpec _spec(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
+                       bint drop_last) except *:
+    cdef CStreamSpec spec
+    spec.samples, spec.global_batch, spec.ranks = samples, global_batch, ranks
+    spec.epochs, spec.seed, spec.drop_last = epochs, seed, drop_last
+    check_status(spec.validate())
+    return spec
+
+
+def shuffle_draw(uint64_t seed, uint64_t epoch, uint64_t k):
+    """Draw k of epoch `epoch` (a 64-bit word of Philox4x32-10)."""
+    return c_shuffle_draw(seed, epoch, k)
+
+
+def epoch_order(uint64_t n, uint64_t seed, uint64_t epoch):
+    """Epoch `epoch`'s order of samples 0..n-1 (uint64 array)."""
+    out = np.empty(n, dtype=np.uint64)
+    cdef uint64_t[::1] view = out
+    if n:
+        with nogil:
+            c_epoch_order[uint64_t](n, seed, epoch, &view[0])
+    return out
+
+
+def stream_layout(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
+                  bint drop_last):
+    """(local batch, batches per epoch, reads per epoch per rank) after validating the spec."""
+    cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
+    return spec.local_batch(), spec.batches_per_epoch(), spec.per_epoch()
+
+
+cdef object _u64_array(const vector[uint64_t]& v):
+    out = np.empty(v.size(), dtype=np.uint64)
+    cdef uint64_t[::1] view = out
+    for i in range(v.size()):
+        view[i] = v[i]
+    return out
+
+
+def rank_stream(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t rank, uint64_t epochs,
+                uint64_t seed, bint drop_last, uint64_t start=0):
+    """Rank `rank`'s reads from stream position `start` to the end of the run (uint64 array)."""
+    cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
+    if rank >= ranks:
+        raise ValueError(f"rank {rank} out of range [0, {ranks})")
+    cdef vector[uint64_t] v
+    with nogil:
+        v = spec.rank_stream(rank, start)
+    return _u64_array(v)
+
+
+def placement(stream, sizes, uint64_t ram_bytes, uint64_t disk_bytes):
+    """Tier placement of one rank's stream: dict of numpy arrays (see placement.hpp)."""
+    cdef vector[uint64_t] s
+    cdef const uint64_t[::1] st = np.ascontiguousarray(stream, dtype=np.uint64)
+    cdef const uint64_t[::1] sz = np.ascontiguousarray(sizes, dtype=np.uint64)
+    cdef uint64_t n = sz.shape[0]
+    cdef uint64_t caps[2]
+    caps[0], caps[1] = ram_bytes, disk_bytes
+    for i in range(st.shape[0]):
+        if st[i] >= n:
+            raise ValueError(f"stream entry {st[i]} out of range [0, {n})")
+        s.push_back(st[i])
+    cdef CPlacement p
+    with nogil:
+        p = c_place(s, &sz[0] if n else NULL, n, caps)
+    return _placement_dict(p)
+
+
+cdef object _placement_dict(const CPlacement& p):
+    n = p.tier.size()
+    freq = np.array([p.freq[i] for i in range(n)], dtype=np.uint32)
+    first = _u64_array(p.first)
+    tier = np.array([p.tier[i] for i in range(n)], dtype=np.uint8)
+    return {"freq": freq, "first": first, "tier": tier, "offset": _u64_array(p.offset),
+            "ram": _u64_array(p.lists[0]), "disk": _u64_array(p.lists[1]),
+            "ram_used": p.used[0], "disk_used": p.used[1]}
+
+
+def peer_ram_holders(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
+                     bint drop_last, uint64_t start, sizes, ram_capacity, uint64_t rank):
+    """Per sample, the peer that holds it in RAM (-1: none), as rank `rank` sees it."""
+    cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
+    cdef const uint64_t[::1] sz = np.ascontiguousarray(sizes, dtype=np.uint64)
+    cdef vector[uint64_t] caps = [int(c) for c in ram_capacity]
+    cdef vector[int32_t] h
+    with nogil:
+        h = c_peer_ram_holders(spec, start, &sz[0], caps, rank)
+    return np.array([h[i] for i in range(h.size())], dtype=np.int32)
+
+
+def required_staging(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t rank, uint64_t epochs,
+                     uint64_t seed, bint drop_last, sizes):
+    """The smallest staging buffer (bytes): three of the rank's largest local batches."""
+    cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
+    cdef const uint64_t[::1] sz = np.ascontiguousarray(sizes, dtype=np.uint64)
+    cdef uint64_t out = 0
+    cdef CStatus st
+    with nogil:
+        st = CPrefetcher.required_staging(spec, rank, &sz[0], &out)
+    check_status(st)
+    return out
+
+
+def timeline_enable(bint on):
+    CTimeline.instance().enable(on)
+
+
+def timeline_take():
+    """Recorded trace events since the last call: (name, category, start_us, duration_us, track)."""
+    cdef vector[CTraceEvent] events = CTimeline.instance().take()
+    return [(e.name.decode(), e.category.decode(), e.start_us, e.duration_us, e.track) for e in events]
+
+
+cdef class Core:
+    """One rank's running prefetcher. staging: a uint8 numpy array the core
+    fills; batches are (ring offset, bytes, sample ids, offsets) into it."""
+    cdef unique_ptr[CPrefetcher] core
+    cdef readonly object staging
+    cdef readonly uint64_t local_batch
+
+    def __cinit__(self, shards, dict cfg, staging, MPI.Comm comm=None):
+        cdef vector[CShardInfo] infos = shard_infos(shards)
+        cdef unique_ptr[CStoreReader] reader
+        cdef CPrefetchConfig c
+        cdef CStatus st
+        cdef unsigned char[::1] ring = staging
+        cdef MPI_Comm mpi_comm = MPI_COMM_NULL
+        with nogil:
+            st = CStoreReader.open(move(infos), &reader)
+        check_status(st)
+        c.spec = _spec(cfg["samples"], cfg["global_batch"], cfg["ranks"], cfg["epochs"], cfg["seed"],
+                       cfg["drop_last"])
+        c.rank, c.start = cfg["rank"], cfg["start"]
+        c.ram_bytes, c.disk_bytes = cfg["ram_bytes"], cfg["disk_bytes"]
+        c.disk_dir = cfg["disk_dir"].encode() if cfg["disk_dir"] else b""
+        c.staging_bytes = ring.shape[0]
+        c.staging_threads, c.ram_threads, c.disk_threads = cfg["threads"], cfg["ram_threads"], cfg["disk_threads"]
+        for b in cfg["peer_ram_bytes"]:
+            c.peer_ram_bytes.push_back(b)
+        c.peer_timeout_s, c.serve_delay_s = cfg["peer_timeout"], cfg["serve_delay"]
+        if comm is not None:
+            mpi_comm = comm.ob_mpi
+        self.staging = staging
+        self.local_batch = c.spec.local_batch()
+        with nogil:
+            st = CPrefetcher.create(move(reader), move(c), <char*>&ring[0], mpi_comm, &self.core)
+        check_status(st)
+
+    def first_batch(self):
+        return self.core.get().first_batch() if self.core else 0
+
+    def end_batch(self):
+        return self.core.get().end_batch() if self.core else 0
+
+    def next_batch(self):
+        """(batch, ring offset, bytes, sample ids, offsets) of the next local batch; blocks until staged."""
+        cdef CBatchView v
+        cdef CStatus st
+        if not self.core:
+            raise ValueError("the prefetcher is closed")
+        with nogil:
+            st = self.core.get().next_batch(&v)
+        check_status(st)
+        ids = np.empty(v.count, dtype=np.uint64)
+        offs = np.empty(v.count + 1, dtype=np.uint64)
+        cdef uint64_t[::1] iv = ids
+        cdef uint64_t[::1] ov = offs
+        for i in range(v.count):
+            iv[i] = v.samples[i]
+        for i in range(v.count + 1):
+            ov[i] = v.offsets[i]
+        return v.batch, v.ring_offset, v.bytes, ids, offs
+
+    def stats(self):
+        if not self.core:
+            return None
+        cdef CPrefetchStats s = self.core.get().stats()
+        return {
+            "hits": {SOURCES[i]: s.hits[i] for i in range(4)},
+            "bytes": {SOURCES[i]: s.bytes[i] for i in range(4)},
+            "peer_misses": s.peer_misses, "peer_timeouts": s.peer_timeouts,
+            "served_to_peers": s.served_to_peers, "ram_loaded": s.ram_loaded, "disk_written": s.disk_written,
+            "batches": s.batches, "stall_seconds": s.stall_s, "staging_bytes": s.staging_bytes,
+            "ram_used": s.tier_used[0], "disk_used": s.tier_used[1],
+            "ram_samples": s.tier_samples[0], "disk_samples": s.tier_samples[1],
+        }
+
+    def placement(self):
+        return _placement_dict(self.core.get().placement())
+
+    def take_warnings(self):
+        if not self.core:
+            return []
+        return [w.decode("utf-8", "replace") for w in self.core.get().take_warnings()]
+
+    def close(self, double timeout_s=120.0):
+        """Joins every thread; collective when the peer tier is on. Returns the final stats."""
+        cdef CStatus st
+        if not self.core:
+            return None
+        with nogil:
+            st = self.core.get().close(timeout_s)
+        final = self.stats()
+        self.core.reset()
+        check_status(st)
+        return final

@@ -1,0 +1,74 @@
+from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libcpp cimport bool as cbool
+from libcpp.memory cimport unique_ptr
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+from mpi4py.libmpi cimport MPI_Comm
+
+from libhpcdl.status cimport CStatus
+from libhpcdl.store cimport CStoreReader
+
+cdef extern from "hpcdl/shuffle.hpp" namespace "hpcdl" nogil:
+    uint64_t shuffle_draw(uint64_t seed, uint64_t epoch, uint64_t k)
+    void epoch_order[T](uint64_t n, uint64_t seed, uint64_t epoch, T* out)
+
+cdef extern from "hpcdl/stream.hpp" namespace "hpcdl" nogil:
+    cdef cppclass CStreamSpec "hpcdl::StreamSpec":
+        uint64_t samples, global_batch, ranks, epochs, seed
+        cbool drop_last
+        CStatus validate()
+        uint64_t local_batch()
+        uint64_t batches_per_epoch()
+        uint64_t per_epoch()
+        uint64_t length()
+        vector[uint64_t] rank_stream(uint64_t rank, uint64_t start)
+
+cdef extern from "hpcdl/placement.hpp" namespace "hpcdl" nogil:
+    cdef cppclass CPlacement "hpcdl::Placement":
+        vector[uint32_t] freq
+        vector[uint64_t] first
+        vector[uint8_t] tier
+        vector[uint64_t] offset
+        vector[uint64_t] lists[2]
+        uint64_t used[2]
+    CPlacement place(const vector[uint64_t]& stream, const uint64_t* sizes, uint64_t samples,
+                     const uint64_t* capacity)
+    vector[int32_t] peer_ram_holders(const CStreamSpec& spec, uint64_t start, const uint64_t* sizes,
+                                     const vector[uint64_t]& ram_capacity, uint64_t self)
+
+cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
+    cdef cppclass CPrefetchConfig "hpcdl::PrefetchConfig":
+        CStreamSpec spec
+        uint64_t rank, start, ram_bytes, disk_bytes, staging_bytes
+        string disk_dir
+        size_t staging_threads, ram_threads, disk_threads
+        vector[uint64_t] peer_ram_bytes
+        double peer_timeout_s, serve_delay_s
+
+    cdef cppclass CPrefetchStats "hpcdl::PrefetchStats":
+        uint64_t hits[4]
+        uint64_t bytes[4]
+        uint64_t peer_misses, peer_timeouts, served_to_peers, ram_loaded, disk_written, batches
+        uint64_t tier_used[2]
+        uint64_t tier_samples[2]
+        uint64_t staging_bytes
+        double stall_s
+
+    cdef cppclass CBatchView "hpcdl::BatchView":
+        uint64_t batch, ring_offset, bytes, count
+        const uint64_t* samples
+        const uint64_t* offsets
+
+    cdef cppclass CPrefetcher "hpcdl::Prefetcher":
+        @staticmethod
+        CStatus create(unique_ptr[CStoreReader] reader, CPrefetchConfig cfg, char* staging, MPI_Comm comm,
+                       unique_ptr[CPrefetcher]* out)
+        @staticmethod
+        CStatus required_staging(const CStreamSpec& spec, uint64_t rank, const uint64_t* sizes, uint64_t* out)
+        CStatus close(double timeout_s)
+        uint64_t first_batch()
+        uint64_t end_batch()
+        CStatus next_batch(CBatchView* out)
+        CPrefetchStats stats()
+        vector[string] take_warnings()
+        const CPlacement& placement()

@@ -1,0 +1,307 @@
+"""Clairvoyant multi-tier prefetching (NoPFS-style): every rank's whole access
+sequence is a pure function of (N, B, P, rank, E, seed), so each rank knows
+before the first step what it will read, how often and when, and stages data
+ahead of use from the fastest tier that has it.
+
+    from hpcdl.store import Store
+    from hpcdl.prefetch import Prefetcher
+
+    with Prefetcher(Store(path), batch_size=256, epochs=90, seed=1, comm=MPI.COMM_WORLD,
+                    ram_bytes=8 << 30, disk_dir="/local/scratch", disk_bytes=200 << 30) as pf:
+        for epoch in pf.epochs():
+            for batch in epoch:          # a Batch: views into the staging buffer
+                train_step(batch)
+
+Tiers (docs/prefetch.md): RAM (ram_bytes), node-local disk (disk_dir,
+disk_bytes), a peer rank's RAM (over MPI, when comm has several ranks), and
+the backing store. The C++ core (include/hpcdl/prefetcher.hpp) runs every
+thread with the GIL released.
+"""
+
+import atexit
+import json
+import os
+import time
+import warnings
+import weakref
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcdl import _prefetch
+from hpcdl.errors import MismatchError
+from hpcdl.store import Store, _agree
+
+DEFAULT_RAM_BYTES = 1 << 30
+DEFAULT_STAGING_BYTES = 64 << 20
+TRACE_ENV = "HPCDL_TRACE"
+
+__all__ = ["Prefetcher", "Batch", "PrefetchWarning", "epoch_order", "rank_stream", "placement",
+           "TorchDataset", "tf_dataset"]
+
+
+class PrefetchWarning(UserWarning):
+    """A tier is unusable (missing or full cache directory...): its samples come from the next tier."""
+
+
+def epoch_order(n, seed, epoch):
+    """Epoch ``epoch``'s order of samples 0..n-1 (the C++ shuffle; uint64 array)."""
+    return _prefetch.epoch_order(n, seed, epoch)
+
+
+def rank_stream(n, batch_size, ranks, rank, epochs, seed, drop_last=True, start=0):
+    """Every sample rank ``rank`` reads over the run, in order (uint64 array).
+
+    batch_size is the global batch B (a multiple of ranks); each rank reads
+    B/ranks samples per step. ``start`` skips the first positions (resume).
+    """
+    return _prefetch.rank_stream(n, batch_size, ranks, rank, epochs, seed, drop_last, start)
+
+
+def placement(stream, sizes, ram_bytes, disk_bytes=0):
+    """Where one rank keeps each sample: dict with per-sample ``freq``,
+    ``first``, ``tier`` (0 RAM, 1 disk, 2 store), ``offset``; the ``ram`` and
+    ``disk`` lists in first-use order; ``ram_used`` and ``disk_used`` bytes."""
+    return _prefetch.placement(stream, sizes, ram_bytes, disk_bytes)
+
+
+class Batch:
+    """One local batch, zero-copy: ``data`` is a uint8 view of the staging
+    buffer holding the samples back to back; sample j is
+    ``data[offsets[j]:offsets[j + 1]]``. Valid until the next batch is taken
+    (the prefetcher then reuses that memory): copy what you keep longer.
+    """
+
+    __slots__ = ("epoch", "step", "indices", "labels", "data", "offsets")
+
+    def __init__(self, epoch, step, indices, labels, data, offsets):
+        self.epoch, self.step = epoch, step
+        self.indices, self.labels, self.data, self.offsets = indices, labels, data, offsets
+
+    def __len__(self):
+        return len(self.indices)
+
+    def __getitem__(self, j):
+        return self.data[int(self.offsets[j]):int(self.offsets[j + 1])]
+
+    def samples(self):
+        """The samples as uint8 views."""
+        return [self[j] for j in range(len(self))]
+
+    def __iter__(self):
+        """(sample view, label) pairs."""
+        for j in range(len(self)):
+            yield self[j], int(self.labels[j])
+
+    def __repr__(self):
+        return f"<Batch epoch {self.epoch} step {self.step}: {len(self)} samples, {self.data.nbytes} bytes>"
+
+
+class _Epoch:
+    """The remaining batches of one epoch. Iterating it first skips whatever
+    earlier epochs left unread, so epochs can be iterated in order or not at all."""
+
+    def __init__(self, prefetcher, epoch):
+        self.prefetcher, self.epoch = prefetcher, epoch
+
+    def __len__(self):
+        epoch, step = self.prefetcher.position
+        return 0 if epoch > self.epoch else self.prefetcher.steps_per_epoch - (step if epoch == self.epoch else 0)
+
+    def __iter__(self):
+        pf = self.prefetcher
+        while not pf._finished() and pf.position[0] < self.epoch:
+            pf._next()
+        while not pf._finished() and pf.position[0] == self.epoch:
+            yield pf._next()
+
+
+_open = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all():
+    """Interpreter exit: join every prefetcher's threads before MPI is finalized."""
+    for pf in list(_open):
+        pf.close(timeout=30.0)
+
+
+class Prefetcher:
+    """A rank's prefetcher over an hpcdl store for a whole run.
+
+    store: an hpcdl.store.Store (or its path). batch_size: the global batch B,
+    a multiple of the number of ranks; each rank gets B/P samples per step.
+    epochs, seed: the run; epoch e's order is epoch_order(N, seed, e).
+    comm: an mpi4py communicator (None: this process alone); with several
+    ranks the construction and close() are collective and ranks fetch from
+    each other's RAM tier (needs MPI_THREAD_MULTIPLE).
+    ram_bytes: RAM tier capacity; disk_dir, disk_bytes: node-local disk tier
+    (an unnamed file in disk_dir, gone when closed); 0 turns a tier off.
+    threads: staging threads; ram_threads, disk_threads: tier fillers.
+    staging_bytes: the staging buffer (raised to three of the largest local
+    batches when smaller). drop_last: drop the last partial global batch of
+    each epoch (else pad it with the epoch's first samples).
+    start=(epoch, step): resume where a checkpoint left off (step = local
+    batches already done in that epoch); delivers exactly the rest of the run.
+    peer_timeout: seconds to wait for a peer before reading the store instead.
+    """
+
+    def __init__(self, store, batch_size, epochs, seed, comm=None, ram_bytes=DEFAULT_RAM_BYTES, disk_dir=None,
+                 disk_bytes=0, threads=4, drop_last=True, start=(0, 0), staging_bytes=DEFAULT_STAGING_BYTES,
+                 ram_threads=2, disk_threads=2, peer_timeout=2.0, _serve_delay=0.0):
+        self._core = None
+        self.store = store if isinstance(store, Store) else Store(store)
+        self.comm = comm
+        world = comm if comm is not None else MPI.COMM_SELF
+        self.rank, self.ranks = world.Get_rank(), world.Get_size()
+        n = len(self.store)
+        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("ram_bytes", ram_bytes),
+                            ("disk_bytes", disk_bytes), ("threads", threads), ("staging_bytes", staging_bytes)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if batch_size == 0:
+            raise ValueError("batch_size must be positive")
+        self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
+
+        def validate():
+            local, per_epoch_batches, per_epoch = _prefetch.stream_layout(n, self.batch_size, self.ranks,
+                                                                          self.num_epochs, self.seed, self.drop_last)
+            epoch, step = (int(x) for x in start)
+            if not (0 <= epoch <= self.num_epochs and 0 <= step <= per_epoch_batches
+                    and (epoch < self.num_epochs or step == 0)):
+                raise ValueError(f"start={tuple(start)} is outside the run ({self.num_epochs} epochs of "
+                                 f"{per_epoch_batches} steps)")
+            return local, per_epoch_batches, epoch * per_epoch + step * local
+
+        self.local_batch, self.steps_per_epoch, position = _agree(world, validate)
+        if self.ranks > 1:
+            mine = (n, self.batch_size, self.num_epochs, self.seed, self.drop_last, position)
+            every = world.allgather(mine)
+            if any(other != mine for other in every):
+                bad = next(r for r, other in enumerate(every) if other != mine)
+                raise MismatchError(f"[hpcdl rank {self.rank}] prefetcher settings differ between ranks: "
+                                    f"(samples, batch_size, epochs, seed, drop_last, start position) "
+                                    f"{mine} here, {every[bad]} on rank {bad}")
+            peer_ram = world.allgather(int(ram_bytes))
+        else:
+            peer_ram = []
+        self._position = position
+        required = _prefetch.required_staging(n, self.batch_size, self.ranks, self.rank, self.num_epochs, self.seed,
+                                              self.drop_last, self.store.sizes) if self.num_epochs else 1
+        self._staging = np.empty(max(int(staging_bytes), required), dtype=np.uint8)
+        cfg = {"samples": n, "global_batch": self.batch_size, "ranks": self.ranks, "epochs": self.num_epochs,
+               "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank, "start": position,
+               "ram_bytes": int(ram_bytes), "disk_bytes": int(disk_bytes) if disk_dir else 0,
+               "disk_dir": os.fspath(disk_dir) if disk_dir else "", "threads": max(int(threads), 1),
+               "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
+               "peer_ram_bytes": peer_ram if any(peer_ram) else [], "peer_timeout": float(peer_timeout),
+               "serve_delay": float(_serve_delay)}
+        self._trace = os.environ.get(TRACE_ENV)
+        if self._trace:
+            _prefetch.timeline_enable(True)
+        self._core = _prefetch.Core(self.store.shard_infos, cfg, self._staging,
+                                    comm if self.ranks > 1 else None)
+        self._started = time.monotonic()
+        self._final_stats = None
+        self._emit_warnings()
+        _open.add(self)
+
+    # ------------------------------------------------------------------ iteration
+
+    @property
+    def position(self):
+        """(epoch, step) of the next batch: pass it as start= to resume there."""
+        return divmod(self._position // self.local_batch, self.steps_per_epoch) if self.steps_per_epoch else (0, 0)
+
+    def epochs(self):
+        """The remaining epochs in order, each an iterable of its remaining batches."""
+        first = self.position[0]
+        return [_Epoch(self, e) for e in range(first, self.num_epochs)] if self._core is not None else []
+
+    def _finished(self):
+        return self._core is None or self._position >= self.num_epochs * self.steps_per_epoch * self.local_batch
+
+    def __iter__(self):
+        """Every remaining batch of the run, epoch after epoch."""
+        while not self._finished():
+            yield self._next()
+
+    def _next(self):
+        if self._core is None:
+            raise ValueError("the prefetcher is closed")
+        epoch, step = self.position
+        batch, ring, nbytes, ids, offsets = self._core.next_batch()
+        self._position += self.local_batch
+        self._emit_warnings()
+        return Batch(epoch, step, ids, self.store.labels[ids.astype(np.int64)],
+                     self._staging[ring:ring + nbytes], offsets)
+
+    # ------------------------------------------------------------------ reporting
+
+    def _emit_warnings(self):
+        if self._core is not None:
+            for message in self._core.take_warnings():
+                warnings.warn(f"[hpcdl rank {self.rank}] {message}", PrefetchWarning, stacklevel=3)
+
+    def stats(self):
+        """Per-source hits and bytes (ram, disk, peer, store), peer misses and
+        timeouts, samples served to peers, tier fill, and the consumer's stall time."""
+        s = self._core.stats() if self._core is not None else dict(self._final_stats or {})
+        if s:
+            s["seconds"] = time.monotonic() - self._started
+        return s
+
+    def placement(self):
+        """This rank's placement of the rest of the run (see placement())."""
+        return self._core.placement()
+
+    def _write_trace(self):
+        events = _prefetch.timeline_take()
+        path = self._trace if self.ranks == 1 else f"{self._trace}.rank{self.rank}"
+        trace = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": self.rank, "tid": track}
+                 for name, cat, ts, dur, track in events]
+        with open(path, "w") as fh:
+            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, fh)
+
+    # ------------------------------------------------------------------ shutdown
+
+    def close(self, timeout=120.0):
+        """Stop and join every thread, free the tiers (the disk file too).
+        Collective when the prefetcher spans several ranks."""
+        core, self._core = self._core, None
+        if core is None:
+            return
+        _open.discard(self)
+        for message in core.take_warnings():
+            warnings.warn(f"[hpcdl rank {self.rank}] {message}", PrefetchWarning, stacklevel=2)
+        try:
+            self._final_stats = core.close(timeout)
+        finally:
+            if self._trace:
+                self._write_trace()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if getattr(self, "_core", None) is not None:
+            self.close(timeout=30.0)
+
+    def __repr__(self):
+        state = "closed" if self._core is None else f"next {self.position}"
+        return (f"<hpcdl.prefetch.Prefetcher rank {self.rank}/{self.ranks}: {len(self.store)} samples, "
+                f"batch {self.batch_size}, {self.num_epochs} epochs, {state}>")
+
+
+def __getattr__(name):
+    # The framework adapters import torch / tensorflow only when asked for.
+    if name == "TorchDataset":
+        from hpcdl.prefetch_torch import TorchDataset
+        return TorchDataset
+    if name == "tf_dataset":
+        from hpcdl.prefetch_tf import tf_dataset
+        return tf_dataset
+    raise AttributeError(f"module 'hpcdl.prefetch' has no attribute {name!r}")

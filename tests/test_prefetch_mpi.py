@@ -1,0 +1,108 @@
+"""The prefetcher under 4 MPI ranks: every sample exactly once per epoch across
+ranks, peer fetches that deliver the right bytes, a silent peer -> the store,
+mismatched settings -> an error on every rank. Collective-safe (conftest)."""
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcdl import store
+from hpcdl.errors import MismatchError
+from hpcdl.prefetch import Prefetcher
+from conftest import agree, collective, outcome
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def shared_store():
+    comm = MPI.COMM_WORLD
+    root = None
+    if comm.Get_rank() == 0:
+        from test_prefetch import make_store
+        root = tempfile.mkdtemp(prefix="hpcdl-prefetch-mpi-")
+        make_store(root, files=160, seed=8, comm=MPI.COMM_SELF).close()
+    root = comm.bcast(root, root=0)
+    yield store.Store(os.path.join(root, "store"))
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def delivered(pf, st):
+    """(indices, all bytes right) over the rest of the run."""
+    ids, right = [], True
+    for batch in pf:
+        ids.append(batch.indices.copy())
+        right &= all(bytes(batch[j]) == st.read(int(i)) for j, i in enumerate(batch.indices))
+    return (np.concatenate(ids) if ids else np.zeros(0, np.uint64)), right
+
+
+def test_every_sample_once_per_epoch_across_ranks(comm, shared_store):
+    st, epochs, batch = shared_store, 3, 16
+
+    def run():
+        with Prefetcher(st, batch, epochs, 5, comm=comm, ram_bytes=0) as pf:
+            return delivered(pf, st)
+
+    (ids, right) = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    every = comm.allgather(ids)
+    steps = len(st) // batch
+    per_rank = steps * batch // comm.Get_size()
+    ok = True
+    for e in range(epochs):
+        seen = np.concatenate([x[e * per_rank:(e + 1) * per_rank] for x in every]).astype(np.int64)
+        counts = np.bincount(seen, minlength=len(st))
+        ok &= counts.max() == 1 and counts.sum() == steps * batch
+    agree(comm, ok, "a sample read twice (or missed) in an epoch")
+
+
+def test_peer_fetches_deliver_the_right_bytes(comm, shared_store):
+    st = shared_store
+    # Each rank's RAM holds about a third of the data: much of what a rank
+    # misses locally sits in a peer's RAM.
+    ram = int(st.sizes.sum()) // 3
+
+    def run():
+        with Prefetcher(st, 8, 4, 11, comm=comm, ram_bytes=ram, peer_timeout=10.0) as pf:
+            ids, right = delivered(pf, st)
+        return ids, right, pf.stats()  # final: counts every request answered
+
+    ids, right, stats = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    peer_hits = comm.allreduce(stats["hits"]["peer"])
+    served = comm.allreduce(stats["served_to_peers"])
+    agree(comm, peer_hits > 0 and peer_hits == served, f"peer hits {peer_hits}, served {served}")
+    agree(comm, sum(stats["hits"].values()) == len(ids), f"hits {stats['hits']} for {len(ids)} reads")
+
+
+def test_a_silent_peer_means_reading_the_store(comm, shared_store):
+    st = shared_store
+    ram = int(st.sizes.sum()) // 3
+    slow = 1.0 if comm.Get_rank() == 1 else 0.0  # rank 1 stalls for a second before its first answer
+
+    def run():
+        with Prefetcher(st, 8, 2, 13, comm=comm, ram_bytes=ram, peer_timeout=0.05, _serve_delay=slow) as pf:
+            ids, right = delivered(pf, st)
+            return right, pf.stats()
+
+    right, stats = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    timeouts = comm.allreduce(stats["peer_timeouts"])
+    agree(comm, timeouts > 0, "no request timed out")
+
+
+def test_mismatched_settings_raise_on_every_rank(comm, shared_store):
+    seed = 1 if comm.Get_rank() == 2 else 0
+    _, err = outcome(Prefetcher, shared_store, 8, 2, seed, comm=comm)
+    agree(comm, isinstance(err, MismatchError), repr(err))
+    batch = 6 if comm.Get_rank() == 0 else 8
+    _, err = outcome(Prefetcher, shared_store, batch, 2, 0, comm=comm)
+    agree(comm, err is not None, "no error for different batch sizes")
+    _, err = outcome(Prefetcher, shared_store, 10, 2, 0, comm=comm)  # 10 is not a multiple of 4 ranks
+    agree(comm, isinstance(err, ValueError) and "multiple" in str(err), repr(err))
