@@ -27,6 +27,7 @@
 #include <thread>
 #include <vector>
 
+#include "hpcdl/mpi_util.hpp"
 #include "hpcdl/status.hpp"
 
 namespace hpcdl {
@@ -39,15 +40,8 @@ class PeerService {
 
   static Status create(MPI_Comm user, ServeFn serve, SizeFn size_of, double timeout_s, double serve_delay_s,
                        std::unique_ptr<PeerService>* out) {
-    int initialized = 0, finalized = 0, level = 0;
-    MPI_Initialized(&initialized);
-    MPI_Finalized(&finalized);
-    if (!initialized || finalized) return Status::Invalid("MPI is not initialized (or already finalized)");
-    MPI_Query_thread(&level);
-    if (level < MPI_THREAD_MULTIPLE)
-      return Status::Invalid(
-          "the prefetcher's peer tier needs MPI_THREAD_MULTIPLE (a server thread answers other ranks while yours "
-          "run); initialize MPI with it (mpi4py does by default: mpi4py.rc.thread_level = 'multiple')");
+    HPCDL_RETURN_NOT_OK(require_thread_multiple("the prefetcher's peer tier",
+                                                "a server thread answers other ranks while yours run"));
     std::unique_ptr<PeerService> s(new PeerService());
     if (MPI_Comm_dup(user, &s->comm_) != MPI_SUCCESS) return Status::Mpi("MPI_Comm_dup failed");
     MPI_Comm_rank(s->comm_, &s->rank_);

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "hpcdl/dtype.hpp"
+#include "hpcdl/mpi_util.hpp"
 #include "hpcdl/status.hpp"
 
 namespace hpcdl {
@@ -25,14 +26,6 @@ namespace hpcdl {
 constexpr int kPipelineDepth = 2;
 constexpr std::size_t kDefaultChunkBytes = 4 << 20;  // measured: docs/performance.md
 constexpr std::size_t kMaxChunkBytes = std::size_t(1) << 30;  // one MPI message, count fits an int
-
-inline Status mpi_status(int rc, const char* what) {
-  if (rc == MPI_SUCCESS) return Status::OK();
-  char text[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  MPI_Error_string(rc, text, &len);
-  return Status::Mpi(std::string(what) + ": " + std::string(text, static_cast<std::size_t>(len)));
-}
 
 // Geometry of one ring allreduce: p segments (as even as possible), each cut
 // into the same number of chunks so every step has the same unit count.

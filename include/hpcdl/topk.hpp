@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "hpcdl/dtype.hpp"
+#include "hpcdl/mpi_util.hpp"
 #include "hpcdl/ring.hpp"
 #include "hpcdl/status.hpp"
 

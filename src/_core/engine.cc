@@ -387,15 +387,7 @@ int Engine::on_comm_freed(MPI_Comm, int, void* context, void* extra_state) {
 }
 
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
-  int initialized = 0, finalized = 0, level = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (!initialized || finalized) return Status::Invalid("MPI is not initialized (or already finalized)");
-  MPI_Query_thread(&level);
-  if (level < MPI_THREAD_MULTIPLE)
-    return Status::Invalid(
-        "hpcdl needs MPI_THREAD_MULTIPLE (its engine thread makes MPI calls while yours do); "
-        "initialize MPI with it (mpi4py does by default: mpi4py.rc.thread_level = 'multiple')");
+  HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
   if (comm == MPI_COMM_NULL) return Status::Invalid("communicator is MPI_COMM_NULL");
   const OpDesc& d = req.desc;
   if (d.kind == OpKind::kAllreduce && d.reduce_op == ReduceOp::kAverage && !dtype_is_float(d.dtype))
