@@ -42,6 +42,24 @@ def drop_cache(comm):
     comm.Barrier()
 
 
+def timed_epoch(batches, compute_s, times, stalls, touch=None):
+    """One epoch: wait for each batch (stall), then emulate a step of compute_s; appends the totals."""
+    stall, start = 0.0, time.monotonic()
+    it = iter(batches)
+    while True:
+        t0 = time.monotonic()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        stall += time.monotonic() - t0
+        if touch is not None:
+            touch(batch)
+        time.sleep(compute_s)
+    times.append(time.monotonic() - start)
+    stalls.append(stall)
+
+
 def worker(args):
     from mpi4py import MPI
 
@@ -71,18 +89,7 @@ def worker(args):
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             drop_cache(comm)
-            stall, start = 0.0, time.monotonic()
-            it = iter(loader)
-            while True:
-                t0 = time.monotonic()
-                try:
-                    next(it)
-                except StopIteration:
-                    break
-                stall += time.monotonic() - t0
-                time.sleep(args.compute)
-            times.append(time.monotonic() - start)
-            stalls.append(stall)
+            timed_epoch(loader, args.compute, times, stalls)
     else:
         from hpcdl.prefetch import Prefetcher
 
@@ -90,19 +97,7 @@ def worker(args):
                         disk_dir=args.disk_dir, disk_bytes=args.disk, threads=args.threads) as pf:
             for epoch in pf.epochs():
                 drop_cache(comm)
-                stall, start = 0.0, time.monotonic()
-                it = iter(epoch)
-                while True:
-                    t0 = time.monotonic()
-                    try:
-                        batch = next(it)
-                    except StopIteration:
-                        break
-                    stall += time.monotonic() - t0
-                    int(batch.data[:64].sum())  # touch the bytes
-                    time.sleep(args.compute)
-                times.append(time.monotonic() - start)
-                stalls.append(stall)
+                timed_epoch(epoch, args.compute, times, stalls, touch=lambda b: int(b.data[:64].sum()))
             stats = pf.stats()
         if rank == 0:
             print("[hpcdl rank 0] hits", stats["hits"], file=sys.stderr)
