@@ -89,16 +89,17 @@ def feature_count(store):
     return decode(np.frombuffer(store[0], dtype=np.uint8)).size
 
 
-def eval_batches(store, comm=MPI.COMM_WORLD, batch_size=64):
-    """This rank's share of the held-out store, in fixed order: (x, y) batches."""
-    if store is None:
-        return
-    mine = np.arange(comm.Get_rank(), len(store), comm.Get_size())
+def evaluate(store, predict, comm=MPI.COMM_WORLD, batch_size=64):
+    """(correct, count) of predict(x) -> class numbers on this rank's share of the held-out store."""
+    correct = count = 0
+    mine = np.arange(comm.Get_rank(), len(store) if store is not None else 0, comm.Get_size())
     for start in range(0, len(mine), batch_size):
         indices = mine[start:start + batch_size]
         data, offsets = store.read_many(indices)
         x = np.stack([decode(data[offsets[k]:offsets[k + 1]]) for k in range(len(indices))])
-        yield x, store.labels[indices].astype(np.int64)
+        correct += int(np.sum(np.asarray(predict(x)) == store.labels[indices]))
+        count += len(indices)
+    return correct, count
 
 
 def compression_codec(name, int8_block, topk_ratio):
@@ -159,3 +160,7 @@ class EpochReport:
             f"grad bytes sent {sent / 1e6:.2f} MB vs dense {dense / 1e6:.2f} MB "
             f"({dense / sent if sent else 1:.2f}x fewer)")
         return test_correct / test_count if test_count else None
+
+    def summary(self):
+        stats = self.prefetcher.stats()
+        log(f"prefetcher on rank 0: hits {stats['hits']}, stall {stats['stall_seconds']:.3f} s in total")

@@ -23,7 +23,7 @@ import tensorflow as tf  # noqa: E402
 import hpcdl  # noqa: E402
 import hpcdl.prefetch  # noqa: E402
 import hpcdl.tensorflow  # noqa: E402
-from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, eval_batches,  # noqa: E402
+from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, evaluate,  # noqa: E402
                          feature_count, log, make_prefetcher, prepare_stores)
 
 
@@ -80,13 +80,9 @@ def main():
                 loss_sum += float(loss) * len(y)
                 correct += int(right)
             seconds = time.perf_counter() - started
-            test_correct = test_count = 0
-            for x, y in eval_batches(test, comm):
-                test_correct += int(np.sum(np.argmax(model(x, training=False).numpy(), 1) == y))
-                test_count += len(y)
+            test_correct, test_count = evaluate(test, lambda x: np.argmax(model(x, training=False).numpy(), 1), comm)
             report(epoch, seconds, samples, loss_sum, correct, test_correct, test_count)
-        stats = prefetcher.stats()
-    log(f"prefetcher on rank 0: hits {stats['hits']}, stall {stats['stall_seconds']:.3f} s in total")
+        report.summary()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 import hpcdl  # noqa: E402
 import hpcdl.prefetch  # noqa: E402
 import hpcdl.torch  # noqa: E402
-from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, eval_batches,  # noqa: E402
+from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, evaluate,  # noqa: E402
                          feature_count, log, make_prefetcher, prepare_stores)
 
 
@@ -73,14 +73,10 @@ def main():
                 correct += int((logits.argmax(1) == y).sum())
             seconds = time.perf_counter() - started
             model.eval()
-            test_correct = test_count = 0
             with torch.no_grad():
-                for x, y in eval_batches(test, comm):
-                    test_correct += int((model(torch.from_numpy(x)).argmax(1) == torch.from_numpy(y)).sum())
-                    test_count += len(y)
+                test_correct, test_count = evaluate(test, lambda x: model(torch.from_numpy(x)).argmax(1).numpy(), comm)
             report(epoch, seconds, samples, loss_sum, correct, test_correct, test_count)
-        stats = prefetcher.stats()
-    log(f"prefetcher on rank 0: hits {stats['hits']}, stall {stats['stall_seconds']:.3f} s in total")
+        report.summary()
 
 
 if __name__ == "__main__":
