@@ -43,6 +43,11 @@ def enable(path, comm=None):
     _prefetch.timeline_enable(True)
 
 
+def enabled():
+    """Whether this process records a timeline (HPCDL_TIMELINE or enable())."""
+    return _state["path"] is not None
+
+
 def _part(path, rank):
     return f"{path}.rank{rank}.part"
 

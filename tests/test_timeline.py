@@ -65,7 +65,8 @@ def test_timeline_has_prefetcher_fetches_and_stalls_per_rank(tmp_path):
     store.pack(str(src), str(tmp_path / "store"), progress=False)
     trace_path = tmp_path / "run.json"
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    env = dict(os.environ, HPCDL_TIMELINE=str(trace_path))
+    # HPCDL_TRACE (the prefetcher's own trace) must not take the events from the timeline.
+    env = dict(os.environ, HPCDL_TIMELINE=str(trace_path), HPCDL_TRACE=str(tmp_path / "prefetch-trace.json"))
     proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", PREFETCH_PROGRAM, str(tmp_path / "store")],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -83,3 +84,5 @@ def test_timeline_has_prefetcher_fetches_and_stalls_per_rank(tmp_path):
         assert abs(sum(e["dur"] for e in stalls) - stall_seconds * 1e6) <= 1 + 1e-3 * stall_seconds * 1e6, rank
         assert len([e for e in mine if e["name"] == "grad" and e["cat"] == "allgather"]) == 2
     assert any(stall_seconds > 0 for _, stall_seconds in stats.values()), stats
+    assert "HPCDL_TRACE is ignored while HPCDL_TIMELINE is set" in proc.stderr
+    assert not list(tmp_path.glob("prefetch-trace.json*"))
