@@ -226,6 +226,8 @@ def main(argv=None):
         image_mb = int(args.files * 40e3 * 3 / 1e6) + 512
         print(sh(SLOWFS, "setup", args.workdir, str(image_mb)).strip())
     else:
+        if args.workdir:
+            os.makedirs(args.workdir, exist_ok=True)
         args.workdir = tempfile.mkdtemp(prefix="hpcdl-bench-store-", dir=args.workdir)
         os.makedirs(os.path.join(args.workdir, "mnt"))
         print(f"plain directory {args.workdir} on the local disk: no throttle, no root; cold reads "
