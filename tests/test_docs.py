@@ -152,7 +152,7 @@ def simple_commands(line):
 
 
 def sbatch_target(script):
-    """What an sbatch script runs with its arguments: ("hpcdl", [sub]) or ("path", file), or None."""
+    """What an sbatch script runs before its arguments: ("hpcdl", [words]) or ("path", file, [words]), or None."""
     with open(os.path.join(ROOT, script)) as f:
         for line in f:
             words = line.split()
@@ -162,8 +162,8 @@ def sbatch_target(script):
                      or w.startswith('"$HPCDL_HOME/')]
             if words[:1] == ["hpcdl"]:
                 return "hpcdl", words[1:]
-            if words[:1] == ["python"] and len(words) == 2:
-                return "path", words[1].strip('"').replace("$HPCDL_HOME/", "")
+            if words[:1] == ["python"] and len(words) >= 2:
+                return "path", words[1].strip('"').replace("$HPCDL_HOME/", ""), words[2:]
     return None
 
 
@@ -260,8 +260,8 @@ def test_documented_commands_exist_and_parse():
                 if argv:
                     problems.append(f"{where}\n    {target} takes no arguments")
                 continue
-            kind, target, argv = (runs[0], "hpcdl", runs[1] + argv) if runs[0] == "hpcdl" else \
-                ("path", runs[1], argv)
+            kind, target, argv = ("hpcdl", "hpcdl", runs[1] + argv) if runs[0] == "hpcdl" else \
+                ("path", runs[1], runs[2] + argv)
         if kind == "path":
             target = os.path.join(ROOT, target)
             if not os.path.exists(target):
@@ -293,7 +293,8 @@ def test_the_checker_catches_drift(tmp_path):
     assert simple_commands("eval \"$(scripts/slurm-cluster.sh env)\" && hpcdl info > out.txt # note") == \
         [["eval", "$(scripts/slurm-cluster.sh env)"], ["hpcdl", "info"]]
     assert sbatch_target("slurm/pack.sbatch") == ("hpcdl", ["pack"])
-    assert sbatch_target("slurm/allreduce_bench.sbatch") == ("path", "bench/allreduce.py")
+    assert sbatch_target("slurm/allreduce_bench.sbatch") == ("path", "bench/allreduce.py", [])
+    assert sbatch_target("slurm/store_bench.sbatch") == ("path", "bench/store.py", ["--fs", "plain"])
     assert "start" in case_labels("scripts/slurm-cluster.sh")
     argvs = [["info"], ["info", "--bogus"], ["bench", "allreduce", "--sizes", "4KiB"], ["bench", "allreduce", "--no-such"],
              ["nosuch"]]
