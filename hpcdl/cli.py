@@ -182,22 +182,30 @@ def _cmd_bench(args):
         print("hpcdl bench: error: -n must be at least 1", file=sys.stderr)
         return 2
     launched = any(name in os.environ for name in LAUNCHER_ENV)
-    if args.bench == "allreduce" and not launched and args.ranks > 1:
+    self_launch = args.bench == "allreduce" and not launched and args.ranks > 1
+    if self_launch or args.bench != "allreduce":
+        try:
+            mpiexec = mpiexec_path()
+        except FileNotFoundError as exc:
+            print(f"hpcdl bench: error: {exc}", file=sys.stderr)
+            return 2
+    if self_launch:
         # One process as typed: start the ranks, each of which runs the benchmark in-process.
-        cmd = [mpiexec_path(), "-n", str(args.ranks), sys.executable, "-m", "hpcdl", "bench", "allreduce",
+        cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "hpcdl", "bench", "allreduce",
                "--out", args.out] + args.bench_args
         print(f"[hpcdl] {' '.join(cmd)}", flush=True)
         return subprocess.call(cmd)
-    if args.bench != "allreduce" and launched:
-        from mpi4py import MPI
+    if args.bench != "allreduce":
+        if launched:
+            from mpi4py import MPI
 
-        if MPI.COMM_WORLD.Get_size() > 1:
-            if MPI.COMM_WORLD.Get_rank() == 0:
-                print(f"hpcdl bench {args.bench}: error: run it as one process; it starts its own "
-                      f"mpiexec -n {args.ranks} (-n N)", file=sys.stderr)
-            return 2
-    if args.bench != "allreduce":  # the drivers start `mpiexec` from PATH: the one that goes with us
-        os.environ["PATH"] = os.path.dirname(mpiexec_path()) + os.pathsep + os.environ.get("PATH", "")
+            if MPI.COMM_WORLD.Get_size() > 1:
+                if MPI.COMM_WORLD.Get_rank() == 0:
+                    print(f"hpcdl bench {args.bench}: error: run it as one process; it starts its own "
+                          f"mpiexec -n {args.ranks} (-n N)", file=sys.stderr)
+                return 2
+        # The drivers start `mpiexec` from PATH: make it the one that goes with this Python.
+        os.environ["PATH"] = os.path.dirname(mpiexec) + os.pathsep + os.environ.get("PATH", "")
     bench = importlib.import_module(f"hpcdl.bench.{args.bench}")
     status = bench.main(_bench_argv(args)) or 0
     if args.bench == "prefetch" and status == 0:
