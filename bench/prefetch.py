@@ -17,7 +17,7 @@ set on the shared file system, and here it would. The disk tier lives on the
 unthrottled local disk. The DataLoader's prefetch_factor is tuned first (each
 of --prefetch-factors once, emulated step; the best epochs 2..E wins).
 Writes bench/results/prefetch.csv (medians and the model),
-prefetch-runs.csv (every run) and prefetch.png.
+prefetch-runs.csv (every run) and prefetch.png (--name changes "prefetch").
 """
 
 import argparse
@@ -295,15 +295,15 @@ def driver(args):
               f"stall {r['stall_fraction']:6.1%}, step {r['step_s'] * 1e3:.1f} ms")
     out = os.path.join(HERE, "results")
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "prefetch.csv"), "w", newline="") as fh:
+    with open(os.path.join(out, f"{args.name}.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=["variant", "loader", "epoch", "epoch_s", "stall_fraction", "step_s"])
         w.writeheader()
         w.writerows(rows)
-    with open(os.path.join(out, "prefetch-runs.csv"), "w", newline="") as fh:
+    with open(os.path.join(out, f"{args.name}-runs.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(runs[0]))
         w.writeheader()
         w.writerows(runs)
-    plot(rows, os.path.join(out, "prefetch.png"))
+    plot(rows, os.path.join(out, f"{args.name}.png"))
 
 
 def main():
@@ -325,6 +325,7 @@ def main():
     ap.add_argument("--variant", default="emulated", choices=("emulated", "torch"), help="(worker) the step")
     ap.add_argument("--variants", default="emulated,torch", help="steps to run (driver)")
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--name", default="prefetch", help="results: bench/results/NAME.csv, NAME-runs.csv, NAME.png")
     ap.add_argument("--features", type=int, default=4096, help="bytes of each sample the MLP reads")
     ap.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width")
     ap.add_argument("--slowfs", default="/tmp/hpcdl-slowfs", help="slow FS directory ('' for none)")
