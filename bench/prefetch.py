@@ -1,18 +1,24 @@
 """Epoch times and stall fractions: (a) PyTorch DataLoader over the store
-(DistributedSampler, num_workers=2, prefetch_factor) against (b) hpcdl's
-prefetcher, with a training step emulated by a fixed compute time per batch
-(as DLIO does), on the emulated slow file system (bench/slowfs.sh), and the
-simulator's predictions for the same setting.
+(DistributedSampler, num_workers=2, prefetch_factor tuned) against (b) hpcdl's
+prefetcher, on the emulated slow file system (bench/slowfs.sh), with the
+training step either emulated by a fixed compute time per batch (as DLIO
+does) or a real small PyTorch model (an MLP on the decoded samples, the same
+for both loaders; its step time is measured), and the simulator's
+predictions for the same setting.
 
-    sudo python bench/prefetch.py                       # driver: setup, runs, CSV
-    python bench/prefetch.py --files 1000 --compute 0.005  # smaller
+    sudo python bench/prefetch.py --files 1000 --runs 3   # driver: setup, runs, CSV + PNG
+    python bench/prefetch.py --files 400 --slowfs '' --runs 1   # no root: no throttling
 
 The driver packs random files into a store on a throttled loop-mounted ext4
 (read IOPS limited), then runs each loader under `mpiexec -n RANKS` through
 `slowfs.sh run` (page cache dropped first). The page cache is also dropped at
 the start of every epoch: on a cluster the node's cache does not hold a data
 set on the shared file system, and here it would. The disk tier lives on the
-unthrottled local disk. Writes bench/results/prefetch.csv.
+unthrottled local disk. The DataLoader's prefetch_factor is tuned first (each
+of --prefetch-factors once, emulated step; the best epochs 2..E wins).
+Writes OUT/prefetch.csv (medians and the model; OUT: --out, default
+bench/results), prefetch-runs.csv (every run) and prefetch.png (--name
+changes "prefetch").
 """
 
 import argparse
@@ -45,9 +51,9 @@ def drop_cache(comm):
     comm.Barrier()
 
 
-def timed_epoch(batches, compute_s, times, stalls, touch=None):
-    """One epoch: wait for each batch (stall), then emulate a step of compute_s; appends the totals."""
-    stall, start = 0.0, time.monotonic()
+def timed_epoch(batches, step, times, stalls, steps_s):
+    """One epoch: wait for each batch (stall), then run step(batch); appends the totals."""
+    stall, busy, start = 0.0, 0.0, time.monotonic()
     it = iter(batches)
     while True:
         t0 = time.monotonic()
@@ -55,12 +61,42 @@ def timed_epoch(batches, compute_s, times, stalls, touch=None):
             batch = next(it)
         except StopIteration:
             break
-        stall += time.monotonic() - t0
-        if touch is not None:
-            touch(batch)
-        time.sleep(compute_s)
+        t1 = time.monotonic()
+        stall += t1 - t0
+        step(batch)
+        busy += time.monotonic() - t1
     times.append(time.monotonic() - start)
     stalls.append(stall)
+    steps_s.append(busy)
+
+
+def make_step(args):
+    """The training step on a batch of decoded samples (a float tensor, labels):
+    a sleep of args.compute seconds, or one SGD step of a small MLP."""
+    if args.variant == "emulated":
+        return lambda x, y: time.sleep(args.compute)
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(args.features, args.hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
+                                torch.nn.Linear(args.hidden, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step(x, y):
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return step
+
+
+def decode(buf, features):
+    """A sample's first `features` bytes as floats in [0, 1] (zero-padded)."""
+    out = np.zeros(features, dtype=np.float32)
+    n = min(len(buf), features)
+    out[:n] = np.frombuffer(buf, dtype=np.uint8, count=n)
+    return out / 255.0
 
 
 def worker(args):
@@ -72,7 +108,12 @@ def worker(args):
     rank, size = comm.Get_rank(), comm.Get_size()
     st = Store(args.store)
     local = args.batch // size
-    times, stalls = [], []
+    times, stalls, steps_s = [], [], []
+    train = make_step(args)
+    stats = {}
+    if args.variant == "torch":
+        import torch
+        torch.set_num_threads(1)
     if args.worker == "dataloader":
         import torch
         from torch.utils.data import DataLoader, Dataset
@@ -83,7 +124,7 @@ def worker(args):
                 return len(st)
 
             def __getitem__(self, i):
-                return torch.frombuffer(bytearray(st[i]), dtype=torch.uint8).sum(), int(st.labels[i])
+                return torch.from_numpy(decode(st[i], args.features)), int(st.labels[i])
 
         sampler = DistributedSampler(StoreDataset(), num_replicas=size, rank=rank, shuffle=True, seed=1,
                                      drop_last=True)
@@ -92,29 +133,45 @@ def worker(args):
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             drop_cache(comm)
-            timed_epoch(loader, args.compute, times, stalls)
+            timed_epoch(loader, lambda b: train(b[0], b[1]), times, stalls, steps_s)
     else:
         from hpcdl.prefetch import Prefetcher
+
+        def step(batch):
+            x = np.stack([decode(view, args.features) for view in batch.samples()])
+            if args.variant == "torch":
+                import torch
+                train(torch.from_numpy(x), torch.from_numpy(batch.labels.astype(np.int64)))
+            else:
+                train(x, batch.labels)
 
         with Prefetcher(st, args.batch, args.epochs, 1, comm=comm, ram_bytes=args.ram,
                         disk_dir=args.disk_dir, disk_bytes=args.disk, threads=args.threads) as pf:
             for epoch in pf.epochs():
                 drop_cache(comm)
-                timed_epoch(epoch, args.compute, times, stalls, touch=lambda b: int(b.data[:64].sum()))
-            stats = pf.stats()
-        if rank == 0:
-            print("[hpcdl rank 0] hits", stats["hits"], file=sys.stderr)
-    all_times, all_stalls = comm.gather(times, root=0), comm.gather(stalls, root=0)
+                timed_epoch(epoch, step, times, stalls, steps_s)
+        stats = pf.stats()
+    all_times, all_stalls, all_steps = comm.gather(times, root=0), comm.gather(stalls, root=0), comm.gather(steps_s, root=0)
+    all_stats = comm.gather(stats, root=0)
     if rank == 0:  # an epoch lasts as long as its slowest rank
         epoch_max, stall_max = np.max(all_times, axis=0), np.max(all_stalls, axis=0)
-        print(json.dumps({"epoch_s": [float(x) for x in epoch_max], "stall_s": [float(x) for x in stall_max]}))
+        steps_per_epoch = len(st) // args.batch
+        step_s = float(np.median(all_steps)) / steps_per_epoch
+        summary = {key: sum(s.get(key, 0) for s in all_stats) for key in
+                   ("store_reads", "peer_fills", "peer_waits", "peer_misses", "peer_timeouts", "served_to_peers")}
+        if args.worker == "hpcdl":
+            summary["hits"] = {src: sum(s["hits"][src] for s in all_stats) for src in all_stats[0]["hits"]}
+            print(f"[hpcdl rank 0] all ranks: {summary}", file=sys.stderr)
+        print(json.dumps({"epoch_s": [float(x) for x in epoch_max], "stall_s": [float(x) for x in stall_max],
+                          "step_s": step_s, "stats": summary}))
 
 
-def run_mode(args, mode, store_path, disk_dir):
+def run_mode(args, mode, variant, store_path, disk_dir, prefetch_factor):
     cmd = ["mpiexec", "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker", mode,
-           "--store", store_path, "--epochs", str(args.epochs), "--batch", str(args.batch),
+           "--variant", variant, "--store", store_path, "--epochs", str(args.epochs), "--batch", str(args.batch),
            "--compute", str(args.compute), "--ram", str(args.ram), "--disk", str(args.disk),
-           "--disk-dir", disk_dir, "--threads", str(args.threads), "--prefetch-factor", str(args.prefetch_factor)]
+           "--disk-dir", disk_dir if args.disk else "", "--threads", str(args.threads),
+           "--prefetch-factor", str(prefetch_factor), "--features", str(args.features), "--hidden", str(args.hidden)]
     if args.slowfs:
         cmd = [SLOWFS, "run", args.slowfs] + cmd
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
@@ -124,9 +181,58 @@ def run_mode(args, mode, store_path, disk_dir):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def driver(args):
+def later_epochs(res):
+    return float(np.median(res["epoch_s"][1:] or res["epoch_s"]))
+
+
+def model_rows(args, variant, step_s):
     from hpcdl.simulator import System, predict
 
+    system = System(samples=args.files, sample_bytes=args.file_bytes, ranks=args.ranks, epochs=args.epochs,
+                    batch=args.batch, compute=step_s, ram_bytes=args.ram, disk_bytes=args.disk,
+                    store_bw=args.bps, store_iops=args.iops, disk_bw=1e9, net_bw=2e9, peers=True)
+    model = predict(system)
+    rows = []
+    for e in range(args.epochs):
+        for name, key in (("model-staging", "staging"), ("model-prefetch", "prefetch")):
+            t = model[key][e]
+            rows.append({"variant": variant, "loader": name, "epoch": e + 1, "epoch_s": round(t, 3),
+                         "stall_fraction": round(max(t - model["compute"][e], 0) / t, 4), "step_s": round(step_s, 4)})
+    return rows
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    variants = sorted({r["variant"] for r in rows})
+    loaders = ["dataloader", "hpcdl", "model-staging", "model-prefetch"]
+    colors = {"dataloader": "tab:red", "hpcdl": "tab:blue", "model-staging": "salmon", "model-prefetch": "lightblue"}
+    fig, axes = plt.subplots(1, len(variants), figsize=(6 * len(variants), 4), squeeze=False)
+    for ax, variant in zip(axes[0], variants):
+        sel = [r for r in rows if r["variant"] == variant]
+        epochs = sorted({r["epoch"] for r in sel})
+        width = 0.8 / len(loaders)
+        for i, loader in enumerate(loaders):
+            ys = [next((r["epoch_s"] for r in sel if r["loader"] == loader and r["epoch"] == e), 0) for e in epochs]
+            xs = [e + (i - 1.5) * width for e in epochs]
+            bars = ax.bar(xs, ys, width, label=loader, color=colors[loader])
+            if loader in ("dataloader", "hpcdl"):
+                for bar, e in zip(bars, epochs):
+                    r = next(r for r in sel if r["loader"] == loader and r["epoch"] == e)
+                    ax.annotate(f"{r['stall_fraction']:.0%}", (bar.get_x() + width / 2, bar.get_height()),
+                                ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(epochs)
+        ax.set_xlabel("epoch (labels: stall fraction, median of runs)")
+        ax.set_ylabel("epoch time (s)")
+        ax.set_title(f"4 ranks, slow store: {variant} step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def driver(args):
     work = tempfile.mkdtemp(prefix="hpcdl-bench-prefetch-")
     rng = np.random.default_rng(0)
     src = os.path.join(work, "src")
@@ -145,32 +251,68 @@ def driver(args):
                    env=dict(os.environ, PYTHONPATH=ROOT))
     disk_dir = os.path.join(work, "disk")
     os.makedirs(disk_dir)
-    rows = []
+    runs = []  # every run: variant, loader, run, epoch, epoch_s, stall_fraction, step_s
+    factors = [int(x) for x in args.prefetch_factors.split(",")]
+
+    def record(variant, mode, run, res, factor=""):
+        for e, (t, s) in enumerate(zip(res["epoch_s"], res["stall_s"])):
+            runs.append({"variant": variant, "loader": mode, "run": run, "epoch": e + 1, "epoch_s": round(t, 3),
+                         "stall_fraction": round(s / t, 4), "step_s": round(res["step_s"], 4),
+                         "prefetch_factor": factor, "store_reads": res["stats"].get("store_reads", "")})
+            print(f"{variant:>8} {mode:>10} run {run} epoch {e + 1}: {t:7.2f} s, stall {s / t:6.1%}"
+                  + (f" (prefetch_factor {factor})" if factor else ""), flush=True)
+        if mode == "hpcdl":
+            print(f"{variant:>8}      hpcdl run {run}: {res['stats']}", flush=True)
+
     try:
-        for mode in ("dataloader", "hpcdl"):
-            res = run_mode(args, mode, store_path, disk_dir)
-            for e, (t, s) in enumerate(zip(res["epoch_s"], res["stall_s"])):
-                rows.append({"loader": mode, "epoch": e + 1, "epoch_s": round(t, 3), "stall_fraction": round(s / t, 4)})
-                print(f"{mode:>10} epoch {e + 1}: {t:7.2f} s, stall {s / t:6.1%}")
+        best = factors[0]
+        if len(factors) > 1:  # tune the DataLoader's prefetch_factor on the emulated step
+            tried = {}
+            for f in factors:
+                tried[f] = run_mode(args, "dataloader", "emulated", store_path, disk_dir, f)
+                record("emulated", "dataloader-tuning", 0, tried[f], f)
+            best = min(factors, key=lambda f: later_epochs(tried[f]))
+            print(f"best prefetch_factor: {best}", flush=True)
+        for variant in args.variants.split(","):
+            for run in range(1, args.runs + 1):
+                for mode in ("dataloader", "hpcdl"):
+                    record(variant, mode, run, run_mode(args, mode, variant, store_path, disk_dir, best),
+                           best if mode == "dataloader" else "")
     finally:
         if args.slowfs:
             subprocess.run([SLOWFS, "teardown", args.slowfs], check=False)
         shutil.rmtree(work, ignore_errors=True)
-    steps = args.files // args.batch
-    system = System(samples=args.files, sample_bytes=args.file_bytes, ranks=args.ranks, epochs=args.epochs,
-                    batch=args.batch, compute=args.compute, ram_bytes=args.ram, disk_bytes=args.disk,
-                    store_bw=args.bps, store_iops=args.iops, disk_bw=1e9, net_bw=2e9, peers=True)
-    model = predict(system)
-    for e in range(args.epochs):
-        rows.append({"loader": "model-staging", "epoch": e + 1, "epoch_s": round(model["staging"][e], 3)})
-        rows.append({"loader": "model-prefetch", "epoch": e + 1, "epoch_s": round(model["prefetch"][e], 3)})
-        print(f"     model epoch {e + 1}: staging {model['staging'][e]:.2f} s, prefetch {model['prefetch'][e]:.2f} s, "
-              f"compute {steps * args.compute:.2f} s")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "prefetch.csv"), "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=["loader", "epoch", "epoch_s", "stall_fraction"])
+    rows = []
+    for variant in args.variants.split(","):
+        for mode in ("dataloader", "hpcdl"):
+            for e in range(1, args.epochs + 1):
+                sel = [r for r in runs if r["variant"] == variant and r["loader"] == mode and r["epoch"] == e]
+                rows.append({"variant": variant, "loader": mode, "epoch": e,
+                             "epoch_s": round(float(np.median([r["epoch_s"] for r in sel])), 3),
+                             "stall_fraction": round(float(np.median([r["stall_fraction"] for r in sel])), 4),
+                             "step_s": round(float(np.median([r["step_s"] for r in sel])), 4)})
+        step_s = float(np.median([r["step_s"] for r in runs if r["variant"] == variant and r["loader"] == "hpcdl"]))
+        rows += model_rows(args, variant, args.compute if variant == "emulated" else step_s)
+    print(f"medians of {args.runs} runs (load: {os.getloadavg()[0]:.1f}):")
+    for r in rows:
+        print(f"{r['variant']:>8} {r['loader']:>14} epoch {r['epoch']}: {r['epoch_s']:7.2f} s, "
+              f"stall {r['stall_fraction']:6.1%}, step {r['step_s'] * 1e3:.1f} ms")
+    for variant in args.variants.split(","):
+        total = {mode: sum(r["epoch_s"] for r in rows if r["variant"] == variant and r["loader"] == mode
+                           and r["epoch"] >= min(2, args.epochs)) for mode in ("dataloader", "hpcdl")}
+        print(f"{variant:>8} epochs {min(2, args.epochs)}..{args.epochs} dataloader/hpcdl: "
+              f"{total['dataloader'] / total['hpcdl']:.2f}x")
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{args.name}.csv"), "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=["variant", "loader", "epoch", "epoch_s", "stall_fraction", "step_s"])
         w.writeheader()
         w.writerows(rows)
+    with open(os.path.join(out, f"{args.name}-runs.csv"), "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(runs[0]))
+        w.writeheader()
+        w.writerows(runs)
+    plot(rows, os.path.join(out, f"{args.name}.png"))
 
 
 def main(argv=None):
@@ -187,11 +329,18 @@ def main(argv=None):
     ap.add_argument("--disk", type=int, default=0, help="disk tier bytes per rank")
     ap.add_argument("--disk-dir", default="")
     ap.add_argument("--threads", type=int, default=4)
-    ap.add_argument("--prefetch-factor", type=int, default=4)
+    ap.add_argument("--prefetch-factor", type=int, default=4, help="(worker) the DataLoader's prefetch_factor")
+    ap.add_argument("--prefetch-factors", default="2,4,8", help="DataLoader prefetch_factors to try (driver)")
+    ap.add_argument("--variant", default="emulated", choices=("emulated", "torch"), help="(worker) the step")
+    ap.add_argument("--variants", default="emulated,torch", help="steps to run (driver)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--name", default="prefetch", help="results: OUT/NAME.csv, NAME-runs.csv, NAME.png")
+    ap.add_argument("--features", type=int, default=4096, help="bytes of each sample the MLP reads")
+    ap.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width")
     ap.add_argument("--slowfs", default="/tmp/hpcdl-slowfs", help="slow FS directory ('' for none)")
     ap.add_argument("--iops", type=int, default=300)
     ap.add_argument("--bps", type=int, default=50 << 20)
-    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for prefetch.csv")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for the results (see --name)")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)

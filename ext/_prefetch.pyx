@@ -14,7 +14,8 @@ from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_Comm, MPI_COMM_NULL
 
 from libhpcdl.prefetch cimport (CBatchView, CPlacement, CPrefetchConfig, CPrefetcher, CPrefetchStats,
-                                CStreamSpec, epoch_order as c_epoch_order, peer_ram_holders as c_peer_ram_holders,
+                                CStreamSpec, epoch_order as c_epoch_order, CPeerSources,
+                                peer_sources as c_peer_sources,
                                 place as c_place, shuffle_draw as c_shuffle_draw)
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.store cimport CShardInfo, CStoreReader, shard_infos
@@ -102,16 +103,21 @@ cdef object _placement_dict(const CPlacement& p):
             "ram_used": p.used[0], "disk_used": p.used[1]}
 
 
-def peer_ram_holders(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
-                     bint drop_last, uint64_t start, sizes, ram_capacity, uint64_t rank):
-    """Per sample, the peer that holds it in RAM (-1: none), as rank `rank` sees it."""
+def peer_sources(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
+                 bint drop_last, uint64_t start, sizes, ram_capacity, disk_capacity, uint64_t rank):
+    """As rank `rank` sees it, per sample: the other rank that caches it with the
+    earliest first use (int32, -1 none) and that first use's global key
+    (step * ranks + rank; uint64, 2**64-1 none). See placement.hpp."""
     cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
     cdef const uint64_t[::1] sz = np.ascontiguousarray(sizes, dtype=np.uint64)
-    cdef vector[uint64_t] caps = [int(c) for c in ram_capacity]
-    cdef vector[int32_t] h
+    cdef vector[uint64_t] ram = [int(c) for c in ram_capacity]
+    cdef vector[uint64_t] disk = [int(c) for c in disk_capacity]
+    if ram.size() != ranks or disk.size() != ranks:
+        raise ValueError(f"ram_capacity and disk_capacity need one entry per rank ({ranks})")
+    cdef CPeerSources s
     with nogil:
-        h = c_peer_ram_holders(spec, start, &sz[0], caps, rank)
-    return np.array([h[i] for i in range(h.size())], dtype=np.int32)
+        s = c_peer_sources(spec, start, &sz[0], ram, disk, rank)
+    return np.array([s.rank[i] for i in range(s.rank.size())], dtype=np.int32), _u64_array(s.key)
 
 
 def required_staging(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t rank, uint64_t epochs,
@@ -163,6 +169,8 @@ cdef class Core:
         c.staging_threads, c.ram_threads, c.disk_threads = cfg["threads"], cfg["ram_threads"], cfg["disk_threads"]
         for b in cfg["peer_ram_bytes"]:
             c.peer_ram_bytes.push_back(b)
+        for b in cfg["peer_disk_bytes"]:
+            c.peer_disk_bytes.push_back(b)
         c.peer_timeout_s, c.serve_delay_s = cfg["peer_timeout"], cfg["serve_delay"]
         if comm is not None:
             mpi_comm = comm.ob_mpi
@@ -204,7 +212,8 @@ cdef class Core:
         return {
             "hits": {SOURCES[i]: s.hits[i] for i in range(4)},
             "bytes": {SOURCES[i]: s.bytes[i] for i in range(4)},
-            "peer_misses": s.peer_misses, "peer_timeouts": s.peer_timeouts,
+            "peer_misses": s.peer_misses, "peer_timeouts": s.peer_timeouts, "peer_waits": s.peer_waits,
+            "peer_fills": s.peer_fills, "store_reads": s.store_reads,
             "served_to_peers": s.served_to_peers, "ram_loaded": s.ram_loaded, "disk_written": s.disk_written,
             "batches": s.batches, "stall_seconds": s.stall_s, "staging_bytes": s.staging_bytes,
             "ram_used": s.tier_used[0], "disk_used": s.tier_used[1],

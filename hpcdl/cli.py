@@ -144,7 +144,7 @@ BENCHES = {
                "--strace-samples", "500", "--repeats", "1", "--shards", "2", "--ranks", "1,N"]),
     "prefetch": ("epoch time and stalls: DataLoader against the prefetcher on N ranks (bench/prefetch.py)",
                  ["--slowfs", "", "--files", "1000", "--epochs", "2", "--batch", "16*N", "--compute", "0.01",
-                  "--ranks", "N"]),
+                  "--ranks", "N", "--variants", "emulated", "--runs", "1", "--prefetch-factors", "4"]),
 }
 
 
@@ -208,13 +208,9 @@ def _cmd_bench(args):
         os.environ["PATH"] = os.path.dirname(mpiexec) + os.pathsep + os.environ.get("PATH", "")
     bench = importlib.import_module(f"hpcdl.bench.{args.bench}")
     status = bench.main(_bench_argv(args)) or 0
-    if args.bench == "prefetch" and status == 0:
-        from hpcdl.bench import prefetch_report
-
-        if not args.slowfs:
-            print("the store was a plain temporary directory (no slow file system; --slowfs for it); the "
-                  "model rows predict the throttled file system of --iops/--bps")
-        prefetch_report.report(os.path.join(args.out, "prefetch.csv"))
+    if args.bench == "prefetch" and status == 0 and not args.slowfs:
+        print("the store was a plain temporary directory (no slow file system; --slowfs for it); the "
+              "model rows predict the throttled file system of --iops/--bps")
     return status
 
 

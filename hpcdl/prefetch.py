@@ -143,7 +143,9 @@ class Prefetcher:
     each epoch (else pad it with the epoch's first samples).
     start=(epoch, step): resume where a checkpoint left off (step = local
     batches already done in that epoch); delivers exactly the rest of the run.
-    peer_timeout: seconds to wait for a peer before reading the store instead.
+    peer_timeout: seconds to wait for a peer's answer before reading the store
+    instead (a peer that has not loaded a sample yet answers "later" within half
+    of it, and is asked again).
     """
 
     def __init__(self, store, batch_size, epochs, seed, comm=None, ram_bytes=DEFAULT_RAM_BYTES, disk_dir=None,
@@ -183,8 +185,9 @@ class Prefetcher:
                                     f"(samples, batch_size, epochs, seed, drop_last, start position) "
                                     f"{mine} here, {every[bad]} on rank {bad}")
             peer_ram = world.allgather(int(ram_bytes))
+            peer_disk = world.allgather(int(disk_bytes) if disk_dir else 0)
         else:
-            peer_ram = []
+            peer_ram = peer_disk = []
         self._position = position
         required = _prefetch.required_staging(n, self.batch_size, self.ranks, self.rank, self.num_epochs, self.seed,
                                               self.drop_last, self.store.sizes) if self.num_epochs else 1
@@ -194,7 +197,8 @@ class Prefetcher:
                "ram_bytes": int(ram_bytes), "disk_bytes": int(disk_bytes) if disk_dir else 0,
                "disk_dir": os.fspath(disk_dir) if disk_dir else "", "threads": max(int(threads), 1),
                "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
-               "peer_ram_bytes": peer_ram if any(peer_ram) else [], "peer_timeout": float(peer_timeout),
+               "peer_ram_bytes": peer_ram if any(peer_ram) or any(peer_disk) else [],
+               "peer_disk_bytes": peer_disk if any(peer_disk) else [], "peer_timeout": float(peer_timeout),
                "serve_delay": float(_serve_delay)}
         self._trace = os.environ.get(TRACE_ENV)
         if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
@@ -248,8 +252,10 @@ class Prefetcher:
                 warnings.warn(f"[hpcdl rank {self.rank}] {message}", PrefetchWarning, stacklevel=3)
 
     def stats(self):
-        """Per-source hits and bytes (ram, disk, peer, store), peer misses and
-        timeouts, samples served to peers, tier fill, and the consumer's stall time."""
+        """Per-source hits and bytes (ram, disk, peer, store), peer misses,
+        timeouts and waits ("later" answers), samples served to peers, tier
+        slots filled from peers (peer_fills), every backing-store read
+        (store_reads), tier fill, and the consumer's stall time."""
         s = self._core.stats() if self._core is not None else dict(self._final_stats or {})
         if s:
             s["seconds"] = time.monotonic() - self._started

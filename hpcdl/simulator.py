@@ -4,9 +4,13 @@ store, then computes), (2) a staging buffer only (reads from the store overlap
 compute, as a DataLoader with workers does), and (3) the clairvoyant
 prefetcher (RAM, node-local disk, peers' RAM, store), for clusters we cannot
 run. Pure Python, closed form: the frequency of a sample on one rank over E
-epochs is Binomial(E, 1/P) (each epoch a rank reads a random N/P of the data),
-placement pours the most frequent samples into RAM then disk, and each tier
+epochs is Binomial(E, c/P) (each epoch a rank reads a random c*N/P of the
+data; c < 1 by the dropped last batch), placement pours the most frequent
+samples into RAM then disk, and each tier
 is a resource with its own bandwidth; sources work in parallel with compute.
+Peers: a rank's first use of a sample it caches comes from the store only if
+no other rank cached it in an earlier epoch (else from that source peer), and
+an uncached sample comes from a peer's RAM when some peer caches it.
 
     python -m hpcdl.simulator --samples 1281167 --sample-bytes 110000 --ranks 1024 \
         --epochs 90 --batch 32768 --compute 0.25 --ram 25G --disk 300G \
@@ -74,8 +78,8 @@ def predict(sys):
     staging = max(compute, store_all)
 
     # Per rank: how many samples are read f times, most frequent first into RAM, then disk.
-    q = 1.0 / P
-    pmf = _binomial_pmf(E, q)
+    cover = steps * sys.batch / N  # an epoch reads this fraction of the data, each sample by one rank
+    pmf = _binomial_pmf(E, cover / P)
     ram_slots = sys.ram_bytes / sys.sample_bytes
     disk_slots = sys.disk_bytes / sys.sample_bytes
     tier_of = {}  # f -> (samples in ram, on disk, uncached)
@@ -88,6 +92,11 @@ def predict(sys):
         left_disk -= in_disk
         tier_of[f] = (in_ram, in_disk, count - in_ram - in_disk)
     cached_ram = sum(v[0] for v in tier_of.values())
+    cached = sum(v[0] + v[1] for v in tier_of.values())
+    distinct = N * (1.0 - pmf[0])  # samples a rank reads at least once
+    cached_share = min(cached / distinct, 1.0) if distinct else 0.0
+    # Per earlier epoch: P(another rank read and cached the sample | this rank did not read it).
+    other = cover * (P - 1) / P / max(1.0 - cover / P, 1e-12) * cached_share if sys.peers and P > 1 else 0.0
     # A sample a rank does not cache is in some peer's RAM with this probability
     # (each rank caches a random-looking cached_ram of the N samples).
     coverage = 1.0 - (1.0 - min(cached_ram / N, 1.0)) ** (P - 1) if sys.peers and P > 1 else 0.0
@@ -97,16 +106,19 @@ def predict(sys):
         # Reads this epoch per tier (each sample read f times has f/E of its reads in epoch e),
         # and the cold first reads of cached samples, which come from the store (or a peer).
         hits = [0.0, 0.0, 0.0]
-        cold = 0.0
+        first_uses = 0.0
         for f, (r, d, u) in tier_of.items():
             share = f / E
             first = _first_use_in_epoch(E, f, e)
             hits[0] += r * (share - first)
             hits[1] += d * (share - first)
             hits[2] += u * share
-            cold += (r + d) * first
+            first_uses += (r + d) * first
+        # First uses: from the store when no other rank cached the sample in an earlier epoch.
+        cold = first_uses * (1.0 - other) ** (e - 1)
         peer = (hits[2] * coverage) if e > 1 else 0.0
-        store = hits[2] - peer + cold
+        peer += first_uses - cold
+        store = hits[2] * (1.0 - coverage if e > 1 else 1.0) + cold
         t_store = _store_time(store * P, sys)
         disk_fills = sum(d * _first_use_in_epoch(E, f, e) for f, (_, d, _) in tier_of.items())
         t_disk = (hits[1] + disk_fills) * sys.sample_bytes / sys.disk_bw  # reads, plus writes of first uses

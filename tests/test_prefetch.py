@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from hpcdl import prefetch, store
+from hpcdl import _prefetch, prefetch, store
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import PrefetchWarning, Prefetcher
 
@@ -171,6 +171,33 @@ def test_placement_invariants(ram, disk):
             if len(lst) else True
     if ram >= sizes.sum():
         assert (p["tier"][freq > 0] == 0).all()
+
+
+@pytest.mark.parametrize("ram,disk", [(10**9, 0), (3000, 6000), (0, 0)])
+def test_peer_sources_are_the_earliest_other_cacher(ram, disk):
+    # Against a direct reading of the rule: for each sample, among the other
+    # ranks whose placement caches it, the one with the smallest first-use key
+    # (global step * ranks + rank). Rank 2 has no tiers at all.
+    n, batch, ranks, epochs, seed = 120, 8, 4, 3, 9
+    sizes = np.random.default_rng(5).integers(0, 400, n).astype(np.uint64)
+    rams, disks = [ram, ram, 0, ram], [disk, disk, 0, disk]
+    local = batch // ranks
+    keys = np.full((ranks, n), 2**64 - 1, dtype=np.uint64)
+    for q in range(ranks):
+        p = prefetch.placement(prefetch.rank_stream(n, batch, ranks, q, epochs, seed), sizes, rams[q], disks[q])
+        cached = np.flatnonzero(p["tier"] < 2)
+        keys[q, cached] = p["first"][cached] // local * ranks + q
+    for me in range(ranks):
+        rank, key = _prefetch.peer_sources(n, batch, ranks, epochs, seed, True, 0, sizes, rams, disks, me)
+        others = keys.copy()
+        others[me] = 2**64 - 1
+        best = others.min(axis=0)
+        assert (key == best).all()
+        has = best != 2**64 - 1
+        assert (rank[~has] == -1).all() and (rank[has] == others.argmin(axis=0)[has]).all()
+        assert not (rank == 2).any() and not (rank == me).any()
+    if ram == 0 and disk == 0:
+        assert (rank == -1).all()
 
 
 # --------------------------------------------------------------------------- delivery

@@ -1,6 +1,7 @@
 """The prefetcher under 4 MPI ranks: every sample exactly once per epoch across
-ranks, peer fetches that deliver the right bytes, a silent peer -> the store,
-mismatched settings -> an error on every rank. Collective-safe (conftest)."""
+ranks, peer fetches that deliver the right bytes, each sample read from the
+store once per job when every rank caches what it reads, a silent peer -> the
+store, mismatched settings -> an error on every rank. Collective-safe (conftest)."""
 
 import os
 import shutil
@@ -76,9 +77,45 @@ def test_peer_fetches_deliver_the_right_bytes(comm, shared_store):
     ids, right, stats = collective(comm, run)
     agree(comm, right, "wrong bytes")
     peer_hits = comm.allreduce(stats["hits"]["peer"])
+    peer_fills = comm.allreduce(stats["peer_fills"])
     served = comm.allreduce(stats["served_to_peers"])
-    agree(comm, peer_hits > 0 and peer_hits == served, f"peer hits {peer_hits}, served {served}")
+    agree(comm, peer_hits > 0 and peer_fills > 0 and peer_hits + peer_fills == served,
+          f"peer hits {peer_hits}, peer fills {peer_fills}, served {served}")
     agree(comm, sum(stats["hits"].values()) == len(ids), f"hits {stats['hits']} for {len(ids)} reads")
+
+
+@pytest.mark.parametrize("tiers", ["ram", "ram+disk"])
+def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tiers):
+    # Every rank caches all it reads (RAM, or a small RAM and a disk tier): a
+    # sample's first reader loads it from the store, every later reader from
+    # a peer that read it earlier, so the store serves each sample once.
+    st, total = shared_store, int(shared_store.sizes.sum())
+    disk_dir = tempfile.mkdtemp(prefix=f"hpcdl-prefetch-disk{comm.Get_rank()}-") if tiers == "ram+disk" else None
+    ram, disk = (total, 0) if tiers == "ram" else (total // 4, total)
+
+    def run():
+        with Prefetcher(st, 8, 3, 21, comm=comm, ram_bytes=ram, disk_dir=disk_dir, disk_bytes=disk,
+                        peer_timeout=30.0) as pf:
+            ids, right = delivered(pf, st)
+        return ids, right, pf.stats()
+
+    try:
+        ids, right, stats = collective(comm, run)
+    finally:
+        if disk_dir:
+            shutil.rmtree(disk_dir, ignore_errors=True)
+    agree(comm, right, "wrong bytes")
+    read = np.unique(np.concatenate(comm.allgather(ids)).astype(np.int64))
+    distinct = int((st.sizes[read] > 0).sum())  # an empty sample needs no read
+    store_reads = comm.allreduce(stats["store_reads"])
+    agree(comm, store_reads == distinct, f"{store_reads} store reads for {distinct} distinct non-empty samples")
+    peer_fills, served = comm.allreduce(stats["peer_fills"]), comm.allreduce(stats["served_to_peers"])
+    agree(comm, peer_fills > 0 and peer_fills == served, f"peer fills {peer_fills}, served {served}")
+    agree(comm, stats["hits"]["store"] == 0 and sum(stats["hits"].values()) == len(ids), repr(stats["hits"]))
+    if tiers == "ram+disk":
+        agree(comm, stats["hits"]["disk"] > 0, "no disk hits")
+        disk_fills = comm.allreduce(stats["disk_written"])
+        agree(comm, disk_fills > 0, "nothing written to the disk tiers")
 
 
 def test_a_silent_peer_means_reading_the_store(comm, shared_store):

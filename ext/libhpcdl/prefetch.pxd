@@ -33,8 +33,12 @@ cdef extern from "hpcdl/placement.hpp" namespace "hpcdl" nogil:
         uint64_t used[2]
     CPlacement place(const vector[uint64_t]& stream, const uint64_t* sizes, uint64_t samples,
                      const uint64_t* capacity)
-    vector[int32_t] peer_ram_holders(const CStreamSpec& spec, uint64_t start, const uint64_t* sizes,
-                                     const vector[uint64_t]& ram_capacity, uint64_t self)
+    cdef cppclass CPeerSources "hpcdl::PeerSources":
+        vector[int32_t] rank
+        vector[uint64_t] key
+    CPeerSources peer_sources(const CStreamSpec& spec, uint64_t start, const uint64_t* sizes,
+                              const vector[uint64_t]& ram_capacity, const vector[uint64_t]& disk_capacity,
+                              uint64_t self)
 
 cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
     cdef cppclass CPrefetchConfig "hpcdl::PrefetchConfig":
@@ -42,13 +46,14 @@ cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
         uint64_t rank, start, ram_bytes, disk_bytes, staging_bytes
         string disk_dir
         size_t staging_threads, ram_threads, disk_threads
-        vector[uint64_t] peer_ram_bytes
+        vector[uint64_t] peer_ram_bytes, peer_disk_bytes
         double peer_timeout_s, serve_delay_s
 
     cdef cppclass CPrefetchStats "hpcdl::PrefetchStats":
         uint64_t hits[4]
         uint64_t bytes[4]
-        uint64_t peer_misses, peer_timeouts, served_to_peers, ram_loaded, disk_written, batches
+        uint64_t peer_misses, peer_timeouts, peer_waits, served_to_peers, peer_fills, store_reads
+        uint64_t ram_loaded, disk_written, batches
         uint64_t tier_used[2]
         uint64_t tier_samples[2]
         uint64_t staging_bytes

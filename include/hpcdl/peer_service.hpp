@@ -1,15 +1,20 @@
-// PeerService: ranks fetch samples from each other's RAM tier over MPI.
+// PeerService: ranks fetch samples from each other's cached tiers over MPI.
 // A dedicated server thread answers requests on a private duplicate of the
 // user's communicator; needs MPI_THREAD_MULTIPLE (checked in create()).
 //
 // Protocol (tags on the duplicate): a request is two uint64 {sample, reply tag}
 // on kRequestTag; the reply, on the reply tag, is one status byte (1: bytes
-// follow, 0: not held) and the sample's bytes. A requester that times out
-// falls back to the store and leaves its receive posted: the server answers
-// every request, in order, so that receive is matched before shutdown ends.
-// Shutdown is collective: each rank sends a "done" request to every server
-// after its own requesters stopped; a server exits after P "done"s (MPI's
-// non-overtaking order puts them after that peer's last request).
+// follow, 0: not held, 2: not loaded yet, ask again) and the sample's bytes.
+// A sample the server's placement holds but has not loaded yet is deferred:
+// the server answers as soon as it is loaded, or with 2 after defer_s (half
+// the requester's timeout), so every request is answered in bounded time. A
+// requester that times out falls back to the store and leaves its receive
+// posted: the server answers every request, so that receive is matched
+// before shutdown ends. Shutdown is collective: each rank sends a "done"
+// request to every server after its own requesters stopped; a server exits
+// after P "done"s (MPI's non-overtaking order puts them after that peer's
+// last request) once every deferred request is answered (a stopped owner
+// answers "not held" for whatever it did not load).
 #pragma once
 
 #include <mpi.h>
@@ -34,8 +39,9 @@ namespace hpcdl {
 
 class PeerService {
  public:
-  // Copies sample `k`'s bytes to dst when this rank's RAM tier holds them.
-  using ServeFn = std::function<bool(std::uint64_t k, char* dst)>;
+  // kServed: sample k's bytes are in dst. kLater: this rank will hold k but has not loaded it yet.
+  enum class Serve { kServed, kNotHere, kLater };
+  using ServeFn = std::function<Serve(std::uint64_t k, char* dst)>;
   using SizeFn = std::function<std::uint64_t(std::uint64_t k)>;
 
   static Status create(MPI_Comm user, ServeFn serve, SizeFn size_of, double timeout_s, double serve_delay_s,
@@ -69,33 +75,69 @@ class PeerService {
   int rank() const { return rank_; }
   int size() const { return size_; }
 
-  enum class Outcome { kGot, kMiss, kTimeout };
+  // kLater: the peer has not loaded the sample yet (ask again); kWaiting: no answer yet.
+  enum class Outcome { kGot, kMiss, kLater, kTimeout, kWaiting };
 
-  // Fetches sample k (size bytes) from `peer` into dst. Thread-safe.
-  Outcome fetch(int peer, std::uint64_t k, std::uint64_t size, char* dst) {
-    auto pending = std::make_unique<Pending>();
-    pending->buffer.resize(size + 1);
+  struct Pending {
+    std::vector<char> buffer;
+    MPI_Request recv = MPI_REQUEST_NULL;
+  };
+  // One request in flight: send it with request(), poll() it until it is answered.
+  struct Ticket {
+    std::unique_ptr<Pending> pending;
+    std::uint64_t size = 0;
+    std::chrono::steady_clock::time_point deadline;
+  };
+
+  // Sends a request for sample k (size bytes) to `peer`. Thread-safe.
+  Ticket request(int peer, std::uint64_t k, std::uint64_t size) {
+    Ticket t;
+    t.pending = std::make_unique<Pending>();
+    t.pending->buffer.resize(size + 1);
+    t.size = size;
     const int tag = kReplyTagBase + static_cast<int>(next_tag_++ % static_cast<std::uint64_t>(tag_limit_ - kReplyTagBase));
-    const std::uint64_t request[2] = {k, static_cast<std::uint64_t>(tag)};
-    MPI_Irecv(pending->buffer.data(), static_cast<int>(size + 1), MPI_BYTE, peer, tag, comm_, &pending->recv);
+    const std::uint64_t message[2] = {k, static_cast<std::uint64_t>(tag)};
+    MPI_Irecv(t.pending->buffer.data(), static_cast<int>(size + 1), MPI_BYTE, peer, tag, comm_, &t.pending->recv);
     MPI_Request send;
-    MPI_Isend(request, 2, MPI_UINT64_T, peer, kRequestTag, comm_, &send);
+    MPI_Isend(message, 2, MPI_UINT64_T, peer, kRequestTag, comm_, &send);
     MPI_Wait(&send, MPI_STATUS_IGNORE);
-    const auto deadline = deadline_after(timeout_s_);
+    t.deadline = deadline_after(timeout_s_);
+    return t;
+  }
+
+  // Non-blocking: the answer to `t` (bytes copied to dst on kGot), or kWaiting.
+  // After kTimeout the ticket's receive stays posted until shutdown.
+  Outcome poll(Ticket& t, char* dst) {
+    int done = 0;
+    MPI_Test(&t.pending->recv, &done, MPI_STATUS_IGNORE);
+    if (!done) {
+      if (std::chrono::steady_clock::now() <= t.deadline) return Outcome::kWaiting;
+      abandon(t);
+      return Outcome::kTimeout;
+    }
+    const char status = t.pending->buffer[0];
+    if (status == kHeld) {
+      std::memcpy(dst, t.pending->buffer.data() + 1, t.size);
+      return Outcome::kGot;
+    }
+    return status == kNotLoaded ? Outcome::kLater : Outcome::kMiss;
+  }
+
+  // Gives up on an unanswered ticket (its receive is matched before shutdown ends).
+  void abandon(Ticket& t) {
+    if (!t.pending) return;
+    std::lock_guard<std::mutex> g(mu_);
+    abandoned_.push_back(std::move(t.pending));
+  }
+
+  // Fetches sample k (size bytes) from `peer` into dst: one request, waited for. Thread-safe.
+  Outcome fetch(int peer, std::uint64_t k, std::uint64_t size, char* dst) {
+    Ticket t = request(peer, k, size);
     for (int backoff_us = 5;; backoff_us = std::min(backoff_us * 2, 500)) {
-      int done = 0;
-      MPI_Test(&pending->recv, &done, MPI_STATUS_IGNORE);
-      if (done) break;
-      if (std::chrono::steady_clock::now() > deadline) {
-        std::lock_guard<std::mutex> g(mu_);
-        abandoned_.push_back(std::move(pending));
-        return Outcome::kTimeout;
-      }
+      const Outcome o = poll(t, dst);
+      if (o != Outcome::kWaiting) return o;
       std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
     }
-    if (pending->buffer[0] != 1) return Outcome::kMiss;
-    std::memcpy(dst, pending->buffer.data() + 1, size);
-    return Outcome::kGot;
   }
 
   std::uint64_t served() const { return served_; }
@@ -141,15 +183,18 @@ class PeerService {
 
  private:
   static constexpr int kRequestTag = 1, kReplyTagBase = 16;
+  static constexpr char kNotHeld = 0, kHeld = 1, kNotLoaded = 2;
   static constexpr std::uint64_t kDoneSample = std::numeric_limits<std::uint64_t>::max();
 
-  struct Pending {
-    std::vector<char> buffer;
-    MPI_Request recv = MPI_REQUEST_NULL;
-  };
   struct Reply {
     std::vector<char> buffer;
     MPI_Request send = MPI_REQUEST_NULL;
+  };
+  struct Request {
+    int source, tag;
+    std::uint64_t sample;
+    std::unique_ptr<Reply> reply;  // its buffer sized for the sample
+    std::chrono::steady_clock::time_point deadline;  // of a deferred request
   };
 
   PeerService() = default;
@@ -168,8 +213,23 @@ class PeerService {
     return true;
   }
 
+  // Answers one request; false when it must wait (the sample is not loaded yet and `final` is false).
+  bool answer(Request& r, bool final, std::vector<std::unique_ptr<Reply>>* replies) {
+    std::vector<char>& buffer = r.reply->buffer;
+    const Serve got = serve_(r.sample, buffer.data() + 1);
+    if (got == Serve::kLater && !final) return false;
+    buffer[0] = got == Serve::kServed ? kHeld : got == Serve::kLater ? kNotLoaded : kNotHeld;
+    served_ += got == Serve::kServed;
+    MPI_Isend(buffer.data(), static_cast<int>(got == Serve::kServed ? buffer.size() : 1), MPI_BYTE, r.source, r.tag,
+              comm_, &r.reply->send);
+    replies->push_back(std::move(r.reply));
+    return true;
+  }
+
   void serve_loop() {
     std::vector<std::unique_ptr<Reply>> replies;
+    std::vector<Request> deferred;
+    const double defer_s = timeout_s_ / 2;
     int dones = 0;
     bool stalled = false;
     for (int idle_us = 5; !abandon_;) {
@@ -186,18 +246,23 @@ class PeerService {
             std::this_thread::sleep_for(std::chrono::duration<double>(serve_delay_s_));
             stalled = true;
           }
-          auto reply = std::make_unique<Reply>();
-          const std::uint64_t size = size_of_(request[0]);
-          reply->buffer.resize(size + 1);
-          const bool held = serve_(request[0], reply->buffer.data() + 1);
-          reply->buffer[0] = held ? 1 : 0;
-          served_ += held;
-          MPI_Isend(reply->buffer.data(), static_cast<int>(held ? size + 1 : 1), MPI_BYTE, status.MPI_SOURCE,
-                    static_cast<int>(request[1]), comm_, &reply->send);
-          replies.push_back(std::move(reply));
+          Request r{status.MPI_SOURCE, static_cast<int>(request[1]), request[0], std::make_unique<Reply>(),
+                    deadline_after(defer_s)};
+          r.reply->buffer.resize(size_of_(r.sample) + 1);
+          if (!answer(r, false, &replies)) deferred.push_back(std::move(r));
         }
         idle_us = 5;
         continue;
+      }
+      const auto now = std::chrono::steady_clock::now();
+      for (std::size_t i = 0; i < deferred.size();) {
+        if (answer(deferred[i], now > deferred[i].deadline, &replies)) {
+          deferred[i] = std::move(deferred.back());
+          deferred.pop_back();
+          idle_us = 5;
+        } else {
+          ++i;
+        }
       }
       replies.erase(std::remove_if(replies.begin(), replies.end(),
                                    [](std::unique_ptr<Reply>& r) {
@@ -206,9 +271,9 @@ class PeerService {
                                      return done != 0;
                                    }),
                     replies.end());
-      if (dones == size_ && replies.empty()) break;
+      if (dones == size_ && replies.empty() && deferred.empty()) break;
       std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
-      idle_us = std::min(idle_us * 2, 500);
+      idle_us = std::min(idle_us * 2, deferred.empty() ? 500 : 200);
     }
     for (auto& r : replies)
       if (r->send != MPI_REQUEST_NULL) MPI_Cancel(&r->send), MPI_Request_free(&r->send);

@@ -67,21 +67,49 @@ inline Placement place(const std::vector<std::uint64_t>& stream, const std::uint
   return p;
 }
 
-// For each sample: a peer rank that will hold it in RAM (-1: none), scanning
-// ranks self+1, self+2, ... so requests spread over peers. ram_capacity[q] is
-// rank q's RAM tier. Costs E*N for the orders plus one placement per rank.
-inline std::vector<std::int32_t> peer_ram_holders(const StreamSpec& spec, std::uint64_t from, const std::uint64_t* sizes,
-                                                  const std::vector<std::uint64_t>& ram_capacity, std::uint64_t self) {
-  std::vector<std::int32_t> holder(spec.samples, -1);
-  for (std::uint64_t step = 1; step < spec.ranks; ++step) {
-    const std::uint64_t q = (self + step) % spec.ranks;
-    if (ram_capacity[q] == 0) continue;
-    const std::uint64_t caps[kCachedTiers] = {ram_capacity[q], 0};
+// Peer sources: for each sample, the other rank that caches it (RAM or disk
+// tier) with the earliest first use, and that first use as a global key
+// (step * P + rank: global step order, ties by rank). A rank reading sample s
+// at key k asks that peer when its key is < k: the peer then loads s before
+// (or while) this rank needs it, and since a source's key is always strictly
+// smaller, chains of ranks waiting on sources end at a store read: no cycle.
+// ram_capacity / disk_capacity: every rank's tiers. Costs P placements (each
+// E*N shuffle draws); a pure function, so every rank computes it alone.
+struct PeerSources {
+  static constexpr std::uint64_t kNone = std::numeric_limits<std::uint64_t>::max();
+  std::vector<std::int32_t> rank;  // per sample: source rank, -1 none
+  std::vector<std::uint64_t> key;  // per sample: the source's first-use key (kNone: none)
+
+  // The peer to ask for sample k when this rank reads it at global key `at` (-1: the store).
+  std::int32_t for_read(std::uint64_t k, std::uint64_t at) const { return key[k] < at ? rank[k] : -1; }
+};
+
+// Global key of stream position t (relative to the run's start) on `rank`.
+inline std::uint64_t global_key(const StreamSpec& spec, std::uint64_t t, std::uint64_t rank) {
+  return t / spec.local_batch() * spec.ranks + rank;
+}
+
+inline PeerSources peer_sources(const StreamSpec& spec, std::uint64_t from, const std::uint64_t* sizes,
+                                const std::vector<std::uint64_t>& ram_capacity,
+                                const std::vector<std::uint64_t>& disk_capacity, std::uint64_t self) {
+  PeerSources out;
+  out.rank.assign(spec.samples, -1);
+  out.key.assign(spec.samples, PeerSources::kNone);
+  for (std::uint64_t q = 0; q < spec.ranks; ++q) {
+    const std::uint64_t disk = q < disk_capacity.size() ? disk_capacity[q] : 0;
+    if (q == self || ram_capacity[q] + disk == 0) continue;
+    const std::uint64_t caps[kCachedTiers] = {ram_capacity[q], disk};
     const Placement p = place(spec.rank_stream(q, from), sizes, spec.samples, caps);
-    for (std::uint64_t k : p.lists[kTierRam])
-      if (holder[k] < 0) holder[k] = static_cast<std::int32_t>(q);
+    for (const auto& list : p.lists)
+      for (std::uint64_t k : list) {
+        const std::uint64_t key = global_key(spec, p.first[k], q);
+        if (key < out.key[k]) {
+          out.key[k] = key;
+          out.rank[k] = static_cast<std::int32_t>(q);
+        }
+      }
   }
-  return holder;
+  return out;
 }
 
 }  // namespace hpcdl

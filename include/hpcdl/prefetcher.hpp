@@ -1,15 +1,19 @@
 // Prefetcher: a rank's clairvoyant multi-tier loader (docs/prefetch.md).
 //
 // The rank's whole access stream is known up front (stream.hpp), so is where
-// each sample lives (placement.hpp). Fillers load the RAM and disk tiers in
-// first-use order; staging threads fill a bounded ring buffer in exact access
-// order, each sample from the best source: own RAM, own disk, a peer's RAM
-// (peer_service.hpp), else the backing store. The consumer takes whole local
-// batches, zero-copy, and blocks only when a batch is really not there yet.
+// each sample lives on every rank (placement.hpp). A sample some other rank
+// caches and reads first (its source peer, PeerSources) is fetched from that
+// peer, never from the store, so with enough aggregate capacity the store
+// serves each sample once per job. Store fillers load the RAM and disk tiers'
+// other samples in first-use order; one peer filler keeps several peer
+// fetches in flight; staging threads fill a bounded ring buffer in exact
+// access order, each sample from the best source: own RAM, own disk, a peer's
+// tiers (peer_service.hpp), else the backing store. The consumer takes whole
+// local batches, zero-copy, and blocks only when a batch is really not there yet.
 //
 // Every byte handed out was checked: the store reader checks each sample's
 // CRC32C, the disk tier keeps the CRC of what it wrote and checks it on
-// read-back (a mismatch falls back to the store), peers serve only from RAM
+// read-back (a mismatch falls back to the store), peers serve only from
 // slots loaded that way. Disk trouble (missing directory, ENOSPC, I/O errors)
 // warns once and sends the affected samples to the store.
 #pragma once
@@ -49,7 +53,8 @@ struct PrefetchConfig {
   std::string disk_dir;
   std::uint64_t staging_bytes = 0;  // raised to 3 of the largest local batches when smaller
   std::size_t staging_threads = 4, ram_threads = 2, disk_threads = 2;
-  std::vector<std::uint64_t> peer_ram_bytes;  // per rank; empty: no peer tier
+  std::vector<std::uint64_t> peer_ram_bytes;   // per rank; empty: no peer tier
+  std::vector<std::uint64_t> peer_disk_bytes;  // per rank (empty: no disk tiers)
   double peer_timeout_s = 2.0, serve_delay_s = 0.0;
 };
 
@@ -58,7 +63,8 @@ enum Source { kFromRam = 0, kFromDisk = 1, kFromPeer = 2, kFromStore = 3, kSourc
 struct PrefetchStats {
   std::uint64_t hits[kSources] = {0, 0, 0, 0};
   std::uint64_t bytes[kSources] = {0, 0, 0, 0};
-  std::uint64_t peer_misses = 0, peer_timeouts = 0, served_to_peers = 0;
+  std::uint64_t peer_misses = 0, peer_timeouts = 0, peer_waits = 0, served_to_peers = 0;
+  std::uint64_t peer_fills = 0, store_reads = 0;  // tier slots filled from a peer; every read of the backing store
   std::uint64_t ram_loaded = 0, disk_written = 0, batches = 0;
   std::uint64_t tier_used[kCachedTiers] = {0, 0}, tier_samples[kCachedTiers] = {0, 0};
   std::uint64_t staging_bytes = 0;
@@ -92,7 +98,7 @@ class Prefetcher {
     p->stats_.staging_bytes = p->cfg_.staging_bytes;
     if (!p->cfg_.peer_ram_bytes.empty() && p->end_ > p->cfg_.start) {
       HPCDL_RETURN_NOT_OK(PeerService::create(
-          comm, [q = p.get()](std::uint64_t k, char* dst) { return q->serve_from_ram(k, dst); },
+          comm, [q = p.get()](std::uint64_t k, char* dst) { return q->serve_peer(k, dst); },
           [q = p.get()](std::uint64_t k) { return q->reader_->size(k); }, p->cfg_.peer_timeout_s,
           p->cfg_.serve_delay_s, &p->peers_));
     }
@@ -122,7 +128,10 @@ class Prefetcher {
     return Status::OK();
   }
 
-  ~Prefetcher() { stop(); }
+  ~Prefetcher() {
+    stop();
+    peers_.reset();  // its server reads the tiers: stop it before they go
+  }
 
   // Stops every thread (joins them). Collective when the peer tier is on.
   Status close(double timeout_s) {
@@ -183,6 +192,9 @@ class Prefetcher {
     }
     s.peer_misses = peer_misses_;
     s.peer_timeouts = peer_timeouts_;
+    s.peer_waits = peer_waits_;
+    s.peer_fills = peer_fills_;
+    s.store_reads = store_reads_;
     s.ram_loaded = ram_loaded_;
     s.disk_written = disk_written_;
     if (peers_) s.served_to_peers = peers_->served();
@@ -200,6 +212,9 @@ class Prefetcher {
 
  private:
   enum SlotState : std::uint8_t { kEmpty = 0, kLoading = 1, kReady = 2, kFailed = 3 };
+  // Peer fetches the peer filler keeps in flight: enough that waiting on a
+  // source that has not loaded its sample yet never holds up the others.
+  static constexpr std::size_t kPeerFillsInFlight = 16;
 
   Prefetcher() = default;
 
@@ -220,7 +235,18 @@ class Prefetcher {
     const std::uint64_t caps[kCachedTiers] = {cfg_.ram_bytes, cfg_.disk_dir.empty() ? 0 : cfg_.disk_bytes};
     placement_ = place(stream_, sizes.data(), spec.samples, caps);
     if (!cfg_.peer_ram_bytes.empty())
-      peer_holder_ = peer_ram_holders(spec, cfg_.start, sizes.data(), cfg_.peer_ram_bytes, cfg_.rank);
+      sources_ = peer_sources(spec, cfg_.start, sizes.data(), cfg_.peer_ram_bytes, cfg_.peer_disk_bytes, cfg_.rank);
+    // Each cached sample is filled from its source peer when it has one, else from the store.
+    fill_source_.assign(spec.samples, -1);
+    for (int t = 0; t < kCachedTiers; ++t)
+      for (std::uint64_t k : placement_.lists[t]) {
+        if (!sources_.rank.empty())
+          fill_source_[k] = sources_.for_read(k, global_key(spec, placement_.first[k], cfg_.rank));
+        if (fill_source_[k] < 0) store_fills_[t].push_back(k);
+        else peer_fills_list_.push_back(k);
+      }
+    std::sort(peer_fills_list_.begin(), peer_fills_list_.end(),
+              [&](std::uint64_t a, std::uint64_t b) { return placement_.first[a] < placement_.first[b]; });
     const std::uint64_t batches = stream_.size() / L_;
     batch_bytes_.assign(batches, 0);
     batch_offsets_.assign(batches * (L_ + 1), 0);
@@ -303,6 +329,7 @@ class Prefetcher {
     if (disk_fd_ >= 0)
       for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.disk_threads, 1); ++i)
         threads_.emplace_back([this] { fill_loop(kTierDisk); });
+    if (peers_ && !peer_fills_list_.empty()) threads_.emplace_back([this] { peer_fill_loop(); });
   }
 
   void stop() {
@@ -345,22 +372,31 @@ class Prefetcher {
     }
   }
 
-  // RAM: read the store into the arena. Disk: read the store into `scratch`,
-  // write it to the file, keep its CRC.
+  // Loads sample k for `tier` from its fill source (a peer, else the store)
+  // into the arena (RAM) or `scratch` (disk), then commits it.
   bool load_slot(int tier, std::uint64_t k, char* scratch) {
     const double t0 = now_us();
+    if (tier == kTierDisk && disk_failed_) return false;
+    char* dst = tier == kTierRam ? ram_.get() + placement_.offset[k] : scratch;
+    const bool from_peer = fill_source_[k] >= 0 && fetch_peer(fill_source_[k], k, dst);
+    if (!from_peer && !read_store(k, dst).ok()) return false;
+    return commit_slot(tier, k, dst, from_peer, t0);
+  }
+
+  // The sample's bytes are in `bytes` (the arena itself for RAM): RAM counts
+  // them, disk writes them to the file and keeps their CRC.
+  bool commit_slot(int tier, std::uint64_t k, const char* bytes, bool from_peer, double t0) {
     const std::uint64_t size = reader_->size(k);
+    peer_fills_ += from_peer;
     if (tier == kTierRam) {
-      if (!reader_->read(k, ram_.get() + placement_.offset[k]).ok()) return false;
       ++ram_loaded_;
-      Timeline::instance().record("load ram", "prefetch", t0, now_us(), 1);
+      Timeline::instance().record(from_peer ? "load ram from peer" : "load ram", "prefetch", t0, now_us(), 1);
       return true;
     }
     if (disk_failed_) return false;
-    if (!reader_->read(k, scratch).ok()) return false;
     const std::uint64_t at = placement_.offset[k];
     for (std::uint64_t done = 0; done < size;) {
-      const ssize_t w = ::pwrite(disk_fd_, scratch + done, size - done, static_cast<off_t>(at + done));
+      const ssize_t w = ::pwrite(disk_fd_, bytes + done, size - done, static_cast<off_t>(at + done));
       if (w < 0 && errno == EINTR) continue;
       if (w <= 0) {
         if (!disk_failed_.exchange(true))
@@ -371,15 +407,121 @@ class Prefetcher {
       }
       done += static_cast<std::uint64_t>(w);
     }
-    disk_crc_[k] = crc32c(scratch, size);
+    disk_crc_[k] = crc32c(bytes, size);
     ++disk_written_;
-    Timeline::instance().record("load disk", "prefetch", t0, now_us(), 1);
+    Timeline::instance().record(from_peer ? "load disk from peer" : "load disk", "prefetch", t0, now_us(), 1);
     return true;
+  }
+
+  Status read_store(std::uint64_t k, char* dst) {
+    store_reads_ += reader_->size(k) > 0;  // an empty sample costs no I/O
+    return reader_->read(k, dst);
+  }
+
+  // Blocking fetch of sample k from `peer`; asks again while the peer has not
+  // loaded it yet (its first use is earlier, so it will). False: read the store.
+  bool fetch_peer(int peer, std::uint64_t k, char* dst) {
+    const std::uint64_t size = reader_->size(k);
+    if (size == 0) return false;
+    for (;;) {
+      switch (peers_->fetch(peer, k, size, dst)) {
+        case PeerService::Outcome::kGot:
+          return true;
+        case PeerService::Outcome::kLater:
+          ++peer_waits_;
+          if (stopping_) return false;
+          continue;
+        case PeerService::Outcome::kTimeout:
+          ++peer_timeouts_;
+          return false;
+        default:
+          ++peer_misses_;
+          return false;
+      }
+    }
+  }
+
+  void finish_slot(int tier, std::uint64_t k, bool ok) {
+    {
+      std::lock_guard<std::mutex> g(slot_mu_);
+      slots_[tier][k] = ok ? kReady : kFailed;
+    }
+    slot_cv_.notify_all();
+  }
+
+  // Fills the slots whose source is a peer, in first-use order, with up to
+  // kPeerFillsInFlight requests out: a source that has not loaded its sample
+  // yet defers its answer (or says "later": ask again) without holding up the
+  // rest. A miss or a timeout reads the store instead.
+  void peer_fill_loop() {
+    struct InFlight {
+      int tier;
+      std::uint64_t k;
+      PeerService::Ticket ticket;
+      std::vector<char> scratch;  // disk slots: the bytes before they are written
+      double t0;
+    };
+    std::vector<InFlight> flight;
+    std::size_t next = 0;
+    for (int idle_us = 5; !stopping_;) {
+      while (flight.size() < kPeerFillsInFlight && next < peer_fills_list_.size()) {
+        const std::uint64_t k = peer_fills_list_[next++];
+        const int tier = placement_.tier[k];
+        if (tier == kTierDisk && disk_failed_) continue;
+        std::uint8_t expected = kEmpty;
+        if (!slots_[tier][k].compare_exchange_strong(expected, kLoading)) continue;  // a staging thread took it
+        if (reader_->size(k) == 0) {  // nothing to fetch
+          finish_slot(tier, k, load_slot(tier, k, nullptr));
+          continue;
+        }
+        InFlight f{tier, k, peers_->request(fill_source_[k], k, reader_->size(k)), {}, now_us()};
+        if (tier == kTierDisk) f.scratch.resize(reader_->size(k));
+        flight.push_back(std::move(f));
+      }
+      if (flight.empty()) return;
+      bool progress = false;
+      for (std::size_t i = 0; i < flight.size();) {
+        InFlight& f = flight[i];
+        char* dst = f.tier == kTierRam ? ram_.get() + placement_.offset[f.k] : f.scratch.data();
+        const PeerService::Outcome o = peers_->poll(f.ticket, dst);
+        if (o == PeerService::Outcome::kWaiting) {
+          ++i;
+          continue;
+        }
+        progress = true;
+        if (o == PeerService::Outcome::kLater) {  // the source is behind: ask again
+          ++peer_waits_;
+          f.ticket = peers_->request(fill_source_[f.k], f.k, reader_->size(f.k));
+          ++i;
+          continue;
+        }
+        bool ok;
+        if (o == PeerService::Outcome::kGot) {
+          ok = commit_slot(f.tier, f.k, dst, true, f.t0);
+        } else {
+          ++(o == PeerService::Outcome::kTimeout ? peer_timeouts_ : peer_misses_);
+          ok = (f.tier == kTierRam || !disk_failed_) && read_store(f.k, dst).ok() && commit_slot(f.tier, f.k, dst, false, f.t0);
+        }
+        finish_slot(f.tier, f.k, ok);
+        flight[i] = std::move(flight.back());
+        flight.pop_back();
+      }
+      if (progress) {
+        idle_us = 5;
+        continue;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
+      idle_us = std::min(idle_us * 2, 200);
+    }
+    for (InFlight& f : flight) {  // stopping: the answers are matched at shutdown
+      peers_->abandon(f.ticket);
+      finish_slot(f.tier, f.k, false);
+    }
   }
 
   void fill_loop(int tier) {
     std::vector<char> scratch;
-    const auto& list = placement_.lists[tier];
+    const auto& list = store_fills_[tier];
     for (;;) {
       const std::uint64_t i = fill_next_[tier]++;
       if (i >= list.size() || stopping_ || (tier == kTierDisk && disk_failed_)) return;
@@ -389,11 +531,22 @@ class Prefetcher {
     }
   }
 
-  bool serve_from_ram(std::uint64_t k, char* dst) {
-    if (k >= cfg_.spec.samples || !ram_ || placement_.tier[k] != kTierRam || slots_[kTierRam][k].load() != kReady)
-      return false;
-    std::memcpy(dst, ram_.get() + placement_.offset[k], reader_->size(k));
-    return true;
+  // A peer asks for sample k: served from a loaded RAM or disk slot; "later"
+  // while this rank will hold it but has not loaded it yet.
+  PeerService::Serve serve_peer(std::uint64_t k, char* dst) {
+    using Serve = PeerService::Serve;
+    if (k >= cfg_.spec.samples || placement_.tier[k] == kTierStore) return Serve::kNotHere;
+    const int tier = placement_.tier[k];
+    const std::uint8_t state = slots_[tier][k].load();
+    if (state == kReady) {
+      if (tier == kTierRam) {
+        std::memcpy(dst, ram_.get() + placement_.offset[k], reader_->size(k));
+        return Serve::kServed;
+      }
+      return read_disk(k, dst) ? Serve::kServed : Serve::kNotHere;
+    }
+    const bool tier_gone = tier == kTierRam ? !ram_ : (disk_fd_ < 0 || disk_failed_);
+    return state == kFailed || stopping_ || tier_gone ? Serve::kNotHere : Serve::kLater;
   }
 
   // ---------------------------------------------------------------- staging
@@ -436,7 +589,7 @@ class Prefetcher {
       const std::uint64_t k = stream_[t];
       char* dst = staging_ + batch_ring_[rel_batch] + batch_offsets_[rel_batch * (L_ + 1) + t % L_];
       scratch.resize(std::max<std::size_t>(scratch.size(), reader_->size(k)));
-      const Status st = fetch(k, dst, scratch.data());
+      const Status st = fetch(k, global_key(cfg_.spec, t, cfg_.rank), dst, scratch.data());
       {
         std::lock_guard<std::mutex> g(mu_);
         if (!st.ok() && error_.ok()) error_ = st;
@@ -452,7 +605,8 @@ class Prefetcher {
     Timeline::instance().record(name, "prefetch", t0, now_us(), 1);
   }
 
-  Status fetch(std::uint64_t k, char* dst, char* scratch) {
+  // Stages sample k, read at global key `at`, into dst.
+  Status fetch(std::uint64_t k, std::uint64_t at, char* dst, char* scratch) {
     const double t0 = now_us();
     const std::uint64_t size = reader_->size(k);
     const int tier = placement_.tier[k];
@@ -467,20 +621,12 @@ class Prefetcher {
         return Status::OK();
       }
     }
-    if (tier == kTierStore && peers_ && peer_holder_[k] >= 0 && size > 0) {
-      switch (peers_->fetch(peer_holder_[k], k, size, dst)) {
-        case PeerService::Outcome::kGot:
-          count(kFromPeer, size, t0, "fetch peer");
-          return Status::OK();
-        case PeerService::Outcome::kMiss:
-          ++peer_misses_;
-          break;
-        case PeerService::Outcome::kTimeout:
-          ++peer_timeouts_;
-          break;
-      }
+    const int peer = sources_.rank.empty() ? -1 : sources_.for_read(k, at);
+    if (tier == kTierStore && peer >= 0 && fetch_peer(peer, k, dst)) {
+      count(kFromPeer, size, t0, "fetch peer");
+      return Status::OK();
     }
-    HPCDL_RETURN_NOT_OK(reader_->read(k, dst));
+    HPCDL_RETURN_NOT_OK(read_store(k, dst));
     count(kFromStore, size, t0, "fetch store");
     return Status::OK();
   }
@@ -514,7 +660,9 @@ class Prefetcher {
   std::uint64_t L_ = 1, end_ = 0;
   std::vector<std::uint64_t> stream_;  // positions start..end of the run
   Placement placement_;
-  std::vector<std::int32_t> peer_holder_;
+  PeerSources sources_;                  // empty without a peer tier
+  std::vector<std::int32_t> fill_source_;  // per cached sample: the peer to fill it from, -1 the store
+  std::vector<std::uint64_t> store_fills_[kCachedTiers], peer_fills_list_;  // fill work, in first-use order
 
   // Tiers: per sample slot states; RAM arena; disk file (unlinked) and the CRCs written.
   std::unique_ptr<std::atomic<std::uint8_t>[]> slots_[kCachedTiers];
@@ -537,7 +685,8 @@ class Prefetcher {
   std::vector<std::thread> threads_;
 
   std::atomic<std::uint64_t> hits_[kSources] = {{0}, {0}, {0}, {0}}, bytes_[kSources] = {{0}, {0}, {0}, {0}};
-  std::atomic<std::uint64_t> peer_misses_{0}, peer_timeouts_{0}, ram_loaded_{0}, disk_written_{0};
+  std::atomic<std::uint64_t> peer_misses_{0}, peer_timeouts_{0}, peer_waits_{0}, peer_fills_{0}, store_reads_{0};
+  std::atomic<std::uint64_t> ram_loaded_{0}, disk_written_{0};
   PrefetchStats stats_;
   std::mutex warn_mu_;
   std::vector<std::string> warnings_;
