@@ -19,6 +19,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "hpcdl/dtype.hpp"
 #include "hpcdl/mpi_util.hpp"
 #include "hpcdl/ring.hpp"
@@ -113,54 +117,82 @@ class TopkSelector {
 
   // Branch-free compaction: every index is written, the count moves only on a
   // match (writes past the capacity land on one spare slot).
-  // Groups of kGroup values are tested with vector compares; only a group
-  // holding a candidate (a few percent of them) goes through the scalar,
-  // branch-free compaction, which writes every index and moves the count only
-  // on a match (writes past the capacity land on one spare slot).
+  // Groups of 16 values: x (+ the residual fold) and two bit masks, lanes
+  // with magnitude > t and == t, from vector compares (magnitudes have the
+  // sign bit clear, so signed 32-bit compares order them). Only set bits are
+  // visited, so the scan costs about one pass over memory however many ties
+  // the data has.
   static constexpr std::size_t kGroup = 16;
 
-  static bool fold_group(float* __restrict__ data, float* __restrict__ residual, std::size_t len, std::uint32_t t) {
-    std::uint32_t hit = 0;
-    for (std::size_t j = 0; j < len; ++j) {
-      const float v = data[j] + residual[j];
-      residual[j] = v;
-      data[j] = 0.0f;
-      hit |= detail::topk_magnitude(v) >= t;
-    }
-    return hit != 0;
-  }
-
-  static bool any_group(const float* __restrict__ x, std::size_t len, std::uint32_t t) {
-    std::uint32_t hit = 0;
-    for (std::size_t j = 0; j < len; ++j) hit |= detail::topk_magnitude(x[j]) >= t;
-    return hit != 0;
-  }
-
-  void collect(const float* x, std::size_t lo, std::size_t len, std::uint32_t t, std::size_t* na, std::size_t* ne) {
-    for (std::size_t i = lo; i < lo + len; ++i) {
-      const std::uint32_t m = detail::topk_magnitude(x[i]);
-      above_[std::min(*na, cap_)] = static_cast<std::uint32_t>(i);
-      *na += m > t;
-      at_[std::min(*ne, k_)] = static_cast<std::uint32_t>(i);
-      *ne += m == t;
-    }
-  }
-
-  // With kResidual, in is data (zeroed as it goes) and x ends up in residual.
   template <bool kResidual>
-  void scan(const float* in, float* zero_out, float* residual, std::uint32_t t) {
+  static void group_masks(float* data, float* residual, const float* in, std::uint32_t t, std::uint32_t* above,
+                          std::uint32_t* at) {
+#if defined(__SSE2__)
+    const __m128i tv = _mm_set1_epi32(static_cast<int>(t)), abs_mask = _mm_set1_epi32(0x7fffffff);
+    std::uint32_t a = 0, e = 0;
+    for (int j = 0; j < 4; ++j) {
+      __m128 v;
+      if (kResidual) {
+        v = _mm_add_ps(_mm_loadu_ps(data + 4 * j), _mm_loadu_ps(residual + 4 * j));
+        _mm_storeu_ps(residual + 4 * j, v);
+        _mm_storeu_ps(data + 4 * j, _mm_setzero_ps());
+      } else {
+        v = _mm_loadu_ps(in + 4 * j);
+      }
+      const __m128i m = _mm_and_si128(_mm_castps_si128(v), abs_mask);
+      a |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, tv)))) << (4 * j);
+      e |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(m, tv)))) << (4 * j);
+    }
+    *above = a;
+    *at = e;
+#else
+    group_masks_scalar<kResidual>(data, residual, in, kGroup, t, above, at);
+#endif
+  }
+
+  template <bool kResidual>
+  static void group_masks_scalar(float* data, float* residual, const float* in, std::size_t len, std::uint32_t t,
+                                 std::uint32_t* above, std::uint32_t* at) {
+    std::uint32_t a = 0, e = 0;
+    for (std::size_t j = 0; j < len; ++j) {
+      float v;
+      if (kResidual) {
+        v = data[j] + residual[j];
+        residual[j] = v;
+        data[j] = 0.0f;
+      } else {
+        v = in[j];
+      }
+      const std::uint32_t m = detail::topk_magnitude(v);
+      a |= static_cast<std::uint32_t>(m > t) << j;
+      e |= static_cast<std::uint32_t>(m == t) << j;
+    }
+    *above = a;
+    *at = e;
+  }
+
+  // With kResidual, data is zeroed as it goes and x ends up in residual; else x = in.
+  template <bool kResidual>
+  void scan(const float* in, float* data, float* residual, std::uint32_t t) {
     cap_ = 4 * k_ + 64;
-    above_ = scratch_.above.get<std::uint32_t>(cap_ + 1);
-    at_ = scratch_.at.get<std::uint32_t>(k_ + 1);
-    const float* x = kResidual ? residual : in;
+    above_ = scratch_.above.get<std::uint32_t>(cap_);
+    at_ = scratch_.at.get<std::uint32_t>(k_);
     std::size_t na = 0, ne = 0;
     for (std::size_t lo = 0; lo < n_; lo += kGroup) {
       const std::size_t len = std::min(kGroup, n_ - lo);
-      const bool hit = kResidual ? fold_group(zero_out + lo, residual + lo, len, t) : any_group(in + lo, len, t);
-      if (hit) collect(x, lo, len, t, &na, &ne);
+      std::uint32_t a, e;
+      if (len == kGroup) {
+        group_masks<kResidual>(kResidual ? data + lo : nullptr, kResidual ? residual + lo : nullptr, in + lo, t, &a, &e);
+      } else {
+        group_masks_scalar<kResidual>(kResidual ? data + lo : nullptr, kResidual ? residual + lo : nullptr, in + lo, len, t,
+                                       &a, &e);
+      }
+      for (; a; a &= a - 1, ++na)
+        if (na < cap_) above_[na] = static_cast<std::uint32_t>(lo + __builtin_ctz(a));
+      for (; e && ne < k_; e &= e - 1) at_[ne++] = static_cast<std::uint32_t>(lo + __builtin_ctz(e));
     }
     n_above_ = na;
-    n_at_ = std::min(ne, k_);
+    n_at_ = ne;
   }
 
   void cut_above(const float* x, std::uint32_t* idx_out) {
@@ -254,8 +286,14 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
     for (std::size_t j = 0; j < k; ++j) val[j] = data[idx[j]];
     std::memset(data, 0, n * sizeof(float));
   }
-  const int rc = MPI_Allgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Allgather(top-k)"));
+  // Nonblocking, waited on without MPI's busy spin: the ranks that are still
+  // selecting keep the CPU (4 ranks may share 2 cores).
+  MPI_Request req;
+  int rc = MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm, &req);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
+  int index = MPI_UNDEFINED;
+  rc = wait_any_politely(1, &req, &index, MPI_STATUS_IGNORE);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(top-k allgather)"));
   // The logical volume of an allgather: every other rank's pairs in, ours out to each.
   traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
   traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
