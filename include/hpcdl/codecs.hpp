@@ -179,15 +179,52 @@ class Int8Codec {
   // `stream` keys the stochastic-rounding draws of value i as (seed, stream, i).
   void encode(const float* x, const float* add, std::size_t n, std::uint8_t* out, float* err,
               std::uint64_t stream) const {
+#ifdef HPCDL_X86_DISPATCH
+    if (detail::cpu_has_avx2()) return encode_avx2(x, add, n, out, err, 1.0f, nullptr, stream);
+#endif
     encode_impl(x, add, n, out, err, 1.0f, nullptr, stream);
   }
 
   void encode_in_place(float* x, std::size_t n, std::uint8_t* out, float* err, float err_scale,
                        std::uint64_t stream) const {
+#ifdef HPCDL_X86_DISPATCH
+    if (detail::cpu_has_avx2()) return encode_avx2(x, nullptr, n, out, err, err_scale, x, stream);
+#endif
     encode_impl(x, nullptr, n, out, err, err_scale, x, stream);
   }
 
   void decode(const std::uint8_t* in, std::size_t n, float* out) const {
+#ifdef HPCDL_X86_DISPATCH
+    if (detail::cpu_has_avx2()) return decode_avx2(in, n, out);
+#endif
+    decode_impl(in, n, out);
+  }
+
+  void decode_add(const std::uint8_t* in, std::size_t n, float* dst, const float* add, float scale) const {
+#ifdef HPCDL_X86_DISPATCH
+    if (detail::cpu_has_avx2()) return decode_add_avx2(in, n, dst, add, scale);
+#endif
+    decode_add_impl(in, n, dst, add, scale);
+  }
+
+ private:
+#ifdef HPCDL_X86_DISPATCH
+  // The same kernels, everything inlined and compiled for AVX2 (2x the SSE2 width).
+  __attribute__((target("avx2"), flatten)) void encode_avx2(const float* x, const float* add, std::size_t n,
+                                                           std::uint8_t* out, float* err, float err_scale,
+                                                           float* replace, std::uint64_t stream) const {
+    encode_impl(x, add, n, out, err, err_scale, replace, stream);
+  }
+  __attribute__((target("avx2"), flatten)) void decode_avx2(const std::uint8_t* in, std::size_t n, float* out) const {
+    decode_impl(in, n, out);
+  }
+  __attribute__((target("avx2"), flatten)) void decode_add_avx2(const std::uint8_t* in, std::size_t n, float* dst,
+                                                               const float* add, float scale) const {
+    decode_add_impl(in, n, dst, add, scale);
+  }
+#endif
+
+  void decode_impl(const std::uint8_t* in, std::size_t n, float* out) const {
     const std::size_t nb = blocks(n);
     const std::int8_t* q = reinterpret_cast<const std::int8_t*>(in + nb * sizeof(float));
     for (std::size_t b = 0; b < nb; ++b) {
@@ -196,7 +233,7 @@ class Int8Codec {
     }
   }
 
-  void decode_add(const std::uint8_t* in, std::size_t n, float* dst, const float* add, float scale) const {
+  void decode_add_impl(const std::uint8_t* in, std::size_t n, float* dst, const float* add, float scale) const {
     const std::size_t nb = blocks(n);
     const std::int8_t* q = reinterpret_cast<const std::int8_t*>(in + nb * sizeof(float));
     float v[detail::kCodecPiece];
@@ -211,7 +248,6 @@ class Int8Codec {
     }
   }
 
- private:
   std::size_t blocks(std::size_t n) const { return (n + block_ - 1) / block_; }
 
   static float block_scale(const std::uint8_t* in, std::size_t b) {

@@ -115,7 +115,7 @@ inline void fp16s_to_floats_scalar(const std::uint16_t* h, std::size_t n, float*
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define HPCDL_HAVE_F16C_PATH 1
+#define HPCDL_X86_DISPATCH 1  // x86-64 with GCC or clang: F16C and AVX2 kernels, chosen at run time
 __attribute__((target("avx,f16c"))) inline void floats_to_fp16_f16c(const float* x, std::size_t n,
                                                                      std::uint16_t* h) {
   std::size_t i = 0;
@@ -136,19 +136,26 @@ inline bool cpu_has_f16c() {
   static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
   return has;
 }
+
+// For kernels compiled a second time for AVX2 (target attribute + flatten):
+// the same IEEE operations at twice the width, so the same bits (no FMA).
+inline bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
 #endif
 
 }  // namespace detail
 
 inline void floats_to_fp16(const float* x, std::size_t n, std::uint16_t* h) {
-#ifdef HPCDL_HAVE_F16C_PATH
+#ifdef HPCDL_X86_DISPATCH
   if (detail::cpu_has_f16c()) return detail::floats_to_fp16_f16c(x, n, h);
 #endif
   detail::floats_to_fp16_scalar(x, n, h);
 }
 
 inline void fp16s_to_floats(const std::uint16_t* h, std::size_t n, float* x) {
-#ifdef HPCDL_HAVE_F16C_PATH
+#ifdef HPCDL_X86_DISPATCH
   if (detail::cpu_has_f16c()) return detail::fp16s_to_floats_f16c(h, n, x);
 #endif
   detail::fp16s_to_floats_scalar(h, n, x);
