@@ -150,7 +150,7 @@ class HpcdlSystem(System):
 
     def run(self, work):
         try:
-            self.hpcdl.allreduce_async(work, op="sum", comm=self.comm, name="bench",
+            self.hpcdl.allreduce_async(work, op="sum", comm=self.comm, name=self.name,
                                        compression=self.codec).wait(timeout=self.hang_seconds)
         except TimeoutError:
             # The engine thread is stuck in MPI and cannot be stopped: say so and end the job.
