@@ -139,7 +139,7 @@ template <bool kAdd, bool kScale>
 inline void add_values(float* __restrict__ dst, const float* __restrict__ add, const float* __restrict__ src,
                        std::size_t n, float scale) {
   for (std::size_t i = 0; i < n; ++i) {
-    float v = dst[i] + (kAdd ? add[i] : 0.0f);
+    float v = kAdd ? dst[i] + add[i] : dst[i];
     v += src[i];
     dst[i] = kScale ? v * scale : v;
   }
@@ -334,7 +334,8 @@ class Int8Codec {
 
 // A cast to a 16-bit float: n x uint16 on the wire. ToHalf/ToFloat convert
 // arrays (fp16 uses the CPU's F16C instructions where it has them).
-template <void (*ToHalf)(const float*, std::size_t, std::uint16_t*), void (*ToFloat)(const std::uint16_t*, std::size_t, float*)>
+template <void (*ToHalf)(const float*, std::size_t, std::uint16_t*),
+          void (*ToFloat)(const std::uint16_t*, std::size_t, float*)>
 class CastCodec {
  public:
   explicit CastCodec(const CodecSpec&) {}

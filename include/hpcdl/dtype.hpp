@@ -119,8 +119,10 @@ inline void fp16s_to_floats_scalar(const std::uint16_t* h, std::size_t n, float*
 __attribute__((target("avx,f16c"))) inline void floats_to_fp16_f16c(const float* x, std::size_t n,
                                                                      std::uint16_t* h) {
   std::size_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), half);
+  }
   floats_to_fp16_scalar(x + i, n - i, h + i);
 }
 

@@ -115,8 +115,6 @@ class TopkSelector {
     return sample[want];
   }
 
-  // Branch-free compaction: every index is written, the count moves only on a
-  // match (writes past the capacity land on one spare slot).
   // Groups of 16 values: x (+ the residual fold) and two bit masks, lanes
   // with magnitude > t and == t, from vector compares (magnitudes have the
   // sign bit clear, so signed 32-bit compares order them). Only set bits are
@@ -181,11 +179,12 @@ class TopkSelector {
     for (std::size_t lo = 0; lo < n_; lo += kGroup) {
       const std::size_t len = std::min(kGroup, n_ - lo);
       std::uint32_t a, e;
+      float* d = kResidual ? data + lo : nullptr;
+      float* r = kResidual ? residual + lo : nullptr;
       if (len == kGroup) {
-        group_masks<kResidual>(kResidual ? data + lo : nullptr, kResidual ? residual + lo : nullptr, in + lo, t, &a, &e);
+        group_masks<kResidual>(d, r, in + lo, t, &a, &e);
       } else {
-        group_masks_scalar<kResidual>(kResidual ? data + lo : nullptr, kResidual ? residual + lo : nullptr, in + lo, len, t,
-                                       &a, &e);
+        group_masks_scalar<kResidual>(d, r, in + lo, len, t, &a, &e);
       }
       for (; a; a &= a - 1, ++na)
         if (na < cap_) above_[na] = static_cast<std::uint32_t>(lo + __builtin_ctz(a));
@@ -249,15 +248,16 @@ inline void topk_decode_add(const std::uint8_t* in, std::size_t k, float* dst) {
 // contributions (each ascending): a p-way merge of the index lists.
 inline void topk_scale_touched(const std::uint8_t* all, std::size_t bytes, int p, std::size_t k, float scale,
                                float* dst) {
+  auto index = [&](int r, std::size_t j) { return reinterpret_cast<const std::uint32_t*>(all + r * bytes)[j]; };
   std::vector<std::size_t> head(static_cast<std::size_t>(p), 0);
   for (;;) {
     std::uint64_t next = std::numeric_limits<std::uint64_t>::max();
     for (int r = 0; r < p; ++r)
-      if (head[r] < k) next = std::min<std::uint64_t>(next, reinterpret_cast<const std::uint32_t*>(all + r * bytes)[head[r]]);
+      if (head[r] < k) next = std::min<std::uint64_t>(next, index(r, head[r]));
     if (next == std::numeric_limits<std::uint64_t>::max()) return;
     dst[next] *= scale;
     for (int r = 0; r < p; ++r)
-      if (head[r] < k && reinterpret_cast<const std::uint32_t*>(all + r * bytes)[head[r]] == next) ++head[r];
+      if (head[r] < k && index(r, head[r]) == next) ++head[r];
   }
 }
 
@@ -276,7 +276,8 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
   float* val = reinterpret_cast<float*>(mine + k * sizeof(std::uint32_t));
   TopkSelector selector(n, k, scratch);
   if (residual) {
-    selector.select_with_residual(data, residual, idx);  // x is in the residual, data is zeroed: keep only what was not selected
+    // x is now in the residual and data is zero: the residual keeps what was not selected.
+    selector.select_with_residual(data, residual, idx);
     for (std::size_t j = 0; j < k; ++j) {
       val[j] = residual[idx[j]];
       residual[idx[j]] = 0;
