@@ -287,14 +287,12 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
     for (std::size_t j = 0; j < k; ++j) val[j] = data[idx[j]];
     std::memset(data, 0, n * sizeof(float));
   }
-  // Nonblocking, waited on without MPI's busy spin: the ranks that are still
-  // selecting keep the CPU (4 ranks may share 2 cores).
-  MPI_Request req;
-  int rc = MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm, &req);
+  // Non-blocking, waited on without MPI's busy spin: ranks still selecting keep the CPU.
+  MPI_Request request;
+  int rc = MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm,
+                          &request);
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
-  int index = MPI_UNDEFINED;
-  rc = wait_any_politely(1, &req, &index, MPI_STATUS_IGNORE);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(top-k allgather)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&request, MPI_STATUS_IGNORE), "MPI_Wait(top-k allgather)"));
   // The logical volume of an allgather: every other rank's pairs in, ours out to each.
   traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
   traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
