@@ -93,6 +93,7 @@ def test_int8_stochastic_rounding_is_reproducible_and_unbiased():
 def test_casts_equal_numpy_casts_bitwise(codec, np_type):
     x = np.random.default_rng(1).standard_normal(1001).astype(np.float32) * 100
     x[:4] = [np.nan, np.inf, -np.inf, 1e6]
+    x[4:10] = [1e-6, -3e-8, 6.1e-5, 65519, 65520, 2.0 ** -25]  # subnormals, overflow and rounding edges
     enc, out, _ = roundtrip(codec, x)
     with np.errstate(over="ignore"):
         expected = x.astype(np_type)
@@ -127,6 +128,23 @@ def test_topk_tiny_ratio_keeps_one_ties_and_nan():
     x[4000] = np.nan
     enc, out, _ = roundtrip(TopK(1 / 9000), x)
     assert enc[:4].view(np.uint32)[0] == 4000 and np.isnan(out[4000])
+
+
+def test_topk_exact_whatever_the_sampled_threshold_guesses():
+    """Heavy ties at the cut, a sample that guesses too high (too few candidates)
+    and one that guesses too low (too many): always exactly the k largest."""
+    n, codec = 100_000, TopK(0.01)
+    k = codec.k(n)
+    ties = ((np.arange(n) * 7) % 13).astype(np.float32)
+    sampled = np.zeros(n, bool)
+    sampled[::n // 16384] = True  # where the selector samples
+    too_high = np.where(sampled, 1000.0 + np.arange(n), np.arange(n) % 97).astype(np.float32)
+    too_low = np.where(sampled, 0.0, 1.0 + np.arange(n) % 89).astype(np.float32)
+    for x in (ties, too_high, too_low, -ties):
+        enc, out, err = roundtrip(codec, x)
+        expected = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+        np.testing.assert_array_equal(enc[:4 * k].view(np.uint32), expected)
+        np.testing.assert_array_equal(out + err, x)
 
 
 def test_codec_configs_round_trip_and_reject_bad_settings():

@@ -36,12 +36,13 @@ inline Status codec_encode(const std::string& text, const float* x, std::size_t 
       std::memcpy(out, x, n * sizeof(float));
       if (err) std::memset(err, 0, n * sizeof(float));
       break;
-    case CodecKind::kFp16: Fp16Codec(spec).encode(x, n, out, err, stream); break;
-    case CodecKind::kBf16: Bf16Codec(spec).encode(x, n, out, err, stream); break;
-    case CodecKind::kInt8: Int8Codec(spec).encode(x, n, out, err, stream); break;
+    case CodecKind::kFp16: Fp16Codec(spec).encode(x, nullptr, n, out, err, stream); break;
+    case CodecKind::kBf16: Bf16Codec(spec).encode(x, nullptr, n, out, err, stream); break;
+    case CodecKind::kInt8: Int8Codec(spec).encode(x, nullptr, n, out, err, stream); break;
     case CodecKind::kTopK: {
       const std::size_t k = topk_count(n, spec.ratio);
-      topk_encode(x, n, k, out);
+      thread_local TopkScratch scratch;  // reused, as the engine does
+      topk_encode(x, n, k, out, scratch);
       if (err) {
         std::memcpy(err, x, n * sizeof(float));
         const std::uint32_t* idx = reinterpret_cast<const std::uint32_t*>(out);

@@ -122,6 +122,53 @@ inline float round_nearest_small(float v) {
   return (v + magic) - magic;
 }
 
+// The codec interface the compressed ring uses (Int8Codec, CastCodec):
+//   encode(x, add, n, out, err, stream): encodes v = x + add (add optional);
+//       err (optional, may be the same array as add) receives v - decode(out).
+//   encode_in_place(x, n, out, err, err_scale, stream): encodes x, then x
+//       receives decode(out) and err (optional) (x - decode(out)) * err_scale.
+//   decode(in, n, out)
+//   decode_add(in, n, dst, add, scale): dst = (dst + add + decode(in)) * scale,
+//       add optional.
+// Each is one pass over memory: the ring fuses error feedback and the final
+// scaling into the passes it makes anyway (docs/compression.md).
+namespace detail {
+
+// dst = (dst + add + src) * scale over restrict pointers, so the loops vectorize.
+template <bool kAdd, bool kScale>
+inline void add_values(float* __restrict__ dst, const float* __restrict__ add, const float* __restrict__ src,
+                       std::size_t n, float scale) {
+  for (std::size_t i = 0; i < n; ++i) {
+    float v = kAdd ? dst[i] + add[i] : dst[i];
+    v += src[i];
+    dst[i] = kScale ? v * scale : v;
+  }
+}
+
+inline void add_decoded(float* dst, const float* add, const float* src, std::size_t n, float scale) {
+  if (add) {
+    if (scale != 1.0f) add_values<true, true>(dst, add, src, n, scale);
+    else add_values<true, false>(dst, add, src, n, scale);
+  } else {
+    if (scale != 1.0f) add_values<false, true>(dst, add, src, n, scale);
+    else add_values<false, false>(dst, add, src, n, scale);
+  }
+}
+
+// v = x (+ add) into a local block, so later loops read memory nothing else writes.
+inline void load_values(const float* __restrict__ x, const float* __restrict__ add, std::size_t n,
+                        float* __restrict__ v) {
+  if (add) {
+    for (std::size_t i = 0; i < n; ++i) v[i] = x[i] + add[i];
+  } else {
+    std::memcpy(v, x, n * sizeof(float));
+  }
+}
+
+constexpr std::size_t kCodecPiece = 256;  // values staged on the stack at a time
+
+}  // namespace detail
+
 // Blockwise int8: see the wire format above.
 class Int8Codec {
  public:
@@ -129,18 +176,137 @@ class Int8Codec {
 
   std::size_t encoded_bytes(std::size_t n) const { return blocks(n) * sizeof(float) + n; }
 
-  // Encodes x[0, n). err (optional) receives x - decode(encoded), the part
-  // this encoding dropped. `stream` keys the stochastic-rounding draws of
-  // value i as (seed, stream, i).
-  void encode(const float* x, std::size_t n, std::uint8_t* out, float* err, std::uint64_t stream) const {
+  // `stream` keys the stochastic-rounding draws of value i as (seed, stream, i).
+  void encode(const float* x, const float* add, std::size_t n, std::uint8_t* out, float* err,
+              std::uint64_t stream) const {
+#ifdef HPCDL_X86_DISPATCH
+    if (detail::cpu_has_avx2()) return encode_avx2(x, add, n, out, err, 1.0f, nullptr, stream);
+#endif
+    encode_impl(x, add, n, out, err, 1.0f, nullptr, stream);
+  }
+
+  void encode_in_place(float* x, std::size_t n, std::uint8_t* out, float* err, float err_scale,
+                       std::uint64_t stream) const {
+#ifdef HPCDL_X86_DISPATCH
+    if (detail::cpu_has_avx2()) return encode_avx2(x, nullptr, n, out, err, err_scale, x, stream);
+#endif
+    encode_impl(x, nullptr, n, out, err, err_scale, x, stream);
+  }
+
+  void decode(const std::uint8_t* in, std::size_t n, float* out) const {
+#ifdef HPCDL_X86_DISPATCH
+    if (detail::cpu_has_avx2()) return decode_avx2(in, n, out);
+#endif
+    decode_impl(in, n, out);
+  }
+
+  void decode_add(const std::uint8_t* in, std::size_t n, float* dst, const float* add, float scale) const {
+#ifdef HPCDL_X86_DISPATCH
+    if (detail::cpu_has_avx2()) return decode_add_avx2(in, n, dst, add, scale);
+#endif
+    decode_add_impl(in, n, dst, add, scale);
+  }
+
+ private:
+#ifdef HPCDL_X86_DISPATCH
+  // The same kernels, everything inlined and compiled for AVX2 (2x the SSE2 width).
+  __attribute__((target("avx2"), flatten)) void encode_avx2(const float* x, const float* add, std::size_t n,
+                                                           std::uint8_t* out, float* err, float err_scale,
+                                                           float* replace, std::uint64_t stream) const {
+    encode_impl(x, add, n, out, err, err_scale, replace, stream);
+  }
+  __attribute__((target("avx2"), flatten)) void decode_avx2(const std::uint8_t* in, std::size_t n, float* out) const {
+    decode_impl(in, n, out);
+  }
+  __attribute__((target("avx2"), flatten)) void decode_add_avx2(const std::uint8_t* in, std::size_t n, float* dst,
+                                                               const float* add, float scale) const {
+    decode_add_impl(in, n, dst, add, scale);
+  }
+#endif
+
+  void decode_impl(const std::uint8_t* in, std::size_t n, float* out) const {
+    const std::size_t nb = blocks(n);
+    const std::int8_t* q = reinterpret_cast<const std::int8_t*>(in + nb * sizeof(float));
+    for (std::size_t b = 0; b < nb; ++b) {
+      const std::size_t lo = b * block_, len = std::min<std::size_t>(block_, n - lo);
+      dequantize(q + lo, len, block_scale(in, b), out + lo);
+    }
+  }
+
+  void decode_add_impl(const std::uint8_t* in, std::size_t n, float* dst, const float* add, float scale) const {
+    const std::size_t nb = blocks(n);
+    const std::int8_t* q = reinterpret_cast<const std::int8_t*>(in + nb * sizeof(float));
+    float v[detail::kCodecPiece];
+    for (std::size_t b = 0; b < nb; ++b) {
+      const std::size_t lo = b * block_, len = std::min<std::size_t>(block_, n - lo);
+      const float s = block_scale(in, b);
+      for (std::size_t p = 0; p < len; p += detail::kCodecPiece) {
+        const std::size_t m = std::min(detail::kCodecPiece, len - p), at = lo + p;
+        dequantize(q + at, m, s, v);
+        detail::add_decoded(dst + at, add ? add + at : nullptr, v, m, scale);
+      }
+    }
+  }
+
+  std::size_t blocks(std::size_t n) const { return (n + block_ - 1) / block_; }
+
+  static float block_scale(const std::uint8_t* in, std::size_t b) {
+    float scale;
+    std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
+    return scale;
+  }
+
+  static void dequantize(const std::int8_t* __restrict__ q, std::size_t n, float scale, float* __restrict__ out) {
+    for (std::size_t i = 0; i < n; ++i) out[i] = static_cast<float>(q[i]) * scale;
+  }
+
+  // |v| as bits: integer order = float order, NaN/Inf on top.
+  static std::uint32_t absmax_bits(const float* __restrict__ x, const float* __restrict__ add, std::size_t n) {
+    std::uint32_t m = 0;
+    if (add) {
+      for (std::size_t i = 0; i < n; ++i) m = std::max(m, float_to_bits(x[i] + add[i]) & 0x7fffffffu);
+    } else {
+      for (std::size_t i = 0; i < n; ++i) m = std::max(m, float_to_bits(x[i]) & 0x7fffffffu);
+    }
+    return m;
+  }
+
+  // Quantizes v[0, n) (values lo.. of the chunk); err and replace optional.
+  void quantize(const float* __restrict__ v, std::size_t n, std::size_t lo, float scale, float inv,
+                std::uint64_t base, std::int8_t* __restrict__ q, float* __restrict__ err, float err_scale,
+                float* __restrict__ replace) const {
+    if (stochastic_) {
+      for (std::size_t i = 0; i < n; ++i) {
+        const float u = static_cast<float>(mix64(base + lo + i) >> 40) * (1.0f / 16777216.0f);  // [0, 1)
+        const float r = round_nearest_small(v[i] * inv + u - 0.5f);
+        q[i] = static_cast<std::int8_t>(static_cast<int>(std::min(127.0f, std::max(-127.0f, r))));
+      }
+    } else {
+      for (std::size_t i = 0; i < n; ++i) {
+        const float r = round_nearest_small(v[i] * inv);
+        q[i] = static_cast<std::int8_t>(static_cast<int>(std::min(127.0f, std::max(-127.0f, r))));
+      }
+    }
+    if (err) {
+      if (err_scale != 1.0f) {
+        for (std::size_t i = 0; i < n; ++i) err[i] = (v[i] - static_cast<float>(q[i]) * scale) * err_scale;
+      } else {
+        for (std::size_t i = 0; i < n; ++i) err[i] = v[i] - static_cast<float>(q[i]) * scale;
+      }
+    }
+    if (replace) dequantize(q, n, scale, replace);
+  }
+
+  void encode_impl(const float* x, const float* add, std::size_t n, std::uint8_t* out, float* err, float err_scale,
+                   float* replace, std::uint64_t stream) const {
     const std::size_t nb = blocks(n);
     float* scales = reinterpret_cast<float*>(out);
     std::int8_t* q = reinterpret_cast<std::int8_t*>(out + nb * sizeof(float));
+    const std::uint64_t base = stochastic_ ? mix64(seed_ ^ mix64(stream)) : 0;
+    float v[detail::kCodecPiece];
     for (std::size_t b = 0; b < nb; ++b) {
       const std::size_t lo = b * block_, len = std::min<std::size_t>(block_, n - lo);
-      const float* xb = x + lo;
-      std::uint32_t amax_bits = 0;  // |x| as bits: integer order = float order, NaN/Inf on top
-      for (std::size_t i = 0; i < len; ++i) amax_bits = std::max(amax_bits, float_to_bits(xb[i]) & 0x7fffffffu);
+      const std::uint32_t amax_bits = absmax_bits(x + lo, add ? add + lo : nullptr, len);
       float scale, inv;
       if (amax_bits >= 0x7f800000u) {
         scale = std::numeric_limits<float>::quiet_NaN();
@@ -151,44 +317,12 @@ class Int8Codec {
         inv = amax > 0 ? 127.0f / amax : 0.0f;
       }
       std::memcpy(scales + b, &scale, sizeof(float));
-      std::int8_t* qb = q + lo;
-      if (stochastic_) {
-        const std::uint64_t base = mix64(seed_ ^ mix64(stream)) + lo;
-        for (std::size_t i = 0; i < len; ++i) {
-          const float u = static_cast<float>(mix64(base + i) >> 40) * (1.0f / 16777216.0f);  // [0, 1)
-          const float r = round_nearest_small(xb[i] * inv + u - 0.5f);
-          qb[i] = static_cast<std::int8_t>(static_cast<int>(std::min(127.0f, std::max(-127.0f, r))));
-        }
-      } else {
-        for (std::size_t i = 0; i < len; ++i) {
-          const float r = round_nearest_small(xb[i] * inv);
-          qb[i] = static_cast<std::int8_t>(static_cast<int>(std::min(127.0f, std::max(-127.0f, r))));
-        }
-      }
-      if (err)
-        for (std::size_t i = 0; i < len; ++i) err[lo + i] = xb[i] - static_cast<float>(qb[i]) * scale;
-    }
-  }
-
-  void decode(const std::uint8_t* in, std::size_t n, float* out) const { decode_impl<false>(in, n, out); }
-  void decode_add(const std::uint8_t* in, std::size_t n, float* dst) const { decode_impl<true>(in, n, dst); }
-
- private:
-  std::size_t blocks(std::size_t n) const { return (n + block_ - 1) / block_; }
-
-  template <bool Add>
-  void decode_impl(const std::uint8_t* in, std::size_t n, float* out) const {
-    const std::size_t nb = blocks(n);
-    const std::int8_t* q = reinterpret_cast<const std::int8_t*>(in + nb * sizeof(float));
-    for (std::size_t b = 0; b < nb; ++b) {
-      float scale;
-      std::memcpy(&scale, in + b * sizeof(float), sizeof(float));
-      const std::size_t lo = b * block_, len = std::min<std::size_t>(block_, n - lo);
-      float* ob = out + lo;
-      const std::int8_t* qb = q + lo;
-      for (std::size_t i = 0; i < len; ++i) {
-        const float v = static_cast<float>(qb[i]) * scale;
-        ob[i] = Add ? ob[i] + v : v;
+      // The block again, a piece at a time (it is in cache): stage v, then quantize.
+      for (std::size_t p = 0; p < len; p += detail::kCodecPiece) {
+        const std::size_t m = std::min(detail::kCodecPiece, len - p), at = lo + p;
+        detail::load_values(x + at, add ? add + at : nullptr, m, v);
+        quantize(v, m, at, scale, inv, base, q + at, err ? err + at : nullptr, err_scale,
+                 replace ? replace + at : nullptr);
       }
     }
   }
@@ -198,34 +332,67 @@ class Int8Codec {
   std::uint64_t seed_;
 };
 
-// A cast to a 16-bit float: n x uint16 on the wire.
-template <float (*ToF)(std::uint16_t), std::uint16_t (*FromF)(float)>
+// A cast to a 16-bit float: n x uint16 on the wire. ToHalf/ToFloat convert
+// arrays (fp16 uses the CPU's F16C instructions where it has them).
+template <void (*ToHalf)(const float*, std::size_t, std::uint16_t*),
+          void (*ToFloat)(const std::uint16_t*, std::size_t, float*)>
 class CastCodec {
  public:
   explicit CastCodec(const CodecSpec&) {}
 
   std::size_t encoded_bytes(std::size_t n) const { return n * sizeof(std::uint16_t); }
 
-  void encode(const float* x, std::size_t n, std::uint8_t* out, float* err, std::uint64_t) const {
-    std::uint16_t* h = reinterpret_cast<std::uint16_t*>(out);
-    for (std::size_t i = 0; i < n; ++i) h[i] = FromF(x[i]);
-    if (err)
-      for (std::size_t i = 0; i < n; ++i) err[i] = x[i] - ToF(h[i]);
+  void encode(const float* x, const float* add, std::size_t n, std::uint8_t* out, float* err, std::uint64_t) const {
+    encode_impl(x, add, n, out, err, 1.0f, nullptr);
+  }
+
+  void encode_in_place(float* x, std::size_t n, std::uint8_t* out, float* err, float err_scale,
+                       std::uint64_t) const {
+    encode_impl(x, nullptr, n, out, err, err_scale, x);
   }
 
   void decode(const std::uint8_t* in, std::size_t n, float* out) const {
-    const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(in);
-    for (std::size_t i = 0; i < n; ++i) out[i] = ToF(h[i]);
+    ToFloat(reinterpret_cast<const std::uint16_t*>(in), n, out);
   }
 
-  void decode_add(const std::uint8_t* in, std::size_t n, float* dst) const {
+  void decode_add(const std::uint8_t* in, std::size_t n, float* dst, const float* add, float scale) const {
     const std::uint16_t* h = reinterpret_cast<const std::uint16_t*>(in);
-    for (std::size_t i = 0; i < n; ++i) dst[i] += ToF(h[i]);
+    float d[detail::kCodecPiece];
+    for (std::size_t p = 0; p < n; p += detail::kCodecPiece) {
+      const std::size_t m = std::min(detail::kCodecPiece, n - p);
+      ToFloat(h + p, m, d);
+      detail::add_decoded(dst + p, add ? add + p : nullptr, d, m, scale);
+    }
+  }
+
+ private:
+  static void error_of(const float* __restrict__ v, const float* __restrict__ d, std::size_t n, float err_scale,
+                       float* __restrict__ err) {
+    if (err_scale != 1.0f) {
+      for (std::size_t i = 0; i < n; ++i) err[i] = (v[i] - d[i]) * err_scale;
+    } else {
+      for (std::size_t i = 0; i < n; ++i) err[i] = v[i] - d[i];
+    }
+  }
+
+  void encode_impl(const float* x, const float* add, std::size_t n, std::uint8_t* out, float* err, float err_scale,
+                   float* replace) const {
+    std::uint16_t* h = reinterpret_cast<std::uint16_t*>(out);
+    float v[detail::kCodecPiece], d[detail::kCodecPiece];
+    for (std::size_t p = 0; p < n; p += detail::kCodecPiece) {
+      const std::size_t m = std::min(detail::kCodecPiece, n - p);
+      detail::load_values(x + p, add ? add + p : nullptr, m, v);
+      ToHalf(v, m, h + p);
+      if (!err && !replace) continue;
+      ToFloat(h + p, m, d);
+      if (err) error_of(v, d, m, err_scale, err + p);
+      if (replace) std::memcpy(replace + p, d, m * sizeof(float));
+    }
   }
 };
 
-using Fp16Codec = CastCodec<fp16_to_float, float_to_fp16>;
-using Bf16Codec = CastCodec<bf16_to_float, float_to_bf16>;
+using Fp16Codec = CastCodec<floats_to_fp16, fp16s_to_floats>;
+using Bf16Codec = CastCodec<floats_to_bf16, bf16s_to_floats>;
 
 // Which element types a codec accepts (all codecs work on float32 values).
 inline Status check_codec_dtype(const CodecSpec& spec, const std::string& text, DType dtype) {

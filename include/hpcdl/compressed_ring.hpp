@@ -19,47 +19,53 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <vector>
 
 #include "hpcdl/ring.hpp"
+#include "hpcdl/scratch.hpp"
 #include "hpcdl/status.hpp"
 
 namespace hpcdl {
+
+// Encoded chunks: reduce-scatter sends and receives (one per pipeline slot),
+// and the allgather's full set, received there and forwarded from there.
+struct RingScratch {
+  Scratch send_slots, recv_slots, gathered;
+};
 
 template <typename Codec>
 class CompressedRingPolicy {
  public:
   // data: float32 values, reduced in place. residual: nullptr, or count
-  // floats that receive what the encodings dropped (sum units). stream keys
+  // floats of error feedback: added to the data where the ring first touches
+  // each element (this rank's own segment when it sends it, every other
+  // segment when its first partial sum arrives), and overwritten with what
+  // this rank's encoding of that element dropped (sum units). stream keys
   // stochastic rounding (unique per operation and rank).
   CompressedRingPolicy(const RingPlan& plan, float* data, const Codec& codec, double final_scale, float* residual,
-                       std::uint64_t stream)
+                       std::uint64_t stream, RingScratch& scratch)
       : plan_(plan), data_(data), codec_(codec), final_scale_(final_scale), residual_(residual), stream_(stream),
         slot_bytes_((codec.encoded_bytes(plan.max_chunk_elems()) + 7) / 8 * 8),
-        send_slots_(kPipelineDepth * slot_bytes_),
-        recv_slots_(kPipelineDepth * slot_bytes_),
-        gathered_(static_cast<std::size_t>(plan.size()) * plan.chunks() * slot_bytes_) {}
+        send_slots_(scratch.send_slots.get<std::uint8_t>(kPipelineDepth * slot_bytes_)),
+        recv_slots_(scratch.recv_slots.get<std::uint8_t>(kPipelineDepth * slot_bytes_)),
+        gathered_(scratch.gathered.get<std::uint8_t>(static_cast<std::size_t>(plan.size()) * plan.chunks() *
+                                                     slot_bytes_)) {}
 
   RingBuffer send(std::size_t u) {
     const RingPlan::Unit x = plan_.unit(u);
     std::size_t begin, len;
     plan_.chunk_range(x.send_seg, x.chunk, &begin, &len);
+    float* res = residual_ ? residual_ + begin : nullptr;
     if (x.reduce_phase) {
       // At most kPipelineDepth sends are in flight and they retire in order.
-      std::uint8_t* out = send_slots_.data() + (u % kPipelineDepth) * slot_bytes_;
-      codec_.encode(data_ + begin, len, out, residual_ ? residual_ + begin : nullptr, stream_ + begin);
+      std::uint8_t* out = send_slots_ + (u % kPipelineDepth) * slot_bytes_;
+      // Step 0 sends this rank's own values: the first touch, so the residual is added here.
+      codec_.encode(data_ + begin, x.step == 0 ? res : nullptr, len, out, res, stream_ + begin);
       return {out, codec_.encoded_bytes(len)};
     }
     std::uint8_t* enc = gathered(x.send_seg, x.chunk);
     if (x.step == 0) {
       // This rank owns the segment: encode its final value once and keep the decoded value.
-      float* err = residual_ ? residual_ + begin : nullptr;
-      codec_.encode(data_ + begin, len, enc, err, stream_ + begin);
-      codec_.decode(enc, len, data_ + begin);
-      if (err && final_scale_ != 1.0) {
-        const float to_sum_units = static_cast<float>(1.0 / final_scale_);
-        for (std::size_t i = 0; i < len; ++i) err[i] *= to_sum_units;
-      }
+      codec_.encode_in_place(data_ + begin, len, enc, res, static_cast<float>(1.0 / final_scale_), stream_ + begin);
     }
     return {enc, codec_.encoded_bytes(len)};
   }
@@ -67,7 +73,7 @@ class CompressedRingPolicy {
   RingBuffer recv_slot(std::size_t u) {
     const RingPlan::Unit x = plan_.unit(u);
     const std::size_t bytes = expected_bytes(x);
-    if (x.reduce_phase) return {recv_slots_.data() + (u % kPipelineDepth) * slot_bytes_, bytes};
+    if (x.reduce_phase) return {recv_slots_ + (u % kPipelineDepth) * slot_bytes_, bytes};
     return {gathered(x.recv_seg, x.chunk), bytes};
   }
 
@@ -83,11 +89,10 @@ class CompressedRingPolicy {
       codec_.decode(gathered(x.recv_seg, x.chunk), len, dst);
       return Status::OK();
     }
-    codec_.decode_add(recv_slots_.data() + (u % kPipelineDepth) * slot_bytes_, len, dst);
-    if (x.final_reduce && final_scale_ != 1.0) {
-      const float s = static_cast<float>(final_scale_);
-      for (std::size_t i = 0; i < len; ++i) dst[i] *= s;
-    }
+    // The first partial sum of this chunk to arrive here: add the residual with it.
+    const float scale = x.final_reduce ? static_cast<float>(final_scale_) : 1.0f;
+    codec_.decode_add(recv_slots_ + (u % kPipelineDepth) * slot_bytes_, len, dst,
+                      residual_ ? residual_ + begin : nullptr, scale);
     return Status::OK();
   }
 
@@ -99,7 +104,7 @@ class CompressedRingPolicy {
   }
 
   std::uint8_t* gathered(int seg, std::size_t chunk) {
-    return gathered_.data() + (static_cast<std::size_t>(seg) * plan_.chunks() + chunk) * slot_bytes_;
+    return gathered_ + (static_cast<std::size_t>(seg) * plan_.chunks() + chunk) * slot_bytes_;
   }
 
   const RingPlan& plan_;
@@ -109,9 +114,7 @@ class CompressedRingPolicy {
   float* residual_;
   std::uint64_t stream_;
   std::size_t slot_bytes_;
-  // Encoded chunks: reduce-scatter sends and receives (one per pipeline slot),
-  // and the allgather's full set, received there and forwarded from there.
-  std::vector<std::uint8_t> send_slots_, recv_slots_, gathered_;
+  std::uint8_t *send_slots_, *recv_slots_, *gathered_;
 };
 
 }  // namespace hpcdl

@@ -8,6 +8,10 @@
 #include <cstring>
 #include <string>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace hpcdl {
 
 enum class DType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3, kInt32 = 4, kInt64 = 5 };
@@ -91,6 +95,80 @@ inline std::uint16_t float_to_fp16(float f) {
   }
   std::uint32_t rounded = abs + 0x0fffu + ((abs >> 13) & 1u);
   return sign | static_cast<std::uint16_t>((rounded - 0x38000000u) >> 13);
+}
+
+// ---- array conversions (the codecs' inner loops) ----
+//
+// fp16 on x86-64 uses F16C (vcvtps2ph / vcvtph2ps, round to nearest even)
+// when the CPU has it, checked once at run time, so a wheel built for
+// baseline x86-64 still runs everywhere. Both paths give the same bits for
+// every non-NaN value; a NaN stays a NaN (its payload may differ).
+
+namespace detail {
+
+inline void floats_to_fp16_scalar(const float* x, std::size_t n, std::uint16_t* h) {
+  for (std::size_t i = 0; i < n; ++i) h[i] = float_to_fp16(x[i]);
+}
+
+inline void fp16s_to_floats_scalar(const std::uint16_t* h, std::size_t n, float* x) {
+  for (std::size_t i = 0; i < n; ++i) x[i] = fp16_to_float(h[i]);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HPCDL_X86_DISPATCH 1  // x86-64 with GCC or clang: F16C and AVX2 kernels, chosen at run time
+__attribute__((target("avx,f16c"))) inline void floats_to_fp16_f16c(const float* x, std::size_t n,
+                                                                     std::uint16_t* h) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(h + i), half);
+  }
+  floats_to_fp16_scalar(x + i, n - i, h + i);
+}
+
+__attribute__((target("avx,f16c"))) inline void fp16s_to_floats_f16c(const std::uint16_t* h, std::size_t n,
+                                                                      float* x) {
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  fp16s_to_floats_scalar(h + i, n - i, x + i);
+}
+
+inline bool cpu_has_f16c() {
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return has;
+}
+
+// For kernels compiled a second time for AVX2 (target attribute + flatten):
+// the same IEEE operations at twice the width, so the same bits (no FMA).
+inline bool cpu_has_avx2() {
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+}
+#endif
+
+}  // namespace detail
+
+inline void floats_to_fp16(const float* x, std::size_t n, std::uint16_t* h) {
+#ifdef HPCDL_X86_DISPATCH
+  if (detail::cpu_has_f16c()) return detail::floats_to_fp16_f16c(x, n, h);
+#endif
+  detail::floats_to_fp16_scalar(x, n, h);
+}
+
+inline void fp16s_to_floats(const std::uint16_t* h, std::size_t n, float* x) {
+#ifdef HPCDL_X86_DISPATCH
+  if (detail::cpu_has_f16c()) return detail::fp16s_to_floats_f16c(h, n, x);
+#endif
+  detail::fp16s_to_floats_scalar(h, n, x);
+}
+
+inline void floats_to_bf16(const float* x, std::size_t n, std::uint16_t* h) {
+  for (std::size_t i = 0; i < n; ++i) h[i] = float_to_bf16(x[i]);
+}
+
+inline void bf16s_to_floats(const std::uint16_t* h, std::size_t n, float* x) {
+  for (std::size_t i = 0; i < n; ++i) x[i] = bf16_to_float(h[i]);
 }
 
 // ---- reduction kernels: dst = (dst + src) * scale ----

@@ -22,9 +22,11 @@
 #include <thread>
 #include <vector>
 
+#include "hpcdl/compressed_ring.hpp"
 #include "hpcdl/dtype.hpp"
 #include "hpcdl/ring.hpp"
 #include "hpcdl/status.hpp"
+#include "hpcdl/topk.hpp"
 
 namespace hpcdl {
 
@@ -142,6 +144,10 @@ class Engine {
 
   std::mutex stats_mu_;
   std::map<std::pair<std::string, std::string>, EngineStats> stats_;
+
+  // Engine thread only: working memory of compressed allreduces, kept between operations.
+  RingScratch ring_scratch_;
+  TopkScratch topk_scratch_;
 };
 
 }  // namespace hpcdl

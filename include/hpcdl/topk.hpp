@@ -19,9 +19,14 @@
 #include <limits>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include "hpcdl/dtype.hpp"
 #include "hpcdl/mpi_util.hpp"
 #include "hpcdl/ring.hpp"
+#include "hpcdl/scratch.hpp"
 #include "hpcdl/status.hpp"
 
 namespace hpcdl {
@@ -42,45 +47,193 @@ inline std::uint32_t topk_magnitude(float v) { return float_to_bits(v) & 0x7ffff
 
 }  // namespace detail
 
-// Indices of the k largest magnitudes of x[0, n), ascending. O(n): a
-// deterministic sample guesses a threshold a little below the k-th largest
-// magnitude (as Deep Gradient Compression does), one scan collects the
-// candidates at or above it, and an exact selection runs on the candidates
-// only; when the guess keeps too few, the selection runs on everything.
-// Among equal magnitudes at the cut, lower indices win.
-inline void topk_select(const float* x, std::size_t n, std::size_t k, std::uint32_t* idx_out) {
-  if (k == 0) return;
-  std::vector<std::uint32_t> cand;
-  if (k < n / 8 && n >= 4096) {
-    const std::size_t stride = 64, samples = n / stride;
-    std::vector<std::uint32_t> sample(samples);
-    for (std::size_t s = 0; s < samples; ++s) sample[s] = detail::topk_magnitude(x[s * stride]);
+// Working memory of one selection, reused from call to call by the engine.
+struct TopkScratch {
+  Scratch above, at, mags, all_indices, mine, all;
+};
+
+// Selects the indices of the k largest magnitudes of x = data (+ residual),
+// ascending; among equal magnitudes at the cut, lower indices win. O(n), one
+// pass over memory (as Deep Gradient Compression does, made exact):
+//   1. a fixed-size strided sample of x guesses a threshold t a little below
+//      the k-th largest magnitude (about 2k values at or above it);
+//   2. one scan collects, in index order, the indices with magnitude > t and
+//      the first k with magnitude == t (so ties on t cost nothing);
+//   3. if at least k lie above t, the k-th largest magnitude m among them is
+//      found with nth_element on a copy of their magnitudes, and one walk
+//      keeps those above m and the lowest-index ones equal to m; otherwise
+//      t itself is the k-th largest and the first k - |above| equal to t join.
+//   If the sample guessed too high (fewer than k at or above t) or too low
+//   (over 4k + 64 above t), an exact selection over all n values runs instead.
+// With a residual (error feedback) the scan also leaves x in the residual and
+// zeroes data (the caller sums the contributions into it).
+class TopkSelector {
+ public:
+  TopkSelector(std::size_t n, std::size_t k, TopkScratch& scratch) : n_(n), k_(k), scratch_(scratch) {}
+
+  // Fills idx_out[0, k) from x, which is only read.
+  void select(const float* x, std::uint32_t* idx_out) { run<false>(x, nullptr, nullptr, idx_out); }
+
+  // x = data + residual; on return the residual holds x and data is zero.
+  void select_with_residual(float* data, float* residual, std::uint32_t* idx_out) {
+    run<true>(data, data, residual, idx_out);
+  }
+
+ private:
+  template <bool kResidual>
+  void run(const float* in, float* zero_out, float* residual, std::uint32_t* idx_out) {
+    if (k_ == 0) return;
+    const float* x = kResidual ? residual : in;  // where x lies after the scan
+    if (k_ == n_) {
+      for (std::size_t i = 0; kResidual && i < n_; ++i) {
+        residual[i] += in[i];
+        zero_out[i] = 0.0f;
+      }
+      for (std::size_t i = 0; i < n_; ++i) idx_out[i] = static_cast<std::uint32_t>(i);
+      return;
+    }
+    scan<kResidual>(in, zero_out, residual, sample_threshold(in, residual));
+    if (n_above_ > cap_ || n_above_ + n_at_ < k_) {
+      select_exact(x, idx_out);
+    } else if (n_above_ >= k_) {
+      cut_above(x, idx_out);
+    } else {
+      std::merge(above_, above_ + n_above_, at_, at_ + (k_ - n_above_), idx_out);
+    }
+  }
+
+  std::uint32_t sample_threshold(const float* data, const float* residual) {
+    const std::size_t samples = std::min<std::size_t>(n_, 16384), stride = n_ / samples;
+    std::uint32_t* sample = scratch_.mags.get<std::uint32_t>(samples);
+    for (std::size_t s = 0; s < samples; ++s) {
+      const std::size_t i = s * stride;
+      sample[s] = detail::topk_magnitude(residual ? data[i] + residual[i] : data[i]);
+    }
     // Aim for about 2k candidates: the (2k/n)-quantile from the top of the sample.
-    const std::size_t want = std::min(samples - 1, (2 * k * samples) / n + 1);
-    std::nth_element(sample.begin(), sample.begin() + want, sample.end(), std::greater<std::uint32_t>());
-    const std::uint32_t threshold = sample[want];
-    cand.reserve(3 * k);
-    for (std::size_t i = 0; i < n; ++i)
-      if (!(detail::topk_magnitude(x[i]) < threshold)) cand.push_back(static_cast<std::uint32_t>(i));
+    const std::size_t want = std::min(samples - 1, (2 * k_ * samples) / n_);
+    std::nth_element(sample, sample + want, sample + samples, std::greater<std::uint32_t>());
+    return sample[want];
   }
-  if (cand.size() < k) {
-    cand.resize(n);
-    for (std::size_t i = 0; i < n; ++i) cand[i] = static_cast<std::uint32_t>(i);
+
+  // Groups of 16 values: x (+ the residual fold) and two bit masks, lanes
+  // with magnitude > t and == t, from vector compares (magnitudes have the
+  // sign bit clear, so signed 32-bit compares order them). Only set bits are
+  // visited, so the scan costs about one pass over memory however many ties
+  // the data has.
+  static constexpr std::size_t kGroup = 16;
+
+  template <bool kResidual>
+  static void group_masks(float* data, float* residual, const float* in, std::uint32_t t, std::uint32_t* above,
+                          std::uint32_t* at) {
+#if defined(__SSE2__)
+    const __m128i tv = _mm_set1_epi32(static_cast<int>(t)), abs_mask = _mm_set1_epi32(0x7fffffff);
+    std::uint32_t a = 0, e = 0;
+    for (int j = 0; j < 4; ++j) {
+      __m128 v;
+      if (kResidual) {
+        v = _mm_add_ps(_mm_loadu_ps(data + 4 * j), _mm_loadu_ps(residual + 4 * j));
+        _mm_storeu_ps(residual + 4 * j, v);
+        _mm_storeu_ps(data + 4 * j, _mm_setzero_ps());
+      } else {
+        v = _mm_loadu_ps(in + 4 * j);
+      }
+      const __m128i m = _mm_and_si128(_mm_castps_si128(v), abs_mask);
+      a |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, tv)))) << (4 * j);
+      e |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(m, tv)))) << (4 * j);
+    }
+    *above = a;
+    *at = e;
+#else
+    group_masks_scalar<kResidual>(data, residual, in, kGroup, t, above, at);
+#endif
   }
-  auto larger = [x](std::uint32_t a, std::uint32_t b) {
-    const std::uint32_t ma = detail::topk_magnitude(x[a]), mb = detail::topk_magnitude(x[b]);
-    return ma > mb || (ma == mb && a < b);
-  };
-  std::nth_element(cand.begin(), cand.begin() + (k - 1), cand.end(), larger);
-  std::sort(cand.begin(), cand.begin() + k);
-  std::memcpy(idx_out, cand.data(), k * sizeof(std::uint32_t));
-}
+
+  template <bool kResidual>
+  static void group_masks_scalar(float* data, float* residual, const float* in, std::size_t len, std::uint32_t t,
+                                 std::uint32_t* above, std::uint32_t* at) {
+    std::uint32_t a = 0, e = 0;
+    for (std::size_t j = 0; j < len; ++j) {
+      float v;
+      if (kResidual) {
+        v = data[j] + residual[j];
+        residual[j] = v;
+        data[j] = 0.0f;
+      } else {
+        v = in[j];
+      }
+      const std::uint32_t m = detail::topk_magnitude(v);
+      a |= static_cast<std::uint32_t>(m > t) << j;
+      e |= static_cast<std::uint32_t>(m == t) << j;
+    }
+    *above = a;
+    *at = e;
+  }
+
+  // With kResidual, data is zeroed as it goes and x ends up in residual; else x = in.
+  template <bool kResidual>
+  void scan(const float* in, float* data, float* residual, std::uint32_t t) {
+    cap_ = 4 * k_ + 64;
+    above_ = scratch_.above.get<std::uint32_t>(cap_);
+    at_ = scratch_.at.get<std::uint32_t>(k_);
+    std::size_t na = 0, ne = 0;
+    for (std::size_t lo = 0; lo < n_; lo += kGroup) {
+      const std::size_t len = std::min(kGroup, n_ - lo);
+      std::uint32_t a, e;
+      float* d = kResidual ? data + lo : nullptr;
+      float* r = kResidual ? residual + lo : nullptr;
+      if (len == kGroup) {
+        group_masks<kResidual>(d, r, in + lo, t, &a, &e);
+      } else {
+        group_masks_scalar<kResidual>(d, r, in + lo, len, t, &a, &e);
+      }
+      for (; a; a &= a - 1, ++na)
+        if (na < cap_) above_[na] = static_cast<std::uint32_t>(lo + __builtin_ctz(a));
+      for (; e && ne < k_; e &= e - 1) at_[ne++] = static_cast<std::uint32_t>(lo + __builtin_ctz(e));
+    }
+    n_above_ = na;
+    n_at_ = ne;
+  }
+
+  void cut_above(const float* x, std::uint32_t* idx_out) {
+    std::uint32_t* mags = scratch_.mags.get<std::uint32_t>(n_above_);
+    for (std::size_t j = 0; j < n_above_; ++j) mags[j] = detail::topk_magnitude(x[above_[j]]);
+    std::nth_element(mags, mags + (k_ - 1), mags + n_above_, std::greater<std::uint32_t>());
+    const std::uint32_t m = mags[k_ - 1];
+    std::size_t over = 0;
+    for (std::size_t j = 0; j < n_above_; ++j) over += detail::topk_magnitude(x[above_[j]]) > m;
+    std::size_t equal_left = k_ - over, out = 0;
+    for (std::size_t j = 0; j < n_above_; ++j) {
+      const std::uint32_t mj = detail::topk_magnitude(x[above_[j]]);
+      if (mj > m || (mj == m && equal_left > 0)) {
+        if (mj == m) --equal_left;
+        idx_out[out++] = above_[j];
+      }
+    }
+  }
+
+  void select_exact(const float* x, std::uint32_t* idx_out) {
+    std::uint32_t* all = scratch_.all_indices.get<std::uint32_t>(n_);
+    for (std::size_t i = 0; i < n_; ++i) all[i] = static_cast<std::uint32_t>(i);
+    auto larger = [x](std::uint32_t a, std::uint32_t b) {
+      const std::uint32_t ma = detail::topk_magnitude(x[a]), mb = detail::topk_magnitude(x[b]);
+      return ma > mb || (ma == mb && a < b);
+    };
+    std::nth_element(all, all + (k_ - 1), all + n_, larger);
+    std::sort(all, all + k_);
+    std::memcpy(idx_out, all, k_ * sizeof(std::uint32_t));
+  }
+
+  std::size_t n_, k_;
+  TopkScratch& scratch_;
+  std::uint32_t *above_ = nullptr, *at_ = nullptr;
+  std::size_t cap_ = 0, n_above_ = 0, n_at_ = 0;
+};
 
 // Wire: k x uint32 index (ascending), then k x float32 value.
-inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8_t* out) {
+inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8_t* out, TopkScratch& scratch) {
   std::uint32_t* idx = reinterpret_cast<std::uint32_t*>(out);
   float* val = reinterpret_cast<float*>(out + k * sizeof(std::uint32_t));
-  topk_select(x, n, k, idx);
+  TopkSelector(n, k, scratch).select(x, idx);
   for (std::size_t j = 0; j < k; ++j) val[j] = x[idx[j]];
 }
 
@@ -91,33 +244,60 @@ inline void topk_decode_add(const std::uint8_t* in, std::size_t k, float* dst) {
   for (std::size_t j = 0; j < k; ++j) dst[idx[j]] += val[j];
 }
 
+// dst[i] *= scale once for every index i in any of the p encoded
+// contributions (each ascending): a p-way merge of the index lists.
+inline void topk_scale_touched(const std::uint8_t* all, std::size_t bytes, int p, std::size_t k, float scale,
+                               float* dst) {
+  auto index = [&](int r, std::size_t j) { return reinterpret_cast<const std::uint32_t*>(all + r * bytes)[j]; };
+  std::vector<std::size_t> head(static_cast<std::size_t>(p), 0);
+  for (;;) {
+    std::uint64_t next = std::numeric_limits<std::uint64_t>::max();
+    for (int r = 0; r < p; ++r)
+      if (head[r] < k) next = std::min<std::uint64_t>(next, index(r, head[r]));
+    if (next == std::numeric_limits<std::uint64_t>::max()) return;
+    dst[next] *= scale;
+    for (int r = 0; r < p; ++r)
+      if (head[r] < k && index(r, head[r]) == next) ++head[r];
+  }
+}
+
 // Allreduce of data[0, n) through top-k on every rank. residual (optional,
-// n values): on return, what this rank's contribution dropped, in sum units.
+// n values): added to the data before selection; on return, what this
+// rank's contribution dropped, in sum units.
 inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n, double ratio, double final_scale,
-                             float* residual, RingTraffic* traffic) {
+                             float* residual, RingTraffic* traffic, TopkScratch& scratch) {
   const std::size_t k = topk_count(n, ratio);
   const std::size_t bytes = topk_encoded_bytes(k);
   if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
     return Status::Invalid("top-k message of " + std::to_string(bytes) + " bytes exceeds one MPI message");
-  std::vector<std::uint8_t> mine(bytes), all(bytes * static_cast<std::size_t>(size));
-  topk_encode(data, n, k, mine.data());
+  std::uint8_t* mine = scratch.mine.get<std::uint8_t>(bytes);
+  std::uint8_t* all = scratch.all.get<std::uint8_t>(bytes * static_cast<std::size_t>(size));
+  std::uint32_t* idx = reinterpret_cast<std::uint32_t*>(mine);
+  float* val = reinterpret_cast<float*>(mine + k * sizeof(std::uint32_t));
+  TopkSelector selector(n, k, scratch);
   if (residual) {
-    std::memcpy(residual, data, n * sizeof(float));
-    const std::uint32_t* idx = reinterpret_cast<const std::uint32_t*>(mine.data());
-    for (std::size_t j = 0; j < k; ++j) residual[idx[j]] = 0;
+    // x is now in the residual and data is zero: the residual keeps what was not selected.
+    selector.select_with_residual(data, residual, idx);
+    for (std::size_t j = 0; j < k; ++j) {
+      val[j] = residual[idx[j]];
+      residual[idx[j]] = 0;
+    }
+  } else {
+    selector.select(data, idx);
+    for (std::size_t j = 0; j < k; ++j) val[j] = data[idx[j]];
+    std::memset(data, 0, n * sizeof(float));
   }
-  const int rc = MPI_Allgather(mine.data(), static_cast<int>(bytes), MPI_BYTE, all.data(), static_cast<int>(bytes),
-                               MPI_BYTE, comm);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Allgather(top-k)"));
+  // Non-blocking, waited on without MPI's busy spin: ranks still selecting keep the CPU.
+  MPI_Request request;
+  int rc = MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm,
+                          &request);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&request, MPI_STATUS_IGNORE), "MPI_Wait(top-k allgather)"));
   // The logical volume of an allgather: every other rank's pairs in, ours out to each.
   traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
   traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
-  std::memset(data, 0, n * sizeof(float));
-  for (int r = 0; r < size; ++r) topk_decode_add(all.data() + static_cast<std::size_t>(r) * bytes, k, data);
-  if (final_scale != 1.0) {
-    const float s = static_cast<float>(final_scale);
-    for (std::size_t i = 0; i < n; ++i) data[i] *= s;
-  }
+  for (int r = 0; r < size; ++r) topk_decode_add(all + static_cast<std::size_t>(r) * bytes, k, data);
+  if (final_scale != 1.0) topk_scale_touched(all, bytes, size, k, static_cast<float>(final_scale), data);
   return Status::OK();
 }
 

@@ -499,8 +499,9 @@ std::shared_ptr<std::vector<float>> Engine::residual_for(std::uint64_t context_i
   return slot;
 }
 
-// A compressed allreduce (p > 1): adds the tensor's residual first (error
-// feedback, named tensors only), then runs the codec's scheme.
+// A compressed allreduce (p > 1) with the codec's scheme; named tensors keep
+// an error-feedback residual, which the scheme adds where it first touches
+// each element (no separate pass over the tensor).
 Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic) {
   const OpDesc& d = op.req_.desc;
   CodecSpec spec;
@@ -509,11 +510,7 @@ Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traf
   const std::size_t n = d.count;
   const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
   std::shared_ptr<std::vector<float>> residual;  // kept alive even if reset_state() runs meanwhile
-  if (!op.req_.name.empty()) {
-    residual = residual_for(ctx.id, op.req_.name, n);
-    const float* r = residual->data();
-    for (std::size_t i = 0; i < n; ++i) data[i] += r[i];
-  }
+  if (!op.req_.name.empty()) residual = residual_for(ctx.id, op.req_.name, n);
   float* res = residual ? residual->data() : nullptr;
   RingPlan plan(ctx.size, ctx.rank, n, sizeof(float), d.chunk_bytes);
   traffic->dense_bytes = plan.dense_bytes_sent();
@@ -521,21 +518,21 @@ Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traf
   switch (spec.kind) {
     case CodecKind::kInt8: {
       Int8Codec codec(spec);
-      CompressedRingPolicy<Int8Codec> policy(plan, data, codec, scale, res, stream);
+      CompressedRingPolicy<Int8Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
       return run_ring(plan, policy, ctx.data, kTagData, traffic);
     }
     case CodecKind::kFp16: {
       Fp16Codec codec(spec);
-      CompressedRingPolicy<Fp16Codec> policy(plan, data, codec, scale, res, stream);
+      CompressedRingPolicy<Fp16Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
       return run_ring(plan, policy, ctx.data, kTagData, traffic);
     }
     case CodecKind::kBf16: {
       Bf16Codec codec(spec);
-      CompressedRingPolicy<Bf16Codec> policy(plan, data, codec, scale, res, stream);
+      CompressedRingPolicy<Bf16Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
       return run_ring(plan, policy, ctx.data, kTagData, traffic);
     }
     case CodecKind::kTopK:
-      return topk_allreduce(ctx.data, ctx.size, data, n, spec.ratio, scale, res, traffic);
+      return topk_allreduce(ctx.data, ctx.size, data, n, spec.ratio, scale, res, traffic, topk_scratch_);
     case CodecKind::kNone:
       break;
   }
