@@ -19,6 +19,8 @@ environment:
     HPCDL_DLIO_DISK_DIR     node-local directory for the disk tier (default: none)
     HPCDL_DLIO_DISK         disk tier bytes per rank (default: off)
     HPCDL_DLIO_THREADS      staging threads per rank (default max(4, reader.read_threads))
+    HPCDL_DLIO_PACK=1       pack DLIO's files into the store when it is missing (collective,
+                            after DLIO generated them: one invocation generates, packs, trains)
 
 Each rank writes ``OUTPUT_FOLDER/hpcdl_<train|valid>_rank<R>.json`` when its
 last epoch is done: the sample indices it delivered per epoch and the
@@ -40,7 +42,7 @@ except ImportError as exc:  # the plugin is only meaningful inside DLIO
 
 from hpcdl.cli import _parse_bytes
 from hpcdl.prefetch import DEFAULT_RAM_BYTES, Prefetcher
-from hpcdl.store import Store, _agree
+from hpcdl.store import MANIFEST, Store, _agree, pack
 
 __all__ = ["HpcdlDataLoader", "evaluation_passes"]
 
@@ -79,41 +81,58 @@ class HpcdlDataLoader(BaseDataLoader):
         self.passes = 0
         self.passes_done = 0
 
-    def _plan(self):
-        """Store path, passes over it and prefetcher settings; raises on bad input."""
+    def _passes(self):
+        """How many times DLIO's run() iterates this set."""
+        args = self._args
+        if self.kind == "train":
+            return args.epochs
+        return evaluation_passes(args.epochs, args.eval_after_epoch, args.epochs_between_evals) if args.do_eval else 0
+
+    def _store_path(self):
+        """Where this set's store is; raises on settings this loader cannot serve."""
         args = self._args
         if args.num_samples_per_file != 1:
             raise ValueError(f"hpcdl's DLIO loader serves one sample per file (each file is a store sample); "
                              f"num_samples_per_file is {args.num_samples_per_file}")
         default = os.path.join(args.data_folder, f"{self.kind}.hpcdl")
-        path = os.environ.get(f"HPCDL_DLIO_{self.kind.upper()}_STORE", default)
-        if not os.path.exists(os.path.join(path, "manifest.h5")):
+        return os.environ.get(f"HPCDL_DLIO_{self.kind.upper()}_STORE", default)
+
+    def _open(self, path):
+        """The store, checked against DLIO's set, and the prefetcher's tier settings."""
+        args = self._args
+        if not os.path.exists(os.path.join(path, MANIFEST)):
             raise FileNotFoundError(f"no hpcdl store at {path}: pack DLIO's files first "
                                     f"(hpcdl pack {os.path.join(args.data_folder, self.kind)} {path})")
         store = Store(path)
         if len(store) != self.num_samples:
             raise ValueError(f"the store {path} holds {len(store)} samples but DLIO's {self.kind} set has "
                              f"{self.num_samples} (num_files_{'train' if self.kind == 'train' else 'eval'})")
-        passes = args.epochs if self.kind == "train" else (
-            evaluation_passes(args.epochs, args.eval_after_epoch, args.epochs_between_evals) if args.do_eval else 0)
         tiers = {"ram_bytes": _env_bytes("HPCDL_DLIO_RAM", DEFAULT_RAM_BYTES),
                  "disk_dir": os.environ.get("HPCDL_DLIO_DISK_DIR") or None,
                  "disk_bytes": _env_bytes("HPCDL_DLIO_DISK", 0),
                  "threads": int(os.environ.get("HPCDL_DLIO_THREADS", max(4, args.read_threads)))}
-        return store, passes, tiers
+        return store, tiers
 
     def read(self):
+        """Once, before the first epoch: (pack,) open the store and start the prefetcher (collective)."""
         comm = DLIOMPI.get_instance().comm()
-        store, self.passes, tiers = _agree(comm, self._plan)
+        self.passes = self._passes()
         self.delivered = [[] for _ in range(self.passes)]
-        if self.passes:
-            # DLIO's batch_size is per rank; the prefetcher takes the global batch.
-            self.prefetcher = Prefetcher(store, self.batch_size * comm.Get_size(), self.passes, self._args.seed,
-                                         comm=comm, **tiers)
-            if comm.Get_rank() == 0:
-                print(f"[hpcdl rank 0] DLIO {self.kind}: {len(store)} samples from {store.root}, "
-                      f"{self.prefetcher.steps_per_epoch} steps of {self.batch_size} per rank, {self.passes} "
-                      f"epoch(s), RAM tier {tiers['ram_bytes'] >> 20} MiB/rank", file=sys.stderr, flush=True)
+        if not self.passes:
+            return
+        path = _agree(comm, self._store_path)
+        if os.environ.get("HPCDL_DLIO_PACK") == "1":
+            if not all(comm.allgather(os.path.exists(os.path.join(path, MANIFEST)))):
+                pack(os.path.join(self._args.data_folder, self.kind), path, comm=comm,
+                     progress=comm.Get_rank() == 0)
+        store, tiers = _agree(comm, self._open, path)
+        # DLIO's batch_size is per rank; the prefetcher takes the global batch.
+        self.prefetcher = Prefetcher(store, self.batch_size * comm.Get_size(), self.passes, self._args.seed,
+                                     comm=comm, **tiers)
+        if comm.Get_rank() == 0:
+            print(f"[hpcdl rank 0] DLIO {self.kind}: {len(store)} samples from {store.root}, "
+                  f"{self.prefetcher.steps_per_epoch} steps of {self.batch_size} per rank, {self.passes} "
+                  f"epoch(s), RAM tier {tiers['ram_bytes'] >> 20} MiB/rank", file=sys.stderr, flush=True)
 
     def next(self):
         if self.prefetcher is None:
