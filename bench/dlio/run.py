@@ -42,8 +42,8 @@ PLUGIN = "hpcdl.contrib.dlio.HpcdlDataLoader"
 # stays DLIO's), records shrunk by `record_scale` where a full record would not fit a few GB.
 # Everything is npz, one sample per file: the format DLIO's PyTorch reader reads natively.
 WORKLOADS = {
-    "resnet50": {"config": "resnet50_v100", "files": 1024, "record": 114660, "stdev": 0, "record_scale": 1,
-                 "batch": 16, "dlio_batch": 64, "dlio_compute": 0.195},
+    "resnet50": {"config": "resnet50_v100", "files": 2048, "record": 114660, "stdev": 0, "record_scale": 1,
+                 "batch": 32, "dlio_batch": 64, "dlio_compute": 0.195},
     "unet3d": {"config": "unet3d_v100", "files": 64, "record": 146600628, "stdev": 68341808, "record_scale": 32,
                "batch": 1, "dlio_batch": 4, "dlio_compute": 1.3604},
     "cosmoflow": {"config": "cosmoflow_v100", "files": 256, "record": 2828486, "stdev": 71311, "record_scale": 4,
@@ -120,6 +120,27 @@ class CacheDropper:
             self.thread.join()
 
 
+def device_reads(slowfs):
+    """(read IOs, read bytes) the throttled cgroup has done on the slow FS's device so far."""
+    with open(os.path.join(slowfs, "state", "cgroup")) as fh:
+        cg = fh.read().strip()
+    with open(os.path.join(slowfs, "state", "majmin")) as fh:
+        majmin = fh.read().strip()
+    if os.path.exists(os.path.join(cg, "blkio.throttle.io_serviced")):    # cgroup v1
+        counts = []
+        for name in ("blkio.throttle.io_serviced", "blkio.throttle.io_service_bytes"):
+            with open(os.path.join(cg, name)) as fh:
+                counts.append(next((int(line.split()[2]) for line in fh
+                                    if line.startswith(majmin + " Read ")), 0))
+        return tuple(counts)
+    with open(os.path.join(cg, "io.stat")) as fh:                            # cgroup v2
+        for line in fh:
+            if line.startswith(majmin + " "):
+                fields = dict(kv.split("=") for kv in line.split()[1:])
+                return int(fields.get("rios", 0)), int(fields.get("rbytes", 0))
+    return 0, 0
+
+
 def collect(output, loader, name, s, args, wall):
     with open(os.path.join(output, "summary.json")) as fh:
         metric = json.load(fh)["metric"]
@@ -163,11 +184,15 @@ def bench_workload(name, args, env):
         for loader in ("stock", "hpcdl"):
             output = os.path.join(out_root, loader)
             log(f"{name}: DLIO with the {loader} loader, {args.ranks} ranks, {args.epochs} epochs")
-            start = time.monotonic()
+            start, (ios, nbytes) = time.monotonic(), device_reads(args.slowfs)
             with CacheDropper(args.drop_every):
                 run(dlio_command(args, name, s, data, output, loader), os.path.join(out_root, f"{loader}.log"),
                     env, throttled_dir=args.slowfs)
             row = collect(output, loader, name, s, args, time.monotonic() - start)
+            ios_after, bytes_after = device_reads(args.slowfs)
+            samples = args.epochs * (s["files"] // (s["batch"] * args.ranks)) * s["batch"] * args.ranks
+            row["device_reads_per_sample"] = round((ios_after - ios) / samples, 2)
+            row["device_mb_read"] = round((bytes_after - nbytes) / 1e6, 1)
             log(f"{name} {loader}: AU {row['au_per_epoch']} %, {row['samples_per_s']} samples/s, "
                 f"{row['mb_per_s']} MB/s ({row['dlio_verdict']})")
             rows.append(row)
@@ -179,20 +204,20 @@ def bench_workload(name, args, env):
 def write_results(rows, args):
     fields = ["workload", "loader", "ranks", "epochs", "files", "record_bytes", "batch_per_rank", "compute_s",
               "au_per_epoch", "au_mean", "au_from_epoch2", "samples_per_s", "samples_per_s_per_epoch", "mb_per_s",
-              "dlio_verdict", "wall_s", "hpcdl_hits"]
+              "dlio_verdict", "wall_s", "device_reads_per_sample", "device_mb_read", "hpcdl_hits"]
     with open(os.path.join(RESULTS, "dlio.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields)
         w.writeheader()
         w.writerows(rows)
     lines = ["| workload | loader | AU % per epoch | AU % mean (DLIO) | AU % epochs 2+ | samples/s | MB/s | "
-             "DLIO verdict | hpcdl speedup |", "|---|---|---|---|---|---|---|---|---|"]
+             "DLIO verdict | hpcdl speedup | device reads/sample | MB read |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     stock = {r["workload"]: r for r in rows if r["loader"] == "stock"}
     for r in rows:
         speedup = f"{r['samples_per_s'] / stock[r['workload']]['samples_per_s']:.2f}x" \
             if r["loader"] == "hpcdl" and r["workload"] in stock else ""
         lines.append(f"| {r['workload']} | {r['loader']} | {r['au_per_epoch']} | {r['au_mean']:.1f} | "
                      f"{r['au_from_epoch2']:.1f} | {r['samples_per_s']:.1f} | {r['mb_per_s']:.1f} | "
-                     f"{r['dlio_verdict']} | {speedup} |")
+                     f"{r['dlio_verdict']} | {speedup} | {r['device_reads_per_sample']} | {r['device_mb_read']} |")
     with open(os.path.join(RESULTS, "dlio.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
