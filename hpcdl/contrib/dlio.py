@@ -77,6 +77,7 @@ class HpcdlDataLoader(BaseDataLoader):
         super().__init__(format_type, dataset_type, epoch, DataLoaderType.CUSTOM)
         self.kind = "train" if dataset_type is DatasetType.TRAIN else "valid"
         self.prefetcher = None
+        self.epochs = []        # the prefetcher's epochs, one per DLIO pass over this set
         self.delivered = []     # per epoch: the sample indices this rank handed to DLIO
         self.passes = 0
         self.passes_done = 0
@@ -129,17 +130,20 @@ class HpcdlDataLoader(BaseDataLoader):
         # DLIO's batch_size is per rank; the prefetcher takes the global batch.
         self.prefetcher = Prefetcher(store, self.batch_size * comm.Get_size(), self.passes, self._args.seed,
                                      comm=comm, **tiers)
+        self.epochs = self.prefetcher.epochs()
         if comm.Get_rank() == 0:
             print(f"[hpcdl rank 0] DLIO {self.kind}: {len(store)} samples from {store.root}, "
                   f"{self.prefetcher.steps_per_epoch} steps of {self.batch_size} per rank, {self.passes} "
                   f"epoch(s), RAM tier {tiers['ram_bytes'] >> 20} MiB/rank", file=sys.stderr, flush=True)
 
     def next(self):
-        if self.prefetcher is None:
+        """One epoch's batches (Batch objects: zero-copy views, valid until the next one)."""
+        if self.passes_done >= len(self.epochs):
             raise RuntimeError(f"[hpcdl rank {self._args.my_rank}] DLIO asked for a {self.kind} epoch "
                                f"that was not planned (read() not called, or the run is over)")
-        epoch = self.prefetcher.position[0]
-        for batch in self.prefetcher.epochs()[0]:
+        # An epoch DLIO left early (train.total_training_steps) is skipped by the next one.
+        epoch = self.passes_done
+        for batch in self.epochs[epoch]:
             self.delivered[epoch].extend(int(i) for i in batch.indices)
             yield batch
 
@@ -151,6 +155,7 @@ class HpcdlDataLoader(BaseDataLoader):
         if self.passes_done < self.passes:
             return
         pf, self.prefetcher = self.prefetcher, None
+        self.epochs = []
         pf.close()
         report = {"rank": self._args.my_rank, "ranks": self._args.comm_size, "samples": len(pf.store),
                   "batch_size": self.batch_size, "seed": self._args.seed, "steps_per_epoch": pf.steps_per_epoch,
