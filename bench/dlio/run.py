@@ -36,6 +36,7 @@ SLOWFS = os.path.join(ROOT, "bench", "slowfs.sh")
 RESULTS = os.path.join(ROOT, "bench", "results")
 LOCK = "/tmp/hpcdl-slowfs.lock"
 PLUGIN = "hpcdl.contrib.dlio.HpcdlDataLoader"
+VENV_BIN = os.path.dirname(sys.executable)   # dlio_benchmark and mpiexec of this Python's venv
 
 # DLIO's V100 configs (dlio_benchmark/configs/workload/*_v100.yaml), scaled to this machine:
 # fewer files, smaller batches (compute per step scaled with the batch, so compute per sample
@@ -65,7 +66,8 @@ def workload_settings(name, args):
 
 def dlio_command(args, name, s, data_folder, output, loader):
     """mpiexec ... dlio_benchmark with DLIO's own config for the workload and our scaling."""
-    cmd = ["mpiexec", "-n", str(args.ranks), shutil.which("dlio_benchmark") or "dlio_benchmark",
+    mpiexec = shutil.which("mpiexec", path=VENV_BIN) or "mpiexec"
+    cmd = [mpiexec, "-n", str(args.ranks), os.path.join(VENV_BIN, "dlio_benchmark"),
            f"workload={s['config']}", "++workload.framework=pytorch", "++workload.reader.data_loader=pytorch",
            "++workload.dataset.format=npz", f"++workload.dataset.data_folder={data_folder}",
            f"++workload.dataset.num_files_train={s['files']}", "++workload.dataset.num_files_eval=0",
@@ -153,7 +155,8 @@ def collect(output, loader, name, s, args, wall):
            "samples_per_s": round(float(metric["train_throughput_mean_samples_per_second"]), 2),
            "mb_per_s": round(float(metric["train_io_mean_MB_per_second"]), 2),
            "dlio_verdict": metric["train_au_meet_expectation"], "wall_s": round(wall, 1),
-           "au_per_epoch": " ".join(f"{x:.1f}" for x in au), "samples_per_s_per_epoch": " ".join(f"{x:.1f}" for x in sps)}
+           "au_per_epoch": " ".join(f"{x:.1f}" for x in au),
+           "samples_per_s_per_epoch": " ".join(f"{x:.1f}" for x in sps)}
     if loader == "hpcdl":
         hits = {}
         for r in range(args.ranks):
@@ -212,14 +215,15 @@ def write_results(rows, args):
             w.writeheader()
             w.writerows(rows)
     lines = ["| workload | loader | AU % per epoch | AU % mean (DLIO) | AU % epochs 2+ | samples/s | MB/s | "
-             "DLIO verdict | hpcdl speedup | device reads/sample | MB read |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "DLIO verdict | hpcdl speedup | device reads/sample | MB read |", "|---" * 11 + "|"]
     stock = {r["workload"]: r for r in rows if r["loader"] == "stock"}
     for r in rows:
         speedup = f"{r['samples_per_s'] / stock[r['workload']]['samples_per_s']:.2f}x" \
             if r["loader"] == "hpcdl" and r["workload"] in stock else ""
         lines.append(f"| {r['workload']} | {r['loader']} | {r['au_per_epoch']} | {r['au_mean']:.1f} | "
                      f"{r['au_from_epoch2']:.1f} | {r['samples_per_s']:.1f} | {r['mb_per_s']:.1f} | "
-                     f"{r['dlio_verdict']} | {speedup} | {r.get('device_reads_per_sample', '')} | {r.get('device_mb_read', '')} |")
+                     f"{r['dlio_verdict']} | {speedup} | {r.get('device_reads_per_sample', '')} | "
+                     f"{r.get('device_mb_read', '')} |")
     with open(os.path.join(RESULTS, "dlio.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -284,7 +288,11 @@ def main():
         return
     if os.geteuid() != 0:
         sys.exit("bench/dlio/run.py needs root (loop mount, cgroup throttle, drop_caches)")
+    if not os.path.exists(os.path.join(VENV_BIN, "dlio_benchmark")):
+        sys.exit(f"no dlio_benchmark in {VENV_BIN}: run scripts/bootstrap.sh (installs DLIO) and this "
+                 f"script with the venv's python")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3",
+               PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""),
                HPCDL_DLIO_RAM=args.ram, HPCDL_DLIO_THREADS=str(args.read_threads))
     os.makedirs(RESULTS, exist_ok=True)
     log(f"load: {os.getloadavg()}; waiting for {LOCK}")

@@ -1,9 +1,8 @@
 """DLIO data-loader plugin: DLIO's training loop served from an hpcdl store
 through the clairvoyant prefetcher (docs/dlio.md).
 
-    hpcdl pack /data/resnet50/train /data/resnet50/train.hpcdl
-    mpiexec -n 4 dlio_benchmark workload=resnet50_v100 ++workload.framework=pytorch \\
-        ++workload.dataset.data_folder=/data/resnet50 \\
+    hpcdl pack /data/unet3d/train /data/unet3d/train.hpcdl
+    mpiexec -n 4 dlio_benchmark workload=unet3d_v100 ++workload.dataset.data_folder=/data/unet3d \\
         ++workload.reader.data_loader_classname=hpcdl.contrib.dlio.HpcdlDataLoader \\
         ++workload.reader.data_loader_sampler=none
 
