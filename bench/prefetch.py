@@ -27,8 +27,11 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+HERE = os.path.dirname(os.path.realpath(__file__))
+# Where the hpcdl package lives: this checkout (bench/ beside hpcdl/), or
+# site-packages for an installed hpcdl (bench/ is hpcdl/bench/ there).
+ROOT = os.path.dirname(HERE) if os.path.isfile(os.path.join(os.path.dirname(HERE), "hpcdl", "__init__.py")) \
+    else os.path.dirname(os.path.dirname(HERE))
 SLOWFS = os.path.join(HERE, "slowfs.sh")
 sys.path.insert(0, ROOT)  # this checkout's hpcdl
 
@@ -163,14 +166,14 @@ def driver(args):
         rows.append({"loader": "model-prefetch", "epoch": e + 1, "epoch_s": round(model["prefetch"][e], 3)})
         print(f"     model epoch {e + 1}: staging {model['staging'][e]:.2f} s, prefetch {model['prefetch'][e]:.2f} s, "
               f"compute {steps * args.compute:.2f} s")
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "prefetch.csv"), "w", newline="") as fh:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "prefetch.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=["loader", "epoch", "epoch_s", "stall_fraction"])
         w.writeheader()
         w.writerows(rows)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", choices=("dataloader", "hpcdl"))
     ap.add_argument("--store")
@@ -188,7 +191,8 @@ def main():
     ap.add_argument("--slowfs", default="/tmp/hpcdl-slowfs", help="slow FS directory ('' for none)")
     ap.add_argument("--iops", type=int, default=300)
     ap.add_argument("--bps", type=int, default=50 << 20)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="directory for prefetch.csv")
+    args = ap.parse_args(argv)
     if args.worker:
         worker(args)
     else:

@@ -10,8 +10,15 @@ paths) and a sequential scan (`hpcdl verify`) against the throttle's bandwidth.
 
     sudo python bench/store.py                    # 50k files, about 5 minutes on 2 cores
     python bench/store.py --files 5000 --cold-samples 500   # quick
+    python bench/store.py --fs plain              # no root: a plain temporary directory
+    hpcdl bench store                             # the same with small defaults (--fs plain)
 
-Writes bench/results/store.csv and bench/results/store.png.
+With --fs plain the data lives in a plain temporary directory on the local
+disk: no throttle, and "cold" means the data's pages were evicted from the page
+cache with posix_fadvise (no root needed), so it measures the local disk.
+
+Writes bench/results/store.csv and bench/results/store.png (--out DIR elsewhere)
+and prints a table.
 """
 
 import argparse
@@ -21,12 +28,16 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+HERE = os.path.dirname(os.path.realpath(__file__))
+# Where the hpcdl package lives: this checkout (bench/ beside hpcdl/), or
+# site-packages for an installed hpcdl (bench/ is hpcdl/bench/ there).
+ROOT = os.path.dirname(HERE) if os.path.isfile(os.path.join(os.path.dirname(HERE), "hpcdl", "__init__.py")) \
+    else os.path.dirname(os.path.dirname(HERE))
 SLOWFS = os.path.join(HERE, "slowfs.sh")
 MODES = ("files", "vlen", "store", "store-batch")
 
@@ -127,14 +138,36 @@ def make_vlen(data, names):
                 ds[i] = np.frombuffer(fh.read(), dtype=np.uint8)
 
 
+def evict_page_cache(data):
+    """Drop the data's pages from the page cache without root (posix_fadvise on each file)."""
+    os.sync()  # dirty pages are not dropped
+    for dirpath, _, files in os.walk(data):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def cold(args, cmd):
+    """cmd run after the page cache is emptied (and under the throttle, on the slow file system)."""
+    if args.fs == "slow":
+        return [SLOWFS, "run", args.workdir] + cmd
+    evict_page_cache(os.path.join(args.workdir, "mnt"))
+    return cmd
+
+
 def run_reads(args, data, mode, ranks, seed, samples, throttled=True, strace_out=None):
-    cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", str(ranks), sys.executable,
-           os.path.abspath(__file__), "--worker", mode, "--data", data, "--samples", str(samples),
+    from hpcdl.cli import mpiexec_path
+
+    cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "hpcdl.bench.store",
+           "--worker", mode, "--data", data, "--samples", str(samples),
            "--seed", str(seed), "--threads", str(args.threads), "--batch", str(args.batch)]
     if strace_out:
         cmd = ["strace", "-f", "-qq", "-e", "trace=%file", "-o", strace_out] + cmd
     if throttled:
-        cmd = [SLOWFS, "run", args.workdir] + cmd
+        cmd = cold(args, cmd)
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, text=True, capture_output=True, env=env)
     if proc.returncode:
@@ -154,8 +187,10 @@ def metadata_calls(args, data, mode):
     return calls * 10000 / (2 * samples)  # the worker reads its samples twice (cold + warm)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fs", choices=("slow", "plain"), default="slow", help="slow: the emulated slow file "
+                   "system (root); plain: a temporary directory on the local disk (default slow)")
     p.add_argument("--files", type=int, default=50000)
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--cold-samples", type=int, default=2000, help="random samples read per run")
@@ -167,25 +202,36 @@ def main():
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--workdir", default=os.path.join(HERE, "results", "tmp", "slowfs"))
+    p.add_argument("--workdir", default=None, help="default: bench/results/tmp/slowfs (--fs slow), "
+                   "a new temporary directory (--fs plain)")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     # worker side
     p.add_argument("--worker", choices=MODES)
     p.add_argument("--data")
     p.add_argument("--samples", type=int)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.worker:
         return worker(args)
-    if os.geteuid() != 0:
-        sys.exit("bench/store.py needs root (loop mount, cgroup throttle, drop_caches)")
+    if args.fs == "slow" and os.geteuid() != 0:
+        sys.exit("bench/store.py --fs slow needs root (loop mount, cgroup throttle, drop_caches); "
+                 "--fs plain runs without")
     have_strace = shutil.which("strace") is not None
     if not have_strace:
         print("strace not found: the metadata-call column is skipped (apt-get install strace)")
     os.makedirs(args.out, exist_ok=True)
     ranks_list = [int(r) for r in args.ranks.split(",")]
-    image_mb = int(args.files * 40e3 * 3 / 1e6) + 512
-    print(sh(SLOWFS, "setup", args.workdir, str(image_mb)).strip())
+    if args.fs == "slow":
+        args.workdir = args.workdir or os.path.join(HERE, "results", "tmp", "slowfs")
+        image_mb = int(args.files * 40e3 * 3 / 1e6) + 512
+        print(sh(SLOWFS, "setup", args.workdir, str(image_mb)).strip())
+    else:
+        if args.workdir:
+            os.makedirs(args.workdir, exist_ok=True)
+        args.workdir = tempfile.mkdtemp(prefix="hpcdl-bench-store-", dir=args.workdir)
+        os.makedirs(os.path.join(args.workdir, "mnt"))
+        print(f"plain directory {args.workdir} on the local disk: no throttle, no root; cold reads "
+              "follow a posix_fadvise page-cache eviction (--fs slow: the emulated slow file system)")
     rows, scan = [], None
     try:
         data = os.path.join(args.workdir, "mnt")
@@ -200,7 +246,8 @@ def main():
         t0 = time.time()
         make_vlen(data, names)
         print(f"vlen data set written in {time.time() - t0:.0f} s")
-        print(sh(SLOWFS, "throttle", args.workdir, str(args.iops), str(args.bps)).strip())
+        if args.fs == "slow":
+            print(sh(SLOWFS, "throttle", args.workdir, str(args.iops), str(args.bps)).strip())
         for ranks in ranks_list:
             for mode in MODES:
                 runs = [run_reads(args, data, mode, ranks, seed, args.cold_samples)
@@ -217,19 +264,23 @@ def main():
                 print(json.dumps(row))
         scans = []
         for _ in range(args.repeats):  # verify's own figure: read MB and seconds, startup excluded
-            out = subprocess.run([SLOWFS, "run", args.workdir, sys.executable, "-m", "hpcdl", "verify",
-                                  os.path.join(data, "store"), "-q"], check=True, env=env, cwd=ROOT,
+            out = subprocess.run(cold(args, [sys.executable, "-m", "hpcdl", "verify", os.path.join(data, "store"),
+                                             "-q"]), check=True, env=env, cwd=ROOT,
                                  capture_output=True, text=True).stdout
             words = out.split("read ")[1].split()
             scans.append(float(words[0]) / float(words[3]))
         scan_mb_s = float(np.median(scans))
-        scan = {"mode": "scan (hpcdl verify)", "ranks": 1, "samples": args.files,
-                "cold_MB_per_s": scan_mb_s, "throttle_MB_per_s": args.bps / 1e6,
-                "fraction_of_throttle": scan_mb_s / (args.bps / 1e6)}
+        scan = {"mode": "scan (hpcdl verify)", "ranks": 1, "samples": args.files, "cold_MB_per_s": scan_mb_s}
+        if args.fs == "slow":
+            scan.update(throttle_MB_per_s=args.bps / 1e6, fraction_of_throttle=scan_mb_s / (args.bps / 1e6))
         print(json.dumps(scan))
     finally:
-        print(sh(SLOWFS, "teardown", args.workdir).strip())
+        if args.fs == "slow":
+            print(sh(SLOWFS, "teardown", args.workdir).strip())
+        else:
+            shutil.rmtree(args.workdir, ignore_errors=True)
     write_results(args, rows, scan)
+    print_table(args, rows, scan)
 
 
 def write_results(args, rows, scan):
@@ -257,8 +308,9 @@ def write_results(args, rows, scan):
         ax.set_xticks(np.arange(len(MODES)) + width * (len(ranks_list) - 1) / 2, MODES)
         ax.set_yscale("log")
         ax.set_ylabel("samples/s")
-        title = f"cold cache, {args.iops} IOPS / {args.bps / 1e6:.0f} MB/s throttle" if phase == "cold" \
-            else "warm page cache"
+        throttle = f"{args.iops} IOPS / {args.bps / 1e6:.0f} MB/s throttle" if args.fs == "slow" \
+            else "local disk, no throttle"
+        title = f"cold cache, {throttle}" if phase == "cold" else "warm page cache"
         ax.set_title(f"{args.files} files: {title}", fontsize=9)
         ax.legend()
     fig.tight_layout()
@@ -266,5 +318,20 @@ def write_results(args, rows, scan):
     print(f"wrote {path} and {os.path.join(args.out, 'store.png')}")
 
 
+def print_table(args, rows, scan):
+    where = f"slow file system ({args.iops} IOPS, {args.bps / 1e6:.0f} MB/s)" if args.fs == "slow" \
+        else "plain local directory (no throttle)"
+    print(f"store: {args.files} files on a {where}; samples/s, median of {args.repeats} run(s)")
+    print(f"{'mode':<12} {'ranks':>5} {'cold/s':>10} {'cold MB/s':>10} {'warm/s':>10} {'warm MB/s':>10} "
+          f"{'meta/10k':>9}")
+    for r in rows:
+        meta = f"{r['metadata_calls_per_10k']:.0f}" if r["metadata_calls_per_10k"] != "" else "-"
+        print(f"{r['mode']:<12} {r['ranks']:>5} {r['cold_samples_per_s']:>10.0f} {r['cold_MB_per_s']:>10.1f} "
+              f"{r['warm_samples_per_s']:>10.0f} {r['warm_MB_per_s']:>10.1f} {meta:>9}")
+    if scan:
+        print(f"sequential scan (hpcdl verify): {scan['cold_MB_per_s']:.1f} MB/s"
+              + (f" = {scan['fraction_of_throttle']:.0%} of the throttle" if "fraction_of_throttle" in scan else ""))
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,21 +1,25 @@
-"""Data for the training examples: the scikit-learn digits packed into an hpcdl store,
-read back in rank-sharded, per-epoch shuffled batches.
+"""Data for the training examples: the scikit-learn digits packed into hpcdl
+stores, training samples read through hpcdl's clairvoyant prefetcher.
 
-`epoch_batches` is the one data-loading function of both examples; it is
-where hpcdl.prefetch.Prefetcher (and its PyTorch / tf.data adapters) plugs in.
+prepare_stores() packs the digits (a fixed train/test split) unless --data
+names a store; make_prefetcher() stages the training samples for the whole
+run (RAM tier, optional node-local disk tier, peers' RAM, the store); the
+examples then read it with the framework adapters (hpcdl.prefetch.TorchDataset,
+hpcdl.prefetch.tf_dataset). The held-out set is small and read once per epoch,
+directly from its store.
 """
 
 import io
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 import hpcdl
 import hpcdl.store
+from hpcdl.prefetch import Prefetcher
 
 TEST_FRACTION = 0.2
 SPLIT_SEED = 1234
@@ -26,88 +30,104 @@ def log(message):
         print(f"[hpcdl rank 0] {message}", flush=True)
 
 
-def prepare_store(data, comm=MPI.COMM_WORLD):
-    """The store to train on: ``data`` when given, else the digits packed into a temporary store."""
-    if data:
-        return hpcdl.store.Store(data)
-    root = os.path.join(tempfile.gettempdir(), f"hpcdl-digits-{os.getuid()}")
-    src, dst = os.path.join(root, "src"), os.path.join(root, "store")
-    marker = os.path.join(root, "src.complete")  # outside src: it must not be packed as a sample
-    if comm.Get_rank() == 0 and not os.path.exists(marker):
-        from sklearn.datasets import load_digits
+def _write_digits(src):
+    """The digits as .npy files, class-per-directory, under src/train and src/test."""
+    from sklearn.datasets import load_digits
 
-        digits = load_digits()
-        for i, (image, label) in enumerate(zip(digits.images, digits.target)):
-            os.makedirs(os.path.join(src, f"digit{label}"), exist_ok=True)
-            np.save(os.path.join(src, f"digit{label}", f"{i:04d}.npy"), (image / 16.0).astype(np.float32))
+    digits = load_digits()
+    order = np.random.default_rng(SPLIT_SEED).permutation(len(digits.target))
+    held_out = set(order[:max(1, int(len(order) * TEST_FRACTION))].tolist())
+    for i, (image, label) in enumerate(zip(digits.images, digits.target)):
+        part = os.path.join(src, "test" if i in held_out else "train", f"digit{label}")
+        os.makedirs(part, exist_ok=True)
+        np.save(os.path.join(part, f"{i:04d}.npy"), (image / 16.0).astype(np.float32))
+
+
+def prepare_stores(data, test_data, comm=MPI.COMM_WORLD):
+    """(train store, test store or None): the given stores, else the digits packed into two."""
+    if data:
+        train, test = hpcdl.store.Store(data), hpcdl.store.Store(test_data) if test_data else None
+        if test is not None and test.classes != train.classes:
+            sys.exit(f"[hpcdl rank {comm.Get_rank()}] {test_data} has classes {test.classes}, "
+                     f"{data} has {train.classes}: labels would not match")
+        return train, test
+    root = os.path.join(tempfile.gettempdir(), f"hpcdl-digits-{os.getuid()}")
+    src = os.path.join(root, "split")
+    marker = os.path.join(root, "split.complete")  # outside src: it must not be packed as a sample
+    if comm.Get_rank() == 0 and not os.path.exists(marker):
+        _write_digits(src)
         open(marker, "w").close()
     comm.barrier()
-    hpcdl.store.pack(src, dst, comm=comm, force=True, progress=False)
-    log(f"packed {len(os.listdir(os.path.join(src)))} classes of scikit-learn digits into {dst}")
-    return hpcdl.store.Store(dst)
+    stores = []
+    for part in ("train", "test"):
+        dst = os.path.join(root, f"{part}.hpcdl")
+        hpcdl.store.pack(os.path.join(src, part), dst, comm=comm, force=True, progress=False)
+        stores.append(hpcdl.store.Store(dst))
+    log(f"packed the scikit-learn digits into {stores[0].root} ({len(stores[0])} samples) "
+        f"and {stores[1].root} ({len(stores[1])})")
+    return tuple(stores)
 
 
-def split(store):
-    """Fixed train/test split of the store's indices (the same on every rank)."""
-    order = np.random.default_rng(SPLIT_SEED).permutation(len(store))
-    n_test = max(1, int(len(store) * TEST_FRACTION))
-    return np.sort(order[n_test:]), np.sort(order[:n_test])
+def decode(view):
+    """One sample (.npy bytes) as a flat float32 vector."""
+    return np.load(io.BytesIO(view.tobytes())).reshape(-1).astype(np.float32)
 
 
-def decode(store, indices):
-    """Samples (.npy bytes) as a float32 matrix, one flattened sample per row, and their labels."""
-    data, offsets = store.read_many(indices)
-    rows = [np.load(io.BytesIO(data[offsets[k]:offsets[k + 1]].tobytes())).reshape(-1)
-            for k in range(len(indices))]
-    return np.stack(rows).astype(np.float32), store.labels[indices].astype(np.int64)
+def make_prefetcher(store, args, comm=MPI.COMM_WORLD):
+    """The prefetcher over the training store for the whole run: global batch =
+    --batch-size x ranks, disk tier in --cache-dir (default $HPCDL_SCRATCH, set by slurm/job-env.sh)."""
+    cache_dir = args.cache_dir or os.environ.get("HPCDL_SCRATCH")
+    if len(store) < args.batch_size * comm.Get_size():
+        sys.exit(f"[hpcdl rank {comm.Get_rank()}] {len(store)} samples are too few for "
+                 f"{comm.Get_size()} ranks x batch {args.batch_size}")
+    return Prefetcher(store, batch_size=args.batch_size * comm.Get_size(), epochs=args.epochs, seed=args.seed,
+                      comm=comm, ram_bytes=args.ram_mib << 20, disk_dir=cache_dir,
+                      disk_bytes=(args.disk_mib << 20) if cache_dir else 0)
 
 
-def eval_batch_size(indices, comm=MPI.COMM_WORLD):
-    """Up to 16 per rank, fewer when the held-out set is small (every rank still gets one batch)."""
-    return max(1, min(16, len(indices) // comm.Get_size()))
+def feature_count(store):
+    return decode(np.frombuffer(store[0], dtype=np.uint8)).size
 
 
-def epoch_batches(store, indices, batch_size, epoch, seed, comm=MPI.COMM_WORLD):
-    """This rank's batches for one epoch: (x, y, seconds spent waiting for them).
-
-    Shuffled with seed + epoch (the same permutation on every rank), dealt
-    round-robin, and cut so that every rank runs the same number of steps.
-    Reads are synchronous here, so all read time is stall time.
-    """
-    rank, size = comm.Get_rank(), comm.Get_size()
-    order = indices[np.random.default_rng(seed + epoch).permutation(len(indices))]
-    steps = len(order) // (size * batch_size)
-    if steps == 0:
-        sys.exit(f"[hpcdl rank {rank}] {len(order)} samples are too few for {size} ranks x batch {batch_size}")
-    mine = order[rank::size][:steps * batch_size]
-    for s in range(steps):
-        started = time.perf_counter()
-        x, y = decode(store, mine[s * batch_size:(s + 1) * batch_size])
-        yield x, y, time.perf_counter() - started
+def evaluate(store, predict, comm=MPI.COMM_WORLD, batch_size=64):
+    """(correct, count) of predict(x) -> class numbers on this rank's share of the held-out store."""
+    correct = count = 0
+    mine = np.arange(comm.Get_rank(), len(store) if store is not None else 0, comm.Get_size())
+    for start in range(0, len(mine), batch_size):
+        indices = mine[start:start + batch_size]
+        data, offsets = store.read_many(indices)
+        x = np.stack([decode(data[offsets[k]:offsets[k + 1]]) for k in range(len(indices))])
+        correct += int(np.sum(np.asarray(predict(x)) == store.labels[indices]))
+        count += len(indices)
+    return correct, count
 
 
 def compression_codec(name, int8_block, topk_ratio):
     """The hpcdl.compression codec for --compression (None: dense)."""
     if name == "none":
         return None
-    try:
-        import hpcdl.compression as codecs
-    except ImportError:
-        sys.exit("hpcdl.compression is not available in this build: use --compression none")
+    import hpcdl.compression as codecs
+
     return {"fp16": lambda: codecs.FP16(), "bf16": lambda: codecs.BF16(),
             "int8": lambda: codecs.Int8(block=int8_block), "topk": lambda: codecs.TopK(ratio=topk_ratio)}[name]()
 
 
 def add_common_arguments(parser):
-    parser.add_argument("--data", help="a packed hpcdl store of .npy samples (default: pack the digits)")
+    parser.add_argument("--data", help="a packed hpcdl store of .npy samples to train on "
+                                       "(default: pack the scikit-learn digits)")
+    parser.add_argument("--test-data", help="a packed store of held-out samples (with --data; default: none)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the prefetcher's shuffle and the model's init")
     parser.add_argument("--compression", choices=["none", "fp16", "bf16", "int8", "topk"], default="none")
     parser.add_argument("--int8-block", type=int, default=256)
     parser.add_argument("--topk-ratio", type=float, default=0.05)
+    parser.add_argument("--ram-mib", type=int, default=256, help="prefetcher RAM tier per rank")
+    parser.add_argument("--cache-dir", help="node-local directory for the prefetcher's disk tier "
+                                            "(default: $HPCDL_SCRATCH if set, else no disk tier)")
+    parser.add_argument("--disk-mib", type=int, default=1024, help="prefetcher disk tier per rank")
 
 
 def gradient_traffic():
@@ -116,16 +136,31 @@ def gradient_traffic():
     return sum(r["bytes_sent"] for r in rows), sum(r["dense_bytes"] for r in rows)
 
 
-def report_epoch(comm, epoch, seconds, samples, loss_sum, correct, stall, test_correct, test_count):
-    """Sum this epoch's figures over the ranks and print them on rank 0."""
-    sent, dense = gradient_traffic()
-    totals = comm.allreduce(np.array([samples, loss_sum, correct, test_correct, test_count, sent, dense],
-                                     dtype=np.float64))
-    stall_max = comm.allreduce(stall, op=MPI.MAX)
-    seconds = comm.allreduce(seconds, op=MPI.MAX)
-    samples, loss_sum, correct, test_correct, test_count, sent, dense = totals
-    log(f"epoch {epoch:3d}  loss {loss_sum / samples:.4f}  train acc {correct / samples:.3f}  "
-        f"test acc {test_correct / test_count:.3f}  {samples / seconds:8.0f} samples/s  "
-        f"stall {stall_max:.3f} s  grad bytes sent {sent / 1e6:.2f} MB vs dense {dense / 1e6:.2f} MB "
-        f"({sent / dense if dense else 1:.2f}x)")
-    return test_correct / test_count
+class EpochReport:
+    """Per-epoch figures summed over the ranks and printed by rank 0: loss,
+    accuracy, samples/s, the prefetcher's stall time, gradient bytes vs dense."""
+
+    def __init__(self, comm, prefetcher):
+        self.comm, self.prefetcher = comm, prefetcher
+        self.stalled = prefetcher.stats()["stall_seconds"]
+        gradient_traffic()
+
+    def __call__(self, epoch, seconds, samples, loss_sum, correct, test_correct, test_count):
+        stalled = self.prefetcher.stats()["stall_seconds"]
+        stall, self.stalled = stalled - self.stalled, stalled
+        sent, dense = gradient_traffic()
+        totals = self.comm.allreduce(np.array([samples, loss_sum, correct, test_correct, test_count, sent, dense],
+                                              dtype=np.float64))
+        stall_max = self.comm.allreduce(stall, op=MPI.MAX)
+        seconds = self.comm.allreduce(seconds, op=MPI.MAX)
+        samples, loss_sum, correct, test_correct, test_count, sent, dense = totals
+        test = f"test acc {test_correct / test_count:.3f}" if test_count else "test acc n/a"
+        log(f"epoch {epoch:3d}  loss {loss_sum / samples:.4f}  train acc {correct / samples:.3f}  {test}  "
+            f"{samples / seconds:8.0f} samples/s  stall {stall_max:.3f} s ({stall_max / seconds:.1%})  "
+            f"grad bytes sent {sent / 1e6:.2f} MB vs dense {dense / 1e6:.2f} MB "
+            f"({dense / sent if sent else 1:.2f}x fewer)")
+        return test_correct / test_count if test_count else None
+
+    def summary(self):
+        stats = self.prefetcher.stats()
+        log(f"prefetcher on rank 0: hits {stats['hits']}, stall {stats['stall_seconds']:.3f} s in total")

@@ -2,9 +2,9 @@
 
     mpiexec -n 4 python examples/train_tf.py --epochs 10 [--compression int8] [--eager]
 
-Samples come from an hpcdl store (the digits are packed into one when --data
-is not given) through digits_data.epoch_batches; the training step is a
-tf.function (or eager with --eager) whose gradients hpcdl.tensorflow's
+Training samples come from an hpcdl store (the digits are packed into one when
+--data is not given) through the clairvoyant prefetcher and its tf.data
+adapter (hpcdl.prefetch.tf_dataset); the training step is a tf.function (or eager with --eager) whose gradients hpcdl.tensorflow's
 DistributedGradientTape averages. Rank 0 prints per epoch: loss, accuracy,
 samples/s, stall time and gradient bytes sent vs dense.
 """
@@ -21,9 +21,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hpcdl  # noqa: E402
+import hpcdl.prefetch  # noqa: E402
 import hpcdl.tensorflow  # noqa: E402
-from digits_data import (add_common_arguments, compression_codec, epoch_batches, eval_batch_size, log, prepare_store,  # noqa: E402
-                         report_epoch, split)
+from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, evaluate,  # noqa: E402
+                         feature_count, log, make_prefetcher, prepare_stores)
 
 
 def main():
@@ -36,10 +37,8 @@ def main():
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     comm = hpcdl.init()
 
-    store = prepare_store(args.data, comm)
-    train_idx, test_idx = split(store)
-    x0 = next(epoch_batches(store, train_idx, 1, 0, args.seed, comm))[0]
-    features, classes = x0.shape[1], max(len(store.classes), 2)
+    train, test = prepare_stores(args.data, args.test_data, comm)
+    features, classes = feature_count(train), max(len(train.classes), 2)
 
     tf.keras.utils.set_random_seed(args.seed)
     model = tf.keras.Sequential([tf.keras.Input((features,)),
@@ -50,8 +49,6 @@ def main():
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     codec = compression_codec(args.compression, args.int8_block, args.topk_ratio)
     hpcdl.tensorflow.broadcast_variables(model.variables, root=0)
-    log(f"{hpcdl.size()} ranks, {len(train_idx)} train / {len(test_idx)} test samples, {features} features, "
-        f"{classes} classes, compression {args.compression}, {'eager' if args.eager else 'tf.function'}")
 
     def train_step(x, y):
         with tf.GradientTape() as tape:
@@ -63,22 +60,29 @@ def main():
         return loss, tf.reduce_sum(tf.cast(tf.argmax(logits, 1) == tf.cast(y, tf.int64), tf.int32))
 
     train_step = train_step if args.eager else tf.function(train_step)
-    hpcdl.stats(reset=True)
-    for epoch in range(args.epochs):
-        started = time.perf_counter()
-        samples, loss_sum, correct, stall = 0, 0.0, 0, 0.0
-        for x, y, waited in epoch_batches(store, train_idx, args.batch_size, epoch, args.seed, comm):
-            loss, right = train_step(x, y)
-            samples += len(y)
-            loss_sum += float(loss) * len(y)
-            correct += int(right)
-            stall += waited
-        seconds = time.perf_counter() - started
-        test_correct = test_count = 0
-        for x, y, _ in epoch_batches(store, test_idx, eval_batch_size(test_idx, comm), 0, args.seed, comm):
-            test_correct += int(np.sum(np.argmax(model(x, training=False).numpy(), 1) == y))
-            test_count += len(y)
-        report_epoch(comm, epoch, seconds, samples, loss_sum, correct, stall, test_correct, test_count)
+    with make_prefetcher(train, args, comm) as prefetcher:
+        # one epoch per pass over the dataset; the prefetcher stages the whole run ahead
+        dataset = hpcdl.prefetch.tf_dataset(
+            prefetcher, transform=decode, epochs=1,
+            output_signature=(tf.TensorSpec([features], tf.float32), tf.TensorSpec([], tf.int32)),
+        ).batch(prefetcher.local_batch)
+        log(f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
+            f"{features} features, {classes} classes, compression {args.compression}, "
+            f"{'eager' if args.eager else 'tf.function'}, "
+            f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch")
+        report = EpochReport(comm, prefetcher)
+        for epoch in range(args.epochs):
+            started = time.perf_counter()
+            samples, loss_sum, correct = 0, 0.0, 0
+            for x, y in dataset:
+                loss, right = train_step(x, y)
+                samples += len(y)
+                loss_sum += float(loss) * len(y)
+                correct += int(right)
+            seconds = time.perf_counter() - started
+            test_correct, test_count = evaluate(test, lambda x: np.argmax(model(x, training=False).numpy(), 1), comm)
+            report(epoch, seconds, samples, loss_sum, correct, test_correct, test_count)
+        report.summary()
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
     mpiexec -n 4 python examples/train_torch.py --epochs 10 [--compression int8]
 
-Samples come from an hpcdl store (the digits are packed into one when --data
-is not given) through digits_data.epoch_batches; gradients are averaged by
-hpcdl.torch.DistributedOptimizer, overlapping the backward pass. Rank 0 prints
-per epoch: loss, accuracy, samples/s, stall time and gradient bytes sent vs dense.
+Training samples come from an hpcdl store (the digits are packed into one when
+--data is not given) through the clairvoyant prefetcher and its PyTorch
+adapter (hpcdl.prefetch.TorchDataset in a DataLoader); gradients are averaged
+by hpcdl.torch.DistributedOptimizer, overlapping the backward pass. Rank 0
+prints per epoch: loss, accuracy, samples/s, stall time and gradient bytes
+sent vs dense.
 """
 
 import argparse
@@ -18,9 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 import hpcdl  # noqa: E402
+import hpcdl.prefetch  # noqa: E402
 import hpcdl.torch  # noqa: E402
-from digits_data import (add_common_arguments, compression_codec, epoch_batches, eval_batch_size, log, prepare_store,  # noqa: E402
-                         report_epoch, split)
+from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, evaluate,  # noqa: E402
+                         feature_count, log, make_prefetcher, prepare_stores)
 
 
 def main():
@@ -32,10 +35,8 @@ def main():
     torch.set_num_threads(args.threads)
     comm = hpcdl.init()
 
-    store = prepare_store(args.data, comm)
-    train_idx, test_idx = split(store)
-    x0, _ = next(epoch_batches(store, train_idx, 1, 0, args.seed, comm))[:2]
-    features, classes = x0.shape[1], max(len(store.classes), 2)
+    train, test = prepare_stores(args.data, args.test_data, comm)
+    features, classes = feature_count(train), max(len(train.classes), 2)
 
     torch.manual_seed(args.seed)  # the same on every rank; broadcast_parameters makes sure
     model = torch.nn.Sequential(torch.nn.Linear(features, args.hidden), torch.nn.ReLU(),
@@ -47,33 +48,35 @@ def main():
         bucket_bytes=args.bucket_bytes)
     hpcdl.torch.broadcast_parameters(model.state_dict(), root_rank=0)
     hpcdl.torch.broadcast_optimizer_state(optimizer, root_rank=0)
-    log(f"{hpcdl.size()} ranks, {len(train_idx)} train / {len(test_idx)} test samples, {features} features, "
-        f"{classes} classes, compression {args.compression}")
-    hpcdl.stats(reset=True)
 
-    for epoch in range(args.epochs):
-        model.train()
-        started = time.perf_counter()
-        samples, loss_sum, correct, stall = 0, 0.0, 0, 0.0
-        for x, y, waited in epoch_batches(store, train_idx, args.batch_size, epoch, args.seed, comm):
-            x, y = torch.from_numpy(x), torch.from_numpy(y)
-            optimizer.zero_grad()
-            logits = model(x)
-            loss = torch.nn.functional.cross_entropy(logits, y)
-            loss.backward()
-            optimizer.step()
-            samples += len(y)
-            loss_sum += loss.item() * len(y)
-            correct += int((logits.argmax(1) == y).sum())
-            stall += waited
-        seconds = time.perf_counter() - started
-        model.eval()
-        test_correct = test_count = 0
-        with torch.no_grad():
-            for x, y, _ in epoch_batches(store, test_idx, eval_batch_size(test_idx, comm), 0, args.seed, comm):
-                test_correct += int((model(torch.from_numpy(x)).argmax(1) == torch.from_numpy(y)).sum())
-                test_count += len(y)
-        report_epoch(comm, epoch, seconds, samples, loss_sum, correct, stall, test_correct, test_count)
+    with make_prefetcher(train, args, comm) as prefetcher:
+        # one epoch per pass over the loader; the prefetcher stages the whole run ahead
+        loader = torch.utils.data.DataLoader(
+            hpcdl.prefetch.TorchDataset(prefetcher, transform=lambda view: torch.from_numpy(decode(view)), epochs=1),
+            batch_size=prefetcher.local_batch)
+        log(f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
+            f"{features} features, {classes} classes, compression {args.compression}, "
+            f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch")
+        report = EpochReport(comm, prefetcher)
+        for epoch in range(args.epochs):
+            model.train()
+            started = time.perf_counter()
+            samples, loss_sum, correct = 0, 0.0, 0
+            for x, y in loader:
+                optimizer.zero_grad()
+                logits = model(x)
+                loss = torch.nn.functional.cross_entropy(logits, y)
+                loss.backward()
+                optimizer.step()
+                samples += len(y)
+                loss_sum += loss.item() * len(y)
+                correct += int((logits.argmax(1) == y).sum())
+            seconds = time.perf_counter() - started
+            model.eval()
+            with torch.no_grad():
+                test_correct, test_count = evaluate(test, lambda x: model(torch.from_numpy(x)).argmax(1).numpy(), comm)
+            report(epoch, seconds, samples, loss_sum, correct, test_correct, test_count)
+        report.summary()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ registered in `_parser()`; heavy imports happen inside the command."""
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 
 
@@ -130,6 +132,92 @@ def _cmd_ls(args):
     return 0
 
 
+# Set by mpiexec (MPICH, Intel MPI), srun --mpi=pmi2 / pmix and Open MPI's mpirun in each rank.
+LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
+
+# name: (what it measures, its small defaults; N = -n). Options given after these win.
+BENCHES = {
+    "allreduce": ("allreduce bandwidth: hpcdl against MPI_Allreduce (bench/allreduce.py)",
+                  ["--sizes", "64KiB,1MiB,4MiB", "--systems", "hpcdl,mpi", "--budget", "0.5", "--max-iters", "20"]),
+    "store": ("small-file reads: files, h5py and the store, 1 and N ranks (bench/store.py)",
+              ["--fs", "plain", "--files", "2000", "--classes", "10", "--cold-samples", "500",
+               "--strace-samples", "500", "--repeats", "1", "--shards", "2", "--ranks", "1,N"]),
+    "prefetch": ("epoch time and stalls: DataLoader against the prefetcher on N ranks (bench/prefetch.py)",
+                 ["--slowfs", "", "--files", "1000", "--epochs", "2", "--batch", "16*N", "--compute", "0.01",
+                  "--ranks", "N"]),
+}
+
+
+def mpiexec_path():
+    """The mpiexec of this Python's MPI: beside sys.executable (PyPI's mpich in a venv), else beside
+    the mpicc mpi4py was built with (a site MPI), else the first on PATH."""
+    import mpi4py
+
+    mpicc = mpi4py.get_config().get("mpicc")
+    for folder in (os.path.dirname(sys.executable), os.path.dirname(shutil.which(mpicc) or mpicc) if mpicc else None):
+        if folder and os.access(os.path.join(folder, "mpiexec"), os.X_OK):
+            return os.path.join(folder, "mpiexec")
+    found = shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("no mpiexec beside this Python, beside mpi4py's mpicc or on PATH; "
+                                "load your site's MPI module or pip install mpich")
+    return found
+
+
+def _bench_argv(args):
+    """The bench script's arguments: small defaults, then --out, then what the user added."""
+    n = args.ranks
+    defaults = [{"N": str(n), "1,N": "1" if n == 1 else f"1,{n}", "16*N": str(16 * n)}.get(a, a)
+                for a in BENCHES[args.bench][1]]
+    if getattr(args, "slowfs", False):  # the scripts' own default: the emulated slow file system
+        at = defaults.index("--fs" if args.bench == "store" else "--slowfs")
+        del defaults[at:at + 2]
+    return defaults + ["--out", args.out] + args.bench_args
+
+
+def _cmd_bench(args):
+    import importlib
+
+    if args.ranks < 1:
+        print("hpcdl bench: error: -n must be at least 1", file=sys.stderr)
+        return 2
+    launched = any(name in os.environ for name in LAUNCHER_ENV)
+    self_launch = args.bench == "allreduce" and not launched and args.ranks > 1
+    if self_launch or args.bench != "allreduce":
+        try:
+            mpiexec = mpiexec_path()
+        except FileNotFoundError as exc:
+            print(f"hpcdl bench: error: {exc}", file=sys.stderr)
+            return 2
+    if self_launch:
+        # One process as typed: start the ranks, each of which runs the benchmark in-process.
+        cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "hpcdl", "bench", "allreduce",
+               "--out", args.out] + args.bench_args
+        print(f"[hpcdl] {' '.join(cmd)}", flush=True)
+        return subprocess.call(cmd)
+    if args.bench != "allreduce":
+        if launched:
+            from mpi4py import MPI
+
+            if MPI.COMM_WORLD.Get_size() > 1:
+                if MPI.COMM_WORLD.Get_rank() == 0:
+                    print(f"hpcdl bench {args.bench}: error: run it as one process; it starts its own "
+                          f"mpiexec -n {args.ranks} (-n N)", file=sys.stderr)
+                return 2
+        # The drivers start `mpiexec` from PATH: make it the one that goes with this Python.
+        os.environ["PATH"] = os.path.dirname(mpiexec) + os.pathsep + os.environ.get("PATH", "")
+    bench = importlib.import_module(f"hpcdl.bench.{args.bench}")
+    status = bench.main(_bench_argv(args)) or 0
+    if args.bench == "prefetch" and status == 0:
+        from hpcdl.bench import prefetch_report
+
+        if not args.slowfs:
+            print("the store was a plain temporary directory (no slow file system; --slowfs for it); the "
+                  "model rows predict the throttled file system of --iops/--bps")
+        prefetch_report.report(os.path.join(args.out, "prefetch.csv"))
+    return status
+
+
 def _parser():
     parser = argparse.ArgumentParser(prog="hpcdl", description="hpcdl: distributed DL training tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -156,11 +244,34 @@ def _parser():
     p.add_argument("--classes", type=int, default=50, help="classes to list (default 50)")
     p.add_argument("--skipped", action="store_true", help="list every file skipped when packing")
     p.set_defaults(func=_cmd_ls)
+    p = sub.add_parser("bench", help="run a benchmark with small defaults: a table, CSV and PNG",
+                       description="Run one of hpcdl's benchmarks (bench/NAME.py) with small defaults "
+                       "that finish in well under a minute; rank 0 prints a table and writes CSV and PNG "
+                       "to --out.")
+    benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name, (summary, defaults) in BENCHES.items():
+        b = benches.add_parser(name, help=summary, description=summary, allow_abbrev=False,
+                               formatter_class=argparse.RawDescriptionHelpFormatter,
+                               epilog=f"defaults passed to bench/{name}.py: {' '.join(repr(a) if not a else a for a in defaults)}"
+                               f"\nAny other option goes to bench/{name}.py and wins over these; its options: "
+                               f"python -m hpcdl.bench.{name} --help")
+        b.add_argument("-n", dest="ranks", type=int, default=4, metavar="N", help="ranks (default 4)"
+                       + ("; under mpiexec/srun: the ranks it was started with" if name == "allreduce" else ""))
+        b.add_argument("--out", default="hpcdl-bench", help="directory for the CSV and PNG (default ./hpcdl-bench)")
+        if name != "allreduce":
+            b.add_argument("--slowfs", action="store_true", help="use the emulated slow file system "
+                           "(bench/slowfs.sh; needs root) instead of a plain temporary directory")
+        b.set_defaults(func=_cmd_bench)
     return parser
 
 
 def main(argv=None):
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = extra  # the bench script's own options
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return args.func(args)
 
 

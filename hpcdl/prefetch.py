@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from hpcdl import _prefetch
+from hpcdl import _prefetch, timeline
 from hpcdl.errors import MismatchError
 from hpcdl.store import Store, _agree
 
@@ -197,6 +197,10 @@ class Prefetcher:
                "peer_ram_bytes": peer_ram if any(peer_ram) else [], "peer_timeout": float(peer_timeout),
                "serve_delay": float(_serve_delay)}
         self._trace = os.environ.get(TRACE_ENV)
+        if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
+            warnings.warn(f"[hpcdl rank {self.rank}] {TRACE_ENV} is ignored while HPCDL_TIMELINE is set: "
+                          "the timeline has the prefetcher's events", PrefetchWarning, stacklevel=2)
+            self._trace = None
         if self._trace:
             _prefetch.timeline_enable(True)
         self._core = _prefetch.Core(self.store.shard_infos, cfg, self._staging,

@@ -103,6 +103,21 @@ raise SystemExit(0 if ok else 1)
     assert sorted(re.findall(r"rank (\d) of 4: allreduce ok", text)) == ["0", "1", "2", "3"], text
 
 
+def test_hpcdl_bench_allreduce_under_srun(slurm_env, tmp_path):
+    """`srun --mpi=pmi2 hpcdl bench allreduce` runs in-process on the job's ranks (no mpiexec of its own)."""
+    job = tmp_path / "bench.sbatch"
+    job.write_text(f"""#!/bin/bash
+srun --mpi=pmi2 {sys.executable} -m hpcdl bench allreduce --out {tmp_path} --sizes 64KiB --budget 0.05 --max-iters 3
+""")
+    status, text = sbatch(slurm_env, tmp_path, job)
+    assert_job_ok(status, text)
+    assert "allreduce: 4 ranks" in text and "mpiexec" not in text, text
+    with open(tmp_path / "allreduce.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {(r["system"], r["ranks"], r["correct"]) for r in rows} == {
+        ("hpcdl", str(RANKS), "True"), ("mpi", str(RANKS), "True")}, rows
+
+
 @pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
 def test_check_script_under_each_launcher(slurm_env, tmp_path, launcher):
     node_local = tmp_path / "node-local"

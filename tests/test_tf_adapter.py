@@ -143,3 +143,20 @@ def test_variable_on_some_ranks_only_raises_everywhere():
     ok = (isinstance(err, hpcdl.MismatchError) and f"on rank {size - 1} but not on rank 0" in str(err)
           and isinstance(err2, hpcdl.MismatchError) and "gradients of DistributedGradientTape" in str(err2))
     agree(WORLD, ok, f"{err!r} / {err2!r}")
+
+
+def test_tf_example_learns_the_digits(tmp_path):
+    """examples/train_tf.py end to end in one process: pack, prefetch through tf.data, train, report."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, os.path.join(root, "examples", "train_tf.py"), "--epochs", "3",
+                          "--compression", "int8"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    accuracies = [float(a) for a in re.findall(r"test acc (\d\.\d+)", run.stdout)]
+    assert len(accuracies) == 3 and accuracies[-1] > 0.6, run.stdout
+    assert len(re.findall(r"epoch +\d+ .* stall \d+\.\d+ s \(", run.stdout)) == 3, run.stdout

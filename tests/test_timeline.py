@@ -1,4 +1,5 @@
-"""HPCDL_TIMELINE writes one valid Chrome trace with a track per rank."""
+"""HPCDL_TIMELINE writes one valid Chrome trace with a track per rank: the
+engine's collectives and the prefetcher's fetches and stalls."""
 
 import json
 import os
@@ -34,3 +35,54 @@ def test_timeline_has_every_rank_and_ring_phase(tmp_path):
     names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"}
     assert names == {(r, f"rank {r}") for r in range(4)}
     assert not list(tmp_path.glob("run.json.rank*"))  # parts merged and removed
+
+
+# No RAM tier, one staging thread and a consumer that does nothing: it waits
+# for the prefetcher (stalls) on most ranks.
+PREFETCH_PROGRAM = """
+import json, sys, numpy as np, hpcdl
+from mpi4py import MPI
+from hpcdl.prefetch import Prefetcher
+with Prefetcher(sys.argv[1], batch_size=8, epochs=2, seed=3, comm=MPI.COMM_WORLD, ram_bytes=0, threads=1) as pf:
+    for epoch in pf.epochs():
+        for batch in epoch:
+            pass
+        hpcdl.allreduce(np.ones(1000, dtype=np.float32), name="grad")
+    stats = pf.stats()
+every = MPI.COMM_WORLD.gather([MPI.COMM_WORLD.rank, sum(stats["hits"].values()), stats["stall_seconds"]])
+if every:
+    print("STATS " + json.dumps(every))
+"""
+
+
+def test_timeline_has_prefetcher_fetches_and_stalls_per_rank(tmp_path):
+    from hpcdl import store
+
+    src = tmp_path / "src"
+    for i in range(96):
+        (src / f"c{i % 3}").mkdir(parents=True, exist_ok=True)
+        (src / f"c{i % 3}" / f"{i:03d}.bin").write_bytes(os.urandom(2000 + i))
+    store.pack(str(src), str(tmp_path / "store"), progress=False)
+    trace_path = tmp_path / "run.json"
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    # HPCDL_TRACE (the prefetcher's own trace) must not take the events from the timeline.
+    env = dict(os.environ, HPCDL_TIMELINE=str(trace_path), HPCDL_TRACE=str(tmp_path / "prefetch-trace.json"))
+    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", PREFETCH_PROGRAM, str(tmp_path / "store")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("STATS "))
+    stats = {rank: (hits, stall) for rank, hits, stall in json.loads(line[6:])}
+    assert sorted(stats) == [0, 1, 2, 3]
+    spans = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e["ph"] == "X"]
+    for rank, (hits, stall_seconds) in stats.items():
+        mine = [e for e in spans if e["pid"] == rank]
+        fetches = [e for e in mine if e["name"].startswith("fetch ")]
+        stalls = [e for e in mine if e["name"] == "stall"]
+        assert hits == 2 * 96 // 4 and len(fetches) == hits, (rank, hits, len(fetches))
+        assert all(e["tid"] == 1 and e["cat"] == "prefetch" for e in fetches + stalls)
+        # Every stall the prefetcher counted is on the track, and nothing else is.
+        assert abs(sum(e["dur"] for e in stalls) - stall_seconds * 1e6) <= 1 + 1e-3 * stall_seconds * 1e6, rank
+        assert len([e for e in mine if e["name"] == "grad" and e["cat"] == "allgather"]) == 2
+    assert any(stall_seconds > 0 for _, stall_seconds in stats.values()), stats
+    assert "HPCDL_TRACE is ignored while HPCDL_TIMELINE is set" in proc.stderr
+    assert not list(tmp_path.glob("prefetch-trace.json*"))
