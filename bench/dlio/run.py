@@ -15,8 +15,8 @@ set does not fit the nodes' memory (MLPerf Storage requires 5x), so no loader
 gets it from the page cache in a later epoch. Takes /tmp/hpcdl-slowfs.lock
 itself for the whole slow-FS part (do not wrap it in flock).
 
-Writes bench/results/dlio.csv, dlio.md (the table) and dlio.png, and keeps
-DLIO's output folders and logs under bench/results/dlio/.
+Writes OUT/dlio.csv, dlio.md (the table) and dlio.png, and keeps DLIO's
+output folders and logs under OUT/dlio/ (OUT: --out, default bench/results).
 """
 
 import argparse
@@ -33,10 +33,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 SLOWFS = os.path.join(ROOT, "bench", "slowfs.sh")
-RESULTS = os.path.join(ROOT, "bench", "results")
 LOCK = "/tmp/hpcdl-slowfs.lock"
 PLUGIN = "hpcdl.contrib.dlio.HpcdlDataLoader"
-VENV_BIN = os.path.dirname(sys.executable)   # dlio_benchmark and mpiexec of this Python's venv
+VENV_BIN = os.path.dirname(sys.executable)   # dlio_benchmark of this Python's venv
+sys.path.insert(0, ROOT)  # this checkout's hpcdl
+
+from hpcdl.cli import mpiexec_path  # noqa: E402 - after the path above
 
 # DLIO's V100 configs (dlio_benchmark/configs/workload/*_v100.yaml), scaled to this machine:
 # fewer files, smaller batches (compute per step scaled with the batch, so compute per sample
@@ -66,8 +68,7 @@ def workload_settings(name, args):
 
 def dlio_command(args, name, s, data_folder, output, loader):
     """mpiexec ... dlio_benchmark with DLIO's own config for the workload and our scaling."""
-    mpiexec = shutil.which("mpiexec", path=VENV_BIN) or "mpiexec"
-    cmd = [mpiexec, "-n", str(args.ranks), os.path.join(VENV_BIN, "dlio_benchmark"),
+    cmd = [mpiexec_path(), "-n", str(args.ranks), os.path.join(VENV_BIN, "dlio_benchmark"),
            f"workload={s['config']}", "++workload.framework=pytorch", "++workload.reader.data_loader=pytorch",
            "++workload.dataset.format=npz", f"++workload.dataset.data_folder={data_folder}",
            f"++workload.dataset.num_files_train={s['files']}", "++workload.dataset.num_files_eval=0",
@@ -170,7 +171,7 @@ def collect(output, loader, name, s, args, wall):
 def bench_workload(name, args, env):
     s = workload_settings(name, args)
     size_mb = s["files"] * (s["record"] + 3 * s["stdev"]) * 2.2 / 1e6 + 128
-    out_root = os.path.join(RESULTS, "dlio", name)
+    out_root = os.path.join(args.out, "dlio", name)
     shutil.rmtree(out_root, ignore_errors=True)
     os.makedirs(out_root)
     rows = []
@@ -210,7 +211,7 @@ def write_results(rows, args):
               "au_per_epoch", "au_mean", "au_from_epoch2", "samples_per_s", "samples_per_s_per_epoch", "mb_per_s",
               "dlio_verdict", "wall_s", "device_reads_per_sample", "device_mb_read", "hpcdl_hits"]
     if not args.replot:
-        with open(os.path.join(RESULTS, "dlio.csv"), "w", newline="") as fh:
+        with open(os.path.join(args.out, "dlio.csv"), "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=fields)
             w.writeheader()
             w.writerows(rows)
@@ -224,13 +225,13 @@ def write_results(rows, args):
                      f"{r['au_from_epoch2']:.1f} | {r['samples_per_s']:.1f} | {r['mb_per_s']:.1f} | "
                      f"{r['dlio_verdict']} | {speedup} | {r.get('device_reads_per_sample', '')} | "
                      f"{r.get('device_mb_read', '')} |")
-    with open(os.path.join(RESULTS, "dlio.md"), "w") as fh:
+    with open(os.path.join(args.out, "dlio.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(rows)
+    plot(rows, args.out)
 
 
-def plot(rows):
+def plot(rows, out):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -254,7 +255,7 @@ def plot(rows):
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle("DLIO workloads on the emulated slow file system (4 ranks, 2 cores)")
     fig.tight_layout()
-    fig.savefig(os.path.join(RESULTS, "dlio.png"), dpi=120)
+    fig.savefig(os.path.join(out, "dlio.png"), dpi=120)
 
 
 def _number(text):
@@ -279,10 +280,11 @@ def main():
     ap.add_argument("--bps", type=int, default=50 << 20, help="read bytes/s of the slow FS")
     ap.add_argument("--drop-every", type=float, default=2.0, help="seconds between page-cache drops (0: never)")
     ap.add_argument("--ram", default="1G", help="hpcdl RAM tier per rank (HPCDL_DLIO_RAM)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="results directory")
     ap.add_argument("--replot", action="store_true", help="only rewrite dlio.md and dlio.png from dlio.csv")
     args = ap.parse_args()
     if args.replot:
-        with open(os.path.join(RESULTS, "dlio.csv")) as fh:
+        with open(os.path.join(args.out, "dlio.csv")) as fh:
             rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(fh)]
         write_results(rows, args)
         return
@@ -294,7 +296,7 @@ def main():
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3",
                PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""),
                HPCDL_DLIO_RAM=args.ram, HPCDL_DLIO_THREADS=str(args.read_threads))
-    os.makedirs(RESULTS, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
     log(f"load: {os.getloadavg()}; waiting for {LOCK}")
     rows = []
     with open(LOCK, "w") as lock:
