@@ -8,10 +8,12 @@ PY="$VENV/bin/python"
 if [ ! -x "$PY" ]; then
   python3 -m venv "$VENV"
 fi
-stamp="$VENV/.requirements-$(sha1sum requirements.txt | cut -c1-12)"
+stamp="$VENV/.requirements-$(cat requirements.txt requirements-dlio.txt | sha1sum | cut -c1-12)"
 if [ ! -e "$stamp" ]; then
   "$PY" -m pip install --quiet --upgrade pip
   "$PY" -m pip install --quiet -r requirements.txt
+  # DLIO's metadata asks for CUDA packages it does not need: its real needs are pinned there.
+  "$PY" -m pip install --quiet --no-deps -r requirements-dlio.txt
   touch "$stamp"
 fi
 # Build in place with the venv's own MPI wrapper (no isolated build env), under a
