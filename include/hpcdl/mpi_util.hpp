@@ -4,7 +4,11 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
 #include <string>
+#include <thread>
 
 #include "hpcdl/status.hpp"
 
@@ -29,6 +33,26 @@ inline Status require_thread_multiple(const std::string& who, const std::string&
     return Status::Invalid(who + " needs MPI_THREAD_MULTIPLE (" + why +
                            "); initialize MPI with it (mpi4py does by default: mpi4py.rc.thread_level = 'multiple')");
   return Status::OK();
+}
+
+// MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
+// core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the
+// rank's own compute and from the neighbours the ring waits for. Test, then
+// sleep with a backoff doubling from 1 us up to a cap.
+inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Status* status) {
+  static const long cap_us = [] {
+    const char* v = std::getenv("HPCDL_WAIT_SLEEP_US");
+    return v ? std::atol(v) : 200L;
+  }();
+  if (cap_us <= 0) return MPI_Waitany(n, requests, index, status);
+  long sleep_us = 1;
+  for (;;) {
+    int flag = 0;
+    const int rc = MPI_Testany(n, requests, index, &flag, status);
+    if (rc != MPI_SUCCESS || flag) return rc;
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min(sleep_us * 2, cap_us);
+  }
 }
 
 }  // namespace hpcdl

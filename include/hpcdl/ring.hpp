@@ -189,7 +189,7 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
     if (n == 0) return Status::Internal("ring schedule stalled with nothing in flight");
     int index = MPI_UNDEFINED;
     MPI_Status st;
-    rc = MPI_Waitany(n, wait_on, &index, &st);
+    rc = wait_any_politely(n, wait_on, &index, &st);
     HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Waitany"));
     if (index == recv_index) {
       recv_req[consumed % kPipelineDepth] = MPI_REQUEST_NULL;
@@ -206,7 +206,8 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
   }
   // The send window may still hold back the last units: drain it.
   while (!send_req.empty()) {
-    rc = MPI_Wait(&send_req.front().second, MPI_STATUS_IGNORE);
+    int index = MPI_UNDEFINED;
+    rc = wait_any_politely(1, &send_req.front().second, &index, MPI_STATUS_IGNORE);
     HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(send)"));
     send_req.pop_front();
     HPCDL_RETURN_NOT_OK(post());
