@@ -55,4 +55,10 @@ inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Statu
   }
 }
 
+// One request, the same way (non-blocking collectives included).
+inline int wait_politely(MPI_Request* request, MPI_Status* status) {
+  int index = MPI_UNDEFINED;
+  return wait_any_politely(1, request, &index, status);
+}
+
 }  // namespace hpcdl

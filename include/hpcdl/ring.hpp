@@ -206,8 +206,7 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
   }
   // The send window may still hold back the last units: drain it.
   while (!send_req.empty()) {
-    int index = MPI_UNDEFINED;
-    rc = wait_any_politely(1, &send_req.front().second, &index, MPI_STATUS_IGNORE);
+    rc = wait_politely(&send_req.front().second, MPI_STATUS_IGNORE);
     HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(send)"));
     send_req.pop_front();
     HPCDL_RETURN_NOT_OK(post());

@@ -106,9 +106,11 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
     const std::uint32_t* idx = reinterpret_cast<const std::uint32_t*>(mine.data());
     for (std::size_t j = 0; j < k; ++j) residual[idx[j]] = 0;
   }
-  const int rc = MPI_Allgather(mine.data(), static_cast<int>(bytes), MPI_BYTE, all.data(), static_cast<int>(bytes),
-                               MPI_BYTE, comm);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Allgather(top-k)"));
+  MPI_Request request;
+  int rc = MPI_Iallgather(mine.data(), static_cast<int>(bytes), MPI_BYTE, all.data(), static_cast<int>(bytes),
+                          MPI_BYTE, comm, &request);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&request, MPI_STATUS_IGNORE), "MPI_Wait(top-k allgather)"));
   // The logical volume of an allgather: every other rank's pairs in, ours out to each.
   traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
   traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
