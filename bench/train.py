@@ -1,12 +1,14 @@
 """Training step time: hpcdl.torch.DistributedOptimizer vs DistributedDataParallel over gloo.
 
     mpiexec -n 4 python bench/train.py --out bench/results --tag train-onehost
-    bench/netcluster.sh run -- mpiexec -n 4 bench/netns-exec.sh python bench/train.py \\
-        --master-addr 10.77.0.1 --out bench/results --tag train-cluster
+    flock /tmp/hpcdl-netcluster.lock bench/netcluster.sh run -- mpiexec -n 4 bench/netns-exec.sh \\
+        python bench/train.py --master-addr 10.77.0.1 --out bench/results --tag train-cluster
 
 The same MLP (CPU), the same data and step on every system; systems alternate
-in rounds so that machine noise hits them alike; the figure is the median step
-time over all timed steps. Writes TAG.csv and TAG.png; rank 0 prints a table.
+in rounds of a few steps so that machine noise hits them alike; the figure is
+the median step time over all timed steps. Writes TAG.csv and TAG.png (with the
+load average and, on the emulated cluster, the measured TCP stream); rank 0
+prints a table. Imports this checkout's hpcdl, wherever it is started from.
 """
 
 import argparse
@@ -18,6 +20,9 @@ import time
 
 import torch
 from mpi4py import MPI
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's hpcdl, not an installed one
 
 import hpcdl
 import hpcdl.torch
@@ -55,8 +60,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--batch", type=int, default=32, help="per rank")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps per system and round")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per system and round")
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--codecs", default="dense,int8,topk")
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
     parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address for gloo")
@@ -116,7 +121,9 @@ def main():
         median = statistics.median(samples)
         rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
                      "median_step_ms": round(median * 1e3, 3), "samples_per_s": round(size * args.batch / median, 1),
-                     "throughput_vs_ddp": round(ddp_median / median, 3), "steps_timed": len(samples)})
+                     "throughput_vs_ddp": round(ddp_median / median, 3), "steps_timed": len(samples),
+                     "load_avg_1min": round(os.getloadavg()[0], 2),
+                     "stream_MBps": os.environ.get("HPCDL_BENCH_STREAM_MBPS", "")})
         print(f"[hpcdl rank 0] {name:14s} {median * 1e3:9.2f} ms/step  {size * args.batch / median:9.0f} samples/s"
               f"  {ddp_median / median:5.2f}x DDP")
     with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:

@@ -566,7 +566,9 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
     char* p = static_cast<char*>(op.req_.data);
     for (std::size_t off = 0; off < total && st.ok(); off += kMaxChunkBytes) {
       const int n = static_cast<int>(std::min(kMaxChunkBytes, total - off));
-      st = mpi_status(MPI_Bcast(p + off, n, MPI_BYTE, d.root, ctx.data), "MPI_Bcast");
+      MPI_Request request;
+      st = mpi_status(MPI_Ibcast(p + off, n, MPI_BYTE, d.root, ctx.data, &request), "MPI_Ibcast");
+      if (st.ok()) st = mpi_status(wait_politely(&request, MPI_STATUS_IGNORE), "MPI_Wait(broadcast)");
       if (ctx.rank == d.root) traffic.bytes_sent += n; else traffic.bytes_received += n;
     }
   }
