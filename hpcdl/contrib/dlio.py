@@ -78,6 +78,7 @@ class HpcdlDataLoader(BaseDataLoader):
         self.prefetcher = None
         self.epochs = []        # the prefetcher's epochs, one per DLIO pass over this set
         self.delivered = []     # per epoch: the sample indices this rank handed to DLIO
+        self.epoch_stalls = []  # per epoch: seconds DLIO's loop waited for this rank's prefetcher
         self.passes = 0
         self.passes_done = 0
 
@@ -150,6 +151,8 @@ class HpcdlDataLoader(BaseDataLoader):
         """After each epoch; the last one closes the prefetcher (collective) and writes the report."""
         if self.prefetcher is None:
             return
+        stalled = self.prefetcher.stats()["stall_seconds"]
+        self.epoch_stalls.append(stalled - sum(self.epoch_stalls))
         self.passes_done += 1
         if self.passes_done < self.passes:
             return
@@ -158,7 +161,7 @@ class HpcdlDataLoader(BaseDataLoader):
         pf.close()
         report = {"rank": self._args.my_rank, "ranks": self._args.comm_size, "samples": len(pf.store),
                   "batch_size": self.batch_size, "seed": self._args.seed, "steps_per_epoch": pf.steps_per_epoch,
-                  "delivered": self.delivered, "stats": pf.stats()}
+                  "delivered": self.delivered, "epoch_stall_seconds": self.epoch_stalls, "stats": pf.stats()}
         path = os.path.join(self._args.output_folder, f"hpcdl_{self.kind}_rank{self._args.my_rank}.json")
         with open(path + ".tmp", "w") as fh:
             json.dump(report, fh, default=_jsonable)
