@@ -23,8 +23,8 @@ def _cmd_info(args):
     return 0
 
 
-def _parse_bytes(text):
-    """'512M', '2G', '1048576' -> bytes."""
+def _parse_bytes(text, allow_zero=False):
+    """'512M', '2G', '1048576', '1e9' -> bytes (the one size parser of the CLI, the simulator and plugins)."""
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
     text = text.strip().upper().removesuffix("IB").removesuffix("B")
     scale = units.get(text[-1:], 1)
@@ -32,8 +32,8 @@ def _parse_bytes(text):
         value = float(text[:-1] if text[-1:] in units else text) * scale
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("size must be positive")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError("size must be positive" if not allow_zero else "size must not be negative")
     return int(value)
 
 

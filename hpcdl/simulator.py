@@ -21,6 +21,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
+from hpcdl.cli import _parse_bytes
+
 __all__ = ["System", "predict", "main"]
 
 
@@ -133,11 +135,7 @@ def predict(sys):
 
 
 def _size(text):
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = str(text).strip()
-    if text and text[-1].upper() in units:
-        return float(text[:-1]) * units[text[-1].upper()]
-    return float(text)
+    return _parse_bytes(str(text), allow_zero=True)
 
 
 def main(argv=None):
