@@ -178,14 +178,15 @@ class Prefetcher:
         self.local_batch, self.steps_per_epoch, position = _agree(world, validate)
         if self.ranks > 1:
             mine = (n, self.batch_size, self.num_epochs, self.seed, self.drop_last, position)
-            every = world.allgather(mine)
-            if any(other != mine for other in every):
-                bad = next(r for r, other in enumerate(every) if other != mine)
+            # one collective: the settings every rank must share, and each rank's tier capacities
+            every = world.allgather((mine, int(ram_bytes), int(disk_bytes) if disk_dir else 0))
+            if any(other != mine for other, _, _ in every):
+                bad = next(r for r, (other, _, _) in enumerate(every) if other != mine)
                 raise MismatchError(f"[hpcdl rank {self.rank}] prefetcher settings differ between ranks: "
                                     f"(samples, batch_size, epochs, seed, drop_last, start position) "
-                                    f"{mine} here, {every[bad]} on rank {bad}")
-            peer_ram = world.allgather(int(ram_bytes))
-            peer_disk = world.allgather(int(disk_bytes) if disk_dir else 0)
+                                    f"{mine} here, {every[bad][0]} on rank {bad}")
+            peer_ram = [ram for _, ram, _ in every]
+            peer_disk = [disk for _, _, disk in every]
         else:
             peer_ram = peer_disk = []
         self._position = position
