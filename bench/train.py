@@ -100,15 +100,18 @@ def main():
         opt.step()
 
     times = {name: [] for name in systems}
+    cpu = {name: [] for name in systems}  # CPU seconds of this process (all threads) per step, mean over ranks
     for rnd in range(args.rounds + 1):  # round 0 warms up
         for name, (model, opt) in systems.items():
             WORLD.Barrier()
             for _ in range(args.steps):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step(model, opt)
                 elapsed = WORLD.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+                used = WORLD.allreduce(time.process_time() - c0) / size
                 if rnd:
                     times[name].append(elapsed)
+                    cpu[name].append(used)
     dist.destroy_process_group()
     if rank != 0:
         return
@@ -122,10 +125,11 @@ def main():
         rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
                      "median_step_ms": round(median * 1e3, 3), "samples_per_s": round(size * args.batch / median, 1),
                      "throughput_vs_ddp": round(ddp_median / median, 3), "steps_timed": len(samples),
+                     "cpu_ms_per_step": round(statistics.median(cpu[name]) * 1e3, 3),
                      "load_avg_1min": round(os.getloadavg()[0], 2),
                      "stream_MBps": os.environ.get("HPCDL_BENCH_STREAM_MBPS", "")})
         print(f"[hpcdl rank 0] {name:14s} {median * 1e3:9.2f} ms/step  {size * args.batch / median:9.0f} samples/s"
-              f"  {ddp_median / median:5.2f}x DDP")
+              f"  {ddp_median / median:5.2f}x DDP  {statistics.median(cpu[name]) * 1e3:7.1f} ms CPU/step/rank")
     with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()

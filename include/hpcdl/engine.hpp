@@ -119,6 +119,15 @@ class Engine {
   Status context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out);
   static int on_comm_freed(MPI_Comm comm, int keyval, void* context, void* extra_state);
   bool drain_submissions();
+  // One pass over ctx's control channel: report new submissions, take readies
+  // (coordinator) and plans, plan what every rank submitted (coordinator).
+  // Plans are queued on ctx, not run: this also runs while an operation's
+  // data moves (wait_hook), so the next one is agreed meanwhile.
+  Status poll_control(CommContext& ctx, bool stall_check, double warn_s, double error_s, bool* busy);
+  // Runs or fails the entries of ctx's queued plans, in order.
+  Status run_plans(CommContext& ctx);
+  // The control channel is broken: nothing pending on ctx can complete.
+  void fail_context(CommContext& ctx, const Status& st);
   Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic);
@@ -145,7 +154,9 @@ class Engine {
   std::mutex stats_mu_;
   std::map<std::pair<std::string, std::string>, EngineStats> stats_;
 
-  // Engine thread only: working memory of compressed allreduces, kept between operations.
+  // Engine thread only: the control message being read, and working memory
+  // of compressed allreduces, kept between operations.
+  std::vector<char> control_msg_;
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
 };

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <thread>
 
@@ -35,21 +36,35 @@ inline Status require_thread_multiple(const std::string& who, const std::string&
   return Status::OK();
 }
 
+// Work the waiting thread does while its MPI requests are in flight: the
+// engine reads its control channel there, so the next operation is agreed
+// while this one's data moves. It must not wait on MPI itself.
+inline thread_local std::function<void()>* wait_hook = nullptr;
+
 // MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
 // core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the
 // rank's own compute and from the neighbours the ring waits for. Test, then
-// sleep with a backoff doubling from 1 us up to a cap.
-inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Status* status) {
+// sleep with a backoff doubling from 1 us up to a cap; once the wait has
+// lasted a few sleeps, run the thread's wait_hook before each further sleep.
+// The longest sleep between two polls of a waiting hpcdl thread
+// (HPCDL_WAIT_SLEEP_US, default 200 us; 0: block in MPI instead).
+inline long wait_sleep_cap_us() {
   static const long cap_us = [] {
     const char* v = std::getenv("HPCDL_WAIT_SLEEP_US");
     return v ? std::atol(v) : 200L;
   }();
+  return cap_us;
+}
+
+inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Status* status) {
+  const long cap_us = wait_sleep_cap_us();
   if (cap_us <= 0) return MPI_Waitany(n, requests, index, status);
   long sleep_us = 1;
   for (;;) {
     int flag = 0;
     const int rc = MPI_Testany(n, requests, index, &flag, status);
     if (rc != MPI_SUCCESS || flag) return rc;
+    if (sleep_us >= 16 && wait_hook != nullptr) (*wait_hook)();
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     sleep_us = std::min(sleep_us * 2, cap_us);
   }

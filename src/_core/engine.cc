@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <deque>
+#include <functional>
 #include <iterator>
 #include <limits>
 #include <cstdio>
@@ -182,6 +185,11 @@ class CommContext {
     std::vector<char> bytes;
   };
   std::vector<std::unique_ptr<Outgoing>> outbox;
+
+  // Engine thread: plans received (workers) or made (coordinator), not yet
+  // run; and an error met reading the control channel during an operation.
+  std::deque<std::vector<char>> plans;
+  Status control_error;
 
   Status send(int dest, int tag, std::vector<char> bytes) {
     auto out = std::make_unique<Outgoing>();
@@ -594,10 +602,109 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
   return st;
 }
 
+Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, double error_s, bool* busy) {
+  std::vector<char> own_report;
+  HPCDL_RETURN_NOT_OK(ctx.report(&own_report));
+  if (!own_report.empty()) HPCDL_RETURN_NOT_OK(ctx.on_ready(0, own_report.data(), own_report.size()));
+  bool arrived = false;
+  for (;;) {
+    int flag = 0;
+    MPI_Status probe;
+    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, ctx.ctl, &flag, &probe), "MPI_Iprobe"));
+    if (!flag) break;
+    int n = 0;
+    MPI_Get_count(&probe, MPI_BYTE, &n);
+    control_msg_.resize(static_cast<std::size_t>(n));
+    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe.MPI_SOURCE, probe.MPI_TAG,
+                                            ctx.ctl, MPI_STATUS_IGNORE),
+                                   "MPI_Recv(control)"));
+    arrived = true;
+    if (probe.MPI_TAG == kTagReady && ctx.is_coordinator())
+      HPCDL_RETURN_NOT_OK(ctx.on_ready(probe.MPI_SOURCE, control_msg_.data(), control_msg_.size()));
+    else if (probe.MPI_TAG == kTagPlan)
+      ctx.plans.push_back(control_msg_);
+  }
+  *busy = *busy || arrived || !own_report.empty();
+  if (ctx.is_coordinator() && (arrived || !own_report.empty() || stall_check) && !ctx.table.empty()) {
+    WireWriter w;
+    std::uint32_t entries = 0;
+    w.put<std::uint32_t>(0);
+    ctx.plan(warn_s, error_s, &w, &entries);
+    if (entries) {
+      std::memcpy(w.buffer().data(), &entries, sizeof(entries));
+      for (int r = 1; r < ctx.size; ++r) HPCDL_RETURN_NOT_OK(ctx.send(r, kTagPlan, w.buffer()));
+      ctx.plans.push_back(std::move(w.buffer()));
+    }
+  }
+  return ctx.flush_outbox();
+}
+
+Status Engine::run_plans(CommContext& ctx) {
+  while (!ctx.plans.empty() && ctx.control_error.ok()) {
+    // Taken off the queue first: running an entry may queue the next plans.
+    std::vector<char> plan = std::move(ctx.plans.front());
+    ctx.plans.pop_front();
+    WireReader r(plan.data(), plan.size());
+    std::uint32_t entries = 0;
+    r.get(&entries);
+    for (std::uint32_t i = 0; i < entries; ++i) {
+      std::uint32_t id;
+      std::uint8_t result, with_name;
+      std::string name, message;
+      r.get(&id);
+      r.get(&result);
+      r.get(&with_name);
+      if (with_name) {
+        r.get_string(&name);
+      } else if (id < ctx.names_by_id.size()) {
+        name = ctx.names_by_id[id];
+      }
+      if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+        if (id >= ctx.names_by_id.size()) ctx.names_by_id.resize(id + 1);
+        ctx.names_by_id[id] = name;
+        ctx.ids[name] = id;
+      } else {
+        r.get_string(&message);
+      }
+      auto it = ctx.pending.find(name);
+      if (it == ctx.pending.end()) continue;  // a stall notice for an op this rank never submitted
+      std::shared_ptr<Operation> op = it->second;
+      if (static_cast<PlanResult>(result) == PlanResult::kStall) {
+        op->notify(message);
+        continue;
+      }
+      ctx.pending.erase(it);
+      Status st;
+      if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+        st = execute(ctx, *op);
+      } else {
+        ctx.last_reported.erase(name);  // report it in full next time
+        st = static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
+                                                                     : Status::Mismatch(message);
+      }
+      {
+        // Retire the name before the waiter wakes: its next step may reuse it at once.
+        std::lock_guard<std::mutex> g(mu_);
+        ctx.in_flight.erase(name);
+      }
+      op->finish(st);
+    }
+  }
+  return ctx.control_error;
+}
+
+void Engine::fail_context(CommContext& ctx, const Status& st) {
+  std::fprintf(stderr, "[hpcdl rank %d] engine error: %s\n", ctx.rank, st.message().c_str());
+  for (auto& kv : ctx.pending) kv.second->finish(st);
+  ctx.pending.clear();
+  ctx.plans.clear();
+  std::lock_guard<std::mutex> g(mu_);
+  ctx.in_flight.clear();
+}
+
 void Engine::loop() {
   auto idle = std::chrono::microseconds(20);
   auto last_plan = std::chrono::steady_clock::now();
-  std::vector<char> msg;
   for (;;) {
     bool busy = drain_submissions();
     double warn_s, error_s;
@@ -622,110 +729,35 @@ void Engine::loop() {
       MPI_Comm_free(&ctx->data);
     }
     const bool stall_check = seconds_since(last_plan) > 0.1;
+    bool unused_busy = false;
+    std::function<void()> agree_meanwhile = [&] {
+      drain_submissions();
+      for (auto& ctx : contexts)
+        if (ctx->control_error.ok())
+          ctx->control_error = poll_control(*ctx, false, warn_s, error_s, &unused_busy);
+    };
+    wait_hook = &agree_meanwhile;
     for (auto& ctx : contexts) {
-      Status st;
-      std::vector<char> own_report;
-      std::vector<std::vector<char>> plans;  // plans received (workers) or made (coordinator)
-      st = ctx->report(&own_report);
-      if (st.ok() && !own_report.empty()) st = ctx->on_ready(0, own_report.data(), own_report.size());
-      // Take every control message that has arrived.
-      while (st.ok()) {
-        int flag = 0;
-        MPI_Status probe;
-        int rc = MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, ctx->ctl, &flag, &probe);
-        st = mpi_status(rc, "MPI_Iprobe");
-        if (!st.ok() || !flag) break;
-        int n = 0;
-        MPI_Get_count(&probe, MPI_BYTE, &n);
-        msg.resize(static_cast<std::size_t>(n));
-        rc = MPI_Recv(msg.data(), n, MPI_BYTE, probe.MPI_SOURCE, probe.MPI_TAG, ctx->ctl, MPI_STATUS_IGNORE);
-        st = mpi_status(rc, "MPI_Recv(control)");
-        if (!st.ok()) break;
-        busy = true;
-        if (probe.MPI_TAG == kTagReady && ctx->is_coordinator())
-          st = ctx->on_ready(probe.MPI_SOURCE, msg.data(), msg.size());
-        else if (probe.MPI_TAG == kTagPlan)
-          plans.push_back(msg);
+      Status st = poll_control(*ctx, stall_check, warn_s, error_s, &busy);
+      if (st.ok()) {
+        busy = busy || !ctx->plans.empty();
+        st = run_plans(*ctx);
       }
-      if (st.ok() && ctx->is_coordinator() && (busy || stall_check) && !ctx->table.empty()) {
-        WireWriter w;
-        std::uint32_t entries = 0;
-        w.put<std::uint32_t>(0);
-        ctx->plan(warn_s, error_s, &w, &entries);
-        if (entries) {
-          std::memcpy(w.buffer().data(), &entries, sizeof(entries));
-          for (int r = 1; r < ctx->size && st.ok(); ++r) st = ctx->send(r, kTagPlan, w.buffer());
-          plans.push_back(std::move(w.buffer()));
-        }
-      }
-      if (st.ok()) st = ctx->flush_outbox();
-      for (auto& plan : plans) {
-        WireReader r(plan.data(), plan.size());
-        std::uint32_t entries = 0;
-        r.get(&entries);
-        for (std::uint32_t i = 0; i < entries; ++i) {
-          std::uint32_t id;
-          std::uint8_t result, with_name;
-          std::string name, message;
-          r.get(&id);
-          r.get(&result);
-          r.get(&with_name);
-          if (with_name) {
-            r.get_string(&name);
-          } else if (id < ctx->names_by_id.size()) {
-            name = ctx->names_by_id[id];
-          }
-          if (static_cast<PlanResult>(result) == PlanResult::kRun) {
-            if (id >= ctx->names_by_id.size()) ctx->names_by_id.resize(id + 1);
-            ctx->names_by_id[id] = name;
-            ctx->ids[name] = id;
-          } else {
-            r.get_string(&message);
-          }
-          auto it = ctx->pending.find(name);
-          if (it == ctx->pending.end()) continue;  // a stall notice for an op this rank never submitted
-          std::shared_ptr<Operation> op = it->second;
-          if (static_cast<PlanResult>(result) == PlanResult::kStall) {
-            op->notify(message);
-            continue;
-          }
-          ctx->pending.erase(it);
-          Status st;
-          if (static_cast<PlanResult>(result) == PlanResult::kRun) {
-            st = execute(*ctx, *op);
-          } else {
-            ctx->last_reported.erase(name);  // report it in full next time
-            st = static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
-                                                                         : Status::Mismatch(message);
-          }
-          {
-            // Retire the name before the waiter wakes: its next step may reuse it at once.
-            std::lock_guard<std::mutex> g(mu_);
-            ctx->in_flight.erase(name);
-          }
-          op->finish(st);
-        }
-        busy = true;
-      }
-      if (!st.ok()) {
-        // The control channel is broken: nothing pending here can complete.
-        std::fprintf(stderr, "[hpcdl rank %d] engine error: %s\n", ctx->rank, st.message().c_str());
-        for (auto& kv : ctx->pending) kv.second->finish(st);
-        ctx->pending.clear();
-        std::lock_guard<std::mutex> g(mu_);
-        ctx->in_flight.clear();
-      }
+      if (!st.ok()) fail_context(*ctx, st);
     }
+    wait_hook = nullptr;
+    for (auto& ctx : contexts) busy = busy || !ctx->plans.empty();
     if (stall_check) last_plan = std::chrono::steady_clock::now();
     if (busy) {
       idle = std::chrono::microseconds(20);
       continue;
     }
-    // Someone waits for a plan: poll the control channel often. Nothing
-    // pending: back off to 1 ms, so an idle engine costs no core.
+    // Someone waits for a plan: poll the control channel as a waiting ring
+    // does (every few polls cost the ranks still computing a share of the
+    // node's cores). Nothing pending: back off to 1 ms.
     bool waiting = false;
     for (auto& ctx : contexts) waiting = waiting || !ctx->pending.empty();
-    const auto max_idle = std::chrono::microseconds(waiting ? 50 : 1000);
+    const auto max_idle = std::chrono::microseconds(waiting ? std::clamp(wait_sleep_cap_us(), 1L, 1000L) : 1000);
     std::unique_lock<std::mutex> g(mu_);
     cv_.wait_for(g, idle, [this] { return !queue_.empty() || !running_; });
     idle = std::min(idle * 2, max_idle);
