@@ -648,8 +648,8 @@ Status Engine::run_plans(CommContext& ctx) {
     std::uint32_t entries = 0;
     r.get(&entries);
     for (std::uint32_t i = 0; i < entries; ++i) {
-      std::uint32_t id;
-      std::uint8_t result, with_name;
+      std::uint32_t id = 0;
+      std::uint8_t result = 0, with_name = 0;
       std::string name, message;
       r.get(&id);
       r.get(&result);
