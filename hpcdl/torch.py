@@ -174,11 +174,12 @@ class _DistributedOptimizerMixin:
                                 slot.copy_(p.grad) if p.grad is not None else slot.zero_()
                     self._launch(bucket)
             timings = []
-            for bucket in self._buckets:
-                bucket.handle.wait()
-                timings.append(dict(bucket.handle.timings(), name=bucket.name))
             with torch.no_grad():
+                # Each bucket is unpacked as soon as it is reduced, while the
+                # engine still moves the later ones.
                 for bucket in self._buckets:
+                    bucket.handle.wait()
+                    timings.append(dict(bucket.handle.timings(), name=bucket.name))
                     for p, offset, numel in bucket.slots:
                         reduced = bucket.view(offset, numel, p)
                         if p.grad is None:
