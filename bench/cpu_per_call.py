@@ -38,7 +38,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     mpi_comm = comm.Dup()
-    source = rank_input(args.mib * (1 << 20) // 4, comm.rank)
+    source = rank_input(args.mib * (1 << 20) // 4, comm.rank, "ints")
     work = np.empty_like(source)
     for name in args.systems.split(","):
         codec = None if name == "mpi" else parse_codec(name)

@@ -245,7 +245,8 @@ def test_other_codecs_bitwise_identical_and_close(codec):
 def test_topk_allreduce_sums_every_ranks_k_largest_in_rank_order():
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     problems = []
-    for count, ratio in [(1, 0.01), (5, 0.01), (1000, 0.01), (100_003, 0.01), (4097, 1.0)]:
+    # 2_000_003 at 1%: the pipelined scheme (pairs sent segment by segment during the scan)
+    for count, ratio in [(1, 0.01), (5, 0.01), (1000, 0.01), (100_003, 0.01), (4097, 1.0), (2_000_003, 0.01)]:
         inputs = [contribution(r, count) for r in range(size)]
         codec = TopK(ratio)
         expected = np.zeros(count, np.float32)
@@ -292,6 +293,55 @@ def test_error_feedback_identity(codec, op):
     hpcdl.compression.reset_state()
     gone = hpcdl.compression.residual(name) is None
     agree(WORLD, ok and gone, f"identity gap {gap}, dropped {dropped}, reset {gone}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipelined_topk_error_feedback_identity_and_ties():
+    """The pipelined top-k (tensors of >= 1 M values): averaged results plus residuals
+    add up to the true gradients, and heavy ties at the cut still keep exactly k."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    codec, count = TopK(0.02), (1 << 20) + 77
+    hpcdl.compression.reset_state()
+    applied = np.zeros(count, np.float64)
+    true_total = np.zeros(count, np.float64)
+    for t in range(3):
+        grads = [contribution(r + 10 * t, count) for r in range(size)]
+        true_total += np.sum(grads, axis=0, dtype=np.float64)
+        g = grads[rank].copy()
+        hpcdl.allreduce(g, op="average", name="ef.pipelined", compression=codec)
+        applied += g.astype(np.float64) * size
+    residual_sum = WORLD.allreduce(hpcdl.compression.residual("ef.pipelined").astype(np.float64))
+    gap = np.abs(applied + residual_sum - true_total).max()
+    hpcdl.compression.reset_state()
+    # Small integers: about 1/13 of all values tie at every magnitude, the cut
+    # included; then large values exactly where the sample looks (every 16th
+    # of the first 65536 * 16), so its thresholds are far too high and the
+    # exact fallback has to find the rest.
+    ties = [(((np.arange(count) * (7 + r)) % 13) - 6).astype(np.float32) for r in range(size)]
+    misled = [contribution(r, count) for r in range(size)]
+    for r, x in enumerate(misled):
+        x[:65536 * 16:16] = 1000.0 + r + np.arange(65536, dtype=np.float32) / 65536
+    differ = []
+    for inputs in (ties, misled):
+        expected = np.zeros(count, np.float32)
+        for x in inputs:
+            keep = np.argsort(-np.abs(x), kind="stable")[:codec.k(count)]
+            expected[keep] += x[keep]
+        data = inputs[rank].copy()
+        hpcdl.allreduce(data, compression=codec)
+        differ.append(int(np.count_nonzero(data != expected)))
+    # The sample misled the other way (tiny values where it looks): far more
+    # than k above its upper threshold, yet no rank sends more than k pairs.
+    low = contribution(rank, count)
+    low[:65536 * 16:16] = 1e-6
+    hpcdl.stats(reset=True)
+    hpcdl.allreduce(low, compression=codec)
+    sent = sum(row["bytes_sent"] for row in hpcdl.stats(reset=True)["allreduce"].values())
+    same = len(set(WORLD.allgather(digest(low)))) == 1
+    limit = (size - 1) * 8 * codec.k(count)
+    agree(WORLD, gap <= 1e-4 and differ == [0, 0] and same and sent <= limit,
+          f"identity gap {gap}, values differing from the k largest (ties, misled sample): {differ}, "
+          f"ranks identical {same}, sent {sent} of at most {limit} bytes")
 
 
 @pytest.mark.mpi(min_size=2)
