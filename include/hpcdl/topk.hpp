@@ -11,13 +11,11 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <thread>
 #include <limits>
 #include <vector>
 
@@ -52,8 +50,6 @@ inline std::uint32_t topk_magnitude(float v) { return float_to_bits(v) & 0x7ffff
 // Working memory of one selection, reused from call to call by the engine.
 struct TopkScratch {
   Scratch above, above_x, at, at_x, mags, all_indices, mine, all;
-  // Pipelined allreduce: this rank's messages, and every rank's received ones.
-  std::vector<std::vector<std::uint8_t>> sent, received;
 };
 
 // Selects the k largest magnitudes of x = data (+ residual): their indices,
@@ -132,7 +128,6 @@ class TopkSelector {
     return sample[want];
   }
 
- public:
   // Groups of 16 values: x (+ the residual fold) and two bit masks, lanes
   // with magnitude > t and == t, from vector compares (magnitudes have the
   // sign bit clear, so signed 32-bit compares order them). Only set bits are
@@ -165,16 +160,6 @@ class TopkSelector {
 #endif
   }
 
-  static void clear_group(float* p, std::size_t len) {
-#if defined(__SSE2__)
-    if (len == kGroup) {
-      for (int j = 0; j < 4; ++j) _mm_storeu_ps(p + 4 * j, _mm_setzero_ps());
-      return;
-    }
-#endif
-    for (std::size_t j = 0; j < len; ++j) p[j] = 0.0f;
-  }
-
   template <bool kResidual>
   static void group_masks_scalar(const float* in, float* residual, std::size_t len, std::uint32_t t,
                                  std::uint32_t* above, std::uint32_t* at) {
@@ -195,7 +180,6 @@ class TopkSelector {
     *at = e;
   }
 
- private:
   // With kResidual, x ends up in residual; else x = in. Candidates are kept
   // with their values, so the cut never reads x again.
   template <bool kResidual>
@@ -284,294 +268,12 @@ inline void topk_decode_add(const std::uint8_t* in, std::size_t k, float* dst) {
   for (std::size_t j = 0; j < k; ++j) dst[idx[j]] += val[j];
 }
 
-namespace detail {
-
-// Point-to-point traffic of the pipelined top-k: every rank sends each of its
-// messages to every other rank, and takes `expected` messages of unknown size
-// from each, in order (matched probes, so a peer's next operation is never
-// taken for this one's).
-class TopkExchange {
- public:
-  TopkExchange(MPI_Comm comm, int size, int rank, int tag, std::size_t expected, TopkScratch& scratch)
-      : comm_(comm), size_(size), rank_(rank), tag_(tag), expected_(expected), scratch_(scratch),
-        taken_(static_cast<std::size_t>(size), 0) {
-    scratch_.received.resize(static_cast<std::size_t>(size) * expected);
-    taken_[static_cast<std::size_t>(rank)] = expected;  // our own messages stay here
-  }
-
-  // Sends scratch.sent[m] to every other rank (the buffer must stay untouched until done()).
-  Status send(std::size_t m, RingTraffic* traffic) {
-    const std::vector<std::uint8_t>& msg = scratch_.sent[m];
-    for (int r = 0; r < size_; ++r) {
-      if (r == rank_) continue;
-      MPI_Request req;
-      HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(msg.data(), static_cast<int>(msg.size()), MPI_BYTE, r, tag_, comm_, &req),
-                                     "MPI_Isend(top-k)"));
-      requests_.push_back(req);
-      traffic->bytes_sent += msg.size();
-    }
-    return Status::OK();
-  }
-
-  // Takes whatever has arrived and lets MPI move the rest; never waits.
-  Status poll(RingTraffic* traffic) {
-    for (int r = 0; r < size_; ++r) {
-      std::size_t& taken = taken_[static_cast<std::size_t>(r)];
-      while (taken < expected_) {
-        int flag = 0, bytes = 0;
-        MPI_Message message;
-        MPI_Status status;
-        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Improbe(r, tag_, comm_, &flag, &message, &status), "MPI_Improbe(top-k)"));
-        if (!flag) break;
-        MPI_Get_count(&status, MPI_BYTE, &bytes);
-        std::vector<std::uint8_t>& into = scratch_.received[static_cast<std::size_t>(r) * expected_ + taken];
-        into.resize(static_cast<std::size_t>(bytes));
-        MPI_Request req;
-        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Imrecv(into.data(), bytes, MPI_BYTE, &message, &req), "MPI_Imrecv(top-k)"));
-        requests_.push_back(req);
-        traffic->bytes_received += static_cast<std::uint64_t>(bytes);
-        ++taken;
-      }
-    }
-    int flag = 0;
-    return mpi_status(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE),
-                      "MPI_Testall(top-k)");
-  }
-
-  bool all_announced() const {
-    for (std::size_t t : taken_)
-      if (t < expected_) return false;
-    return true;
-  }
-
-  // Polls until every message has arrived and every send is done, sleeping
-  // between polls as wait_any_politely does.
-  Status finish(RingTraffic* traffic) {
-    long sleep_us = 1;
-    for (;;) {
-      HPCDL_RETURN_NOT_OK(poll(traffic));
-      if (all_announced()) break;
-      if (sleep_us >= 16 && wait_hook != nullptr) (*wait_hook)();
-      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
-      sleep_us = std::min(sleep_us * 2, std::max(1L, wait_sleep_cap_us()));
-    }
-    for (MPI_Request& req : requests_)
-      HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&req, MPI_STATUS_IGNORE), "MPI_Wait(top-k)"));
-    return Status::OK();
-  }
-
-  // Rank r's message m: one received, or one of ours.
-  const std::vector<std::uint8_t>& message(int r, std::size_t m) const {
-    return r == rank_ ? scratch_.sent[m] : scratch_.received[static_cast<std::size_t>(r) * expected_ + m];
-  }
-
- private:
-  MPI_Comm comm_;
-  int size_, rank_, tag_;
-  std::size_t expected_;
-  TopkScratch& scratch_;
-  std::vector<std::size_t> taken_;
-  std::vector<MPI_Request> requests_;
-};
-
-// One message of pairs: count x uint32 index (ascending), then count x float32 value.
-inline void topk_pack(const std::uint32_t* idx, const float* val, std::size_t count, float scale,
-                      std::vector<std::uint8_t>* out) {
-  out->resize(topk_encoded_bytes(count));
-  std::memcpy(out->data(), idx, count * sizeof(std::uint32_t));
-  float* v = reinterpret_cast<float*>(out->data() + count * sizeof(std::uint32_t));
-  for (std::size_t j = 0; j < count; ++j) v[j] = val[j] * scale;
-}
-
-}  // namespace detail
-
-// The pipelined top-k allreduce, for large tensors: the pairs travel while
-// the rest of the tensor is still being scanned. A sample of x fixes two
-// thresholds, t_hi (about 0.75k magnitudes above it) and t_lo (about 1.5k).
-// The scan goes segment by segment; after each, the pairs above t_hi in it
-// (certainly among the k largest, whenever at most k lie above t_hi) are sent
-// to every rank at once. After the scan, the k - |above t_hi| largest of the
-// rest, cut from the candidates in (t_lo, t_hi] (ties: lower index first, as
-// always), go in one last message. The kept set is exactly the k largest, as
-// in the one-shot scheme, unless more than k lie above t_hi (the sample's
-// guess off by over 5 standard deviations, or data whose sampled positions
-// are unlike the rest): then the first k above t_hi in index order are sent,
-// so a rank never sends more than k pairs. Every
-// rank sums each rank's messages, rank by rank, so the additions per index
-// happen in rank order, as in the one-shot scheme.
-constexpr std::size_t kTopkSegments = 16;
-constexpr std::size_t kTopkPipelineMinCount = std::size_t{1} << 20;
-constexpr std::size_t kTopkPipelineSamples = 65536;
-
-// Whether the pipelined scheme serves (n, k): big enough to split, and enough
-// sampled values above the cut (>= 400) for the upper threshold to be safe.
-inline bool topk_pipelines(std::size_t n, std::size_t k, int size) {
-  return size > 1 && n >= kTopkPipelineMinCount && k < n &&
-         static_cast<double>(k) * static_cast<double>(kTopkPipelineSamples) >= 400.0 * static_cast<double>(n);
-}
-
-inline Status topk_allreduce_pipelined(MPI_Comm comm, int size, int rank, int tag, float* data, std::size_t n,
-                                       std::size_t k, float scale, float* residual, RingTraffic* traffic,
-                                       TopkScratch& scratch) {
-  using detail::topk_magnitude;
-  // Thresholds from one strided sample of x = data (+ residual).
-  const std::size_t samples = kTopkPipelineSamples, stride = n / samples;
-  std::uint32_t* sample = scratch.mags.get<std::uint32_t>(samples);
-  for (std::size_t s = 0; s < samples; ++s) {
-    const std::size_t i = s * stride;
-    sample[s] = topk_magnitude(residual ? data[i] + residual[i] : data[i]);
-  }
-  const std::size_t want_hi = (3 * k * samples) / (4 * n), want_lo = std::min(samples - 1, (3 * k * samples) / (2 * n));
-  std::nth_element(sample, sample + want_lo, sample + samples, std::greater<std::uint32_t>());
-  const std::uint32_t t_lo = sample[want_lo];
-  std::nth_element(sample, sample + want_hi, sample + want_lo, std::greater<std::uint32_t>());
-  const std::uint32_t t_hi = std::max(sample[want_hi], t_lo);
-
-  scratch.sent.resize(kTopkSegments + 1);
-  detail::TopkExchange exchange(comm, size, rank, tag, kTopkSegments + 1, scratch);
-  const std::size_t cap = 4 * k + 64;
-  std::vector<std::uint32_t> hi_idx, mid_idx, at_idx;  // > t_hi (this segment's), (t_lo, t_hi], == t_lo
-  std::vector<float> hi_val, mid_val, at_val;
-  std::size_t n_hi = 0;
-  bool mid_overflow = false;
-  const float* x = residual ? residual : data;  // where x lies once scanned
-  const std::size_t segment = (n + kTopkSegments - 1) / kTopkSegments;
-  for (std::size_t m = 0; m < kTopkSegments; ++m) {
-    const std::size_t begin = std::min(n, m * segment), end = std::min(n, begin + segment);
-    hi_idx.clear();
-    hi_val.clear();
-    for (std::size_t lo = begin; lo < end; lo += TopkSelector::kGroup) {
-      const std::size_t len = std::min(TopkSelector::kGroup, end - lo);
-      std::uint32_t a, e;
-      float* r = residual ? residual + lo : nullptr;
-      if (len == TopkSelector::kGroup) {
-        residual ? TopkSelector::group_masks<true>(data + lo, r, t_lo, &a, &e)
-                 : TopkSelector::group_masks<false>(data + lo, r, t_lo, &a, &e);
-      } else {
-        residual ? TopkSelector::group_masks_scalar<true>(data + lo, r, len, t_lo, &a, &e)
-                 : TopkSelector::group_masks_scalar<false>(data + lo, r, len, t_lo, &a, &e);
-      }
-      // x now lies in the residual: clear data for the sum while its line is in cache.
-      if (residual) TopkSelector::clear_group(data + lo, len);
-      for (; a; a &= a - 1) {
-        const std::size_t i = lo + __builtin_ctz(a);
-        const float v = x[i];
-        if (topk_magnitude(v) > t_hi && n_hi + hi_idx.size() < k) {
-          hi_idx.push_back(static_cast<std::uint32_t>(i));
-          hi_val.push_back(v);
-        } else if (mid_idx.size() < cap) {
-          mid_idx.push_back(static_cast<std::uint32_t>(i));
-          mid_val.push_back(v);
-        } else {
-          mid_overflow = true;
-        }
-      }
-      for (; e && at_idx.size() < k; e &= e - 1) {
-        const std::size_t i = lo + __builtin_ctz(e);
-        at_idx.push_back(static_cast<std::uint32_t>(i));
-        at_val.push_back(x[i]);
-      }
-    }
-    detail::topk_pack(hi_idx.data(), hi_val.data(), hi_idx.size(), scale, &scratch.sent[m]);
-    n_hi += hi_idx.size();
-    HPCDL_RETURN_NOT_OK(exchange.send(m, traffic));
-    HPCDL_RETURN_NOT_OK(exchange.poll(traffic));
-  }
-
-  // The last message: the k - n_hi largest of what was not sent.
-  const std::size_t need = k - n_hi;
-  std::vector<std::uint32_t> rest_idx;
-  std::vector<float> rest_val;
-  // The `need` largest magnitudes of (idx, val), ascending idx; ties: lower index.
-  auto keep_largest = [&](const std::vector<std::uint32_t>& idx, const std::vector<float>& val) {
-    std::uint32_t* mags = scratch.mags.get<std::uint32_t>(idx.size());
-    for (std::size_t j = 0; j < idx.size(); ++j) mags[j] = topk_magnitude(val[j]);
-    std::nth_element(mags, mags + (need - 1), mags + idx.size(), std::greater<std::uint32_t>());
-    const std::uint32_t cut = mags[need - 1];
-    std::size_t over = 0;
-    for (float v : val) over += topk_magnitude(v) > cut;
-    std::size_t equal_left = need - over;
-    for (std::size_t j = 0; j < idx.size(); ++j) {
-      const std::uint32_t mj = topk_magnitude(val[j]);
-      if (mj > cut || (mj == cut && equal_left > 0)) {
-        if (mj == cut) --equal_left;
-        rest_idx.push_back(idx[j]);
-        rest_val.push_back(val[j]);
-      }
-    }
-  };
-  if (need == 0) {
-    // Everything went with the segments.
-  } else if (!mid_overflow && mid_idx.size() >= need) {
-    keep_largest(mid_idx, mid_val);
-  } else if (!mid_overflow && mid_idx.size() + at_idx.size() >= need) {
-    // All of (t_lo, t_hi] and the first ties at t_lo, merged by index.
-    std::size_t a = 0, e = 0;
-    const std::size_t ties = need - mid_idx.size();
-    while (a < mid_idx.size() || e < ties) {
-      const bool take_mid = e == ties || (a < mid_idx.size() && mid_idx[a] < at_idx[e]);
-      rest_idx.push_back(take_mid ? mid_idx[a] : at_idx[e]);
-      rest_val.push_back(take_mid ? mid_val[a++] : at_val[e++]);
-    }
-  } else {
-    // The sample guessed badly: the exact k largest of x, less what was sent
-    // (both ascending), and of those the `need` largest.
-    std::vector<std::uint32_t> idx(k), unsent_idx;
-    std::vector<float> val(k), unsent_val;
-    TopkSelector(n, k, scratch).select(x, idx.data(), val.data());
-    std::size_t j = 0;
-    for (std::size_t m = 0; m < kTopkSegments; ++m) {
-      const std::vector<std::uint8_t>& msg = scratch.sent[m];
-      const std::uint32_t* sent = reinterpret_cast<const std::uint32_t*>(msg.data());
-      const std::size_t count = msg.size() / (sizeof(std::uint32_t) + sizeof(float));
-      for (std::size_t c = 0; c < count; ++c) {
-        for (; j < k && idx[j] < sent[c]; ++j) {
-          unsent_idx.push_back(idx[j]);
-          unsent_val.push_back(val[j]);
-        }
-        if (j < k && idx[j] == sent[c]) ++j;
-      }
-    }
-    for (; j < k; ++j) {
-      unsent_idx.push_back(idx[j]);
-      unsent_val.push_back(val[j]);
-    }
-    keep_largest(unsent_idx, unsent_val);
-  }
-  detail::topk_pack(rest_idx.data(), rest_val.data(), rest_idx.size(), scale, &scratch.sent[kTopkSegments]);
-  HPCDL_RETURN_NOT_OK(exchange.send(kTopkSegments, traffic));
-
-  // While the pairs travel: the residual gives up what was sent, data (when
-  // it still holds x) is cleared for the sum.
-  for (std::size_t m = 0; residual && m <= kTopkSegments; ++m) {
-    const std::vector<std::uint8_t>& msg = scratch.sent[m];
-    const std::size_t count = msg.size() / (sizeof(std::uint32_t) + sizeof(float));
-    const std::uint32_t* idx = reinterpret_cast<const std::uint32_t*>(msg.data());
-    for (std::size_t j = 0; j < count; ++j) residual[idx[j]] = 0.0f;
-  }
-  constexpr std::size_t kZeroSlice = 1 << 20;
-  for (std::size_t lo = 0; !residual && lo < n; lo += kZeroSlice) {
-    std::memset(data + lo, 0, std::min(kZeroSlice, n - lo) * sizeof(float));
-    HPCDL_RETURN_NOT_OK(exchange.poll(traffic));
-  }
-  HPCDL_RETURN_NOT_OK(exchange.finish(traffic));
-  for (int r = 0; r < size; ++r)
-    for (std::size_t m = 0; m <= kTopkSegments; ++m) {
-      const std::vector<std::uint8_t>& msg = exchange.message(r, m);
-      topk_decode_add(msg.data(), msg.size() / (sizeof(std::uint32_t) + sizeof(float)), data);
-    }
-  return Status::OK();
-}
-
 // Allreduce of data[0, n) through top-k on every rank. residual (optional,
 // n values): added to the data before selection; on return, what this
 // rank's contribution dropped, in sum units.
-inline Status topk_allreduce(MPI_Comm comm, int size, int rank, int tag, float* data, std::size_t n, double ratio,
-                             double final_scale, float* residual, RingTraffic* traffic, TopkScratch& scratch) {
+inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n, double ratio, double final_scale,
+                             float* residual, RingTraffic* traffic, TopkScratch& scratch) {
   const std::size_t k = topk_count(n, ratio);
-  if (topk_pipelines(n, k, size))
-    return topk_allreduce_pipelined(comm, size, rank, tag, data, n, k, static_cast<float>(final_scale), residual,
-                                    traffic, scratch);
   const std::size_t bytes = topk_encoded_bytes(k);
   if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
     return Status::Invalid("top-k message of " + std::to_string(bytes) + " bytes exceeds one MPI message");

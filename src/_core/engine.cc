@@ -25,7 +25,6 @@ namespace {
 constexpr int kTagReady = 1;  // worker -> coordinator: operations ready here
 constexpr int kTagPlan = 2;   // coordinator -> workers: what to run, in order
 constexpr int kTagData = 3;
-constexpr int kTagTopk = 4;  // the pipelined top-k's pairs
 
 enum class PlanResult : std::uint8_t { kRun = 0, kMismatch = 1, kStall = 2, kTimeout = 3 };
 
@@ -541,8 +540,7 @@ Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traf
       return run_ring(plan, policy, ctx.data, kTagData, traffic);
     }
     case CodecKind::kTopK:
-      return topk_allreduce(ctx.data, ctx.size, ctx.rank, kTagTopk, data, n, spec.ratio, scale, res, traffic,
-                            topk_scratch_);
+      return topk_allreduce(ctx.data, ctx.size, data, n, spec.ratio, scale, res, traffic, topk_scratch_);
     case CodecKind::kNone:
       break;
   }
