@@ -41,11 +41,6 @@ inline Status require_thread_multiple(const std::string& who, const std::string&
 // while this one's data moves. It must not wait on MPI itself.
 inline thread_local std::function<void()>* wait_hook = nullptr;
 
-// MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
-// core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the
-// rank's own compute and from the neighbours the ring waits for. Test, then
-// sleep with a backoff doubling from 1 us up to a cap; once the wait has
-// lasted a few sleeps, run the thread's wait_hook before each further sleep.
 // The longest sleep between two polls of a waiting hpcdl thread
 // (HPCDL_WAIT_SLEEP_US, default 200 us; 0: block in MPI instead).
 inline long wait_sleep_cap_us() {
@@ -56,6 +51,12 @@ inline long wait_sleep_cap_us() {
   return cap_us;
 }
 
+// MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
+// core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the
+// rank's own compute and from the neighbours the ring waits for. Test, then
+// sleep with a backoff doubling from 1 us up to the cap; once the wait has
+// lasted a few sleeps, run the thread's wait_hook before each further sleep
+// (with the cap at 0 MPI blocks, and the hook never runs).
 inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Status* status) {
   const long cap_us = wait_sleep_cap_us();
   if (cap_us <= 0) return MPI_Waitany(n, requests, index, status);
