@@ -155,6 +155,26 @@ def test_named_ops_submitted_in_different_orders():
     agree(WORLD, not bad, f"wrong results for {bad}")
 
 
+def test_ops_agreed_while_a_ring_runs():
+    """Operations submitted while a large ring moves its data are agreed during its
+    waits and run after it: right results in any submission order, and a mismatch
+    among them still fails on every rank."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    big = np.full(4 << 20, float(rank), dtype=np.float32)
+    first = hpcdl.allreduce_async(big, name="during.big")
+    names = [f"during.{i}" for i in range(8)]
+    order = np.random.default_rng(rank).permutation(len(names))
+    arrays = {n: np.full(1000 + i, float(rank * i), dtype=np.float64) for i, n in enumerate(names)}
+    handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i]) for i in order]
+    odd = np.ones(10 + (rank == size - 1), dtype=np.float32)
+    _, mismatch = outcome(hpcdl.allreduce_async(odd, name="during.odd").wait)
+    collective(WORLD, lambda: [h.wait() for h in [first, *handles]])
+    bad = [n for i, n in enumerate(names) if not np.all(arrays[n] == sum(r * i for r in range(size)))]
+    big_ok = bool(np.all(big == sum(range(size))))
+    agree(WORLD, not bad and big_ok and isinstance(mismatch, hpcdl.MismatchError),
+          f"wrong results for {bad}, big ring right: {big_ok}, mismatch raised: {mismatch!r}")
+
+
 def test_async_handle_done_and_wait_return_buffer():
     a = np.ones(10_000, dtype=np.float64)
     h = hpcdl.allreduce_async(a, name="handle-test")
