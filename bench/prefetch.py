@@ -167,7 +167,9 @@ def worker(args):
 
 
 def run_mode(args, mode, variant, store_path, disk_dir, prefetch_factor):
-    cmd = ["mpiexec", "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker", mode,
+    from hpcdl.cli import mpiexec_path
+
+    cmd = [mpiexec_path(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker", mode,
            "--variant", variant, "--store", store_path, "--epochs", str(args.epochs), "--batch", str(args.batch),
            "--compute", str(args.compute), "--ram", str(args.ram), "--disk", str(args.disk),
            "--disk-dir", disk_dir if args.disk else "", "--threads", str(args.threads),

@@ -204,8 +204,6 @@ def _cmd_bench(args):
                     print(f"hpcdl bench {args.bench}: error: run it as one process; it starts its own "
                           f"mpiexec -n {args.ranks} (-n N)", file=sys.stderr)
                 return 2
-        # The drivers start `mpiexec` from PATH: make it the one that goes with this Python.
-        os.environ["PATH"] = os.path.dirname(mpiexec) + os.pathsep + os.environ.get("PATH", "")
     bench = importlib.import_module(f"hpcdl.bench.{args.bench}")
     status = bench.main(_bench_argv(args)) or 0
     if args.bench == "prefetch" and status == 0 and not args.slowfs:

@@ -176,10 +176,11 @@ class Prefetcher:
             return local, per_epoch_batches, epoch * per_epoch + step * local
 
         self.local_batch, self.steps_per_epoch, position = _agree(world, validate)
+        disk_bytes = int(disk_bytes) if disk_dir else 0
         if self.ranks > 1:
             mine = (n, self.batch_size, self.num_epochs, self.seed, self.drop_last, position)
             # one collective: the settings every rank must share, and each rank's tier capacities
-            every = world.allgather((mine, int(ram_bytes), int(disk_bytes) if disk_dir else 0))
+            every = world.allgather((mine, int(ram_bytes), disk_bytes))
             if any(other != mine for other, _, _ in every):
                 bad = next(r for r, (other, _, _) in enumerate(every) if other != mine)
                 raise MismatchError(f"[hpcdl rank {self.rank}] prefetcher settings differ between ranks: "
@@ -195,7 +196,7 @@ class Prefetcher:
         self._staging = np.empty(max(int(staging_bytes), required), dtype=np.uint8)
         cfg = {"samples": n, "global_batch": self.batch_size, "ranks": self.ranks, "epochs": self.num_epochs,
                "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank, "start": position,
-               "ram_bytes": int(ram_bytes), "disk_bytes": int(disk_bytes) if disk_dir else 0,
+               "ram_bytes": int(ram_bytes), "disk_bytes": disk_bytes,
                "disk_dir": os.fspath(disk_dir) if disk_dir else "", "threads": max(int(threads), 1),
                "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
                "peer_ram_bytes": peer_ram if any(peer_ram) or any(peer_disk) else [],

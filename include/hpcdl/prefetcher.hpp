@@ -359,11 +359,7 @@ class Prefetcher {
       if (state == kReady || state == kFailed) return state;
       if (state == kEmpty && slot.compare_exchange_strong(state, kLoading)) {
         const bool ok = load_slot(tier, k, scratch);
-        {
-          std::lock_guard<std::mutex> g(slot_mu_);
-          slot = ok ? kReady : kFailed;
-        }
-        slot_cv_.notify_all();
+        finish_slot(tier, k, ok);
         return ok ? kReady : kFailed;
       }
       std::unique_lock<std::mutex> lock(slot_mu_);
@@ -378,9 +374,14 @@ class Prefetcher {
     const double t0 = now_us();
     if (tier == kTierDisk && disk_failed_) return false;
     char* dst = tier == kTierRam ? ram_.get() + placement_.offset[k] : scratch;
-    const bool from_peer = fill_source_[k] >= 0 && fetch_peer(fill_source_[k], k, dst);
-    if (!from_peer && !read_store(k, dst).ok()) return false;
-    return commit_slot(tier, k, dst, from_peer, t0);
+    if (fill_source_[k] >= 0 && fetch_peer(fill_source_[k], k, dst)) return commit_slot(tier, k, dst, true, t0);
+    return fill_from_store(tier, k, dst, t0);
+  }
+
+  // Sample k for `tier` from the backing store into dst, then committed.
+  bool fill_from_store(int tier, std::uint64_t k, char* dst, double t0) {
+    if (tier == kTierDisk && disk_failed_) return false;
+    return read_store(k, dst).ok() && commit_slot(tier, k, dst, false, t0);
   }
 
   // The sample's bytes are in `bytes` (the arena itself for RAM): RAM counts
@@ -424,21 +425,18 @@ class Prefetcher {
     const std::uint64_t size = reader_->size(k);
     if (size == 0) return false;
     for (;;) {
-      switch (peers_->fetch(peer, k, size, dst)) {
-        case PeerService::Outcome::kGot:
-          return true;
-        case PeerService::Outcome::kLater:
-          ++peer_waits_;
-          if (stopping_) return false;
-          continue;
-        case PeerService::Outcome::kTimeout:
-          ++peer_timeouts_;
-          return false;
-        default:
-          ++peer_misses_;
-          return false;
-      }
+      const PeerService::Outcome o = peers_->fetch(peer, k, size, dst);
+      if (o == PeerService::Outcome::kGot) return true;
+      count_outcome(o);
+      if (o != PeerService::Outcome::kLater || stopping_) return false;
     }
+  }
+
+  // A peer's answer other than the bytes: "later" (ask again), a timeout, or a miss.
+  void count_outcome(PeerService::Outcome o) {
+    ++(o == PeerService::Outcome::kLater     ? peer_waits_
+       : o == PeerService::Outcome::kTimeout ? peer_timeouts_
+                                             : peer_misses_);
   }
 
   void finish_slot(int tier, std::uint64_t k, bool ok) {
@@ -490,7 +488,7 @@ class Prefetcher {
         }
         progress = true;
         if (o == PeerService::Outcome::kLater) {  // the source is behind: ask again
-          ++peer_waits_;
+          count_outcome(o);
           f.ticket = peers_->request(fill_source_[f.k], f.k, reader_->size(f.k));
           ++i;
           continue;
@@ -499,8 +497,8 @@ class Prefetcher {
         if (o == PeerService::Outcome::kGot) {
           ok = commit_slot(f.tier, f.k, dst, true, f.t0);
         } else {
-          ++(o == PeerService::Outcome::kTimeout ? peer_timeouts_ : peer_misses_);
-          ok = (f.tier == kTierRam || !disk_failed_) && read_store(f.k, dst).ok() && commit_slot(f.tier, f.k, dst, false, f.t0);
+          count_outcome(o);
+          ok = fill_from_store(f.tier, f.k, dst, f.t0);
         }
         finish_slot(f.tier, f.k, ok);
         flight[i] = std::move(flight.back());

@@ -698,6 +698,7 @@ void Engine::fail_context(CommContext& ctx, const Status& st) {
   for (auto& kv : ctx.pending) kv.second->finish(st);
   ctx.pending.clear();
   ctx.plans.clear();
+  ctx.control_error = Status::OK();  // delivered: later operations meet their own errors, not this one
   std::lock_guard<std::mutex> g(mu_);
   ctx.in_flight.clear();
 }
