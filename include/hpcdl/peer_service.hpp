@@ -34,6 +34,7 @@
 
 #include "hpcdl/mpi_util.hpp"
 #include "hpcdl/status.hpp"
+#include "hpcdl/thread_name.hpp"
 
 namespace hpcdl {
 
@@ -227,6 +228,7 @@ class PeerService {
   }
 
   void serve_loop() {
+    name_this_thread("hpcdl-peer");
     std::vector<std::unique_ptr<Reply>> replies;
     std::vector<Request> deferred;
     const double defer_s = timeout_s_ / 2;

@@ -41,6 +41,7 @@
 #include "hpcdl/placement.hpp"
 #include "hpcdl/store_reader.hpp"
 #include "hpcdl/stream.hpp"
+#include "hpcdl/thread_name.hpp"
 #include "hpcdl/timeline.hpp"
 
 namespace hpcdl {
@@ -452,6 +453,7 @@ class Prefetcher {
   // yet defers its answer (or says "later": ask again) without holding up the
   // rest. A miss or a timeout reads the store instead.
   void peer_fill_loop() {
+    name_this_thread("hpcdl-peerfill");
     struct InFlight {
       int tier;
       std::uint64_t k;
@@ -518,6 +520,7 @@ class Prefetcher {
   }
 
   void fill_loop(int tier) {
+    name_this_thread(tier == kTierRam ? "hpcdl-fill-ram" : "hpcdl-fill-disk");
     std::vector<char> scratch;
     const auto& list = store_fills_[tier];
     for (;;) {
@@ -580,6 +583,7 @@ class Prefetcher {
   }
 
   void staging_loop() {
+    name_this_thread("hpcdl-staging");
     std::vector<char> scratch;
     std::uint64_t t;
     while (claim(&t)) {

@@ -17,6 +17,8 @@
 #include <thread>
 #include <vector>
 
+#include "hpcdl/thread_name.hpp"
+
 namespace hpcdl {
 
 class ThreadPool {
@@ -88,6 +90,7 @@ class ThreadPool {
 
  private:
   void work() {
+    name_this_thread("hpcdl-pool");
     for (;;) {
       std::function<void()> task;
       {
