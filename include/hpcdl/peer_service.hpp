@@ -34,7 +34,7 @@
 
 #include "hpcdl/mpi_util.hpp"
 #include "hpcdl/status.hpp"
-#include "hpcdl/thread_name.hpp"
+#include "hpcdl/thread_setup.hpp"
 
 namespace hpcdl {
 

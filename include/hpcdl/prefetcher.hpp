@@ -41,7 +41,7 @@
 #include "hpcdl/placement.hpp"
 #include "hpcdl/store_reader.hpp"
 #include "hpcdl/stream.hpp"
-#include "hpcdl/thread_name.hpp"
+#include "hpcdl/thread_setup.hpp"
 #include "hpcdl/timeline.hpp"
 
 namespace hpcdl {

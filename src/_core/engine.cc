@@ -14,7 +14,7 @@
 #include "hpcdl/codecs.hpp"
 #include "hpcdl/compressed_ring.hpp"
 #include "hpcdl/ring.hpp"
-#include "hpcdl/thread_name.hpp"
+#include "hpcdl/thread_setup.hpp"
 #include "hpcdl/timeline.hpp"
 #include "hpcdl/topk.hpp"
 #include "hpcdl/wire.hpp"
@@ -709,6 +709,7 @@ void Engine::fail_context(CommContext& ctx, const Status& st) {
 
 void Engine::loop() {
   name_this_thread("hpcdl-engine");
+  request_short_slice(engine_slice_us());
   auto idle = std::chrono::microseconds(20);
   auto last_plan = std::chrono::steady_clock::now();
   for (;;) {

@@ -1,0 +1,64 @@
+// How hpcdl's own threads present themselves to the OS: a name that `top -H`,
+// perf and /proc/PID/task/*/comm show, and for the engine a short scheduler
+// slice, since its work is short bursts that others wait for.
+#pragma once
+
+#if defined(__linux__)
+#include <pthread.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include <cstdint>
+#include <cstdlib>
+
+namespace hpcdl {
+
+// `name`: at most 15 characters (Linux's limit); elsewhere a no-op.
+inline void name_this_thread(const char* name) {
+#if defined(__linux__)
+  pthread_setname_np(pthread_self(), name);
+#else
+  (void)name;
+#endif
+}
+
+// HPCDL_ENGINE_SLICE_US, default 100; 0 leaves the scheduler's default.
+inline long engine_slice_us() {
+  static const long us = [] {
+    const char* v = std::getenv("HPCDL_ENGINE_SLICE_US");
+    return v ? std::atol(v) : 100L;
+  }();
+  return us;
+}
+
+// Asks Linux's EEVDF scheduler (6.12+: sched_setattr's sched_runtime for a
+// normal task) for a short slice. A thread with a short slice gets the CPU
+// soon after it wakes, ahead of a rank's long compute slices, for no more CPU
+// in total: on 4 ranks per 2 cores the ranks started a ring within 0.2 ms of
+// each other instead of 1.5-5 ms (docs/performance.md). Best effort: older
+// kernels ignore the request or refuse it, and nothing else changes.
+inline void request_short_slice(long slice_us) {
+#if defined(__linux__) && defined(SYS_sched_setattr) && defined(SYS_sched_getattr)
+  if (slice_us <= 0) return;
+  struct {
+    std::uint32_t size, policy;
+    std::uint64_t flags;
+    std::int32_t nice;
+    std::uint32_t priority;
+    std::uint64_t runtime_ns, deadline_ns, period_ns;
+    std::uint32_t util_min, util_max;
+  } attr = {};
+  static_assert(sizeof(attr) == 56, "struct sched_attr, version 1");
+  // Only the slice changes: the nice value and policy the user gave stay.
+  if (syscall(SYS_sched_getattr, 0, &attr, sizeof(attr), 0u) != 0 || attr.policy != 0 /* SCHED_OTHER */) return;
+  attr.size = sizeof(attr);
+  attr.flags = 0;
+  attr.runtime_ns = static_cast<std::uint64_t>(slice_us) * 1000;
+  syscall(SYS_sched_setattr, 0, &attr, 0u);
+#else
+  (void)slice_us;
+#endif
+}
+
+}  // namespace hpcdl
