@@ -62,10 +62,11 @@ inline Status codec_decode(const std::string& text, const std::uint8_t* in, std:
     case CodecKind::kFp16: Fp16Codec(spec).decode(in, n, out); break;
     case CodecKind::kBf16: Bf16Codec(spec).decode(in, n, out); break;
     case CodecKind::kInt8: Int8Codec(spec).decode(in, n, out); break;
-    case CodecKind::kTopK:
-      std::memset(out, 0, n * sizeof(float));
-      topk_decode_add(in, topk_count(n, spec.ratio), out);
+    case CodecKind::kTopK: {
+      thread_local TopkScratch scratch;
+      topk_sum_into(in, 1, topk_count(n, spec.ratio), out, n, scratch);
       break;
+    }
   }
   return Status::OK();
 }
