@@ -13,39 +13,73 @@ from mpi4py import MPI
 from hpcdl import _core
 from hpcdl.compression import canonical as _codec_text
 
-_config = {
-    "chunk_bytes": int(os.environ.get("HPCDL_CHUNK_BYTES", _core.DEFAULT_CHUNK_BYTES)),
-    "stall_warning_seconds": float(os.environ.get("HPCDL_STALL_WARNING_SECONDS", 60)),
-    "stall_error_seconds": float(os.environ.get("HPCDL_STALL_ERROR_SECONDS", 0)),
+
+# Engine tunables: type, lower and upper bound, environment variable. The
+# last two are read by the engine thread itself (C++) and only checked here.
+_SETTINGS = {
+    "chunk_bytes": (int, 64, 1 << 30, "HPCDL_CHUNK_BYTES"),
+    "stall_warning_seconds": (float, 0, None, "HPCDL_STALL_WARNING_SECONDS"),
+    "stall_error_seconds": (float, 0, None, "HPCDL_STALL_ERROR_SECONDS"),
+    "wait_sleep_us": (int, 0, None, "HPCDL_WAIT_SLEEP_US"),
+    "engine_slice_us": (int, 0, None, "HPCDL_ENGINE_SLICE_US"),
 }
-_core.set_stall_limits(_config["stall_warning_seconds"], _config["stall_error_seconds"])
+
+
+def _checked(key, value, source):
+    """value as the setting's type, or ValueError naming source when it is not a number in bounds."""
+    kind, low, high, _ = _SETTINGS[key]
+    try:
+        value = kind(value)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or value != value or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"{source}: expected {'an integer' if kind is int else 'a number'} {bounds}")
+    return value
+
+
+def _from_environment():
+    """Settings given in the environment, checked: every rank reads the same
+    environment, so a typo fails every rank alike at import."""
+    found = {}
+    for key, (_, _, _, variable) in _SETTINGS.items():
+        text = os.environ.get(variable)
+        if text is not None:
+            found[key] = _checked(key, text, f"environment variable {variable}={text!r}")
+    return found
+
+
+_config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": 60.0, "stall_error_seconds": 0.0}
+_config.update((k, v) for k, v in _from_environment().items() if k in _config)
 
 
 def configure(chunk_bytes=None, stall_warning_seconds=None, stall_error_seconds=None):
     """Set engine tunables for this process; returns the settings now in force.
 
-    chunk_bytes: size of a ring pipeline chunk (every rank must use the same
-        value: a difference is reported as a mismatch). Env: HPCDL_CHUNK_BYTES.
+    chunk_bytes: size of a ring pipeline chunk, 64 B to 1 GiB (every rank must
+        use the same value: a difference is reported as a mismatch).
+        Env: HPCDL_CHUNK_BYTES.
     stall_warning_seconds: warn (StallWarning, naming the missing ranks) when an
         operation has waited this long for ranks that have not submitted it;
         0 disables. Env: HPCDL_STALL_WARNING_SECONDS (default 60).
     stall_error_seconds: fail such an operation on the ranks that wait for it
         (StallTimeoutError); 0 (the default) waits forever.
         Env: HPCDL_STALL_ERROR_SECONDS.
+
+    Read from the environment only (by the engine thread): HPCDL_WAIT_SLEEP_US
+    (longest sleep between polls of a waiting operation, default 200; 0 blocks
+    in MPI) and HPCDL_ENGINE_SLICE_US (the engine thread's scheduler slice on
+    Linux 6.12+, default 100; 0 keeps the system's).
     """
-    if chunk_bytes is not None:
-        chunk_bytes = int(chunk_bytes)
-        if not 64 <= chunk_bytes <= 1 << 30:
-            raise ValueError(f"chunk_bytes must be between 64 and 2**30, got {chunk_bytes}")
-        _config["chunk_bytes"] = chunk_bytes
-    for key, value in (("stall_warning_seconds", stall_warning_seconds),
+    for key, value in (("chunk_bytes", chunk_bytes), ("stall_warning_seconds", stall_warning_seconds),
                        ("stall_error_seconds", stall_error_seconds)):
         if value is not None:
-            if value < 0:
-                raise ValueError(f"{key} must be >= 0, got {value}")
-            _config[key] = float(value)
+            _config[key] = _checked(key, value, f"{key}={value!r}")
     _core.set_stall_limits(_config["stall_warning_seconds"], _config["stall_error_seconds"])
     return dict(_config)
+
+
+configure()  # the environment's stall limits reach the engine
 
 
 def _comm(comm):

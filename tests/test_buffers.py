@@ -1,6 +1,10 @@
 """Single-process checks: bad input is refused before any communication, and a
 one-rank communicator behaves."""
 
+import os
+import subprocess
+import sys
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -61,6 +65,28 @@ def test_bad_communicator_and_configuration():
         hpcdl.configure(chunk_bytes=8)
     with pytest.raises(ValueError, match=">= 0"):
         hpcdl.configure(stall_warning_seconds=-1)
+    with pytest.raises(ValueError, match="stall_error_seconds"):
+        hpcdl.configure(stall_error_seconds=float("nan"))
+
+
+@pytest.mark.parametrize("variable, value", [("HPCDL_CHUNK_BYTES", "4MiB"), ("HPCDL_CHUNK_BYTES", "8"),
+                                             ("HPCDL_STALL_ERROR_SECONDS", "-1"), ("HPCDL_WAIT_SLEEP_US", "2OO"),
+                                             ("HPCDL_ENGINE_SLICE_US", "-5")])
+def test_bad_environment_setting_fails_at_import_naming_it(variable, value):
+    env = dict(os.environ, **{variable: value})
+    out = subprocess.run([sys.executable, "-c", "import hpcdl"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert f"environment variable {variable}={value!r}" in out.stderr, out.stderr
+
+
+def test_good_environment_settings_are_taken():
+    env = dict(os.environ, HPCDL_CHUNK_BYTES="65536", HPCDL_STALL_WARNING_SECONDS="2.5", HPCDL_WAIT_SLEEP_US="0",
+               HPCDL_ENGINE_SLICE_US="0")
+    out = subprocess.run([sys.executable, "-c", "import hpcdl; c = hpcdl.configure(); "
+                          "print(c['chunk_bytes'], c['stall_warning_seconds'])"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["65536", "2.5"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64"])
