@@ -35,9 +35,9 @@ inline long engine_slice_us() {
 // Asks Linux's EEVDF scheduler (6.12+: sched_setattr's sched_runtime for a
 // normal task) for a short slice. A thread with a short slice gets the CPU
 // soon after it wakes, ahead of a rank's long compute slices, for no more CPU
-// in total: on 4 ranks per 2 cores the ranks started a ring within 0.2 ms of
-// each other instead of 1.5-5 ms (docs/performance.md). Best effort: older
-// kernels ignore the request or refuse it, and nothing else changes.
+// in total; on 4 ranks per 2 cores that made training steps a few percent
+// faster (docs/frameworks.md). Best effort: older kernels ignore the request
+// or refuse it, and nothing else changes.
 inline void request_short_slice(long slice_us) {
 #if defined(__linux__) && defined(SYS_sched_setattr) && defined(SYS_sched_getattr)
   if (slice_us <= 0) return;
