@@ -774,6 +774,7 @@ void Engine::loop() {
     bool waiting = false;
     for (auto& ctx : contexts) waiting = waiting || !ctx->pending.empty();
     const auto max_idle = std::chrono::microseconds(waiting ? std::clamp(wait_sleep_cap_us(), 1L, 1000L) : 20000);
+    if (!waiting) idle = max_idle;
     std::unique_lock<std::mutex> g(mu_);
     cv_.wait_for(g, idle, [this] { return !queue_.empty() || !running_; });
     idle = std::min(idle * 2, max_idle);
