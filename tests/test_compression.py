@@ -31,6 +31,20 @@ def roundtrip(codec, x, stream=0):
     return enc, out, err
 
 
+def k_largest(x, k):
+    """Indices of the k largest magnitudes of x, ascending; lower indices win ties."""
+    return np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+
+
+def topk_sum_in_rank_order(inputs, codec):
+    """What every rank must compute: each input's k largest, summed in rank order in float32."""
+    expected = np.zeros(inputs[0].size, np.float32)
+    for x in inputs:
+        keep = k_largest(x, codec.k(x.size))
+        expected[keep] += x[keep]
+    return expected
+
+
 def block_absmax(x, block):
     """max |x| of each element's block, element-wise."""
     n = x.size
@@ -112,7 +126,7 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes():
         assert k == max(1, math.ceil(ratio * n))
         enc, out, err = roundtrip(codec, x)
         idx = enc[:4 * k].view(np.uint32)
-        expected = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
+        expected = k_largest(x, k)
         np.testing.assert_array_equal(idx, expected)
         np.testing.assert_array_equal(enc[4 * k:].view(np.float32), x[expected])
         np.testing.assert_array_equal(out + err, x)
@@ -142,8 +156,7 @@ def test_topk_exact_whatever_the_sampled_threshold_guesses():
     too_low = np.where(sampled, 0.0, 1.0 + np.arange(n) % 89).astype(np.float32)
     for x in (ties, too_high, too_low, -ties):
         enc, out, err = roundtrip(codec, x)
-        expected = np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
-        np.testing.assert_array_equal(enc[:4 * k].view(np.uint32), expected)
+        np.testing.assert_array_equal(enc[:4 * k].view(np.uint32), k_largest(x, k))
         np.testing.assert_array_equal(out + err, x)
 
 
@@ -248,10 +261,7 @@ def test_topk_allreduce_sums_every_ranks_k_largest_in_rank_order():
     for count, ratio in [(1, 0.01), (5, 0.01), (1000, 0.01), (100_003, 0.01), (4097, 1.0), (2_000_003, 0.01)]:
         inputs = [contribution(r, count) for r in range(size)]
         codec = TopK(ratio)
-        expected = np.zeros(count, np.float32)
-        for x in inputs:  # rank order, float32: what every rank must compute
-            keep = np.argsort(-np.abs(x), kind="stable")[:codec.k(count)]
-            expected[keep] += x[keep]
+        expected = topk_sum_in_rank_order(inputs, codec)
         data = inputs[rank].copy()
         hpcdl.allreduce(data, compression=codec)
         if data.tobytes() != expected.tobytes():
@@ -323,13 +333,9 @@ def test_topk_large_tensor_identity_ties_and_misled_sample():
         x[:65536 * 16:16] = 1000.0 + r + np.arange(65536, dtype=np.float32) / 65536
     differ = []
     for inputs in (ties, misled):
-        expected = np.zeros(count, np.float32)
-        for x in inputs:
-            keep = np.argsort(-np.abs(x), kind="stable")[:codec.k(count)]
-            expected[keep] += x[keep]
         data = inputs[rank].copy()
         hpcdl.allreduce(data, compression=codec)
-        differ.append(int(np.count_nonzero(data != expected)))
+        differ.append(int(np.count_nonzero(data != topk_sum_in_rank_order(inputs, codec))))
     # The sample misled the other way (tiny values where it looks): far more
     # than 4k + 64 above its threshold, yet no rank sends more than k pairs.
     low = contribution(rank, count)

@@ -45,7 +45,7 @@ inline Status codec_encode(const std::string& text, const float* x, std::size_t 
       topk_encode(x, n, k, out, scratch);
       if (err) {
         std::memcpy(err, x, n * sizeof(float));
-        const std::uint32_t* idx = reinterpret_cast<const std::uint32_t*>(out);
+        const std::uint32_t* idx = topk_indices(out);
         for (std::size_t j = 0; j < k; ++j) err[idx[j]] = 0;
       }
       break;

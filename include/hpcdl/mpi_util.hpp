@@ -6,11 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <functional>
 #include <string>
 #include <thread>
 
+#include "hpcdl/env.hpp"
 #include "hpcdl/status.hpp"
 
 namespace hpcdl {
@@ -40,16 +40,6 @@ inline Status require_thread_multiple(const std::string& who, const std::string&
 // engine reads its control channel there, so the next operation is agreed
 // while this one's data moves. It must not wait on MPI itself.
 inline thread_local std::function<void()>* wait_hook = nullptr;
-
-// The longest sleep between two polls of a waiting hpcdl thread
-// (HPCDL_WAIT_SLEEP_US, default 200 us; 0: block in MPI instead).
-inline long wait_sleep_cap_us() {
-  static const long cap_us = [] {
-    const char* v = std::getenv("HPCDL_WAIT_SLEEP_US");
-    return v ? std::atol(v) : 200L;
-  }();
-  return cap_us;
-}
 
 // MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
 // core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the

@@ -10,7 +10,6 @@
 #endif
 
 #include <cstdint>
-#include <cstdlib>
 
 namespace hpcdl {
 
@@ -21,15 +20,6 @@ inline void name_this_thread(const char* name) {
 #else
   (void)name;
 #endif
-}
-
-// HPCDL_ENGINE_SLICE_US, default 100; 0 leaves the scheduler's default.
-inline long engine_slice_us() {
-  static const long us = [] {
-    const char* v = std::getenv("HPCDL_ENGINE_SLICE_US");
-    return v ? std::atol(v) : 100L;
-  }();
-  return us;
 }
 
 // Asks Linux's EEVDF scheduler (6.12+: sched_setattr's sched_runtime for a

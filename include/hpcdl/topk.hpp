@@ -39,6 +39,19 @@ inline std::size_t topk_count(std::size_t n, double ratio) {
 
 inline std::size_t topk_encoded_bytes(std::size_t k) { return k * (sizeof(std::uint32_t) + sizeof(float)); }
 
+// One encoded contribution. Wire: k x uint32 index (ascending), then k x
+// float32 value.
+inline std::uint32_t* topk_indices(std::uint8_t* msg) { return reinterpret_cast<std::uint32_t*>(msg); }
+inline const std::uint32_t* topk_indices(const std::uint8_t* msg) {
+  return reinterpret_cast<const std::uint32_t*>(msg);
+}
+inline float* topk_values(std::uint8_t* msg, std::size_t k) {
+  return reinterpret_cast<float*>(msg + k * sizeof(std::uint32_t));
+}
+inline const float* topk_values(const std::uint8_t* msg, std::size_t k) {
+  return reinterpret_cast<const float*>(msg + k * sizeof(std::uint32_t));
+}
+
 namespace detail {
 
 // Magnitude used for ranking: the bits of |x|, whose integer order is the
@@ -253,11 +266,8 @@ class TopkSelector {
   std::size_t cap_ = 0, n_above_ = 0, n_at_ = 0;
 };
 
-// Wire: k x uint32 index (ascending), then k x float32 value.
 inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8_t* out, TopkScratch& scratch) {
-  std::uint32_t* idx = reinterpret_cast<std::uint32_t*>(out);
-  float* val = reinterpret_cast<float*>(out + k * sizeof(std::uint32_t));
-  TopkSelector(n, k, scratch).select(x, idx, val);
+  TopkSelector(n, k, scratch).select(x, topk_indices(out), topk_values(out, k));
 }
 
 // data[0, n) = the sum of p encoded contributions, added in rank order (so
@@ -276,8 +286,8 @@ inline void topk_sum_into(const std::uint8_t* all, int p, std::size_t k, float* 
     std::memset(data + lo, 0, (hi - lo) * sizeof(float));
     for (int r = 0; r < p; ++r) {
       const std::uint8_t* in = all + static_cast<std::size_t>(r) * bytes;
-      const std::uint32_t* idx = reinterpret_cast<const std::uint32_t*>(in);
-      const float* val = reinterpret_cast<const float*>(in + k * sizeof(std::uint32_t));
+      const std::uint32_t* idx = topk_indices(in);
+      const float* val = topk_values(in, k);
       std::size_t j = cursor[r];
       for (; j < k && idx[j] < hi; ++j) data[idx[j]] += val[j];
       cursor[r] = j;
@@ -296,8 +306,8 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
     return Status::Invalid("top-k message of " + std::to_string(bytes) + " bytes exceeds one MPI message");
   std::uint8_t* mine = scratch.mine.get<std::uint8_t>(bytes);
   std::uint8_t* all = scratch.all.get<std::uint8_t>(bytes * static_cast<std::size_t>(size));
-  std::uint32_t* idx = reinterpret_cast<std::uint32_t*>(mine);
-  float* val = reinterpret_cast<float*>(mine + k * sizeof(std::uint32_t));
+  std::uint32_t* idx = topk_indices(mine);
+  float* val = topk_values(mine, k);
   TopkSelector selector(n, k, scratch);
   if (residual) {
     selector.select_with_residual(data, residual, idx, val);

@@ -13,6 +13,7 @@
 
 #include "hpcdl/codecs.hpp"
 #include "hpcdl/compressed_ring.hpp"
+#include "hpcdl/env.hpp"
 #include "hpcdl/ring.hpp"
 #include "hpcdl/thread_setup.hpp"
 #include "hpcdl/timeline.hpp"

@@ -1,0 +1,29 @@
+// Settings hpcdl's C++ threads read from the environment. hpcdl.collectives
+// checks the same variables at import, so a value that is not a number in
+// range fails there, on every rank, before any thread reads it here.
+#pragma once
+
+#include <cstdlib>
+
+namespace hpcdl {
+
+inline long env_long(const char* name, long fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atol(v) : fallback;
+}
+
+// The longest sleep between two polls of a waiting hpcdl thread
+// (HPCDL_WAIT_SLEEP_US, default 200 us; 0: block in MPI instead).
+inline long wait_sleep_cap_us() {
+  static const long us = env_long("HPCDL_WAIT_SLEEP_US", 200);
+  return us;
+}
+
+// The engine thread's scheduler slice (HPCDL_ENGINE_SLICE_US, default 100 us;
+// 0 leaves the scheduler's default).
+inline long engine_slice_us() {
+  static const long us = env_long("HPCDL_ENGINE_SLICE_US", 100);
+  return us;
+}
+
+}  // namespace hpcdl
