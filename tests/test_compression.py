@@ -133,6 +133,19 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes():
         assert np.count_nonzero(out) == k
 
 
+def test_topk_decode_refuses_a_corrupt_message():
+    x = np.arange(1000, dtype=np.float32)
+    codec = TopK(0.01)
+    enc, _, _ = roundtrip(codec, x)
+    out = np.full_like(x, 7.0)
+    for j, value in ((3, 1000), (4, 0)):  # past the end; not ascending
+        bad = enc.copy()
+        bad[4 * j:4 * j + 4] = np.array([value], np.uint32).view(np.uint8)
+        with pytest.raises(hpcdl.CorruptDataError, match=f"index {value} at pair {j}"):
+            _core.codec_decode_into(codec.canonical(), bad, out)
+        assert np.all(out == 7.0)  # refused before anything is written
+
+
 def test_topk_tiny_ratio_keeps_one_ties_and_nan():
     assert TopK(1e-9).k(1000) == 1 and TopK(1.0).k(7) == 7 and TopK(0.5).k(0) == 0
     x = np.zeros(9000, np.float32)

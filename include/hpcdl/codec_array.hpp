@@ -63,8 +63,15 @@ inline Status codec_decode(const std::string& text, const std::uint8_t* in, std:
     case CodecKind::kBf16: Bf16Codec(spec).decode(in, n, out); break;
     case CodecKind::kInt8: Int8Codec(spec).decode(in, n, out); break;
     case CodecKind::kTopK: {
+      // Bytes from outside the engine: the sum walks indices that ascend below n.
+      const std::size_t k = topk_count(n, spec.ratio);
+      const std::uint32_t* idx = topk_indices(in);
+      for (std::size_t j = 0; j < k; ++j)
+        if (idx[j] >= n || (j > 0 && idx[j] <= idx[j - 1]))
+          return Status::Corrupt("top-k message: index " + std::to_string(idx[j]) + " at pair " + std::to_string(j) +
+                                 " (indices must ascend and be below " + std::to_string(n) + ")");
       thread_local TopkScratch scratch;
-      topk_sum_into(in, 1, topk_count(n, spec.ratio), out, n, scratch);
+      topk_sum_into(in, 1, k, out, n, scratch);
       break;
     }
   }
