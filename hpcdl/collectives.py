@@ -20,8 +20,8 @@ _SETTINGS = {
     "chunk_bytes": (int, 64, 1 << 30, "HPCDL_CHUNK_BYTES"),
     "stall_warning_seconds": (float, 0, None, "HPCDL_STALL_WARNING_SECONDS"),
     "stall_error_seconds": (float, 0, None, "HPCDL_STALL_ERROR_SECONDS"),
-    "wait_sleep_us": (int, 0, None, "HPCDL_WAIT_SLEEP_US"),
-    "engine_slice_us": (int, 0, None, "HPCDL_ENGINE_SLICE_US"),
+    "wait_sleep_us": (int, 0, 1_000_000, "HPCDL_WAIT_SLEEP_US"),
+    "engine_slice_us": (int, 0, 100_000, "HPCDL_ENGINE_SLICE_US"),  # Linux takes 100 us to 100 ms
 }
 
 
