@@ -128,6 +128,8 @@ cdef class Handle:
         cdef bint finished = False
         cdef double slice_s = 0.1
         cdef double waited = 0.0
+        if not op.done():
+            _refuse_wait_behind_unready(self)
         while not finished:
             with nogil:
                 finished = op.wait_for(slice_s)
@@ -142,20 +144,53 @@ cdef class Handle:
         check_status(op.status())
         return None if self.buffer is None else self.buffer.owner
 
+    def mark_ready(self):
+        """The buffer of an operation submitted with deferred=True now holds its
+        data: the engine may run it. Idempotent; nothing to do for others."""
+        self.op.get().mark_ready()
+        _unready.pop(self, None)
+
+    def ready(self):
+        """False while a deferred operation waits for mark_ready()."""
+        return self.op.get().ready()
+
     def timings(self):
-        """Wall-clock microseconds: submitted, started, reduce-scatter end, finished."""
+        """Wall-clock microseconds: submitted, ready (= submitted unless deferred),
+        started, reduce-scatter end, finished."""
         cdef COpTimes t = self.op.get().times()
-        return {"submitted_us": t.submitted_us, "started_us": t.started_us,
+        return {"submitted_us": t.submitted_us, "ready_us": t.ready_us, "agreed_us": t.agreed_us, "started_us": t.started_us,
                 "reduce_scatter_end_us": t.reduce_scatter_end_us, "finished_us": t.finished_us}
 
 
 # Handles not yet waited for: their buffers must outlive the engine's use.
 _inflight = set()
+# Deferred handles not yet marked ready, in submission order.
+_unready = {}
+
+
+def _refuse_wait_behind_unready(Handle waiting):
+    """The engine runs operations in the agreed order and waits for a deferred
+    one's data when the order reaches it: waiting here for anything unfinished
+    while a deferred operation is not marked ready could wait forever."""
+    cdef Handle h
+    for h in list(_unready):
+        if h.op.get().done():  # failed before it ran (a mismatch, shutdown)
+            _unready.pop(h, None)
+    if not _unready:
+        return
+    blocker = waiting if waiting in _unready else next(iter(_unready))
+    if blocker is waiting:
+        raise RuntimeError(f"hpcdl operation '{waiting.name}' was submitted with deferred=True: "
+                           "call mark_ready() once its buffer holds the data, then wait()")
+    raise RuntimeError(f"waiting for hpcdl operation '{waiting.name}' while deferred operation "
+                       f"'{blocker.name}' is not marked ready: the engine runs operations in the agreed "
+                       f"order and may have to run '{blocker.name}' first; mark_ready() it before waiting")
 
 
 def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=0,
-           uint64_t chunk_bytes=0, codec=""):
-    """Submit one operation to the engine; returns a Handle."""
+           uint64_t chunk_bytes=0, codec="", bint deferred=False):
+    """Submit one operation to the engine; returns a Handle (deferred: runs
+    after Handle.mark_ready())."""
     cdef COpRequest req
     cdef shared_ptr[COperation] op
     cdef CStatus st
@@ -170,6 +205,7 @@ def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=
     req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
     req.desc.codec = codec.encode()
     req.data = buf.ptr() if buf is not None else NULL
+    req.deferred = deferred
     with nogil:
         st = CEngine.instance().submit(comm.ob_mpi, move(req), &op)
     check_status(st)
@@ -178,6 +214,8 @@ def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=
     h.buffer = buf
     h.name = op.get().name().decode()
     _inflight.add(h)
+    if deferred:
+        _unready[h] = None
     return h
 
 

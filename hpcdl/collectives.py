@@ -89,7 +89,7 @@ def _comm(comm):
     return comm
 
 
-def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression=None):
+def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression=None, deferred=False):
     """Start an in-place allreduce of ``buf``; returns a Handle (``wait()``, ``done()``).
 
     op: "sum" or "average" (average needs a floating dtype).
@@ -101,12 +101,19 @@ def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression
     compression: None (dense) or a codec from hpcdl.compression (Int8(),
         FP16(), BF16(), TopK(ratio)); float32 data only. Every rank must pass
         the same codec settings.
+    deferred: agree on the operation with the other ranks now, but move data
+        only after ``handle.mark_ready()``; until then ``buf`` may still be
+        written. The agreement round then overlaps whatever computes the data
+        (the PyTorch adapter announces a step's buckets when backward begins).
+        Operations run in the agreed order, so while a deferred one is not
+        marked ready, ``wait()`` on an unfinished operation raises RuntimeError
+        instead of waiting forever.
     """
     codec = _codec_text(compression)
     buffer = _core.Buffer(buf, dtype, True)
     reduce_op = _core.parse_op(op)
     return _core.submit(_core.KIND_ALLREDUCE, buffer, _comm(comm), name, reduce_op, 0,
-                        _config["chunk_bytes"], codec)
+                        _config["chunk_bytes"], codec, bool(deferred))
 
 
 def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None):

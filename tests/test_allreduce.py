@@ -182,6 +182,36 @@ def test_async_handle_done_and_wait_return_buffer():
     agree(WORLD, out is a and h.done() and np.all(a == WORLD.Get_size()))
 
 
+def test_deferred_allreduce_moves_data_only_after_mark_ready():
+    """Agreed at submission; each rank writes its buffer afterwards, at its own time,
+    and the reduction sees what was written before mark_ready()."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    a = np.zeros(4097, dtype=np.float32)
+    handle = hpcdl.allreduce_async(a, name="deferred.data", deferred=True)
+    time.sleep(0.05 * rank)
+    a[:] = contribution(rank, a.size, "float32")
+    handle.mark_ready()
+    collective(WORLD, handle.wait)
+    expected = sum(contribution(r, a.size, "float32").astype(np.float64) for r in range(size))
+    t = handle.timings()
+    ordered = t["submitted_us"] <= t["ready_us"] <= t["agreed_us"] or t["submitted_us"] <= t["agreed_us"] <= t["ready_us"]
+    ok = (np.allclose(a, expected, rtol=1e-5, atol=1e-4) and len(set(WORLD.allgather(digest(a)))) == 1
+          and ordered and t["ready_us"] <= t["started_us"] and t["ready_us"] - t["submitted_us"] >= 0.045e6 * rank)
+    agree(WORLD, ok, t)
+
+
+def test_deferred_mismatch_raises_on_every_rank_without_mark_ready():
+    """The check runs at submission: a disagreement surfaces before any data is ready."""
+    rank = WORLD.Get_rank()
+    handle = hpcdl.allreduce_async(np.zeros(10 + (rank == 0), dtype=np.float32), name="deferred.mismatch",
+                                   deferred=True)
+    deadline = time.monotonic() + 60
+    while not handle.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    _, err = outcome(handle.wait)
+    agree(WORLD, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), repr(err))
+
+
 def test_name_already_in_flight_is_refused():
     """Rank 0 submits "dup" twice before the others submit it once: the second is refused."""
     rank = WORLD.Get_rank()

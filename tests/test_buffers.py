@@ -90,6 +90,28 @@ def test_good_environment_settings_are_taken():
     assert out.stdout.split() == ["65536", "2.5"]
 
 
+def test_waiting_on_a_deferred_operation_before_mark_ready_is_refused():
+    """The engine runs a deferred operation only once it is marked ready, and operations
+    in the agreed order: a wait that could never end raises instead."""
+    a = np.ones(8, dtype=np.float32)
+    deferred = hpcdl.allreduce_async(a, comm=MPI.COMM_SELF, name="deferred.self", op="average", deferred=True)
+    with pytest.raises(RuntimeError, match="submitted with deferred=True"):
+        deferred.wait()
+    other = hpcdl.allreduce_async(np.ones(4, dtype=np.float32), comm=MPI.COMM_SELF, name="deferred.other")
+    with pytest.raises(RuntimeError, match="'deferred.self' is not marked ready"):
+        other.wait()
+    assert not deferred.ready()
+    a[:] = 3.0
+    deferred.mark_ready()
+    deferred.mark_ready()  # idempotent
+    assert deferred.ready() and deferred.wait() is a and np.all(a == 3.0)
+    assert np.all(other.wait() == 1.0)
+    plain = hpcdl.allreduce_async(np.ones(2, dtype=np.float32), comm=MPI.COMM_SELF)
+    assert plain.ready()
+    plain.mark_ready()  # nothing to do
+    plain.wait()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "int32", "int64"])
 def test_one_rank_sum_and_average_leave_data_unchanged(dtype):
     a = (np.arange(101) - 50).astype(dtype)

@@ -38,13 +38,16 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         string name
         COpDesc desc
         void* data
+        cbool deferred
 
     cdef cppclass COpTimes "hpcdl::OpTimes":
-        double submitted_us, started_us, reduce_scatter_end_us, finished_us
+        double submitted_us, ready_us, agreed_us, started_us, reduce_scatter_end_us, finished_us
 
     cdef cppclass COperation "hpcdl::Operation":
         const string& name()
         cbool done()
+        void mark_ready()
+        cbool ready()
         cbool wait_for(double seconds)
         CStatus status()
         vector[string] take_notices()

@@ -9,6 +9,11 @@
 // rank has reported it, after checking that they all describe it the same
 // way, and broadcasts the order. Names seen before are reported as small
 // integer ids, so repeated training steps cost a few bytes per tensor.
+//
+// A deferred operation is reported (and so agreed) at submission, before its
+// data is in place; the engine runs it, in the agreed order, once the caller
+// marks it ready. A framework that knows what it will reduce before backward
+// computes it takes the agreement round off the critical path that way.
 #pragma once
 
 #include <mpi.h>
@@ -52,17 +57,22 @@ struct OpRequest {
   std::string name;  // empty: named by submission order on this communicator
   OpDesc desc;
   void* data = nullptr;
+  bool deferred = false;  // data not in place yet: run only after Operation::mark_ready()
 };
 
 struct OpTimes {
-  double submitted_us = 0, started_us = 0, reduce_scatter_end_us = 0, finished_us = 0;
+  double submitted_us = 0, ready_us = 0, agreed_us = 0, started_us = 0, reduce_scatter_end_us = 0, finished_us = 0;
 };
 
 class Operation {
  public:
-  explicit Operation(std::string name, OpRequest req) : name_(std::move(name)), req_(std::move(req)) {}
+  explicit Operation(std::string name, OpRequest req)
+      : name_(std::move(name)), req_(std::move(req)), ready_(!req_.deferred) {}
   const std::string& name() const { return name_; }
   bool done();
+  // A deferred operation's data is in place: the engine may run it. Idempotent.
+  void mark_ready();
+  bool ready();
   // Waits up to `seconds`; true once the operation has finished.
   bool wait_for(double seconds);
   Status status();
@@ -75,12 +85,14 @@ class Operation {
   friend class CommContext;
   void finish(Status st);
   void notify(std::string message);
+  bool wait_ready_for(double seconds);
 
   std::string name_;
   OpRequest req_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
+  bool ready_;
   Status status_;
   std::vector<std::string> notices_;
   OpTimes times_;
@@ -103,6 +115,8 @@ class Engine {
   // Warn after `warn_seconds` that an operation waits for ranks that never
   // submitted it; fail it after `error_seconds` (0: never).
   void set_stall_limits(double warn_seconds, double error_seconds);
+  // Something pending became ready (Operation::mark_ready): recheck now.
+  void wake();
   std::vector<EngineStats> stats();
   void reset_stats();
   // Forgets every error-feedback residual (hpcdl.compression.reset_state()).
@@ -126,6 +140,8 @@ class Engine {
   Status poll_control(CommContext& ctx, bool stall_check, double warn_s, double error_s, bool* busy);
   // Runs or fails the entries of ctx's queued plans, in order.
   Status run_plans(CommContext& ctx);
+  // Waits until a deferred operation the plan has reached is marked ready.
+  Status await_ready(CommContext& ctx, Operation& op);
   // The control channel is broken: nothing pending on ctx can complete.
   void fail_context(CommContext& ctx, const Status& st);
   Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
@@ -145,6 +161,7 @@ class Engine {
   std::vector<std::shared_ptr<CommContext>> contexts_;
   std::thread thread_;
   bool running_ = false, stopped_ = false;
+  std::uint64_t wakeups_ = 0;  // mark_ready() calls: an idle loop rechecks what is ready
   double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;
 
   std::mutex residual_mu_;

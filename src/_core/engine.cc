@@ -109,6 +109,28 @@ bool Operation::done() {
   return done_;
 }
 
+void Operation::mark_ready() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (ready_) return;
+    ready_ = true;
+    times_.ready_us = now_us();
+  }
+  cv_.notify_all();  // the engine, if the plan has reached this operation
+  Engine::instance().wake();  // the engine, if it idles until something is ready
+}
+
+bool Operation::ready() {
+  std::lock_guard<std::mutex> g(mu_);
+  return ready_;
+}
+
+bool Operation::wait_ready_for(double seconds) {
+  std::unique_lock<std::mutex> g(mu_);
+  cv_.wait_for(g, std::chrono::duration<double>(seconds), [this] { return ready_; });
+  return ready_;
+}
+
 bool Operation::wait_for(double seconds) {
   std::unique_lock<std::mutex> g(mu_);
   cv_.wait_for(g, std::chrono::duration<double>(seconds), [this] { return done_; });
@@ -349,6 +371,14 @@ Engine& Engine::instance() {
   return *engine;
 }
 
+void Engine::wake() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    ++wakeups_;
+  }
+  cv_.notify_one();
+}
+
 void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
   std::lock_guard<std::mutex> g(mu_);
   stall_warn_s_ = warn_seconds;
@@ -428,6 +458,7 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   ctx->in_flight.insert(name);
   auto op = std::make_shared<Operation>(name, std::move(req));
   op->times_.submitted_us = now_us();
+  if (op->ready_) op->times_.ready_us = op->times_.submitted_us;
   queue_.emplace_back(ctx, op);
   if (!running_) {
     running_ = true;
@@ -596,7 +627,9 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
   Timeline& tl = Timeline::instance();
   if (tl.enabled()) {
     const OpTimes t = op.times();
-    tl.record(op.name(), "negotiate", t.submitted_us, start_us, 0);
+    // A deferred operation's wait for its data is not negotiation: its own span.
+    if (op.req_.deferred) tl.record(op.name(), "deferred", t.submitted_us, t.ready_us, 0);
+    tl.record(op.name(), "negotiate", op.req_.deferred ? t.ready_us : t.submitted_us, start_us, 0);
     if (t.reduce_scatter_end_us > 0) {
       tl.record(op.name(), "reduce_scatter", start_us, t.reduce_scatter_end_us, 0);
       tl.record(op.name(), "allgather", t.reduce_scatter_end_us, end_us, 0);
@@ -681,7 +714,12 @@ Status Engine::run_plans(CommContext& ctx) {
       ctx.pending.erase(it);
       Status st;
       if (static_cast<PlanResult>(result) == PlanResult::kRun) {
-        st = execute(ctx, *op);
+        {
+          std::lock_guard<std::mutex> g(op->mu_);
+          op->times_.agreed_us = now_us();
+        }
+        st = await_ready(ctx, *op);
+        if (st.ok()) st = execute(ctx, *op);
       } else {
         ctx.last_reported.erase(name);  // report it in full next time
         st = static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
@@ -696,6 +734,32 @@ Status Engine::run_plans(CommContext& ctx) {
     }
   }
   return ctx.control_error;
+}
+
+// The other ranks wait in this operation's ring meanwhile; the control
+// channel is still read, so later operations are agreed.
+Status Engine::await_ready(CommContext& ctx, Operation& op) {
+  const auto since = std::chrono::steady_clock::now();
+  double warned_at = 0;
+  // Its data comes from the caller's computation: wake rarely meanwhile.
+  while (!op.wait_ready_for(0.02)) {
+    if (wait_hook != nullptr) (*wait_hook)();
+    double warn_s;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!running_) return Status::Cancelled("hpcdl's engine shut down before '" + op.name() + "' was marked ready");
+      warn_s = stall_warn_s_;
+    }
+    const double waited = seconds_since(since);
+    if (warn_s > 0 && waited - warned_at >= warn_s) {
+      warned_at = waited;
+      std::fprintf(stderr,
+                   "[hpcdl rank %d] deferred operation '%s' is agreed on every rank but has waited %d s for "
+                   "mark_ready() here; the other ranks wait in its ring\n",
+                   ctx.rank, op.name().c_str(), static_cast<int>(waited));
+    }
+  }
+  return Status::OK();
 }
 
 void Engine::fail_context(CommContext& ctx, const Status& st) {
@@ -768,17 +832,29 @@ void Engine::loop() {
     }
     // Someone waits for a plan: poll the control channel as a waiting ring
     // does (every few polls cost the ranks still computing a share of the
-    // node's cores). Nothing pending here: no plan can come before this rank
-    // submits, which wakes the loop at once, so poll only for the stall
-    // checks, every 20 ms (at 1 ms the idle engine took ~6 ms of CPU per
-    // 200 ms training step from the forward pass on 4 ranks per 2 cores).
+    // node's cores); so does a control message MPI has not sent yet. Nothing
+    // ready here: no plan can run before this rank's data is in place
+    // (a submission or mark_ready() wakes the loop at once), so poll only for
+    // the stall checks, every 20 ms (at 1 ms the idle engine took ~6 ms of
+    // CPU per 200 ms training step from the forward pass on 4 ranks per 2
+    // cores). A deferred operation was reported when submitted: until it is
+    // marked ready its round needs no polls on cores computing its data.
+    std::uint64_t seen_wakeups;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      seen_wakeups = wakeups_;
+    }
     bool waiting = false;
-    for (auto& ctx : contexts) waiting = waiting || !ctx->pending.empty();
+    for (auto& ctx : contexts) {
+      waiting = waiting || !ctx->outbox.empty();
+      for (auto& kv : ctx->pending) waiting = waiting || kv.second->ready();
+    }
     const auto max_idle = std::chrono::microseconds(waiting ? std::clamp(wait_sleep_cap_us(), 1L, 1000L) : 20000);
-    if (!waiting) idle = max_idle;
+    // From 20 us when something just became ready (a wake() ends a 20 ms sleep).
+    idle = waiting ? std::min(idle, max_idle) : max_idle;
     std::unique_lock<std::mutex> g(mu_);
-    cv_.wait_for(g, idle, [this] { return !queue_.empty() || !running_; });
-    idle = std::min(idle * 2, max_idle);
+    const bool woken = cv_.wait_for(g, idle, [&] { return !queue_.empty() || !running_ || wakeups_ != seen_wakeups; });
+    idle = woken ? std::chrono::microseconds(20) : std::min(idle * 2, max_idle);
   }
   // Shutting down: whatever has not run never will.
   drain_submissions();
