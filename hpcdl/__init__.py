@@ -6,6 +6,8 @@ small-file store and a clairvoyant prefetcher, all over mpi4py communicators.
 
 import atexit
 import os
+import sys
+import time
 
 # The extension links libmpi through the MPI compiler wrapper; importing
 # mpi4py.MPI first puts that same libmpi in the process (and initializes MPI
@@ -81,6 +83,24 @@ def local_size():
 
 # Stop the engine thread before mpi4py finalizes MPI at exit.
 atexit.register(_core.shutdown)
+
+
+def _abort_job_on_uncaught_exception(kind, value, tb, previous=sys.excepthook):
+    """An exception no code caught ends the whole job (MPI_Abort), as ``python
+    -m mpi4py`` does: otherwise this rank blocks in MPI_Finalize while the other
+    ranks wait for it in their next collective, and the job hangs until its
+    time limit. Restore ``sys.excepthook = sys.__excepthook__`` to keep the old way."""
+    previous(kind, value, tb)
+    comm = MPI.COMM_WORLD
+    sys.stderr.write(f"[hpcdl rank {comm.Get_rank()}] uncaught {kind.__name__}: aborting the job (MPI_Abort) "
+                     f"so that the other {comm.Get_size() - 1} ranks do not wait for this one\n")
+    sys.stderr.flush()
+    time.sleep(1.0)  # MPI_Abort ends the launcher's forwarding at once: let it pass this output on first
+    comm.Abort(1)
+
+
+if MPI.COMM_WORLD.Get_size() > 1:
+    sys.excepthook = _abort_job_on_uncaught_exception
 
 if os.environ.get("HPCDL_TIMELINE"):
     from hpcdl import timeline as _timeline

@@ -91,6 +91,7 @@ class _DistributedOptimizerMixin:
         self._bucket_of = {p: (b, off, n) for b in self._buckets for p, off, n in b.slots}
         self._passes = {p: 0 for _, p in named}
         self._lock = threading.Lock()
+        self._round_open = False            # this step's bucket allreduces are submitted
         self._synchronized = False
         self._last_timings = []
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
@@ -142,20 +143,49 @@ class _DistributedOptimizerMixin:
             if self._passes[param] < self.backward_passes_per_step:
                 return
             bucket, offset, numel = self._bucket_of[param]
-            if bucket.handle is not None:
+            if param in bucket.filled or (bucket.handle is not None and bucket.handle.ready()):
                 raise RuntimeError(
                     f"a gradient was computed {self._passes[param]} times before step() with "
                     f"backward_passes_per_step={self.backward_passes_per_step}: call step() (or "
                     "synchronize()) after each group of backward passes, or raise backward_passes_per_step")
+            if not self._round_open:
+                self._open_round()
             with torch.no_grad():
                 bucket.view(offset, numel, param).copy_(param.grad)
             bucket.filled.add(param)
             if len(bucket.filled) == len(bucket.slots):
-                self._launch(bucket)
+                bucket.handle.mark_ready()
 
-    def _launch(self, bucket):
-        bucket.handle = hpcdl.allreduce_async(bucket.array, op=self._op, comm=self._comm, name=bucket.name,
-                                              dtype=bucket.core_dtype, **_optional(self._compression))
+    def _open_round(self):
+        """First gradient of the step: submit every bucket's allreduce deferred, so the
+        ranks agree on them while backward still computes; each one's data moves as
+        soon as its bucket is full. Buckets that backward leaves incomplete go at its
+        end (unused parameters), so none waits for step() while the user's code
+        between backward and step() might wait on other hpcdl operations."""
+        for bucket in self._buckets:
+            bucket.handle = self._submit(bucket, deferred=True)
+        self._round_open = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self):
+        with self._lock:
+            for bucket in self._buckets:
+                if bucket.handle is not None and not bucket.handle.ready():
+                    self._fill_missing(bucket)
+                    bucket.handle.mark_ready()
+
+    @staticmethod
+    def _fill_missing(bucket):
+        """Parameters whose hook did not fire contribute their current .grad, or zeros."""
+        with torch.no_grad():
+            for p, offset, numel in bucket.slots:
+                if p not in bucket.filled:
+                    slot = bucket.view(offset, numel, p)
+                    slot.copy_(p.grad) if p.grad is not None else slot.zero_()
+
+    def _submit(self, bucket, deferred):
+        return hpcdl.allreduce_async(bucket.array, op=self._op, comm=self._comm, name=bucket.name,
+                                     dtype=bucket.core_dtype, deferred=deferred, **_optional(self._compression))
 
     def synchronize(self):
         """Finish the gradient allreduce of this step; step() calls it when you have not.
@@ -166,13 +196,12 @@ class _DistributedOptimizerMixin:
         """
         with self._lock:
             for bucket in self._buckets:
-                if bucket.handle is None:
-                    with torch.no_grad():
-                        for p, offset, numel in bucket.slots:
-                            if p not in bucket.filled:
-                                slot = bucket.view(offset, numel, p)
-                                slot.copy_(p.grad) if p.grad is not None else slot.zero_()
-                    self._launch(bucket)
+                if bucket.handle is None:  # no backward this step
+                    self._fill_missing(bucket)
+                    bucket.handle = self._submit(bucket, deferred=False)
+                elif not bucket.handle.ready():  # backward raised before its end
+                    self._fill_missing(bucket)
+                    bucket.handle.mark_ready()
             timings = []
             with torch.no_grad():
                 # Each bucket is unpacked as soon as it is reduced, while the
@@ -190,6 +219,7 @@ class _DistributedOptimizerMixin:
                     bucket.filled.clear()
             for p in self._passes:
                 self._passes[p] = 0
+            self._round_open = False
             self._last_timings = timings
             self._synchronized = True
 
@@ -206,7 +236,8 @@ class _DistributedOptimizerMixin:
 
     def last_timings(self):
         """Per bucket of the last synchronize(): name and wall-clock microseconds
-        submitted_us / started_us / finished_us (the clock of time.time())."""
+        submitted_us (announced, when backward began) / ready_us (bucket full) /
+        started_us (data moving) / finished_us (the clock of time.time())."""
         return list(self._last_timings)
 
     def remove_hooks(self):

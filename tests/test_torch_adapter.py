@@ -6,6 +6,8 @@ on the concatenated batch), so no rank's answer depends on another's.
 
 import hashlib
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -18,6 +20,7 @@ import hpcdl.torch as hvt
 from conftest import agree, collective, outcome
 
 WORLD = MPI.COMM_WORLD
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 torch.set_num_threads(1)
 
 
@@ -197,7 +200,11 @@ def test_parameters_without_gradient_on_some_ranks():
         for step in range(3):
             x, y = full_batch(step, 4, WORLD.Get_size())
             opt.zero_grad()
-            loss_of(model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]).backward()
+            loss = loss_of(model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+            loss.backward()
+            # Buckets that backward left incomplete went at its end: waiting on
+            # another hpcdl operation before step() neither hangs nor raises.
+            hpcdl.allreduce(np.array([loss.item()], dtype=np.float32), name="branchy.loss")
             opt.step()
 
     collective(WORLD, train)
@@ -226,15 +233,54 @@ def test_first_bucket_allreduce_starts_before_backward_ends():
         loss_of(model, x, y).backward()
         backward_end_us = time.time() * 1e6
         opt.step()
-        first = opt.last_timings()[0]
-        results.append((first["started_us"] < backward_end_us, first, backward_end_us, len(opt.last_timings())))
+        timings = opt.last_timings()
+        first = timings[0]
+        # Every bucket is announced (submitted, deferred) before the first one is full, and
+        # each one's data moves only once its bucket is.
+        announced_early = all(b["submitted_us"] <= first["ready_us"] for b in timings)
+        in_order = all(b["submitted_us"] <= b["ready_us"] <= b["started_us"] <= b["finished_us"] for b in timings)
+        results.append((first["started_us"] < backward_end_us, announced_early and in_order, first,
+                        backward_end_us, len(timings)))
 
     for _ in range(3):
         collective(WORLD, step)
     opt.remove_hooks()
     overlapped = sum(r[0] for r in results)
     # several buckets, and at least one step where the first bucket's ring started during backward
-    agree(WORLD, results[0][3] >= 4 and overlapped >= 1, results)
+    agree(WORLD, results[0][4] >= 4 and overlapped >= 1 and all(r[1] for r in results), results)
+
+
+RAISES_IN_BACKWARD = """
+import torch, hpcdl, hpcdl.torch
+from mpi4py import MPI
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh(), torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                            torch.nn.Linear(64, 4))
+opt = hpcdl.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                       bucket_bytes=4096)
+def fail(grad):
+    raise RuntimeError("backward failed on rank 1")
+for step in range(3):
+    opt.zero_grad()
+    hidden = model[1](model[0](torch.randn(4, 8)))
+    if step == 2 and MPI.COMM_WORLD.Get_rank() == 1:
+        hidden.register_hook(fail)  # backward stops halfway: the first layer's bucket is never full here
+    model[4](model[3](model[2](hidden))).sum().backward()
+    opt.step()
+"""
+
+
+def test_backward_failing_on_one_rank_ends_the_job():
+    """The other ranks wait in a ring for the bucket rank 1 never fills; the uncaught
+    exception aborts the job instead of leaving it hanging."""
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    started = time.monotonic()
+    out = subprocess.run([mpiexec, "-n", "3", sys.executable, "-c", RAISES_IN_BACKWARD],
+                         env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "backward failed on rank 1" in out.stderr, out.stderr
+    assert "[hpcdl rank 1] uncaught RuntimeError: aborting the job" in out.stderr, out.stderr
+    assert time.monotonic() - started < 240
 
 
 @pytest.mark.mpi(min_size=2)
@@ -318,12 +364,9 @@ def test_ddp_comm_hook_equals_reference():
 def test_torch_example_learns_the_digits(tmp_path):
     """examples/train_torch.py end to end in one process: pack, read, train, report."""
     import re
-    import subprocess
-    import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root, "TMPDIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, os.path.join(root, "examples", "train_torch.py"), "--epochs", "3"],
+    env = {**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_torch.py"), "--epochs", "3"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     accuracies = [float(a) for a in re.findall(r"test acc (\d\.\d+)", run.stdout)]
