@@ -156,10 +156,11 @@ cdef class Handle:
 
     def timings(self):
         """Wall-clock microseconds: submitted, ready (= submitted unless deferred),
-        started, reduce-scatter end, finished."""
+        agreed (the engine took its plan), started, reduce-scatter end, finished."""
         cdef COpTimes t = self.op.get().times()
-        return {"submitted_us": t.submitted_us, "ready_us": t.ready_us, "agreed_us": t.agreed_us, "started_us": t.started_us,
-                "reduce_scatter_end_us": t.reduce_scatter_end_us, "finished_us": t.finished_us}
+        return {"submitted_us": t.submitted_us, "ready_us": t.ready_us, "agreed_us": t.agreed_us,
+                "started_us": t.started_us, "reduce_scatter_end_us": t.reduce_scatter_end_us,
+                "finished_us": t.finished_us}
 
 
 # Handles not yet waited for: their buffers must outlive the engine's use.

@@ -236,8 +236,9 @@ class _DistributedOptimizerMixin:
 
     def last_timings(self):
         """Per bucket of the last synchronize(): name and wall-clock microseconds
-        submitted_us (announced, when backward began) / ready_us (bucket full) /
-        started_us (data moving) / finished_us (the clock of time.time())."""
+        submitted_us (announced, when backward began) / agreed_us / ready_us
+        (bucket full) / started_us (data moving) / finished_us (the clock of
+        time.time())."""
         return list(self._last_timings)
 
     def remove_hooks(self):
