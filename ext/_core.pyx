@@ -148,7 +148,6 @@ cdef class Handle:
         """The buffer of an operation submitted with deferred=True now holds its
         data: the engine may run it. Idempotent; nothing to do for others."""
         self.op.get().mark_ready()
-        _unready.pop(self, None)
 
     def ready(self):
         """False while a deferred operation waits for mark_ready()."""
@@ -165,8 +164,11 @@ cdef class Handle:
 
 # Handles not yet waited for: their buffers must outlive the engine's use.
 _inflight = set()
-# Deferred handles not yet marked ready, in submission order.
-_unready = {}
+
+
+cdef bint _blocks(Handle h):
+    """A deferred operation not marked ready that has not failed already (a mismatch, shutdown)."""
+    return not h.op.get().ready() and not h.op.get().done()
 
 
 def _refuse_wait_behind_unready(Handle waiting):
@@ -174,18 +176,14 @@ def _refuse_wait_behind_unready(Handle waiting):
     one's data when the order reaches it: waiting here for anything unfinished
     while a deferred operation is not marked ready could wait forever."""
     cdef Handle h
-    for h in list(_unready):
-        if h.op.get().done():  # failed before it ran (a mismatch, shutdown)
-            _unready.pop(h, None)
-    if not _unready:
-        return
-    blocker = waiting if waiting in _unready else next(iter(_unready))
-    if blocker is waiting:
+    if _blocks(waiting):
         raise RuntimeError(f"hpcdl operation '{waiting.name}' was submitted with deferred=True: "
                            "call mark_ready() once its buffer holds the data, then wait()")
-    raise RuntimeError(f"waiting for hpcdl operation '{waiting.name}' while deferred operation "
-                       f"'{blocker.name}' is not marked ready: the engine runs operations in the agreed "
-                       f"order and may have to run '{blocker.name}' first; mark_ready() it before waiting")
+    for h in _inflight:
+        if _blocks(h):
+            raise RuntimeError(f"waiting for hpcdl operation '{waiting.name}' while deferred operation "
+                               f"'{h.name}' is not marked ready: the engine runs operations in the agreed "
+                               f"order and may have to run '{h.name}' first; mark_ready() it before waiting")
 
 
 def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=0,
@@ -215,8 +213,6 @@ def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=
     h.buffer = buf
     h.name = op.get().name().decode()
     _inflight.add(h)
-    if deferred:
-        _unready[h] = None
     return h
 
 

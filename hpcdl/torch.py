@@ -169,10 +169,14 @@ class _DistributedOptimizerMixin:
 
     def _backward_done(self):
         with self._lock:
-            for bucket in self._buckets:
-                if bucket.handle is not None and not bucket.handle.ready():
-                    self._fill_missing(bucket)
-                    bucket.handle.mark_ready()
+            self._release_incomplete()
+
+    def _release_incomplete(self):
+        """Announced buckets that are not full go as they are (under self._lock)."""
+        for bucket in self._buckets:
+            if bucket.handle is not None and not bucket.handle.ready():
+                self._fill_missing(bucket)
+                bucket.handle.mark_ready()
 
     @staticmethod
     def _fill_missing(bucket):
@@ -195,13 +199,11 @@ class _DistributedOptimizerMixin:
         none, and ends with the reduced gradient in .grad like the others.
         """
         with self._lock:
+            self._release_incomplete()  # backward raised before its end
             for bucket in self._buckets:
                 if bucket.handle is None:  # no backward this step
                     self._fill_missing(bucket)
                     bucket.handle = self._submit(bucket, deferred=False)
-                elif not bucket.handle.ready():  # backward raised before its end
-                    self._fill_missing(bucket)
-                    bucket.handle.mark_ready()
             timings = []
             with torch.no_grad():
                 # Each bucket is unpacked as soon as it is reduced, while the

@@ -61,7 +61,8 @@ struct OpRequest {
 };
 
 struct OpTimes {
-  double submitted_us = 0, ready_us = 0, agreed_us = 0, started_us = 0, reduce_scatter_end_us = 0, finished_us = 0;
+  double submitted_us = 0, ready_us = 0, agreed_us = 0, started_us = 0;
+  double reduce_scatter_end_us = 0, finished_us = 0;
 };
 
 class Operation {
@@ -115,7 +116,8 @@ class Engine {
   // Warn after `warn_seconds` that an operation waits for ranks that never
   // submitted it; fail it after `error_seconds` (0: never).
   void set_stall_limits(double warn_seconds, double error_seconds);
-  // Something pending became ready (Operation::mark_ready): recheck now.
+  // Something pending became ready (Operation::mark_ready), or a
+  // communicator was freed: an idle loop rechecks now.
   void wake();
   std::vector<EngineStats> stats();
   void reset_stats();
@@ -161,7 +163,7 @@ class Engine {
   std::vector<std::shared_ptr<CommContext>> contexts_;
   std::thread thread_;
   bool running_ = false, stopped_ = false;
-  std::uint64_t wakeups_ = 0;  // mark_ready() calls: an idle loop rechecks what is ready
+  std::uint64_t wakeups_ = 0;  // wake() calls: an idle loop rechecks what is ready or freed
   double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;
 
   std::mutex residual_mu_;

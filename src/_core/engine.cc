@@ -425,7 +425,7 @@ int Engine::on_comm_freed(MPI_Comm, int, void* context, void* extra_state) {
     std::lock_guard<std::mutex> g(engine->mu_);
     static_cast<CommContext*>(context)->freed = true;
   }
-  engine->cv_.notify_one();
+  engine->wake();
   return MPI_SUCCESS;
 }
 
