@@ -37,6 +37,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
+from hpcdl.measure import rate, ratio, show
+
 DTYPE = np.float32
 UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "K": 1 << 10, "MIB": 1 << 20, "M": 1 << 20, "GIB": 1 << 30, "G": 1 << 30}
 DEFAULT_SIZES = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB,256MiB"
@@ -309,8 +311,9 @@ def measure_size(comm, systems, nbytes, args):
 
 
 def bandwidths(nbytes, seconds, ranks):
-    algbw = nbytes / seconds / 1e6
-    return algbw, algbw * 2 * (ranks - 1) / ranks
+    """(algbw, busbw) in MB/s; (None, None) when the clock read no time (not measured, never 0)."""
+    algbw = rate(nbytes / 1e6, seconds)
+    return (None, None) if algbw is None else (algbw, algbw * 2 * (ranks - 1) / ranks)
 
 
 # ---- output (rank 0) ----
@@ -340,9 +343,10 @@ def summarize(rows, names):
     for name in names:
         for nbytes in sorted({r["bytes"] for r in rows}):
             mine = [r for r in rows if r["system"] == name and r["bytes"] == nbytes]
-            if mine:
+            measured = [r["busbw_MBps"] for r in mine if r.get("busbw_MBps") is not None]
+            if measured:
                 ok = all(r["correct"] for r in mine)
-                out[name, nbytes] = statistics.median(r["busbw_MBps"] for r in mine) if ok else None
+                out[name, nbytes] = statistics.median(measured) if ok else None
     return out
 
 
@@ -389,8 +393,9 @@ def print_codec_table(rows, names, sizes):
                 continue
             w = [r["wire_bytes"] for r in rows if r["system"] == name and r["bytes"] == nbytes]
             wire_mb = f"{w[0] / 1e6:9.2f}" if w and w[0] != "" else f"{'-':>9}"
-            speedup = f"{t_mpi / t:7.2f}" if t_mpi else f"{'-':>7}"
-            print(f"{format_bytes(nbytes):>6}  {name:<24} {t * 1e3:9.1f} {nbytes / t / 1e6:9.1f} {wire_mb} {speedup}")
+            speedup = show(ratio(t_mpi, t), "7.2f", f"{'-':>7}")
+            eff = show(rate(nbytes / 1e6, t), "9.1f", f"{'-':>9}")
+            print(f"{format_bytes(nbytes):>6}  {name:<24} {t * 1e3:9.1f} {eff} {wire_mb} {speedup}")
 
 
 def plot(path, summary, names, sizes, stream, title):

@@ -41,6 +41,8 @@ ROOT = os.path.dirname(HERE) if os.path.isfile(os.path.join(os.path.dirname(HERE
 SLOWFS = os.path.join(HERE, "slowfs.sh")
 sys.path.insert(0, ROOT)  # this checkout's hpcdl
 
+from hpcdl.measure import cell, ratio, show  # noqa: E402
+
 
 def drop_cache(comm):
     comm.Barrier()
@@ -198,8 +200,8 @@ def model_rows(args, variant, step_s):
     for e in range(args.epochs):
         for name, key in (("model-staging", "staging"), ("model-prefetch", "prefetch")):
             t = model[key][e]
-            rows.append({"variant": variant, "loader": name, "epoch": e + 1, "epoch_s": round(t, 3),
-                         "stall_fraction": round(max(t - model["compute"][e], 0) / t, 4), "step_s": round(step_s, 4)})
+            rows.append({"variant": variant, "loader": name, "epoch": e + 1, "epoch_s": t,
+                         "stall_fraction": ratio(max(t - model["compute"][e], 0), t), "step_s": step_s})
     return rows
 
 
@@ -223,7 +225,7 @@ def plot(rows, path):
             if loader in ("dataloader", "hpcdl"):
                 for bar, e in zip(bars, epochs):
                     r = next(r for r in sel if r["loader"] == loader and r["epoch"] == e)
-                    ax.annotate(f"{r['stall_fraction']:.0%}", (bar.get_x() + width / 2, bar.get_height()),
+                    ax.annotate(show(r["stall_fraction"], ".0%"), (bar.get_x() + width / 2, bar.get_height()),
                                 ha="center", va="bottom", fontsize=7)
         ax.set_xticks(epochs)
         ax.set_xlabel("epoch (labels: stall fraction, median of runs)")
@@ -258,10 +260,10 @@ def driver(args):
 
     def record(variant, mode, run, res, factor=""):
         for e, (t, s) in enumerate(zip(res["epoch_s"], res["stall_s"])):
-            runs.append({"variant": variant, "loader": mode, "run": run, "epoch": e + 1, "epoch_s": round(t, 3),
-                         "stall_fraction": round(s / t, 4), "step_s": round(res["step_s"], 4),
+            runs.append({"variant": variant, "loader": mode, "run": run, "epoch": e + 1, "epoch_s": t,
+                         "stall_fraction": ratio(s, t), "step_s": res["step_s"],
                          "prefetch_factor": factor, "store_reads": res["stats"].get("store_reads", "")})
-            print(f"{variant:>8} {mode:>10} run {run} epoch {e + 1}: {t:7.2f} s, stall {s / t:6.1%}"
+            print(f"{variant:>8} {mode:>10} run {run} epoch {e + 1}: {t:7.2f} s, stall {show(ratio(s, t), '6.1%')}"
                   + (f" (prefetch_factor {factor})" if factor else ""), flush=True)
         if mode == "hpcdl":
             print(f"{variant:>8}      hpcdl run {run}: {res['stats']}", flush=True)
@@ -289,31 +291,32 @@ def driver(args):
         for mode in ("dataloader", "hpcdl"):
             for e in range(1, args.epochs + 1):
                 sel = [r for r in runs if r["variant"] == variant and r["loader"] == mode and r["epoch"] == e]
+                stalls = [r["stall_fraction"] for r in sel if r["stall_fraction"] is not None]
                 rows.append({"variant": variant, "loader": mode, "epoch": e,
-                             "epoch_s": round(float(np.median([r["epoch_s"] for r in sel])), 3),
-                             "stall_fraction": round(float(np.median([r["stall_fraction"] for r in sel])), 4),
-                             "step_s": round(float(np.median([r["step_s"] for r in sel])), 4)})
+                             "epoch_s": float(np.median([r["epoch_s"] for r in sel])),
+                             "stall_fraction": float(np.median(stalls)) if stalls else None,
+                             "step_s": float(np.median([r["step_s"] for r in sel]))})
         step_s = float(np.median([r["step_s"] for r in runs if r["variant"] == variant and r["loader"] == "hpcdl"]))
         rows += model_rows(args, variant, args.compute if variant == "emulated" else step_s)
     print(f"medians of {args.runs} runs (load: {os.getloadavg()[0]:.1f}):")
     for r in rows:
         print(f"{r['variant']:>8} {r['loader']:>14} epoch {r['epoch']}: {r['epoch_s']:7.2f} s, "
-              f"stall {r['stall_fraction']:6.1%}, step {r['step_s'] * 1e3:.1f} ms")
+              f"stall {show(r['stall_fraction'], '6.1%')}, step {r['step_s'] * 1e3:.1f} ms")
     for variant in args.variants.split(","):
         total = {mode: sum(r["epoch_s"] for r in rows if r["variant"] == variant and r["loader"] == mode
                            and r["epoch"] >= min(2, args.epochs)) for mode in ("dataloader", "hpcdl")}
         print(f"{variant:>8} epochs {min(2, args.epochs)}..{args.epochs} dataloader/hpcdl: "
-              f"{total['dataloader'] / total['hpcdl']:.2f}x")
+              f"{show(ratio(total['dataloader'], total['hpcdl']), '.2f')}x")
     out = args.out
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{args.name}.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=["variant", "loader", "epoch", "epoch_s", "stall_fraction", "step_s"])
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({key: cell(value) for key, value in r.items()} for r in rows)
     with open(os.path.join(out, f"{args.name}-runs.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(runs[0]))
         w.writeheader()
-        w.writerows(runs)
+        w.writerows({key: cell(value) for key, value in r.items()} for r in runs)
     plot(rows, os.path.join(out, f"{args.name}.png"))
 
 

@@ -33,6 +33,8 @@ import time
 
 import numpy as np
 
+from hpcdl.measure import cell, rate, ratio, show
+
 HERE = os.path.dirname(os.path.realpath(__file__))
 # Where the hpcdl package lives: this checkout (bench/ beside hpcdl/), or
 # site-packages for an installed hpcdl (bench/ is hpcdl/bench/ there).
@@ -184,7 +186,21 @@ def metadata_calls(args, data, mode):
     with open(trace) as fh:
         calls = sum(1 for line in fh if data in line)
     os.remove(trace)
-    return calls * 10000 / (2 * samples)  # the worker reads its samples twice (cold + warm)
+    if calls == 0:  # every mode opens at least the data it reads: strace did not see the ranks
+        return None, "strace saw no file call on the data (it cannot follow the ranks here, e.g. under srun)"
+    return calls * 10000 / (2 * samples), ""  # the worker reads its samples twice (cold + warm)
+
+
+def verify_scan(args, data, env):
+    """MB/s of one sequential `Store.verify` pass on a cold cache: its own unrounded bytes and seconds."""
+    code = ("import json, sys; from hpcdl.store import Store; r = Store(sys.argv[1]).verify(); "
+            "print('RESULT ' + json.dumps({'bytes': r.bytes_read, 'seconds': r.seconds, 'bad': len(r.problems)}))")
+    out = subprocess.run(cold(args, [sys.executable, "-c", code, os.path.join(data, "store")]), check=True,
+                         env=env, cwd=ROOT, capture_output=True, text=True).stdout
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
+    if result["bad"]:
+        raise RuntimeError(f"verify found {result['bad']} bad sample(s) in the freshly packed store")
+    return rate(result["bytes"], result["seconds"])
 
 
 def main(argv=None):
@@ -252,27 +268,32 @@ def main(argv=None):
             for mode in MODES:
                 runs = [run_reads(args, data, mode, ranks, seed, args.cold_samples)
                         for seed in range(args.repeats)]
-                row = {"mode": mode, "ranks": ranks, "samples": args.cold_samples}
+                row = {"mode": mode, "ranks": ranks, "samples": args.cold_samples, "missing": ""}
                 for phase in ("cold", "warm"):
                     secs = float(np.median([r[phase]["seconds"] for r in runs]))
                     nbytes = runs[0][phase]["bytes"]
-                    row[f"{phase}_samples_per_s"] = args.cold_samples / secs
-                    row[f"{phase}_MB_per_s"] = nbytes / secs / 1e6
-                row["metadata_calls_per_10k"] = metadata_calls(args, data, mode) \
-                    if have_strace and ranks == 1 else ""
+                    row[f"{phase}_samples_per_s"] = rate(args.cold_samples, secs)
+                    mb_s = rate(nbytes, secs)
+                    row[f"{phase}_MB_per_s"] = None if mb_s is None else mb_s / 1e6
+                    if mb_s is None:
+                        row["missing"] += f"{phase}: the clock read no time; "
+                row["metadata_calls_per_10k"] = None
+                if ranks != 1:
+                    row["missing"] += "metadata calls: counted at 1 rank only"
+                elif not have_strace:
+                    row["missing"] += "metadata calls: strace not installed"
+                else:
+                    row["metadata_calls_per_10k"], why = metadata_calls(args, data, mode)
+                    row["missing"] += f"metadata calls: {why}" if why else ""
                 rows.append(row)
                 print(json.dumps(row))
-        scans = []
-        for _ in range(args.repeats):  # verify's own figure: read MB and seconds, startup excluded
-            out = subprocess.run(cold(args, [sys.executable, "-m", "hpcdl", "verify", os.path.join(data, "store"),
-                                             "-q"]), check=True, env=env, cwd=ROOT,
-                                 capture_output=True, text=True).stdout
-            words = out.split("read ")[1].split()
-            scans.append(float(words[0]) / float(words[3]))
-        scan_mb_s = float(np.median(scans))
-        scan = {"mode": "scan (hpcdl verify)", "ranks": 1, "samples": args.files, "cold_MB_per_s": scan_mb_s}
+        # verify's own figure: bytes read and unrounded seconds, start-up excluded
+        scans = [s for s in (verify_scan(args, data, env) for _ in range(args.repeats)) if s is not None]
+        scan_mb_s = float(np.median(scans)) / 1e6 if scans else None
+        scan = {"mode": "scan (hpcdl verify)", "ranks": 1, "samples": args.files, "cold_MB_per_s": scan_mb_s,
+                "missing": "" if scans else "the scan took no measurable time"}
         if args.fs == "slow":
-            scan.update(throttle_MB_per_s=args.bps / 1e6, fraction_of_throttle=scan_mb_s / (args.bps / 1e6))
+            scan.update(throttle_MB_per_s=args.bps / 1e6, fraction_of_throttle=ratio(scan_mb_s, args.bps / 1e6))
         print(json.dumps(scan))
     finally:
         if args.fs == "slow":
@@ -290,13 +311,13 @@ def write_results(args, rows, scan):
     import matplotlib.pyplot as plt
 
     fields = ["mode", "ranks", "samples", "cold_samples_per_s", "cold_MB_per_s", "warm_samples_per_s",
-              "warm_MB_per_s", "metadata_calls_per_10k", "throttle_MB_per_s", "fraction_of_throttle"]
+              "warm_MB_per_s", "metadata_calls_per_10k", "throttle_MB_per_s", "fraction_of_throttle", "missing"]
     path = os.path.join(args.out, "store.csv")
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for row in rows + ([scan] if scan else []):
-            w.writerow(row)
+            w.writerow({key: cell(value) for key, value in row.items()})
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ranks_list = sorted({r["ranks"] for r in rows})
     width = 0.8 / len(ranks_list)
@@ -304,6 +325,7 @@ def write_results(args, rows, scan):
         for k, ranks in enumerate(ranks_list):
             vals = [next(r[f"{phase}_samples_per_s"] for r in rows if r["mode"] == m and r["ranks"] == ranks)
                     for m in MODES]
+            vals = [np.nan if v is None else v for v in vals]  # not measured: no bar
             ax.bar(np.arange(len(MODES)) + k * width, vals, width, label=f"{ranks} rank(s)")
         ax.set_xticks(np.arange(len(MODES)) + width * (len(ranks_list) - 1) / 2, MODES)
         ax.set_yscale("log")
@@ -325,12 +347,15 @@ def print_table(args, rows, scan):
     print(f"{'mode':<12} {'ranks':>5} {'cold/s':>10} {'cold MB/s':>10} {'warm/s':>10} {'warm MB/s':>10} "
           f"{'meta/10k':>9}")
     for r in rows:
-        meta = f"{r['metadata_calls_per_10k']:.0f}" if r["metadata_calls_per_10k"] != "" else "-"
-        print(f"{r['mode']:<12} {r['ranks']:>5} {r['cold_samples_per_s']:>10.0f} {r['cold_MB_per_s']:>10.1f} "
-              f"{r['warm_samples_per_s']:>10.0f} {r['warm_MB_per_s']:>10.1f} {meta:>9}")
+        print(f"{r['mode']:<12} {r['ranks']:>5} {show(r['cold_samples_per_s'], '.0f'):>10} "
+              f"{show(r['cold_MB_per_s'], '.1f'):>10} {show(r['warm_samples_per_s'], '.0f'):>10} "
+              f"{show(r['warm_MB_per_s'], '.1f'):>10} {show(r['metadata_calls_per_10k'], '.0f', '-'):>9}")
+    for r in rows + ([scan] if scan else []):
+        if r["missing"]:
+            print(f"not measured, {r['mode']} at {r['ranks']} rank(s): {r['missing'].rstrip('; ')}")
     if scan:
-        print(f"sequential scan (hpcdl verify): {scan['cold_MB_per_s']:.1f} MB/s"
-              + (f" = {scan['fraction_of_throttle']:.0%} of the throttle" if "fraction_of_throttle" in scan else ""))
+        print(f"sequential scan (hpcdl verify): {show(scan['cold_MB_per_s'], '.1f')} MB/s"
+              + (f" = {show(scan['fraction_of_throttle'], '.0%')} of the throttle" if args.fs == "slow" else ""))
 
 
 if __name__ == "__main__":

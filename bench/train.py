@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)  # this checkout's hpcdl, not an installed one
 
 import hpcdl
 import hpcdl.torch
+from hpcdl.measure import rate, ratio, show
 
 WORLD = MPI.COMM_WORLD
 
@@ -123,13 +124,14 @@ def main():
     for name, samples in times.items():
         median = statistics.median(samples)
         rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
-                     "median_step_ms": round(median * 1e3, 3), "samples_per_s": round(size * args.batch / median, 1),
-                     "throughput_vs_ddp": round(ddp_median / median, 3), "steps_timed": len(samples),
-                     "cpu_ms_per_step": round(statistics.median(cpu[name]) * 1e3, 3),
-                     "load_avg_1min": round(os.getloadavg()[0], 2),
+                     "median_step_ms": median * 1e3, "samples_per_s": rate(size * args.batch, median),
+                     "throughput_vs_ddp": ratio(ddp_median, median), "steps_timed": len(samples),
+                     "cpu_ms_per_step": statistics.median(cpu[name]) * 1e3,
+                     "load_avg_1min": os.getloadavg()[0],
                      "stream_MBps": os.environ.get("HPCDL_BENCH_STREAM_MBPS", "")})
-        print(f"[hpcdl rank 0] {name:14s} {median * 1e3:9.2f} ms/step  {size * args.batch / median:9.0f} samples/s"
-              f"  {ddp_median / median:5.2f}x DDP  {statistics.median(cpu[name]) * 1e3:7.1f} ms CPU/step/rank")
+        print(f"[hpcdl rank 0] {name:14s} {median * 1e3:9.2f} ms/step  {show(rows[-1]['samples_per_s'], '9.0f')} "
+              f"samples/s  {show(rows[-1]['throughput_vs_ddp'], '5.2f')}x DDP  "
+              f"{statistics.median(cpu[name]) * 1e3:7.1f} ms CPU/step/rank")
     with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -138,7 +140,7 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.bar([r["system"] for r in rows], [r["samples_per_s"] for r in rows], color="tab:blue")
+    ax.bar([r["system"] for r in rows], [r["samples_per_s"] or 0 for r in rows], color="tab:blue")
     ax.set_ylabel("samples/s (all ranks)")
     ax.set_title(f"{args.tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU")
     fig.tight_layout()

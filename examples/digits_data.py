@@ -10,6 +10,7 @@ directly from its store.
 """
 
 import io
+import json
 import os
 import sys
 import tempfile
@@ -19,6 +20,7 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.store
+from hpcdl.measure import rate, ratio, show
 from hpcdl.prefetch import Prefetcher
 
 TEST_FRACTION = 0.2
@@ -128,6 +130,8 @@ def add_common_arguments(parser):
     parser.add_argument("--cache-dir", help="node-local directory for the prefetcher's disk tier "
                                             "(default: $HPCDL_SCRATCH if set, else no disk tier)")
     parser.add_argument("--disk-mib", type=int, default=1024, help="prefetcher disk tier per rank")
+    parser.add_argument("--metrics", help="rank 0 appends each epoch's figures, unrounded, to this file "
+                                          "(one JSON object a line)")
 
 
 def gradient_traffic():
@@ -140,8 +144,8 @@ class EpochReport:
     """Per-epoch figures summed over the ranks and printed by rank 0: loss,
     accuracy, samples/s, the prefetcher's stall time, gradient bytes vs dense."""
 
-    def __init__(self, comm, prefetcher):
-        self.comm, self.prefetcher = comm, prefetcher
+    def __init__(self, comm, prefetcher, metrics=None):
+        self.comm, self.prefetcher, self.metrics = comm, prefetcher, metrics
         self.stalled = prefetcher.stats()["stall_seconds"]
         gradient_traffic()
 
@@ -154,12 +158,19 @@ class EpochReport:
         stall_max = self.comm.allreduce(stall, op=MPI.MAX)
         seconds = self.comm.allreduce(seconds, op=MPI.MAX)
         samples, loss_sum, correct, test_correct, test_count, sent, dense = totals
-        test = f"test acc {test_correct / test_count:.3f}" if test_count else "test acc n/a"
-        log(f"epoch {epoch:3d}  loss {loss_sum / samples:.4f}  train acc {correct / samples:.3f}  {test}  "
-            f"{samples / seconds:8.0f} samples/s  stall {stall_max:.3f} s ({stall_max / seconds:.1%})  "
+        figures = {"epoch": epoch, "loss": loss_sum / samples, "train_acc": correct / samples,
+                   "test_acc": ratio(test_correct, test_count), "samples_per_s": rate(samples, seconds),
+                   "stall_s": stall_max, "stall_fraction": ratio(stall_max, seconds),
+                   "grad_bytes_sent": sent, "grad_bytes_dense": dense}
+        log(f"epoch {epoch:3d}  loss {figures['loss']:.4f}  train acc {figures['train_acc']:.3f}  "
+            f"test acc {show(figures['test_acc'], '.3f', 'n/a')}  {show(figures['samples_per_s'], '8.0f')} "
+            f"samples/s  stall {stall_max:.3f} s ({show(figures['stall_fraction'], '.1%')})  "
             f"grad bytes sent {sent / 1e6:.2f} MB vs dense {dense / 1e6:.2f} MB "
-            f"({dense / sent if sent else 1:.2f}x fewer)")
-        return test_correct / test_count if test_count else None
+            f"({show(ratio(dense, sent), '.2f', '1.00')}x fewer)")
+        if self.metrics and self.comm.Get_rank() == 0:
+            with open(self.metrics, "a") as fh:
+                fh.write(json.dumps(figures) + "\n")
+        return figures["test_acc"]
 
     def summary(self):
         stats = self.prefetcher.stats()

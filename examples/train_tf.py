@@ -70,7 +70,7 @@ def main():
             f"{features} features, {classes} classes, compression {args.compression}, "
             f"{'eager' if args.eager else 'tf.function'}, "
             f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch")
-        report = EpochReport(comm, prefetcher)
+        report = EpochReport(comm, prefetcher, args.metrics)
         for epoch in range(args.epochs):
             started = time.perf_counter()
             samples, loss_sum, correct = 0, 0.0, 0

@@ -57,7 +57,7 @@ def main():
         log(f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
             f"{features} features, {classes} classes, compression {args.compression}, "
             f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch")
-        report = EpochReport(comm, prefetcher)
+        report = EpochReport(comm, prefetcher, args.metrics)
         for epoch in range(args.epochs):
             model.train()
             started = time.perf_counter()

@@ -69,7 +69,25 @@ def test_bench_store_without_root(tmp_path):
     if shutil.which("strace"):  # one open per sample against a few shard opens
         meta = {r["mode"]: float(r["metadata_calls_per_10k"]) for r in reads if r["ranks"] == "1"}
         assert meta["files"] >= 10000 > 10 * meta["store"], meta
+    for r in reads:  # a figure not measured is an empty cell with its reason, never 0
+        assert (r["metadata_calls_per_10k"] == "") == ("metadata calls:" in r["missing"]), r
     assert_png(tmp_path / "store.png")
+
+
+def test_bench_store_on_a_store_that_verifies_in_microseconds(tmp_path):
+    """Three small files verify far below a millisecond on a quiet machine: every rate still
+    comes from unrounded values, and nothing is reported as 0."""
+    out = bench("store", "-n", "1", "--out", str(tmp_path), "--files", "3", "--classes", "3",
+                "--cold-samples", "3", "--strace-samples", "3", "--repeats", "2")
+    rows = read_csv(tmp_path / "store.csv")
+    scan = next(r for r in rows if r["mode"].startswith("scan"))
+    assert scan["samples"] == "3"
+    assert (scan["cold_MB_per_s"] == "" and scan["missing"]) or float(scan["cold_MB_per_s"]) > 0, scan
+    for r in rows:
+        for key in ("cold_samples_per_s", "cold_MB_per_s", "warm_samples_per_s", "warm_MB_per_s",
+                    "metadata_calls_per_10k"):
+            assert r.get(key, "") == "" or float(r[key]) > 0, (key, r)
+    assert "sequential scan (hpcdl verify): " in out
 
 
 def test_bench_prefetch_without_root(tmp_path):

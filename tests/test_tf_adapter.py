@@ -147,6 +147,7 @@ def test_variable_on_some_ranks_only_raises_everywhere():
 
 def test_tf_example_learns_the_digits(tmp_path):
     """examples/train_tf.py end to end in one process: pack, prefetch through tf.data, train, report."""
+    import json
     import os
     import re
     import subprocess
@@ -154,9 +155,12 @@ def test_tf_example_learns_the_digits(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": root, "TMPDIR": str(tmp_path)}
+    metrics = tmp_path / "metrics.jsonl"
     run = subprocess.run([sys.executable, os.path.join(root, "examples", "train_tf.py"), "--epochs", "3",
-                          "--compression", "int8"], capture_output=True, text=True, env=env, timeout=300)
+                          "--compression", "int8", "--metrics", str(metrics)],
+                         capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    accuracies = [float(a) for a in re.findall(r"test acc (\d\.\d+)", run.stdout)]
-    assert len(accuracies) == 3 and accuracies[-1] > 0.6, run.stdout
+    epochs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [e["epoch"] for e in epochs] == [0, 1, 2] and epochs[-1]["test_acc"] > 0.6, run.stdout
+    assert all(e["stall_s"] >= 0 and e["samples_per_s"] > 0 for e in epochs), epochs
     assert len(re.findall(r"epoch +\d+ .* stall \d+\.\d+ s \(", run.stdout)) == 3, run.stdout
