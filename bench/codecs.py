@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from allreduce import parse_codec  # noqa: E402  (one codec syntax for both benchmarks)
 
 from hpcdl import _core  # noqa: E402
+from hpcdl.measure import rate, show  # noqa: E402
 
 
 def time_median(fn, repeats):
@@ -52,8 +53,8 @@ def main(argv=None):
         t_enc = time_median(lambda: _core.codec_encode_into(canon, x, enc), args.repeats)
         t_dec = time_median(lambda: _core.codec_decode_into(canon, enc, out), args.repeats)
         gb = x.nbytes / 1e9
-        print(f"{str(codec):<28} {enc.size / x.nbytes:9.4f} {gb / t_enc:12.2f} {gb / t_dec:12.2f} "
-              f"{gb / (t_enc + t_dec):13.2f}")
+        print(f"{str(codec):<28} {enc.size / x.nbytes:9.4f} {show(rate(gb, t_enc), '12.2f')} "
+              f"{show(rate(gb, t_dec), '12.2f')} {show(rate(gb, t_enc + t_dec), '13.2f')}")
     return 0
 
 

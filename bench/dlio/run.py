@@ -39,6 +39,7 @@ VENV_BIN = os.path.dirname(sys.executable)   # dlio_benchmark of this Python's v
 sys.path.insert(0, ROOT)  # this checkout's hpcdl
 
 from hpcdl.cli import mpiexec_path  # noqa: E402 - after the path above
+from hpcdl.measure import ratio, show  # noqa: E402
 
 # DLIO's V100 configs (dlio_benchmark/configs/workload/*_v100.yaml), scaled to this machine:
 # fewer files, smaller batches (compute per step scaled with the batch, so compute per sample
@@ -151,11 +152,11 @@ def collect(output, loader, name, s, args, wall):
     sps = [float(x) for x in metric["train_throughput_samples_per_second"]]
     row = {"workload": name, "loader": loader, "ranks": args.ranks, "epochs": len(au), "files": s["files"],
            "record_bytes": s["record"], "batch_per_rank": s["batch"], "compute_s": s["compute"],
-           "au_mean": round(float(metric["train_au_mean_percentage"]), 2),
-           "au_from_epoch2": round(sum(au[1:]) / max(len(au) - 1, 1), 2),
-           "samples_per_s": round(float(metric["train_throughput_mean_samples_per_second"]), 2),
-           "mb_per_s": round(float(metric["train_io_mean_MB_per_second"]), 2),
-           "dlio_verdict": metric["train_au_meet_expectation"], "wall_s": round(wall, 1),
+           "au_mean": float(metric["train_au_mean_percentage"]),
+           "au_from_epoch2": sum(au[1:]) / (len(au) - 1) if len(au) > 1 else None,
+           "samples_per_s": float(metric["train_throughput_mean_samples_per_second"]),
+           "mb_per_s": float(metric["train_io_mean_MB_per_second"]),
+           "dlio_verdict": metric["train_au_meet_expectation"], "wall_s": wall,
            "au_per_epoch": " ".join(f"{x:.1f}" for x in au),
            "samples_per_s_per_epoch": " ".join(f"{x:.1f}" for x in sps)}
     if loader == "hpcdl":
@@ -195,14 +196,19 @@ def bench_workload(name, args, env):
             row = collect(output, loader, name, s, args, time.monotonic() - start)
             ios_after, bytes_after = device_reads(args.slowfs)
             samples = args.epochs * (s["files"] // (s["batch"] * args.ranks)) * s["batch"] * args.ranks
-            row["device_reads_per_sample"] = round((ios_after - ios) / samples, 2)
-            row["device_mb_read"] = round((bytes_after - nbytes) / 1e6, 1)
-            log(f"{name} {loader}: AU {row['au_per_epoch']} %, {row['samples_per_s']} samples/s, "
-                f"{row['mb_per_s']} MB/s ({row['dlio_verdict']})")
+            row["device_reads_per_sample"] = ratio(ios_after - ios, samples)
+            row["device_mb_read"] = (bytes_after - nbytes) / 1e6
+            log(f"{name} {loader}: AU {row['au_per_epoch']} %, {row['samples_per_s']:.1f} samples/s, "
+                f"{row['mb_per_s']:.1f} MB/s ({row['dlio_verdict']})")
             rows.append(row)
     finally:
         subprocess.run([SLOWFS, "teardown", args.slowfs], check=False)
     return rows
+
+
+def figure(value, spec):
+    """A table cell from a CSV or a fresh row: '' and None are figures that were not measured."""
+    return show(None if value in ("", None) else float(value), spec)
 
 
 def write_results(rows, args):
@@ -219,12 +225,12 @@ def write_results(rows, args):
              "DLIO verdict | hpcdl speedup | device reads/sample | MB read |", "|---" * 11 + "|"]
     stock = {r["workload"]: r for r in rows if r["loader"] == "stock"}
     for r in rows:
-        speedup = f"{r['samples_per_s'] / stock[r['workload']]['samples_per_s']:.2f}x" \
+        speedup = show(ratio(float(r["samples_per_s"]), float(stock[r["workload"]]["samples_per_s"])), ".2f") + "x" \
             if r["loader"] == "hpcdl" and r["workload"] in stock else ""
-        lines.append(f"| {r['workload']} | {r['loader']} | {r['au_per_epoch']} | {r['au_mean']:.1f} | "
-                     f"{r['au_from_epoch2']:.1f} | {r['samples_per_s']:.1f} | {r['mb_per_s']:.1f} | "
-                     f"{r['dlio_verdict']} | {speedup} | {r.get('device_reads_per_sample', '')} | "
-                     f"{r.get('device_mb_read', '')} |")
+        lines.append(f"| {r['workload']} | {r['loader']} | {r['au_per_epoch']} | {figure(r['au_mean'], '.1f')} | "
+                     f"{figure(r['au_from_epoch2'], '.1f')} | {figure(r['samples_per_s'], '.1f')} | "
+                     f"{figure(r['mb_per_s'], '.1f')} | {r['dlio_verdict']} | {speedup} | "
+                     f"{figure(r.get('device_reads_per_sample'), '.2f')} | {figure(r.get('device_mb_read'), '.1f')} |")
     with open(os.path.join(args.out, "dlio.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -243,8 +249,9 @@ def plot(rows, out):
         by = {r["workload"]: r for r in rows if r["loader"] == loader}
         xs = [i + (k - 0.5) * width for i in range(len(names))]
         label = "DLIO stock PyTorch loader (files)" if loader == "stock" else "hpcdl plugin (packed store)"
-        axes[0].bar(xs, [by[n]["au_from_epoch2"] if n in by else 0 for n in names], width, label=label)
-        axes[1].bar(xs, [by[n]["samples_per_s"] if n in by else 0 for n in names], width, label=label)
+        bar = lambda key: [float("nan") if by.get(n, {}).get(key) in (None, "") else by[n][key] for n in names]  # noqa: E731
+        axes[0].bar(xs, bar("au_from_epoch2"), width, label=label)  # a figure not measured draws no bar
+        axes[1].bar(xs, bar("samples_per_s"), width, label=label)
     axes[0].axhline(90, color="k", ls="--", lw=1, label="MLPerf Storage pass (AU 90%)")
     axes[0].set_ylabel("DLIO train AU %, epochs 2+")
     axes[1].set_ylabel("DLIO train samples/s (mean over epochs, log)")
