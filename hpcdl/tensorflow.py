@@ -170,6 +170,9 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
     Returns an instance of a subclass of the optimizer's class (``DistributedSGD``
     for ``SGD``) made from its config, so isinstance and learning-rate schedules
     work as before. Wrap the optimizer before it is built (before training).
+    Under a mixed_float16 policy wrap the LossScaleOptimizer (Keras adds one
+    around the DistributedOptimizer otherwise, and its finiteness check would
+    see each rank's own gradients): DistributedOptimizer(LossScaleOptimizer(opt)).
     The gradient path is DistributedGradientTape's: one fused allreduce per
     dtype named "{name}.{dtype}", compression a codec from hpcdl.compression,
     op "average" or "sum", shapes checked across ranks on the first step.
@@ -232,6 +235,12 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         self._after_first_batch = False
 
     def on_train_begin(self, logs=None):
+        optimizer = self.model.optimizer
+        if (isinstance(optimizer, tf.keras.optimizers.LossScaleOptimizer)
+                and isinstance(optimizer.inner_optimizer, _DistributedOptimizerMixin)):
+            # its finiteness check would run on each rank's own gradients: ranks could disagree on the step
+            raise ValueError("a LossScaleOptimizer (Keras adds one for mixed_float16) wraps hpcdl's "
+                             "DistributedOptimizer: wrap it instead, DistributedOptimizer(LossScaleOptimizer(opt))")
         broadcast_variables(self.model.variables, root=self.root, comm=self.comm)
 
     def on_train_batch_end(self, batch, logs=None):

@@ -43,8 +43,8 @@ def quarter(array, rank, size, per_rank=LOCAL_BATCH):
     return array.reshape(steps, size, per_rank, *array.shape[1:])[:, rank].reshape(-1, *array.shape[1:])
 
 
-def fit(model, optimizer, x, y, batch_size, callbacks=(), as_dataset=False, epochs=1):
-    model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"])
+def fit(model, optimizer, x, y, batch_size, callbacks=(), as_dataset=False, epochs=1, run_eagerly=False):
+    model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"], run_eagerly=run_eagerly)
     if as_dataset:
         data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
         return model.fit(data, epochs=epochs, verbose=0, shuffle=False, callbacks=list(callbacks))
@@ -87,13 +87,28 @@ def test_wrapper_rejects_what_it_cannot_wrap():
     assert isinstance(twice, ValueError) and "already" in str(twice)
 
 
-@pytest.mark.parametrize("as_dataset", [False, True])
-def test_single_process_fit_equals_plain_fit(as_dataset):
+@pytest.mark.parametrize("as_dataset,run_eagerly", [(False, False), (True, False), (False, True)])
+def test_single_process_fit_equals_plain_fit(as_dataset, run_eagerly):
     x, y = global_data(1)
     got = make_model()
     fit(got, hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), comm=MPI.COMM_SELF), x, y, LOCAL_BATCH,
-        as_dataset=as_dataset)
+        as_dataset=as_dataset, run_eagerly=run_eagerly)
     assert max_difference(got, reference(1)) < 1e-6
+
+
+def test_loss_scaling_wraps_the_reduction_not_the_other_way_round():
+    """The LossScaleOptimizer's finiteness check must see the reduced gradients (the same on every rank)."""
+    x, y = global_data(1)
+    right = make_model()
+    opt = hvd_tf.DistributedOptimizer(tf.keras.optimizers.LossScaleOptimizer(tf.keras.optimizers.SGD(0.5)),
+                                      comm=MPI.COMM_SELF)
+    fit(right, opt, x, y, LOCAL_BATCH, callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0, comm=MPI.COMM_SELF)])
+    assert max_difference(right, reference(1)) < 1e-5
+    wrong = make_model()
+    wrapped = tf.keras.optimizers.LossScaleOptimizer(
+        hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), comm=MPI.COMM_SELF))
+    with pytest.raises(ValueError, match=r"DistributedOptimizer\(LossScaleOptimizer\(opt\)\)"):
+        fit(wrong, wrapped, x, y, LOCAL_BATCH, callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0, comm=MPI.COMM_SELF)])
 
 
 def test_xla_compiled_fit_is_refused_with_a_clear_error():
