@@ -11,8 +11,8 @@ two systems alternate and machine noise hits them alike. A round's step time
 is its wall time (slowest rank) over --steps, for fit from on_epoch_begin to
 on_epoch_end; round 0 (tracing) is not counted. Rank 0 prints the medians,
 their ratio and the median of the rounds' fit/tape ratios (robust to load that
-drifts between rounds), and writes TAG.csv (one row per system and round, with
-the load average at the start and the end) and TAG.png. Imports this
+drifts between rounds) and the CPU time per step, and writes TAG.csv (one row
+per system and round, with the load average at the start and the end) and TAG.png. Imports this
 checkout's hpcdl, wherever it is started from.
 """
 
@@ -65,18 +65,24 @@ class Alternate(tf.keras.callbacks.Callback):
         super().__init__()
         self.steps, self.tape_step, self.batches = steps, tape_step, batches
         self.times = {"fit": [], "tape": []}
+        self.cpu = {"fit": [], "tape": []}  # CPU seconds of the process (all threads) per step, mean over ranks
+
+    def record(self, name, started, cpu_started):
+        wall, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        self.times[name].append(WORLD.allreduce(wall, op=MPI.MAX) / self.steps)
+        self.cpu[name].append(WORLD.allreduce(cpu) / WORLD.Get_size() / self.steps)
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.started = time.perf_counter()
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
 
     def on_epoch_end(self, epoch, logs=None):
-        self.times["fit"].append(WORLD.allreduce(time.perf_counter() - self.started, op=MPI.MAX) / self.steps)
+        self.record("fit", self.started, self.cpu_started)
         WORLD.Barrier()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for _ in range(self.steps):
             loss = self.tape_step(*next(self.batches))
         float(loss)  # the last step has finished
-        self.times["tape"].append(WORLD.allreduce(time.perf_counter() - started, op=MPI.MAX) / self.steps)
+        self.record("tape", started, cpu_started)
         WORLD.Barrier()
 
 
@@ -120,17 +126,20 @@ def main():
     paired = statistics.median(f / t for f, t in zip(alternate.times["fit"][1:], alternate.times["tape"][1:]))
     print(f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params), "
           f"batch {args.batch}/rank, {args.compression}, {args.rounds} rounds of {args.steps} steps, load {load}")
+    cpu = {name: statistics.median(t[1:]) for name, t in alternate.cpu.items()}
     for name, median in medians.items():
-        print(f"[hpcdl rank 0] {name:5s} {median * 1e3:8.2f} ms/step (median)")
+        print(f"[hpcdl rank 0] {name:5s} {median * 1e3:8.2f} ms/step (median)  {cpu[name] * 1e3:8.2f} ms CPU/step/rank")
     print(f"[hpcdl rank 0] fit / tape step time: {ratio:.3f} (median of the rounds' ratios {paired:.3f})")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["system", "round", "step_ms", "median_step_ms", "fit_over_tape", "fit_over_tape_paired", "ranks", "params",
-                         "batch_per_rank", "compression", "load_avg_1min_start_end"])
+        writer.writerow(["system", "round", "step_ms", "cpu_ms_per_rank", "median_step_ms", "fit_over_tape",
+                         "fit_over_tape_paired", "ranks", "params", "batch_per_rank", "compression",
+                         "load_avg_1min_start_end"])
         for name, times in alternate.times.items():
             for rnd, t in enumerate(times[1:], start=1):
-                writer.writerow([name, rnd, round(t * 1e3, 3), round(medians[name] * 1e3, 3), round(ratio, 4), round(paired, 4),
+                writer.writerow([name, rnd, round(t * 1e3, 3), round(alternate.cpu[name][rnd] * 1e3, 3),
+                                 round(medians[name] * 1e3, 3), round(ratio, 4), round(paired, 4),
                                  size, params, args.batch, args.compression, load])
 
     import matplotlib
