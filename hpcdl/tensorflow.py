@@ -225,7 +225,8 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     Broadcasts the model's variables when training begins, and the model's and
     the optimizer's variables after the first batch (Keras creates optimizer
     state lazily, on the first update). Gradients are averaged by
-    DistributedGradientTape in a custom train_step (see docs/frameworks.md).
+    DistributedOptimizer (model.fit), or by DistributedGradientTape in a custom
+    train_step (see docs/frameworks.md).
     """
 
     def __init__(self, root=0, comm=None):
