@@ -4,10 +4,13 @@ TensorFlow takes seconds to import: these tests share one process per rank.
 """
 
 import hashlib
+import io
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -15,6 +18,8 @@ import tensorflow as tf
 from mpi4py import MPI
 
 import hpcdl
+import hpcdl.prefetch
+import hpcdl.store
 import hpcdl.tensorflow as hvd_tf
 from conftest import agree, collective, outcome
 
@@ -211,3 +216,56 @@ def test_models_with_different_shapes_raise_on_every_rank(with_broadcast):
         ok = "the gradients of DistributedOptimizer differ across ranks" in text
     ok = ok and f"17] on rank {size - 1}" in text
     agree(WORLD, ok, repr(err)[:600])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fit_reading_through_the_prefetcher_equals_single_process_fit():
+    """hpcdl.prefetch.tf_dataset over the whole run + steps_per_epoch: 2 epochs, each rank its share of each
+    global batch; the same SGD steps as one process on the global batches the ranks were fed."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    x, y = global_data(size, steps=3)
+    root = None
+    if rank == 0:
+        root = tempfile.mkdtemp(prefix="hpcdl-keras-fit-")
+        for i, (features, label) in enumerate(zip(x, y)):
+            os.makedirs(os.path.join(root, "src", f"c{label}"), exist_ok=True)
+            np.save(os.path.join(root, "src", f"c{label}", f"{i:03d}.npy"), features)
+        hpcdl.store.pack(os.path.join(root, "src"), os.path.join(root, "store"), comm=MPI.COMM_SELF, progress=False)
+    root = WORLD.bcast(root)
+    label_of = {features.tobytes(): int(label) for features, label in zip(x, y)}
+    fed = []
+
+    def decode(view):
+        features = np.load(io.BytesIO(view.tobytes()))
+        fed.append(features)
+        return features
+
+    def train():
+        model = make_model(seed=rank)
+        with hpcdl.prefetch.Prefetcher(hpcdl.store.Store(os.path.join(root, "store")),
+                                       batch_size=LOCAL_BATCH * size, epochs=2, seed=5, comm=WORLD) as pf:
+            dataset = hpcdl.prefetch.tf_dataset(pf, transform=decode, output_signature=(
+                tf.TensorSpec([10], tf.float32), tf.TensorSpec([], tf.int32))).batch(pf.local_batch)
+            model.compile(optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), name="prefetched"),
+                          loss=LOSS)
+            model.fit(dataset, epochs=2, steps_per_epoch=pf.steps_per_epoch, shuffle=False, verbose=0,
+                      callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0)])
+        return model
+
+    try:
+        model = collective(WORLD, train)
+        everyone = WORLD.allgather(np.stack(fed))
+    finally:
+        WORLD.Barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    steps = len(everyone[0]) // LOCAL_BATCH
+    global_x = np.concatenate([everyone[r][s * LOCAL_BATCH:(s + 1) * LOCAL_BATCH]
+                               for s in range(steps) for r in range(size)])
+    global_y = np.array([label_of[features.tobytes()] for features in global_x])
+    want = make_model()
+    fit(want, tf.keras.optimizers.SGD(0.5), global_x, global_y, LOCAL_BATCH * size)
+    diff = max_difference(model, want)
+    digests = WORLD.allgather(digest(model))
+    agree(WORLD, steps == 2 * 3 and diff < 2e-5 and len(set(digests)) == 1,
+          f"{steps} steps fed, max diff {diff}, {len(set(digests))} distinct")
