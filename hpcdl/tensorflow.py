@@ -8,6 +8,9 @@
     grads = tape.gradient(loss, model.trainable_variables)  # averaged over all ranks
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
+Keras model.fit: compile with ``DistributedOptimizer(optimizer)`` and pass
+``BroadcastGlobalVariablesCallback(0)`` and ``MetricAverageCallback()``.
+
 Eager and tf.function: gradients reach the core as numpy arrays. Eagerly the
 allreduce is a direct call (hpcdl's own exceptions surface); inside a
 tf.function it runs through ``tf.numpy_function``, a stateful op of the graph
@@ -21,11 +24,13 @@ absolute import and binds the real TensorFlow, not this module.
 import numpy as np
 import tensorflow as tf
 from mpi4py import MPI
+from tensorflow.python.ops import control_flow_util  # XLA context check (no public API)
 
 import hpcdl
 from hpcdl._signature import check_same_on_all_ranks
 
-__all__ = ["DistributedGradientTape", "broadcast_variables", "BroadcastGlobalVariablesCallback"]
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "broadcast_variables",
+           "BroadcastGlobalVariablesCallback", "MetricAverageCallback"]
 
 
 def _core_view(array):
@@ -36,35 +41,26 @@ def _core_view(array):
     return array, None
 
 
-class DistributedGradientTape:
-    """Wraps a tf.GradientTape: gradient() returns gradients reduced over all ranks.
+class _GradientAllreduce:
+    """The gradient path shared by DistributedGradientTape and DistributedOptimizer.
 
     Gradients of one dtype are fused into one buffer and reduced by one named
     operation ("{name}.{dtype}"), so a compression codec keeps its error
-    feedback per dtype group. A source with no gradient (None, the same on
-    every rank for the same model) is reduced as zeros and returned as the
-    reduced tensor; IndexedSlices are made dense first.
-
-    compression: a codec from hpcdl.compression (None: dense).
-    op: "average" (default) or "sum".
-    comm: mpi4py communicator (default COMM_WORLD).
-    The gradients' shapes and dtypes are checked across ranks the first time a
-    set of them is seen: a model that differs raises MismatchError on every rank.
+    feedback per dtype group. The gradients' shapes and dtypes are checked
+    across ranks the first time a set of them is seen (``what`` names them in
+    the MismatchError every rank raises when they differ).
     """
 
-    def __init__(self, tape, compression=None, op="average", comm=None, name="tf"):
-        self._tape = tape
-        self._compression = compression
-        self._op = op
-        self._comm = MPI.COMM_WORLD if comm is None else comm
-        self._name = name
+    def __init__(self, compression, op, comm, name, what):
+        self.compression = compression
+        self.op = op
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.name = name
+        self._what = what
         self._verified = set()
 
-    def __getattr__(self, attr):  # watch(), stop_recording(), ... of the wrapped tape
-        return getattr(self._tape, attr)
-
-    def gradient(self, target, sources, output_gradients=None):
-        grads = self._tape.gradient(target, sources, output_gradients)
+    def reduce_gradients(self, grads, sources):
+        """Reduced ``grads`` in their structure: None (no gradient) as zeros, IndexedSlices made dense."""
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
         dense = [tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
                  for s, g in zip(flat_sources, flat_grads)]
@@ -76,6 +72,9 @@ class DistributedGradientTape:
             return []
         if tf.executing_eagerly():
             return [tf.convert_to_tensor(a) for a in self._reduce_arrays(*[t.numpy() for t in tensors])]
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            raise ValueError("hpcdl's allreduce cannot run inside an XLA-compiled function: use "
+                             "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) for Keras")
         reduced = tf.numpy_function(self._reduce_arrays, tensors, [t.dtype for t in tensors], stateful=True,
                                     name="hpcdl_allreduce")
         for out, t in zip(reduced, tensors):
@@ -85,20 +84,20 @@ class DistributedGradientTape:
     def _reduce_arrays(self, *arrays):
         signature = tuple((a.shape, a.dtype.name) for a in arrays)
         if signature not in self._verified:
-            check_same_on_all_ranks(self._comm, [(f"gradient.{i}", s, d) for i, (s, d) in enumerate(signature)],
-                                    "the gradients of DistributedGradientTape",
-                                    {"op": self._op, "name": self._name,
-                                     "compression": None if self._compression is None else repr(self._compression)})
+            check_same_on_all_ranks(self.comm, [(f"gradient.{i}", s, d) for i, (s, d) in enumerate(signature)],
+                                    self._what,
+                                    {"op": self.op, "name": self.name,
+                                     "compression": None if self.compression is None else repr(self.compression)})
             self._verified.add(signature)
         groups = {}
         for i, a in enumerate(arrays):
             groups.setdefault(a.dtype.name, []).append(i)
-        extra = {} if self._compression is None else {"compression": self._compression}
+        extra = {} if self.compression is None else {"compression": self.compression}
         pending = []
         for dtype_name, members in groups.items():
             fused = np.concatenate([np.ravel(arrays[i]) for i in members])
             buffer, core_dtype = _core_view(fused)
-            handle = hpcdl.allreduce_async(buffer, op=self._op, comm=self._comm, name=f"{self._name}.{dtype_name}",
+            handle = hpcdl.allreduce_async(buffer, op=self.op, comm=self.comm, name=f"{self.name}.{dtype_name}",
                                            dtype=core_dtype, **extra)
             pending.append((handle, fused, members))
         out = [None] * len(arrays)
@@ -110,6 +109,85 @@ class DistributedGradientTape:
                 out[i] = fused[offset:offset + n].reshape(arrays[i].shape)
                 offset += n
         return out
+
+
+class DistributedGradientTape:
+    """Wraps a tf.GradientTape: gradient() returns gradients reduced over all ranks.
+
+    Gradients of one dtype are fused into one buffer and reduced by one named
+    operation ("{name}.{dtype}"), so a compression codec keeps its error
+    feedback per dtype group. A source with no gradient (None, the same on
+    every rank for the same model) is reduced as zeros and returned as the
+    reduced tensor; IndexedSlices are made dense first. DistributedOptimizer
+    (for Keras model.fit) reduces through the same path.
+
+    compression: a codec from hpcdl.compression (None: dense).
+    op: "average" (default) or "sum".
+    comm: mpi4py communicator (default COMM_WORLD).
+    The gradients' shapes and dtypes are checked across ranks the first time a
+    set of them is seen: a model that differs raises MismatchError on every rank.
+    """
+
+    def __init__(self, tape, compression=None, op="average", comm=None, name="tf"):
+        self._tape = tape
+        self._reduce = _GradientAllreduce(compression, op, comm, name, "the gradients of DistributedGradientTape")
+
+    def __getattr__(self, attr):  # watch(), stop_recording(), ... of the wrapped tape
+        return getattr(self._tape, attr)
+
+    def gradient(self, target, sources, output_gradients=None):
+        return self._reduce.reduce_gradients(self._tape.gradient(target, sources, output_gradients), sources)
+
+    def allreduce(self, tensors):
+        """Reduce a list of tensors over all ranks (eagerly or inside a tf.function)."""
+        return self._reduce.allreduce(tensors)
+
+
+class _DistributedOptimizerMixin:
+    """Keras 3 optimizer whose apply() first averages the gradients over all ranks.
+
+    Keras routes every update through apply(): apply_gradients() and
+    model.fit's train_step call it, eagerly or inside the train function's
+    tf.function. Reducing there, before Keras filters empty gradients, unscales
+    a loss-scaled step, accumulates or clips, keeps the step identical to a
+    single process on the global batch.
+    """
+
+    def apply(self, grads, trainable_variables=None):
+        sources = self._trainable_variables if trainable_variables is None and self.built else trainable_variables
+        if sources is not None:
+            grads = self._hpcdl_allreduce.reduce_gradients(list(grads), list(sources))
+        return super().apply(grads, trainable_variables)
+
+
+def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, name="keras"):
+    """A copy of a Keras optimizer whose updates use gradients reduced over all ranks (for model.fit).
+
+        model.compile(optimizer=hpcdl.tensorflow.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=...)
+        model.fit(dataset, callbacks=[hpcdl.tensorflow.BroadcastGlobalVariablesCallback(0),
+                                      hpcdl.tensorflow.MetricAverageCallback()])
+
+    Returns an instance of a subclass of the optimizer's class (``DistributedSGD``
+    for ``SGD``) made from its config, so isinstance and learning-rate schedules
+    work as before. Wrap the optimizer before it is built (before training).
+    Under a mixed_float16 policy wrap the LossScaleOptimizer (Keras adds one
+    around the DistributedOptimizer otherwise, and its finiteness check would
+    see each rank's own gradients): DistributedOptimizer(LossScaleOptimizer(opt)).
+    The gradient path is DistributedGradientTape's: one fused allreduce per
+    dtype named "{name}.{dtype}", compression a codec from hpcdl.compression,
+    op "average" or "sum", shapes checked across ranks on the first step.
+    """
+    if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
+        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not {type(optimizer).__name__}")
+    if isinstance(optimizer, _DistributedOptimizerMixin):
+        raise ValueError("the optimizer is already a hpcdl DistributedOptimizer")
+    if optimizer.built:
+        raise ValueError("wrap the optimizer before it is built: its variables would not be carried over")
+    cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedOptimizerMixin, type(optimizer)), {})
+    distributed = cls.from_config(optimizer.get_config())
+    distributed._hpcdl_allreduce = _GradientAllreduce(compression, op, comm, name,
+                                                      "the gradients of DistributedOptimizer")
+    return distributed
 
 
 def broadcast_variables(variables, root=0, comm=None):
@@ -147,7 +225,8 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     Broadcasts the model's variables when training begins, and the model's and
     the optimizer's variables after the first batch (Keras creates optimizer
     state lazily, on the first update). Gradients are averaged by
-    DistributedGradientTape in a custom train_step (see docs/frameworks.md).
+    DistributedOptimizer (model.fit), or by DistributedGradientTape in a custom
+    train_step (see docs/frameworks.md).
     """
 
     def __init__(self, root=0, comm=None):
@@ -157,6 +236,12 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         self._after_first_batch = False
 
     def on_train_begin(self, logs=None):
+        optimizer = self.model.optimizer
+        if (isinstance(optimizer, tf.keras.optimizers.LossScaleOptimizer)
+                and isinstance(optimizer.inner_optimizer, _DistributedOptimizerMixin)):
+            # its finiteness check would run on each rank's own gradients: ranks could disagree on the step
+            raise ValueError("a LossScaleOptimizer (Keras adds one for mixed_float16) wraps hpcdl's "
+                             "DistributedOptimizer: wrap it instead, DistributedOptimizer(LossScaleOptimizer(opt))")
         broadcast_variables(self.model.variables, root=self.root, comm=self.comm)
 
     def on_train_batch_end(self, batch, logs=None):
@@ -165,3 +250,26 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         self._after_first_batch = True
         optimizer_variables = list(getattr(self.model.optimizer, "variables", []) or [])
         broadcast_variables(list(self.model.variables) + optimizer_variables, root=self.root, comm=self.comm)
+
+
+class MetricAverageCallback(tf.keras.callbacks.Callback):
+    """Keras callback: the epoch's logs (loss, metrics, val_*) become their average over the ranks.
+
+    Put it before callbacks that read the logs (ModelCheckpoint, EarlyStopping,
+    ...): Keras passes one logs dict to the callbacks in order, and its History
+    and progress bar come last. One allreduce of the numeric values per epoch;
+    ranks whose logs name other metrics raise MismatchError on every rank.
+    """
+
+    def __init__(self, comm=None):
+        super().__init__()
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs = {} if logs is None else logs
+        names = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number)))
+        check_same_on_all_ranks(self.comm, [(k, (), "float64") for k in names], "the metrics to average")
+        values = np.array([logs[k] for k in names], dtype=np.float64)
+        if names:
+            hpcdl.allreduce(values, op="average", comm=self.comm, name="keras.metrics")
+        logs.update(zip(names, values.tolist()))
