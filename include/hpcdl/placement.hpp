@@ -166,8 +166,9 @@ inline std::uint32_t class_cut(const std::vector<std::uint64_t>& bytes, std::uin
 //      rank's bytes per frequency class;
 //   3. in global order, each rank's cut (plan_detail::Cut) decides, at each
 //      first use, whether that rank caches the sample; the first other rank
-//      that does is the sample's source. A first pass finds where RAM cuts
-//      when a rank's disk tier starts in the same class and a later one.
+//      that does is the sample's source. When a rank with a disk tier cuts
+//      RAM inside a class, a walk before that one finds where, which tells
+//      whether its disk tier ends in the same class or a later one.
 // Time O(E*N*(Philox + a few memory accesses)) + P*F, memory O(E*N) + P*F
 // (F: the largest frequency). own_caps: this rank's RAM and disk bytes;
 // ram_capacity / disk_capacity: every rank's (empty: no peer tier, no sources;
