@@ -6,6 +6,7 @@ The Pythonic layer is hpcdl/prefetch.py."""
 import numpy as np
 
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy
 from libcpp.memory cimport unique_ptr
 from libcpp.string cimport string
 from libcpp.utility cimport move
@@ -14,8 +15,7 @@ from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_Comm, MPI_COMM_NULL
 
 from libhpcdl.prefetch cimport (CBatchView, CPlacement, CPrefetchConfig, CPrefetcher, CPrefetchStats,
-                                CStreamSpec, epoch_order as c_epoch_order, CPeerSources,
-                                peer_sources as c_peer_sources,
+                                CStreamSpec, epoch_order as c_epoch_order, CPeerSources, CPlan, make_plan,
                                 place as c_place, shuffle_draw as c_shuffle_draw)
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.store cimport CShardInfo, CStoreReader, shard_infos
@@ -58,8 +58,8 @@ def stream_layout(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint6
 cdef object _u64_array(const vector[uint64_t]& v):
     out = np.empty(v.size(), dtype=np.uint64)
     cdef uint64_t[::1] view = out
-    for i in range(v.size()):
-        view[i] = v[i]
+    if v.size():
+        memcpy(&view[0], v.data(), v.size() * sizeof(uint64_t))
     return out
 
 
@@ -95,29 +95,59 @@ def placement(stream, sizes, uint64_t ram_bytes, uint64_t disk_bytes):
 
 cdef object _placement_dict(const CPlacement& p):
     n = p.tier.size()
-    freq = np.array([p.freq[i] for i in range(n)], dtype=np.uint32)
+    freq = np.empty(n, dtype=np.uint32)
+    tier = np.empty(n, dtype=np.uint8)
+    cdef uint32_t[::1] fv = freq
+    cdef uint8_t[::1] tv = tier
+    if n:
+        memcpy(&fv[0], p.freq.data(), n * sizeof(uint32_t))
+        memcpy(&tv[0], p.tier.data(), n * sizeof(uint8_t))
     first = _u64_array(p.first)
-    tier = np.array([p.tier[i] for i in range(n)], dtype=np.uint8)
     return {"freq": freq, "first": first, "tier": tier, "offset": _u64_array(p.offset),
             "ram": _u64_array(p.lists[0]), "disk": _u64_array(p.lists[1]),
             "ram_used": p.used[0], "disk_used": p.used[1]}
 
 
-def peer_sources(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
-                 bint drop_last, uint64_t start, sizes, ram_capacity, disk_capacity, uint64_t rank):
-    """As rank `rank` sees it, per sample: the other rank that caches it with the
-    earliest first use (int32, -1 none) and that first use's global key
-    (step * ranks + rank; uint64, 2**64-1 none). See placement.hpp."""
+def plan(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t rank, uint64_t epochs, uint64_t seed,
+         bint drop_last, uint64_t start, sizes, uint64_t ram_bytes, uint64_t disk_bytes, peer_ram, peer_disk):
+    """A rank's start-up plan (placement.hpp make_plan, what the prefetcher runs):
+    its stream from position `start`, its placement (placement()'s dict) and, when
+    peer_ram lists every rank's RAM bytes (peer_disk: disk bytes, or empty), per
+    sample the source peer ("source_rank", int32, -1 none) and its global key
+    ("source_key", uint64, 2**64-1 none); empty arrays without a peer tier."""
     cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
     cdef const uint64_t[::1] sz = np.ascontiguousarray(sizes, dtype=np.uint64)
-    cdef vector[uint64_t] ram = [int(c) for c in ram_capacity]
-    cdef vector[uint64_t] disk = [int(c) for c in disk_capacity]
-    if ram.size() != ranks or disk.size() != ranks:
-        raise ValueError(f"ram_capacity and disk_capacity need one entry per rank ({ranks})")
-    cdef CPeerSources s
+    if <uint64_t>sz.shape[0] != samples:
+        raise ValueError(f"sizes has {sz.shape[0]} entries for {samples} samples")
+    cdef vector[uint64_t] ram = [int(c) for c in peer_ram]
+    cdef vector[uint64_t] disk = [int(c) for c in peer_disk]
+    cdef uint64_t caps[2]
+    caps[0], caps[1] = ram_bytes, disk_bytes
+    cdef CPlan p
+    cdef CStatus st
     with nogil:
-        s = c_peer_sources(spec, start, &sz[0], ram, disk, rank)
-    return np.array([s.rank[i] for i in range(s.rank.size())], dtype=np.int32), _u64_array(s.key)
+        st = make_plan(spec, start, rank, &sz[0], caps, ram, disk, &p)
+    check_status(st)
+    out = _placement_dict(p.placement)
+    out["stream"] = _u64_array(p.stream)
+    out["source_rank"], out["source_key"] = _sources(p.sources)
+    return out
+
+
+cdef object _sources(const CPeerSources& s):
+    rank = np.empty(s.rank.size(), dtype=np.int32)
+    cdef int32_t[::1] view = rank
+    if s.rank.size():
+        memcpy(&view[0], s.rank.data(), s.rank.size() * sizeof(int32_t))
+    return rank, _u64_array(s.key)
+
+
+def peer_sources(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
+                 bint drop_last, uint64_t start, sizes, ram_capacity, disk_capacity, uint64_t rank):
+    """plan()'s (source_rank, source_key) for rank `rank`."""
+    p = plan(samples, global_batch, ranks, rank, epochs, seed, drop_last, start, sizes, 0, 0, ram_capacity,
+             disk_capacity)
+    return p["source_rank"], p["source_key"]
 
 
 def required_staging(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t rank, uint64_t epochs,
@@ -222,6 +252,10 @@ cdef class Core:
 
     def placement(self):
         return _placement_dict(self.core.get().placement())
+
+    def peer_sources(self):
+        """(source_rank, source_key) per sample, as plan() gives them; empty arrays without a peer tier."""
+        return _sources(self.core.get().sources())
 
     def take_warnings(self):
         if not self.core:

@@ -36,7 +36,7 @@ DEFAULT_RAM_BYTES = 1 << 30
 DEFAULT_STAGING_BYTES = 64 << 20
 TRACE_ENV = "HPCDL_TRACE"
 
-__all__ = ["Prefetcher", "Batch", "PrefetchWarning", "epoch_order", "rank_stream", "placement",
+__all__ = ["Prefetcher", "Batch", "PrefetchWarning", "epoch_order", "rank_stream", "placement", "plan",
            "TorchDataset", "tf_dataset"]
 
 
@@ -63,6 +63,63 @@ def placement(stream, sizes, ram_bytes, disk_bytes=0):
     ``first``, ``tier`` (0 RAM, 1 disk, 2 store), ``offset``; the ``ram`` and
     ``disk`` lists in first-use order; ``ram_used`` and ``disk_used`` bytes."""
     return _prefetch.placement(stream, sizes, ram_bytes, disk_bytes)
+
+
+def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_bytes=0, drop_last=True,
+         start=(0, 0)):
+    """What rank ``rank`` of a ``ranks``-rank Prefetcher computes at start-up,
+    in this process alone (the same C++ call): a dict with its ``stream`` from
+    ``start`` (rank_stream()), its placement (placement()'s keys) and, with
+    several ranks, each sample's source peer: ``source_rank`` (int32, -1 none)
+    and ``source_key`` (uint64 global key step * ranks + rank, 2**64-1 none).
+
+    ram_bytes, disk_bytes: every rank's tier bytes, one int for all or one per
+    rank (the Prefetcher's ram_bytes, and disk_bytes when disk_dir is set).
+    start: (epoch, step) or a Prefetcher.state(). Cost independent of ranks
+    (docs/prefetch.md, "Planning at scale").
+    """
+    layout = _prefetch.stream_layout(samples, batch_size, ranks, epochs, seed, drop_last)
+    if not 0 <= rank < ranks:
+        raise ValueError(f"rank {rank} out of range [0, {ranks})")
+    position = _start_position(start, samples, batch_size, epochs, seed, drop_last, layout)
+    per_rank = [[int(v)] * ranks if isinstance(v, (int, np.integer)) else [int(x) for x in v]
+                for v in (ram_bytes, disk_bytes)]
+    if any(len(v) != ranks for v in per_rank):
+        raise ValueError(f"ram_bytes and disk_bytes need one value or one per rank ({ranks})")
+    peer_ram, peer_disk = _peer_capacities(ranks, *per_rank)
+    return _prefetch.plan(samples, batch_size, ranks, rank, epochs, seed, drop_last, position, sizes,
+                          per_rank[0][rank], per_rank[1][rank], peer_ram, peer_disk)
+
+
+def _peer_capacities(ranks, ram, disk):
+    """The peer tier's per-rank capacities as the core takes them: empty lists
+    turn the peer tier (one rank, or no rank with a tier) or the disk tiers off."""
+    if ranks == 1 or not (any(ram) or any(disk)):
+        return [], []
+    return list(ram), list(disk) if any(disk) else []
+
+
+def _start_position(start, samples, batch_size, epochs, seed, drop_last, layout):
+    """The first stream position (per rank) to deliver, from start=(epoch, step)
+    or a Prefetcher.state() (any number of ranks, the same global batch and seed)."""
+    local, steps, per_epoch = layout
+    if isinstance(start, dict):
+        run = {"samples": samples, "global_batch": batch_size, "seed": seed, "drop_last": drop_last}
+        differ = {key: (start.get(key), value) for key, value in run.items() if start.get(key) != value}
+        if differ:
+            raise ValueError("cannot resume from this state: it is of another run ("
+                             + ", ".join(f"{key} {theirs!r} there, {ours!r} here"
+                                         for key, (theirs, ours) in differ.items())
+                             + "); resuming needs the same samples, global batch, seed and drop_last")
+        epoch, sample = int(start["epoch"]), int(start["sample_in_epoch"])
+        if sample % batch_size:
+            raise ValueError(f"state sample_in_epoch={sample} is not a multiple of the global batch {batch_size}")
+        step = sample // batch_size
+    else:
+        epoch, step = (int(x) for x in start)
+    if not (0 <= epoch <= epochs and 0 <= step <= steps and (epoch < epochs or step == 0)):
+        raise ValueError(f"start={start!r} is outside the run ({epochs} epochs of {steps} steps)")
+    return epoch * per_epoch + step * local
 
 
 class Batch:
@@ -143,6 +200,8 @@ class Prefetcher:
     each epoch (else pad it with the epoch's first samples).
     start=(epoch, step): resume where a checkpoint left off (step = local
     batches already done in that epoch); delivers exactly the rest of the run.
+    start=pf.state(): the same on any number of ranks that divides the global
+    batch (the same global order; another global batch or seed: ValueError).
     peer_timeout: seconds to wait for a peer's answer before reading the store
     instead (a peer that has not loaded a sample yet answers "later" within half
     of it, and is asked again).
@@ -166,14 +225,11 @@ class Prefetcher:
         self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
 
         def validate():
-            local, per_epoch_batches, per_epoch = _prefetch.stream_layout(n, self.batch_size, self.ranks,
-                                                                          self.num_epochs, self.seed, self.drop_last)
-            epoch, step = (int(x) for x in start)
-            if not (0 <= epoch <= self.num_epochs and 0 <= step <= per_epoch_batches
-                    and (epoch < self.num_epochs or step == 0)):
-                raise ValueError(f"start={tuple(start)} is outside the run ({self.num_epochs} epochs of "
-                                 f"{per_epoch_batches} steps)")
-            return local, per_epoch_batches, epoch * per_epoch + step * local
+            layout = _prefetch.stream_layout(n, self.batch_size, self.ranks, self.num_epochs, self.seed,
+                                             self.drop_last)
+            position = _start_position(start, n, self.batch_size, self.num_epochs, self.seed, self.drop_last,
+                                       layout)
+            return layout[0], layout[1], position
 
         self.local_batch, self.steps_per_epoch, position = _agree(world, validate)
         disk_bytes = int(disk_bytes) if disk_dir else 0
@@ -186,8 +242,8 @@ class Prefetcher:
                 raise MismatchError(f"[hpcdl rank {self.rank}] prefetcher settings differ between ranks: "
                                     f"(samples, batch_size, epochs, seed, drop_last, start position) "
                                     f"{mine} here, {every[bad][0]} on rank {bad}")
-            peer_ram = [ram for _, ram, _ in every]
-            peer_disk = [disk for _, _, disk in every]
+            peer_ram, peer_disk = _peer_capacities(self.ranks, [ram for _, ram, _ in every],
+                                                   [disk for _, _, disk in every])
         else:
             peer_ram = peer_disk = []
         self._position = position
@@ -199,8 +255,7 @@ class Prefetcher:
                "ram_bytes": int(ram_bytes), "disk_bytes": disk_bytes,
                "disk_dir": os.fspath(disk_dir) if disk_dir else "", "threads": max(int(threads), 1),
                "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
-               "peer_ram_bytes": peer_ram if any(peer_ram) or any(peer_disk) else [],
-               "peer_disk_bytes": peer_disk if any(peer_disk) else [], "peer_timeout": float(peer_timeout),
+               "peer_ram_bytes": peer_ram, "peer_disk_bytes": peer_disk, "peer_timeout": float(peer_timeout),
                "serve_delay": float(_serve_delay)}
         self._trace = os.environ.get(TRACE_ENV)
         if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
@@ -222,6 +277,18 @@ class Prefetcher:
     def position(self):
         """(epoch, step) of the next batch: pass it as start= to resume there."""
         return divmod(self._position // self.local_batch, self.steps_per_epoch) if self.steps_per_epoch else (0, 0)
+
+    def state(self):
+        """A checkpoint of the position that resumes on any number of ranks
+        (start=state): samples of the global order consumed in the epoch, and
+        the run they belong to."""
+        epoch, step = self.position
+        return {"epoch": int(epoch), "sample_in_epoch": int(step) * self.batch_size, "seed": self.seed,
+                "global_batch": self.batch_size, "samples": len(self.store), "drop_last": self.drop_last}
+
+    def peer_sources(self):
+        """(source_rank, source_key) per sample, as plan() gives them (empty without a peer tier)."""
+        return self._core.peer_sources()
 
     def epochs(self):
         """The remaining epochs in order, each an iterable of its remaining batches."""

@@ -36,9 +36,13 @@ cdef extern from "hpcdl/placement.hpp" namespace "hpcdl" nogil:
     cdef cppclass CPeerSources "hpcdl::PeerSources":
         vector[int32_t] rank
         vector[uint64_t] key
-    CPeerSources peer_sources(const CStreamSpec& spec, uint64_t start, const uint64_t* sizes,
-                              const vector[uint64_t]& ram_capacity, const vector[uint64_t]& disk_capacity,
-                              uint64_t self)
+    cdef cppclass CPlan "hpcdl::Plan":
+        vector[uint64_t] stream
+        CPlacement placement
+        CPeerSources sources
+    CStatus make_plan(const CStreamSpec& spec, uint64_t start, uint64_t self, const uint64_t* sizes,
+                      const uint64_t* own_caps, const vector[uint64_t]& ram_capacity,
+                      const vector[uint64_t]& disk_capacity, CPlan* out)
 
 cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
     cdef cppclass CPrefetchConfig "hpcdl::PrefetchConfig":
@@ -77,3 +81,4 @@ cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
         CPrefetchStats stats()
         vector[string] take_warnings()
         const CPlacement& placement()
+        const CPeerSources& sources()

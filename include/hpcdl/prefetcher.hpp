@@ -210,6 +210,7 @@ class Prefetcher {
   }
 
   const Placement& placement() const { return placement_; }
+  const PeerSources& sources() const { return sources_; }
 
  private:
   enum SlotState : std::uint8_t { kEmpty = 0, kLoading = 1, kReady = 2, kFailed = 3 };
@@ -229,14 +230,15 @@ class Prefetcher {
     const StreamSpec& spec = cfg_.spec;
     L_ = spec.local_batch();
     end_ = spec.length();
-    if (cfg_.start % L_ != 0 || cfg_.start > end_) return Status::Invalid("resume position is not a batch start of the run");
-    stream_ = spec.rank_stream(cfg_.rank, cfg_.start);
     std::vector<std::uint64_t> sizes(spec.samples);
     for (std::uint64_t k = 0; k < spec.samples; ++k) sizes[k] = reader_->size(k);
     const std::uint64_t caps[kCachedTiers] = {cfg_.ram_bytes, cfg_.disk_dir.empty() ? 0 : cfg_.disk_bytes};
-    placement_ = place(stream_, sizes.data(), spec.samples, caps);
-    if (!cfg_.peer_ram_bytes.empty())
-      sources_ = peer_sources(spec, cfg_.start, sizes.data(), cfg_.peer_ram_bytes, cfg_.peer_disk_bytes, cfg_.rank);
+    Plan plan;
+    HPCDL_RETURN_NOT_OK(make_plan(spec, cfg_.start, cfg_.rank, sizes.data(), caps, cfg_.peer_ram_bytes,
+                                  cfg_.peer_disk_bytes, &plan));
+    stream_ = std::move(plan.stream);
+    placement_ = std::move(plan.placement);
+    sources_ = std::move(plan.sources);
     // Each cached sample is filled from its source peer when it has one, else from the store.
     fill_source_.assign(spec.samples, -1);
     for (int t = 0; t < kCachedTiers; ++t)

@@ -42,13 +42,23 @@ inline std::uint64_t shuffle_draw(std::uint64_t seed, std::uint64_t epoch, std::
 // out[0..n) = epoch `epoch`'s order of samples 0..n-1: start from the identity;
 // for i = n-1 down to 1, with r = draw (n-1-i), swap out[i] and out[(r * (i+1)) >> 64]
 // (a 64x64->128-bit multiply: an index in [0, i], bias below 2^-40 for n < 2^24).
+// The targets j depend only on (seed, epoch, i), not on earlier swaps: they are
+// drawn a block ahead and prefetched so the random accesses overlap (the swaps
+// still run in the order above: the same permutation).
 template <typename Index>
 void epoch_order(std::uint64_t n, std::uint64_t seed, std::uint64_t epoch, Index* out) {
   std::iota(out, out + n, Index{0});
-  for (std::uint64_t i = n; i-- > 1;) {
-    const std::uint64_t r = shuffle_draw(seed, epoch, n - 1 - i);
-    const auto j = static_cast<std::uint64_t>((static_cast<unsigned __int128>(r) * (i + 1)) >> 64);
-    std::swap(out[i], out[j]);
+  constexpr std::uint64_t kAhead = 64;
+  std::uint64_t target[kAhead];
+  for (std::uint64_t top = n; top > 1;) {  // swaps for i = top-1 down to low
+    const std::uint64_t low = top > kAhead + 1 ? top - kAhead : 1;
+    for (std::uint64_t i = top - 1, b = 0; i >= low; --i, ++b) {
+      const std::uint64_t r = shuffle_draw(seed, epoch, n - 1 - i);
+      target[b] = static_cast<std::uint64_t>((static_cast<unsigned __int128>(r) * (i + 1)) >> 64);
+      __builtin_prefetch(out + target[b], 1);
+    }
+    for (std::uint64_t i = top - 1, b = 0; i >= low; --i, ++b) std::swap(out[i], out[target[b]]);
+    top = low;
   }
 }
 
