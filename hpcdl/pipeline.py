@@ -125,6 +125,7 @@ class Link:
         self._abort = self.comm.Irecv([self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
         self._abort_sends = []
         self.aborted = None
+        self.waited_s = 0.0  # time blocked waiting for other stages (the bubble, measured)
 
     def recv(self, buffer, source, tag):
         """Post a receive of raw bytes into ``buffer`` (a writable uint8 array)."""
@@ -148,10 +149,11 @@ class Link:
         return status
 
     def _poll(self, test):
-        delay = 0.0
+        delay, start = 0.0, time.perf_counter()
         while True:
             done, value = test()
             if done:
+                self.waited_s += time.perf_counter() - start
                 return value
             self.check_abort()
             time.sleep(delay)

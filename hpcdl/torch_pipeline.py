@@ -48,12 +48,12 @@ class _ActivationCounter:
     """Counts the activations autograd saves for backward, per micro-batch, while they live.
 
     Parameters saved by an op (a Linear's weight) are not activations and are
-    not counted; a storage saved by two ops counts once.
+    not counted; a tensor saved by two ops counts once.
     """
 
     def __init__(self, params):
         self._param_storages = {p.untyped_storage().data_ptr() for p in params}
-        self._live = collections.defaultdict(dict)   # micro-batch -> {storage: [saves, bytes]}
+        self._live = collections.defaultdict(dict)   # micro-batch -> {tensor: [saves, bytes]}
         self.peak_micro_batches = 0
         self.peak_bytes = 0
 
@@ -70,10 +70,10 @@ class _ActivationCounter:
                 counter._release(micro_batch, self.key)
 
         def pack(tensor):
-            key = tensor.untyped_storage().data_ptr()
-            if key in self._param_storages:
+            if tensor.untyped_storage().data_ptr() in self._param_storages:
                 return tensor
-            entry = self._live[micro_batch].setdefault(key, [0, tensor.untyped_storage().nbytes()])
+            key = (tensor.data_ptr(), tensor.numel())
+            entry = self._live[micro_batch].setdefault(key, [0, tensor.numel() * tensor.element_size()])
             entry[0] += 1
             self._update_peaks()
             return Saved(tensor, key)
@@ -152,6 +152,7 @@ class Pipeline:
         self._input_layout = None    # (shape, dtype) of a micro-batch entering this stage
         self._output_layout = None   # ... and leaving it
         self._failed = None
+        self._last_step = {"step_s": 0.0, "waited_s": 0.0}
 
     # ------------------------------------------------------------------ the user's view
 
@@ -184,6 +185,11 @@ class Pipeline:
         return {"peak_micro_batches": self._counter.peak_micro_batches,
                 "peak_bytes": self._counter.peak_bytes,
                 "live_micro_batches": self._counter.live_micro_batches()}
+
+    def last_step_times(self):
+        """The last train_step's wall-clock seconds and the part of it this stage spent
+        waiting for other stages (for its measured bubble, waited_s / step_s)."""
+        return dict(self._last_step)
 
     def full_state_dict(self):
         """The whole model's state_dict on stage 0 (None elsewhere); collective over the
@@ -232,8 +238,11 @@ class Pipeline:
         """
         if self._failed is not None:
             raise PipelineError(f"this pipeline failed in an earlier step ({self._failed}); build a new one")
+        start, waited = time.perf_counter(), self._link.waited_s
         try:
-            return self._step(inputs, targets)
+            loss = self._step(inputs, targets)
+            self._last_step = {"step_s": time.perf_counter() - start, "waited_s": self._link.waited_s - waited}
+            return loss
         except PipelineError as exc:  # another stage failed and told us
             self._failed = str(exc)
             raise
