@@ -277,6 +277,7 @@ def plot(rows, path, conditions, p, m, single):
         stages = range(len(r["peak_bytes"]))
         right.bar([s + (i - 0.5) * width for s in stages], [b / 2**20 for b in r["peak_bytes"]], width,
                   label=r["system"])
+    right.set_xticks(range(p))
     right.set_xlabel("stage")
     right.set_ylabel("peak activation memory (MiB, measured)")
     right.set_title(f"activations held per stage, M={m}")
