@@ -9,8 +9,9 @@ Linear(hidden, hidden)+ReLU blocks, compute-heavy per layer), the same data and
 SGD step everywhere, M = --micro-batches (default 4P) micro-batches per step.
 Every system runs in its own child process with a timeout (--timeout): one that
 hangs or fails is reported as "did not complete" and the others still run.
-Each system does --runs timed runs of --steps steps after a warm-up step; the
-figure is the median samples/s of the runs. Also reported: hpcdl's measured
+--runs rounds each start every system once, in turn (so machine noise hits them
+alike), for a warm-up step and --steps timed steps; the figure is the median
+samples/s of the rounds. Also reported: hpcdl's measured
 bubble (the share of a step a stage waits for others, mean over stages)
 beside the theoretical (P-1)/(M+P-1), and the peak activation memory per stage
 (bytes of activations autograd saved, measured) of 1F1B and GPipe.
@@ -158,7 +159,7 @@ def worker_torch(args):
 
 def child_argv(args, worker, **extra):
     keep = ["--hidden", args.hidden, "--layers", args.layers, "--batch", args.batch,
-            "--micro-batches", args.micro_batches, "--steps", args.steps, "--runs", args.runs,
+            "--micro-batches", args.micro_batches, "--steps", args.steps, "--runs", 1,
             "--ranks", args.ranks, "--worker", worker]
     for key, value in extra.items():
         keep += [f"--{key}", value]
@@ -197,28 +198,48 @@ def free_port():
         return s.getsockname()[1]
 
 
-def drive(args):
-    p, m = args.ranks, args.micro_batches
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    rows = []
-    print(f"[bench] single process ...", file=sys.stderr, flush=True)
+def run_round(args, env):
+    """One timed run of every system, each in its own child: its result, or why none came."""
+    p, rows = args.ranks, []
     got, why = run_children([child_argv(args, "single")], args.timeout, env)
     rows += got or [{"system": "single process", "failure": why}]
-    print(f"[bench] hpcdl on {p} ranks ...", file=sys.stderr, flush=True)
     got, why = run_children([[args.mpiexec, "-n", str(p)] + child_argv(args, "hpcdl")], args.timeout, env)
     rows += got or [{"system": f"hpcdl {s}", "failure": why} for s in SCHEDULES]
     for schedule in SCHEDULES:
-        print(f"[bench] torch.distributed.pipelining {schedule} ...", file=sys.stderr, flush=True)
         tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         got, why = run_children([child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)],
                                 args.timeout, tenv)
         rows += got or [{"system": f"torch.distributed.pipelining {schedule}", "failure": why}]
+    return rows
+
+
+def drive(args):
+    p, m = args.ranks, args.micro_batches
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    merged = {}
+    for round_ in range(args.runs):  # systems interleaved, so machine noise hits them alike
+        print(f"[bench] round {round_ + 1} of {args.runs}", file=sys.stderr, flush=True)
+        for row in run_round(args, env):
+            into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": []})
+            if "failure" in row:
+                into["failure"] = row["failure"]
+                continue
+            into["rates"] += row["rates"]
+            into["bubbles"] += [row["bubble"]] if "bubble" in row else []
+            into.update({k: row[k] for k in ("peak_bytes", "peak_micro_batches") if k in row})
+    rows = list(merged.values())
+    for r in rows:
+        bubbles = r.pop("bubbles")
+        if bubbles:
+            r["bubble"] = statistics.median(bubbles)
+        if "failure" in r:
+            del r["rates"]
     single = next((statistics.median(r["rates"]) for r in rows if r["system"] == "single process" and "rates" in r),
                   None)
     theory = (p - 1) / (m + p - 1)
     load = os.getloadavg()[0]
     conditions = (f"{p} ranks on {os.cpu_count()} cores (load avg {load:.1f}), hidden {args.hidden}, "
-                  f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} runs x {args.steps} steps")
+                  f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.tag)
     with open(base + ".csv", "w", newline="") as f:
@@ -267,13 +288,14 @@ def plot(rows, path, conditions, p, m, single):
                       fontsize=8)
     if single:
         left.axhline(single, color="grey", linestyle="--", label="single process")
+        left.legend()
     left.set_xticks(range(len(rows)), [n.replace("torch.distributed.pipelining", "torch.pipelining") for n in names],
                     rotation=20, ha="right", fontsize=8)
     left.set_ylabel("samples/s (median of runs)")
     left.set_title(f"throughput, P={p} stages, M={m}; theoretical bubble {(p - 1) / (m + p - 1):.2f}")
-    left.legend()
     width = 0.4
-    for i, r in enumerate(r for r in rows if "peak_bytes" in r):
+    measured = [r for r in rows if "peak_bytes" in r]
+    for i, r in enumerate(measured):
         stages = range(len(r["peak_bytes"]))
         right.bar([s + (i - 0.5) * width for s in stages], [b / 2**20 for b in r["peak_bytes"]], width,
                   label=r["system"])
@@ -281,7 +303,8 @@ def plot(rows, path, conditions, p, m, single):
     right.set_xlabel("stage")
     right.set_ylabel("peak activation memory (MiB, measured)")
     right.set_title(f"activations held per stage, M={m}")
-    right.legend()
+    if measured:
+        right.legend()
     fig.suptitle(f"Pipeline parallelism: hpcdl vs torch.distributed.pipelining\n{conditions}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -295,7 +318,7 @@ def main():
     parser.add_argument("--batch", type=int, default=128, help="samples per step")
     parser.add_argument("--micro-batches", type=int, default=None, help="M (default 4P)")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=3, help="rounds; each runs every system once, in turn")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per system before it is killed")
     parser.add_argument("--mpiexec", default="mpiexec")
     parser.add_argument("--out", default="bench/results")

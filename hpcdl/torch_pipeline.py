@@ -140,11 +140,10 @@ class Pipeline:
         self.pipeline_comm, self.data_comm = pipeline_grid(comm, stages)
         self.stages, self.stage = stages, self.pipeline_comm.Get_rank()
         self.micro_batches, self.schedule = int(micro_batches), schedule
-        names = [name for name, _ in model.named_children()]
+        self.layer_names = [name for name, _ in model.named_children()]
         self.starts = _stage_starts(model, balance, stages, sample, comm)
-        self.layer_names = names
-        end = self.starts[self.stage + 1] if self.stage + 1 < stages else len(names)
-        self.module = torch.nn.Sequential(collections.OrderedDict(list(model.named_children())[self.starts[self.stage]:end]))
+        self.module = torch.nn.Sequential(collections.OrderedDict(
+            list(model.named_children())[slice(*self._layers_of(self.stage))]))
         self.loss_fn = loss_fn
         self._actions = stage_actions(schedule, stages, self.stage, self.micro_batches)
         self._link = Link(self.pipeline_comm)
@@ -153,6 +152,11 @@ class Pipeline:
         self._output_layout = None   # ... and leaving it
         self._failed = None
         self._last_step = {"step_s": 0.0, "waited_s": 0.0}
+
+    def _layers_of(self, stage):
+        """(first, end) layer indices of ``stage``."""
+        ends = self.starts[1:] + [len(self.layer_names)]
+        return self.starts[stage], ends[stage]
 
     # ------------------------------------------------------------------ the user's view
 
@@ -209,8 +213,7 @@ class Pipeline:
         parts = None
         if self.stage == 0:
             parts = [collections.OrderedDict() for _ in range(self.stages)]
-            owner = {name: s for s in range(self.stages)
-                     for name in self.layer_names[self.starts[s]:(self.starts + [len(self.layer_names)])[s + 1]]}
+            owner = {name: s for s in range(self.stages) for name in self.layer_names[slice(*self._layers_of(s))]}
             for key, value in state.items():
                 parts[owner.get(key.split(".", 1)[0], 0)][key] = value
         mine = self.pipeline_comm.scatter(parts, root=0)
@@ -317,8 +320,8 @@ class Pipeline:
                 return self.module(torch.zeros(shape, dtype=dtype, device=self._device()))
 
     def _layer_range(self):
-        end = self.starts[self.stage + 1] if not self.is_last else len(self.layer_names)
-        return f"{self.layer_names[self.starts[self.stage]]}..{self.layer_names[end - 1]}"
+        first, end = self._layers_of(self.stage)
+        return f"{self.layer_names[first]}..{self.layer_names[end - 1]}"
 
     def _device(self):
         first = next(self.module.parameters(), None)
@@ -340,15 +343,15 @@ class Pipeline:
 
     def _received(self, kind, mb):
         request, buffer = self._receives.pop((kind, mb))
+        what = f"micro-batch {mb}'s {'activation' if kind == FORWARD else 'gradient'}"
+        agreed = f"the {_describe(buffer.shape, buffer.dtype)} agreed at the first step"
         try:
             status = self._link.wait(request)
         except MPI.Exception as exc:
-            raise ValueError(f"micro-batch {mb}'s {'activation' if kind == FORWARD else 'gradient'} is larger "
-                             f"than the {_describe(buffer.shape, buffer.dtype)} agreed at the first step: {exc}") from exc
+            raise ValueError(f"{what} is larger than {agreed}: {exc}") from exc
         count = status.Get_count(MPI.BYTE)
         if count != buffer.numel() * buffer.element_size():
-            raise ValueError(f"micro-batch {mb}'s {'activation' if kind == FORWARD else 'gradient'} has {count} "
-                             f"bytes, not the {_describe(buffer.shape, buffer.dtype)} agreed at the first step")
+            raise ValueError(f"{what} has {count} bytes, not {agreed}")
         return buffer.to(self._device())
 
     def _send(self, tensor, kind, mb, dest):

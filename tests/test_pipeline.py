@@ -319,12 +319,12 @@ def test_batch_shape_changed_after_the_first_step(comm):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", ["schedule", "micro_batches"])
 def test_ranks_that_disagree_on_the_schedule(comm, setting):
-    rank = comm.Get_rank()
-    kwargs = {"schedule": "gpipe" if rank == 2 else "1f1b"} if setting == "schedule" else \
-        {"micro_batches": 4 if rank == 1 else 2}
-    kwargs.setdefault("micro_batches", 2)
+    odd_rank = 2 if setting == "schedule" else 1
+    odd = comm.Get_rank() == odd_rank
+    kwargs = {"schedule": "gpipe" if odd and setting == "schedule" else "1f1b",
+              "micro_batches": 4 if odd and setting == "micro_batches" else 2}
     expect_error_everywhere(comm, lambda: hvt.Pipeline(make_model(), F.cross_entropy, **kwargs),
-                            hpcdl.MismatchError, f"{setting} is .* on rank 0 but .* on rank {2 if setting == 'schedule' else 1}")
+                            hpcdl.MismatchError, f"{setting} is .* on rank 0 but .* on rank {odd_rank}")
 
 
 @pytest.mark.mpi(min_size=4)
