@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.torch as hvt
-from conftest import agree, outcome
+from conftest import agree, collective, outcome
 from hpcdl.pipeline import (BACKWARD, FORWARD, PipelineError, balanced_split, bubble_fraction,
                             pipeline_grid, stage_actions)
 
@@ -310,7 +310,7 @@ def test_stage_output_that_does_not_fit_the_next_stage(comm):
 @pytest.mark.timeout(120)
 def test_batch_shape_changed_after_the_first_step(comm):
     pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2)
-    train_pipeline(pipe, 1, rows=16)
+    collective(comm, train_pipeline, pipe, 1, rows=16)
     expect_error_everywhere(comm, lambda: train_pipeline(pipe, 1, rows=8), PipelineError,
                             r"stage 0 of 4 failed: .*float32\[4, 12\] but was float32\[8, 12\] at the first step")
 
@@ -334,3 +334,46 @@ def test_grid_layout(comm):
     rank = comm.Get_rank()
     got = (pipe.Get_rank(), pipe.Get_size(), data.Get_rank(), data.Get_size())
     agree(comm, got == (rank % 2, 2, rank // 2, 2), f"{got}")
+
+
+class Widen(torch.nn.Module):
+    """Appends ``extra`` copies of the first feature: a stage whose output shape the test changes."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = 0
+
+    def forward(self, x):
+        return torch.cat([x] + [x[:, :1]] * self.extra, dim=1)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(120)
+def test_stage_output_that_changes_after_the_first_step(comm):
+    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Linear(8, 8), Widen(), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 5))
+    pipe = hvt.Pipeline(model, F.cross_entropy, micro_batches=2, balance=[0, 1, 3, 4])
+    collective(comm, train_pipeline, pipe, 1)
+    model[2].extra = 1  # stage 1 (layers 1-2) now sends float32[8, 9] where float32[8, 8] was agreed
+    expect_error_everywhere(comm, lambda: train_pipeline(pipe, 1), PipelineError,
+                            r"stage 1 of 4 failed: ValueError: stage 1's output for micro-batch 0 is "
+                            r"float32\[8, 9\], not the float32\[8, 8\] agreed at the first step")
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(120)
+def test_pipeline_messages_never_match_the_users_receives(comm):
+    """The pipeline talks on a duplicate of comm: a receive of any source and tag that
+    the user posted on comm stays for the user's own message."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    pending = comm.irecv(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG)
+
+    def run():
+        pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=4, comm=comm)
+        train_pipeline(pipe, 2)
+        return max_difference(pipe, train_single(2))
+
+    diff, exc = outcome(run)
+    comm.send(("user", rank), dest=(rank + 1) % size, tag=7)
+    got = pending.wait()
+    agree(comm, exc is None and diff < 1e-5 and got == ("user", (rank - 1) % size), f"{exc!r} {diff} {got}")
