@@ -151,6 +151,7 @@ class Pipeline:
         self._input_layout = None    # (shape, dtype) of a micro-batch entering this stage
         self._output_layout = None   # ... and leaving it
         self._failed = None
+        self._closed = False
         self._last_step = {"step_s": 0.0, "waited_s": 0.0}
 
     def _layers_of(self, stage):
@@ -220,8 +221,9 @@ class Pipeline:
         _agree(self.pipeline_comm, self.module.load_state_dict, mine)
 
     def close(self):
-        """Free the pipeline's private communicator (collective over the pipeline)."""
-        self._failed = self._failed or "closed"
+        """Free the pipeline's private communicator (collective over the pipeline); the
+        stage's module and parameters stay usable, train_step() no longer."""
+        self._closed = True
         self._link.close()
 
     def __del__(self):
@@ -239,6 +241,8 @@ class Pipeline:
         pass None). Returns the mini-batch's mean loss on the last stage, None on
         the others. Any failure raises PipelineError on every stage of the pipeline.
         """
+        if self._closed:
+            raise PipelineError("this pipeline was closed")
         if self._failed is not None:
             raise PipelineError(f"this pipeline failed in an earlier step ({self._failed}); build a new one")
         start, waited = time.perf_counter(), self._link.waited_s

@@ -243,13 +243,14 @@ def test_1f1b_holds_at_most_stages_micro_batches_of_activations(comm):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
-def test_checkpoint_saves_and_loads_the_whole_model(comm):
+def test_checkpoint_saves_and_loads_the_whole_model_and_close_ends_the_pipeline(comm):
     def run():
         pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2)
         train_pipeline(pipe, 2)
         state = pipe.full_state_dict()
         fresh = hvt.Pipeline(make_model(seed=7), F.cross_entropy, micro_batches=2)
         fresh.load_full_state_dict(state)
+        pipe.close()
         return pipe, state, fresh
 
     def verify(result):
@@ -261,7 +262,10 @@ def test_checkpoint_saves_and_loads_the_whole_model(comm):
             reference = train_single(2).state_dict()
             whole = list(state) == list(reference) and all((state[k] - reference[k]).abs().max() < 1e-5
                                                            for k in reference)
-        return same_stage and whole, f"stage {pipe.stage}: loaded equal {same_stage}, whole model {whole}"
+        _, after_close = outcome(train_pipeline, pipe, 1)
+        closed = isinstance(after_close, PipelineError) and "closed" in str(after_close)
+        return same_stage and whole and closed, (f"stage {pipe.stage}: loaded equal {same_stage}, whole model "
+                                                 f"{whole}, after close(): {after_close!r}")
 
     verdict(comm, run, verify)
 
