@@ -371,3 +371,4 @@ def ddp_comm_hook(state, bucket):
     _ddp_waiter["pool"].submit(finish)
     return future
 
+from hpcdl.torch_pipeline import Pipeline, PipelineError, PipeSplit  # noqa: E402,F401 - hpcdl.torch.Pipeline

@@ -1,0 +1,337 @@
+"""Pipeline-parallel training throughput: hpcdl.torch.Pipeline (GPipe, 1F1B) vs one
+process vs torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B over gloo).
+
+    python bench/pipeline.py --out bench/results --tag pipeline
+    python bench/pipeline.py --hidden 512 --batch 64 --steps 3 --runs 3 --tag pipeline-small
+
+One host, --ranks ranks (default 4), one thread each; the same MLP (a stack of
+Linear(hidden, hidden)+ReLU blocks, compute-heavy per layer), the same data and
+SGD step everywhere, M = --micro-batches (default 4P) micro-batches per step.
+Every system runs in its own child process with a timeout (--timeout): one that
+hangs or fails is reported as "did not complete" and the others still run.
+--runs rounds each start every system once, in turn (so machine noise hits them
+alike), for a warm-up step and --steps timed steps; the figure is the median
+samples/s of the rounds. Also reported: hpcdl's measured
+bubble (the share of a step a stage waits for others, mean over stages)
+beside the theoretical (P-1)/(M+P-1), and the peak activation memory per stage
+(bytes of activations autograd saved, measured) of 1F1B and GPipe.
+Writes TAG.csv, TAG-memory.csv and TAG.png under --out; prints a table.
+"""
+
+import argparse
+import csv
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's hpcdl, not an installed one
+
+SCHEDULES = ("gpipe", "1f1b")
+RESULT = "RESULT "
+
+
+def make_model(hidden, layers, classes=10):
+    import torch
+    torch.manual_seed(0)
+    body = []
+    for _ in range(layers):
+        body += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*body, torch.nn.Linear(hidden, classes))
+
+
+def make_batch(args):
+    import torch
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(args.batch, args.hidden, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
+
+
+def timed_runs(args, step, barrier=lambda: None):
+    """samples/s of each of args.runs runs of args.steps steps, after one warm-up step."""
+    step()
+    rates = []
+    for _ in range(args.runs):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        barrier()
+        rates.append(args.steps * args.batch / (time.perf_counter() - start))
+    return rates
+
+
+# --------------------------------------------------------------------------- workers (child processes)
+
+def worker_single(args):
+    import torch
+    import torch.nn.functional as F
+    torch.set_num_threads(1)
+    model = make_model(args.hidden, args.layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = make_batch(args)
+
+    def step():
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    print(RESULT + json.dumps({"system": "single process", "rates": timed_runs(args, step)}), flush=True)
+
+
+def worker_hpcdl(args):
+    import torch
+    import torch.nn.functional as F
+    from mpi4py import MPI
+
+    import hpcdl.torch
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    x, y = make_batch(args)
+    pipes = {s: hpcdl.torch.Pipeline(make_model(args.hidden, args.layers), F.cross_entropy, args.micro_batches,
+                                     schedule=s) for s in SCHEDULES}
+    results = {}
+    for schedule, pipe in pipes.items():
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
+        bubbles = []
+
+        def step():
+            opt.zero_grad()
+            pipe.train_step(x, y)
+            opt.step()
+            times = pipe.last_step_times()
+            bubbles.append(times["waited_s"] / times["step_s"])
+
+        rates = timed_runs(args, step, comm.Barrier)
+        stats = comm.gather(pipe.activation_stats(), root=0)
+        bubble = comm.gather(statistics.median(bubbles[1:]), root=0)
+        if comm.Get_rank() == 0:
+            results[schedule] = {"system": f"hpcdl {schedule}", "rates": rates,
+                                 "bubble": statistics.mean(bubble),
+                                 "peak_bytes": [s["peak_bytes"] for s in stats],
+                                 "peak_micro_batches": [s["peak_micro_batches"] for s in stats]}
+    if comm.Get_rank() == 0:
+        for result in results.values():
+            print(RESULT + json.dumps(result), flush=True)
+
+
+def worker_torch(args):
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    from hpcdl.pipeline import balanced_split
+    torch.set_num_threads(1)
+    rank, size = args.rank, args.ranks
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    model = make_model(args.hidden, args.layers)
+    starts = balanced_split([sum(p.numel() for p in m.parameters()) for m in model], size) + [len(model)]
+    stage_module = model[starts[rank]:starts[rank + 1]]   # hpcdl's "params" cut: the same stages
+    stage = PipelineStage(stage_module, rank, size, torch.device("cpu"))
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    schedule = kind(stage, args.micro_batches, loss_fn=F.cross_entropy)
+    opt = torch.optim.SGD(stage_module.parameters(), lr=0.01)
+    x, y = make_batch(args)
+
+    def step():
+        opt.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        elif rank == size - 1:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        opt.step()
+
+    rates = timed_runs(args, step, dist.barrier)
+    if rank == 0:
+        print(RESULT + json.dumps({"system": f"torch.distributed.pipelining {args.schedule}", "rates": rates}),
+              flush=True)
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- the driver
+
+def child_argv(args, worker, **extra):
+    keep = ["--hidden", args.hidden, "--layers", args.layers, "--batch", args.batch,
+            "--micro-batches", args.micro_batches, "--steps", args.steps, "--runs", 1,
+            "--ranks", args.ranks, "--worker", worker]
+    for key, value in extra.items():
+        keep += [f"--{key}", value]
+    return [sys.executable, os.path.abspath(__file__)] + [str(a) for a in keep]
+
+
+def run_children(argvs, timeout, env=None):
+    """Start the processes, each in its own session; their RESULT lines, or the reason
+    none came (timeout: every process group killed)."""
+    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=True, env=env) for argv in argvs]
+    deadline = time.monotonic() + timeout
+    outputs, failure = [], None
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append(out)
+            if proc.returncode != 0 and failure is None:
+                failure = f"exit {proc.returncode}: {err.strip().splitlines()[-1] if err.strip() else ''}"
+        except subprocess.TimeoutExpired:
+            failure = f"did not complete in {timeout:.0f} s"
+            break
+    if failure and failure.startswith("did not complete"):
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    results = [json.loads(line[len(RESULT):]) for out in outputs for line in out.splitlines()
+               if line.startswith(RESULT)]
+    return results, failure
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_round(args, env):
+    """One timed run of every system, each in its own child: its result, or why none came."""
+    p, rows = args.ranks, []
+    got, why = run_children([child_argv(args, "single")], args.timeout, env)
+    rows += got or [{"system": "single process", "failure": why}]
+    got, why = run_children([[args.mpiexec, "-n", str(p)] + child_argv(args, "hpcdl")], args.timeout, env)
+    rows += got or [{"system": f"hpcdl {s}", "failure": why} for s in SCHEDULES]
+    for schedule in SCHEDULES:
+        tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        got, why = run_children([child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)],
+                                args.timeout, tenv)
+        rows += got or [{"system": f"torch.distributed.pipelining {schedule}", "failure": why}]
+    return rows
+
+
+def drive(args):
+    p, m = args.ranks, args.micro_batches
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    merged = {}
+    for round_ in range(args.runs):  # systems interleaved, so machine noise hits them alike
+        print(f"[bench] round {round_ + 1} of {args.runs}", file=sys.stderr, flush=True)
+        for row in run_round(args, env):
+            into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": []})
+            if "failure" in row:
+                into["failure"] = row["failure"]
+                continue
+            into["rates"] += row["rates"]
+            into["bubbles"] += [row["bubble"]] if "bubble" in row else []
+            into.update({k: row[k] for k in ("peak_bytes", "peak_micro_batches") if k in row})
+    rows = list(merged.values())
+    for r in rows:
+        bubbles = r.pop("bubbles")
+        if bubbles:
+            r["bubble"] = statistics.median(bubbles)
+        if "failure" in r:
+            del r["rates"]
+    single = next((statistics.median(r["rates"]) for r in rows if r["system"] == "single process" and "rates" in r),
+                  None)
+    theory = (p - 1) / (m + p - 1)
+    load = os.getloadavg()[0]
+    conditions = (f"{p} ranks on {os.cpu_count()} cores (load avg {load:.1f}), hidden {args.hidden}, "
+                  f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps")
+    os.makedirs(args.out, exist_ok=True)
+    base = os.path.join(args.out, args.tag)
+    with open(base + ".csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "runs_samples_per_s",
+                    "vs_single_process", "measured_bubble", "theoretical_bubble", "status", "conditions"])
+        for r in rows:
+            rate = statistics.median(r["rates"]) if "rates" in r else None
+            ranks = 1 if r["system"] == "single process" else p
+            w.writerow([r["system"], ranks, m if ranks > 1 else "", "" if rate is None else f"{rate:.2f}",
+                        " ".join(f"{x:.2f}" for x in r.get("rates", [])),
+                        f"{rate / single:.3f}" if rate and single else "",
+                        f"{r['bubble']:.3f}" if "bubble" in r else "", f"{theory:.3f}" if ranks > 1 else "",
+                        r.get("failure", "ok"), conditions])
+    with open(base + "-memory.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["schedule", "stage", "micro_batches", "peak_activation_bytes", "peak_micro_batches_held"])
+        for r in rows:
+            for stage, (nbytes, held) in enumerate(zip(r.get("peak_bytes", []), r.get("peak_micro_batches", []))):
+                w.writerow([r["system"], stage, m, nbytes, held])
+    plot(rows, base + ".png", conditions, p, m, single)
+    print(f"{'system':36} {'samples/s':>10} {'vs 1 proc':>9} {'bubble':>7} {'theory':>7}  status")
+    for r in rows:
+        rate = statistics.median(r["rates"]) if "rates" in r else None
+        print(f"{r['system']:36} {rate or 0:10.1f} {(rate / single) if rate and single else 0:9.2f} "
+              f"{r.get('bubble', float('nan')):7.3f} {theory:7.3f}  {r.get('failure', 'ok')}")
+    for r in rows:
+        if "peak_bytes" in r:
+            print(f"{r['system']}: peak activation MiB per stage "
+                  f"{[round(b / 2**20, 2) for b in r['peak_bytes']]}, micro-batches held {r['peak_micro_batches']}")
+    print(conditions)
+    print(f"wrote {base}.csv {base}-memory.csv {base}.png")
+
+
+def plot(rows, path, conditions, p, m, single):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    names = [r["system"] for r in rows]
+    rates = [statistics.median(r["rates"]) if "rates" in r else 0 for r in rows]
+    bars = left.bar(range(len(rows)), rates, color=["grey"] + ["tab:blue"] * (len(rows) - 1))
+    for bar, r in zip(bars, rows):
+        label = "did not complete" if "failure" in r else (f"bubble {r['bubble']:.2f}" if "bubble" in r else "")
+        left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                      fontsize=8)
+    if single:
+        left.axhline(single, color="grey", linestyle="--", label="single process")
+        left.legend()
+    left.set_xticks(range(len(rows)), [n.replace("torch.distributed.pipelining", "torch.pipelining") for n in names],
+                    rotation=20, ha="right", fontsize=8)
+    left.set_ylabel("samples/s (median of runs)")
+    left.set_title(f"throughput, P={p} stages, M={m}; theoretical bubble {(p - 1) / (m + p - 1):.2f}")
+    width = 0.4
+    measured = [r for r in rows if "peak_bytes" in r]
+    for i, r in enumerate(measured):
+        stages = range(len(r["peak_bytes"]))
+        right.bar([s + (i - 0.5) * width for s in stages], [b / 2**20 for b in r["peak_bytes"]], width,
+                  label=r["system"])
+    right.set_xticks(range(p))
+    right.set_xlabel("stage")
+    right.set_ylabel("peak activation memory (MiB, measured)")
+    right.set_title(f"activations held per stage, M={m}")
+    if measured:
+        right.legend()
+    fig.suptitle(f"Pipeline parallelism: hpcdl vs torch.distributed.pipelining\n{conditions}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, default=4, help="pipeline stages (P), one rank each")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=8, help="Linear+ReLU blocks")
+    parser.add_argument("--batch", type=int, default=128, help="samples per step")
+    parser.add_argument("--micro-batches", type=int, default=None, help="M (default 4P)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per run")
+    parser.add_argument("--runs", type=int, default=3, help="rounds; each runs every system once, in turn")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per system before it is killed")
+    parser.add_argument("--mpiexec", default="mpiexec")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="pipeline")
+    parser.add_argument("--worker", choices=["single", "hpcdl", "torch"], help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", choices=SCHEDULES, help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.micro_batches = args.micro_batches or 4 * args.ranks
+    if args.runs < 1 or args.steps < 1:
+        parser.error("--runs and --steps must be >= 1")
+    {"single": worker_single, "hpcdl": worker_hpcdl, "torch": worker_torch, None: drive}[args.worker](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Pipeline parallelism, the framework-neutral part: schedules, partitioning,
+the pipeline x data grid of ranks, and the point-to-point link between stages.
+
+The PyTorch stage runner is hpcdl.torch_pipeline (``hpcdl.torch.Pipeline``);
+docs/pipeline.md describes the design and its costs.
+
+The link uses mpi4py non-blocking point-to-point on a duplicate of the
+pipeline communicator, not hpcdl's engine: messages of one pipeline can never
+match anyone else's, and receives are posted ahead so that transfers overlap
+the stage's compute. Waiting polls with a backoff sleep (as the engine does),
+so ranks that share cores leave them to compute, and watches for an abort
+message: a stage that fails tells every other stage, which raise too, instead
+of waiting forever for a message that will not come.
+"""
+
+import time
+
+from mpi4py import MPI
+
+from hpcdl.errors import HpcdlError
+
+__all__ = ["PipelineError", "SCHEDULES", "stage_actions", "bubble_fraction", "balanced_split", "pipeline_grid"]
+
+SCHEDULES = ("gpipe", "1f1b")
+FORWARD, BACKWARD = "F", "B"
+
+# Tags on the link's private communicator: two reserved, then two per micro-batch.
+_ABORT_TAG, _HEADER_TAG, _FIRST_DATA_TAG = 1, 2, 4
+_MAX_WAIT_SLEEP_S = 200e-6
+_ABORT_BYTES = 4096
+_HEADER_BYTES = 4096
+
+
+class PipelineError(HpcdlError):
+    """A pipeline step failed on some stage; raised on every stage of the pipeline."""
+
+
+def max_micro_batches():
+    """The most micro-batches the link's tags can tell apart (MPI guarantees tags up to 32767)."""
+    tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767
+    return (tag_ub - _FIRST_DATA_TAG) // 2
+
+
+def data_tag(direction, micro_batch):
+    """The tag of micro-batch ``micro_batch``'s activation (FORWARD) or its gradient (BACKWARD)."""
+    return _FIRST_DATA_TAG + 2 * micro_batch + (direction == BACKWARD)
+
+
+def stage_actions(name, stages, stage, micro_batches):
+    """The ordered actions [(FORWARD|BACKWARD, micro-batch)] of ``stage`` in one step.
+
+    gpipe: every forward, then every backward. 1f1b: stage s runs
+    min(stages - s - 1, M) forwards ahead, then alternates one forward and one
+    backward, then drains the backwards: it holds at most stages - s
+    micro-batches of activations at once instead of M.
+    """
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    m = micro_batches
+    if name == "gpipe":
+        return [(FORWARD, i) for i in range(m)] + [(BACKWARD, i) for i in range(m)]
+    warmup = min(stages - stage - 1, m)
+    actions = [(FORWARD, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [(FORWARD, warmup + i), (BACKWARD, i)]
+    return actions + [(BACKWARD, i) for i in range(m - warmup, m)]
+
+
+def bubble_fraction(stages, micro_batches):
+    """The idle share of a step with equal stages and free transfers: (P-1)/(M+P-1)."""
+    return (stages - 1) / (micro_batches + stages - 1)
+
+
+def balanced_split(costs, parts):
+    """Start indices of ``parts`` contiguous non-empty groups of ``costs`` whose largest sum is
+    the smallest possible (ties: earlier boundaries). O(len(costs)^2 * parts)."""
+    n = len(costs)
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot cut {n} layers into {parts} non-empty stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    inf = float("inf")
+    # best[k][j]: the smallest largest-sum cutting the first j layers into k groups
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for j in range(k, n - (parts - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    starts, j = [], n
+    for k in range(parts, 0, -1):
+        j = cut[k][j]
+        starts.append(j)
+    return starts[::-1]
+
+
+def pipeline_grid(comm, stages):
+    """Split ``comm`` into a grid of stages x replicas: (pipeline comm, data comm).
+
+    Rank r is stage r % stages of replica r // stages, so a pipeline's stages
+    are neighbouring ranks (usually one node); the data communicator joins the
+    ranks that hold the same stage. Collective over ``comm``.
+    """
+    size = comm.Get_size()
+    if stages < 1 or size % stages:
+        raise ValueError(f"{stages} pipeline stages do not divide the {size} ranks of the communicator")
+    rank = comm.Get_rank()
+    pipe = comm.Split(color=rank // stages, key=rank % stages)
+    data = comm.Split(color=rank % stages, key=rank // stages)
+    return pipe, data
+
+
+class Link:
+    """Non-blocking point-to-point between the stages of one pipeline, on a private
+    duplicate of ``comm`` (collective over ``comm``), with an abort channel."""
+
+    def __init__(self, comm):
+        self.comm = comm.Dup()
+        self.rank = self.comm.Get_rank()
+        self._abort_buffer = bytearray(_ABORT_BYTES)
+        self._abort = self.comm.Irecv([self._abort_buffer, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_ABORT_TAG)
+        self._abort_sends = []
+        self.aborted = None
+        self.waited_s = 0.0  # time blocked waiting for other stages (the bubble, measured)
+
+    def recv(self, buffer, source, tag):
+        """Post a receive of raw bytes into ``buffer`` (a writable uint8 array)."""
+        return self.comm.Irecv([buffer, MPI.BYTE], source=source, tag=tag)
+
+    def send(self, buffer, dest, tag):
+        return self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=tag)
+
+    def send_object(self, obj, dest):
+        return self.comm.isend(obj, dest=dest, tag=_HEADER_TAG)
+
+    def recv_object(self, source):
+        request = self.comm.irecv(bytearray(_HEADER_BYTES), source=source, tag=_HEADER_TAG)
+        return self._poll(request.test)
+
+    def wait(self, request):
+        """Wait for a request from Irecv/Isend; returns its status. Raises PipelineError
+        as soon as another stage aborts."""
+        status = MPI.Status()
+        self._poll(lambda: (request.Test(status), None))
+        return status
+
+    def _poll(self, test):
+        delay, start = 0.0, time.perf_counter()
+        while True:
+            done, value = test()
+            if done:
+                self.waited_s += time.perf_counter() - start
+                return value
+            self.check_abort()
+            time.sleep(delay)
+            delay = min(max(2 * delay, 1e-6), _MAX_WAIT_SLEEP_S)
+
+    def check_abort(self):
+        status = MPI.Status()
+        if self.aborted is None and self._abort and self._abort.Test(status):
+            self.aborted = self._abort_buffer[:status.Get_count(MPI.BYTE)].decode(errors="replace")
+        if self.aborted is not None:
+            raise PipelineError(self.aborted)
+
+    def abort(self, message):
+        """Tell every other rank of the pipeline that this step failed (never waits)."""
+        data = bytearray(message.encode()[:_ABORT_BYTES])
+        self.aborted = message
+        for rank in range(self.comm.Get_size()):
+            if rank != self.rank:
+                self._abort_sends.append((self.comm.Isend([data, MPI.BYTE], dest=rank, tag=_ABORT_TAG), data))
+
+    def cancel(self):
+        """Withdraw the abort receive (local; the link cannot report aborts afterwards)."""
+        if self._abort and not MPI.Is_finalized():
+            self._abort.Cancel()
+            self._abort.Wait()
+
+    def close(self):
+        """Withdraw the abort receive and free the private communicator (collective)."""
+        self.cancel()
+        self.comm.Free()
