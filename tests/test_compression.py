@@ -123,6 +123,23 @@ def test_non_finite_inputs_leave_a_finite_residual(codec):
     np.testing.assert_array_equal(err[~bad], x[~bad] - out[~bad])
 
 
+def test_topk_unsent_non_finite_values_leave_the_residual():
+    """More NaN/Inf than k: the k sent propagate, the rest are 0 in the residual
+    (the engine's error-feedback path), never NaN or Inf carried to the next step."""
+    codec = TopK(0.002)  # k = 2 of 1000
+    x = np.linspace(-1, 1, 1000).astype(np.float32)
+    specials = [7, 100, 400, 401, 999]
+    x[specials] = [np.nan, np.inf, -np.inf, np.nan, np.inf]
+    enc, out, err = roundtrip(codec, x)
+    sent = enc[:8].view(np.uint32)
+    np.testing.assert_array_equal(sent, [7, 401])  # NaN ranks above Inf
+    assert np.isnan(out[7]) and np.isnan(out[401]) and np.count_nonzero(out) == 2
+    assert np.all(np.isfinite(err))
+    np.testing.assert_array_equal(err[specials], 0)
+    rest = np.setdiff1d(np.arange(1000), specials)
+    np.testing.assert_array_equal(err[rest], x[rest])
+
+
 def test_int8_tiny_blocks_keep_zeros_and_stay_within_the_bound():
     """Blocks whose absmax is below 127/FLT_MAX (~3.7e-37, where 127/absmax
     overflows) down to subnormals: zeros decode to zero, the rest within half a

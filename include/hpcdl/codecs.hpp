@@ -170,25 +170,29 @@ inline void load_values(const float* __restrict__ x, const float* __restrict__ a
 
 constexpr std::size_t kCodecPiece = 256;  // values staged on the stack at a time
 
-inline bool is_finite_bits(float v) { return (float_to_bits(v) & 0x7f800000u) != 0x7f800000u; }
-
 // err = (v - d) * err_scale, or 0 where that is not finite: a NaN or Inf
 // input, or a value the codec cannot hold (fp16 above 65504), reaches this
 // step's result through d, but never the residual that every later step adds
 // back (error feedback would otherwise turn one overflow into NaN for good).
+// The loop only tracks the largest |err| bits (an integer max); the fix-up
+// pass runs only for a piece that holds a NaN or Inf.
 inline void residual_or_zero(const float* __restrict__ v, const float* __restrict__ d, std::size_t n,
                              float err_scale, float* __restrict__ err) {
+  std::uint32_t largest = 0;
   if (err_scale != 1.0f) {
     for (std::size_t i = 0; i < n; ++i) {
-      const float e = (v[i] - d[i]) * err_scale;
-      err[i] = is_finite_bits(e) ? e : 0.0f;
+      err[i] = (v[i] - d[i]) * err_scale;
+      largest = std::max(largest, float_to_bits(err[i]) & 0x7fffffffu);
     }
   } else {
     for (std::size_t i = 0; i < n; ++i) {
-      const float e = v[i] - d[i];
-      err[i] = is_finite_bits(e) ? e : 0.0f;
+      err[i] = v[i] - d[i];
+      largest = std::max(largest, float_to_bits(err[i]) & 0x7fffffffu);
     }
   }
+  if (largest < 0x7f800000u) return;
+  for (std::size_t i = 0; i < n; ++i)
+    if (!std::isfinite(err[i])) err[i] = 0.0f;
 }
 
 }  // namespace detail
@@ -312,21 +316,13 @@ class Int8Codec {
     }
   }
 
-  // err = (v - q * unit) * err_scale, or 0 where that is not finite (every
-  // value of a block with scale NaN; see detail::residual_or_zero); unit is
-  // the scale in v's units.
+  // err = (v - q * unit) * err_scale; unit is the scale in v's units.
   static void quantization_error(const float* __restrict__ v, const std::int8_t* __restrict__ q, std::size_t n,
                                  float unit, float err_scale, float* __restrict__ err) {
     if (err_scale != 1.0f) {
-      for (std::size_t i = 0; i < n; ++i) {
-        const float e = (v[i] - static_cast<float>(q[i]) * unit) * err_scale;
-        err[i] = detail::is_finite_bits(e) ? e : 0.0f;
-      }
+      for (std::size_t i = 0; i < n; ++i) err[i] = (v[i] - static_cast<float>(q[i]) * unit) * err_scale;
     } else {
-      for (std::size_t i = 0; i < n; ++i) {
-        const float e = v[i] - static_cast<float>(q[i]) * unit;
-        err[i] = detail::is_finite_bits(e) ? e : 0.0f;
-      }
+      for (std::size_t i = 0; i < n; ++i) err[i] = v[i] - static_cast<float>(q[i]) * unit;
     }
   }
 
@@ -350,6 +346,10 @@ class Int8Codec {
       // scale: what decode multiplies by; inv and scale * shift: the same in the staged values' units.
       const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
       const float inv = finite && amax > 0 ? 127.0f / (amax * shift) : 0.0f;
+      // |error| <= scale (stochastic rounding; half that for nearest), so this
+      // bounds every err of the block; it fails for a NaN scale. Such a block
+      // decodes as NaN and leaves a zero residual (detail::residual_or_zero).
+      const bool residual_finite = std::isfinite(2.0f * scale * err_scale);
       std::memcpy(scales + b, &scale, sizeof(float));
       // The block again, a piece at a time (it is in cache): stage v, then quantize.
       for (std::size_t p = 0; p < len; p += detail::kCodecPiece) {
@@ -358,7 +358,8 @@ class Int8Codec {
         if (tiny)
           for (std::size_t i = 0; i < m; ++i) v[i] *= shift;
         quantize(v, m, at, inv, base, q + at);
-        if (err) quantization_error(v, q + at, m, scale * shift, err_scale / shift, err + at);
+        if (err && residual_finite) quantization_error(v, q + at, m, scale * shift, err_scale / shift, err + at);
+        if (err && !residual_finite) std::memset(err + at, 0, m * sizeof(float));
         if (replace) dequantize(q + at, m, scale, replace + at);
       }
     }
