@@ -174,23 +174,26 @@ constexpr std::size_t kCodecPiece = 256;  // values staged on the stack at a tim
 // input, or a value the codec cannot hold (fp16 above 65504), reaches this
 // step's result through d, but never the residual that every later step adds
 // back (error feedback would otherwise turn one overflow into NaN for good).
-// The loop only tracks the largest |err| bits (an integer max); the fix-up
-// pass runs only for a piece that holds a NaN or Inf.
+// The loop only ORs (exponent bits + 1 ulp of exponent), whose bit 31 is set
+// by an all-ones exponent (NaN, Inf): integer ops that vectorize with SSE2;
+// the fix-up pass runs only for a piece that holds a NaN or Inf.
 inline void residual_or_zero(const float* __restrict__ v, const float* __restrict__ d, std::size_t n,
                              float err_scale, float* __restrict__ err) {
-  std::uint32_t largest = 0;
+  std::uint32_t exponents = 0;
   if (err_scale != 1.0f) {
     for (std::size_t i = 0; i < n; ++i) {
-      err[i] = (v[i] - d[i]) * err_scale;
-      largest = std::max(largest, float_to_bits(err[i]) & 0x7fffffffu);
+      const float e = (v[i] - d[i]) * err_scale;
+      err[i] = e;
+      exponents |= (float_to_bits(e) & 0x7f800000u) + 0x00800000u;
     }
   } else {
     for (std::size_t i = 0; i < n; ++i) {
-      err[i] = v[i] - d[i];
-      largest = std::max(largest, float_to_bits(err[i]) & 0x7fffffffu);
+      const float e = v[i] - d[i];
+      err[i] = e;
+      exponents |= (float_to_bits(e) & 0x7f800000u) + 0x00800000u;
     }
   }
-  if (largest < 0x7f800000u) return;
+  if (!(exponents & 0x80000000u)) return;
   for (std::size_t i = 0; i < n; ++i)
     if (!std::isfinite(err[i])) err[i] = 0.0f;
 }
