@@ -60,19 +60,17 @@ def _local_comm():
     return _world["local"]
 
 
-_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "PMI_LOCAL_RANK")
-
-
 def local_rank():
     """This process's rank among the ranks on the same node (for device selection).
 
-    Read from the launcher's environment (mpiexec, srun) when it says; else
-    found with a shared-memory split of the communicator, which is collective.
+    From MPI itself: a shared-memory split (MPI_Comm_split_type) of the
+    communicator given to init(), ordered by rank. Collective on the first
+    call of local_rank() or local_size() (every rank of that communicator
+    calls it), cached after. Launcher variables (SLURM_LOCALID,
+    OMPI_COMM_WORLD_LOCAL_RANK, ...) are not read: a process inherits them
+    from an enclosing job step, so under another launcher they can name
+    rank 0 on every process of a node.
     """
-    if _world["comm"] == MPI.COMM_WORLD:
-        for var in _LOCAL_RANK_VARS:
-            if os.environ.get(var, "").isdigit():
-                return int(os.environ[var])
     return _local_comm().Get_rank()
 
 

@@ -7,6 +7,7 @@ protocol and must be C-contiguous; reductions happen in place.
 """
 
 import os
+import re
 
 from mpi4py import MPI
 
@@ -26,9 +27,13 @@ _SETTINGS = {
 
 
 def _checked(key, value, source):
-    """value as the setting's type, or ValueError naming source when it is not a number in bounds."""
+    """value as the setting's type, or ValueError naming source when it is not a number in bounds.
+    Integer text must be decimal digits only (no sign, space or '_'): the rule
+    the C++ side (include/hpcdl/env.hpp) reads the same variables by."""
     kind, low, high, _ = _SETTINGS[key]
     try:
+        if kind is int and isinstance(value, str) and not re.fullmatch(r"[0-9]+", value):
+            raise ValueError(value)
         value = kind(value)
     except (TypeError, ValueError):
         value = None

@@ -168,8 +168,12 @@ class _DistributedOptimizerMixin:
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
     def _backward_done(self):
-        with self._lock:
-            self._release_incomplete()
+        """End of the backward pass that completed the step's gradients: the
+        allreduce finishes here, so .grad holds the averaged gradients when
+        backward() returns, for whatever reads them before step(): GradScaler's
+        unscale_ and its inf check (then the same on every rank), gradient
+        clipping. step() itself then only steps."""
+        self.synchronize()
 
     def _release_incomplete(self):
         """Announced buckets that are not full go as they are (under self._lock)."""
@@ -192,13 +196,17 @@ class _DistributedOptimizerMixin:
                                      dtype=bucket.core_dtype, deferred=deferred, **_optional(self._compression))
 
     def synchronize(self):
-        """Finish the gradient allreduce of this step; step() calls it when you have not.
+        """Finish the gradient allreduce of this step (the end of backward does;
+        step() does when no backward ran). Does nothing when the gradients are
+        already reduced and no backward ran since.
 
         Every bucket runs on every rank every step. A parameter whose hook did
         not fire this step contributes its current .grad, or zeros when it has
         none, and ends with the reduced gradient in .grad like the others.
         """
         with self._lock:
+            if self._synchronized:
+                return
             self._release_incomplete()  # backward raised before its end
             for bucket in self._buckets:
                 if bucket.handle is None:  # no backward this step

@@ -359,3 +359,18 @@ def test_barrier_waits_for_everyone():
 def test_large_message_default_chunks():
     ok, detail = check_allreduce(WORLD, 3 * (1 << 20) + 17, "float32", "sum")
     agree(WORLD, ok, detail)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_integer_sums_wrap_like_numpy(dtype):
+    """Integer sums that overflow wrap modulo 2^bits (as MPI_SUM does), not undefined behaviour."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    info = np.iinfo(dtype)
+    base = np.array([info.max, info.max - 7, info.min, info.min + 3, 1, -1], dtype)
+    data = base - np.array(rank % 2, dtype) * np.array([0, 0, 0, 0, 0, 1], dtype)
+    with np.errstate(over="ignore"):
+        expected = np.zeros_like(base)
+        for r in range(size):
+            expected += base - np.array(r % 2, dtype) * np.array([0, 0, 0, 0, 0, 1], dtype)  # numpy wraps
+    hpcdl.allreduce(data, name=f"wrap.{dtype}")
+    agree(WORLD, np.array_equal(data, expected), f"{data} vs {expected}")

@@ -72,7 +72,10 @@ def test_bad_communicator_and_configuration():
 @pytest.mark.parametrize("variable, value", [("HPCDL_CHUNK_BYTES", "4MiB"), ("HPCDL_CHUNK_BYTES", "8"),
                                              ("HPCDL_STALL_ERROR_SECONDS", "-1"), ("HPCDL_WAIT_SLEEP_US", "2OO"),
                                              ("HPCDL_ENGINE_SLICE_US", "-5"),
-                                             ("HPCDL_ENGINE_SLICE_US", "1000000")])
+                                             ("HPCDL_ENGINE_SLICE_US", "1000000"),
+                                             # digits only: C++ (env.hpp) reads these by the same rule
+                                             ("HPCDL_WAIT_SLEEP_US", "1_000"), ("HPCDL_WAIT_SLEEP_US", " 50"),
+                                             ("HPCDL_ENGINE_SLICE_US", "+100"), ("HPCDL_CHUNK_BYTES", "65_536")])
 def test_bad_environment_setting_fails_at_import_naming_it(variable, value):
     env = dict(os.environ, **{variable: value})
     out = subprocess.run([sys.executable, "-c", "import hpcdl"], env=env, capture_output=True, text=True, timeout=120)

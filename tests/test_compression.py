@@ -103,6 +103,60 @@ def test_int8_stochastic_rounding_is_reproducible_and_unbiased():
     assert np.abs(mean - x).mean() < 0.05 * step.mean()
 
 
+@pytest.mark.parametrize("codec", [Int8(block=16), Int8(block=16, rounding="stochastic", seed=3), FP16(), BF16()],
+                         ids=str)
+def test_non_finite_inputs_leave_a_finite_residual(codec):
+    """NaN, Inf and values the codec cannot hold (fp16 1e5, bf16 3.4e38) decode as
+    non-finite (per element; per block for int8), and their residual is 0, never
+    Inf or NaN that error feedback would add back at every later step."""
+    x = np.linspace(-2, 2, 64).astype(np.float32)
+    x[3], x[21], x[40], x[50] = np.inf, np.nan, 1e5, 3.4e38
+    _, out, err = roundtrip(codec, x)
+    assert np.all(np.isfinite(err))
+    bad = ~np.isfinite(out)
+    if codec.name == "int8":
+        expected_bad = np.repeat(~np.isfinite(block_absmax(x, 16)[::16]), 16)  # blocks 0 and 1; 2 and 3 hold big values
+        np.testing.assert_array_equal(bad, expected_bad)
+    else:
+        assert bad[[3, 21]].all() and bad[50] and bad[40] == (codec.name == "fp16")
+    np.testing.assert_array_equal(err[bad], 0)
+    np.testing.assert_array_equal(err[~bad], x[~bad] - out[~bad])
+
+
+def test_topk_unsent_non_finite_values_leave_the_residual():
+    """More NaN/Inf than k: the k sent propagate, the rest are 0 in the residual
+    (the engine's error-feedback path), never NaN or Inf carried to the next step."""
+    codec = TopK(0.002)  # k = 2 of 1000
+    x = np.linspace(-1, 1, 1000).astype(np.float32)
+    specials = [7, 100, 400, 401, 999]
+    x[specials] = [np.nan, np.inf, -np.inf, np.nan, np.inf]
+    enc, out, err = roundtrip(codec, x)
+    sent = enc[:8].view(np.uint32)
+    np.testing.assert_array_equal(sent, [7, 401])  # NaN ranks above Inf
+    assert np.isnan(out[7]) and np.isnan(out[401]) and np.count_nonzero(out) == 2
+    assert np.all(np.isfinite(err))
+    np.testing.assert_array_equal(err[specials], 0)
+    rest = np.setdiff1d(np.arange(1000), specials)
+    np.testing.assert_array_equal(err[rest], x[rest])
+
+
+def test_int8_tiny_blocks_keep_zeros_and_stay_within_the_bound():
+    """Blocks whose absmax is below 127/FLT_MAX (~3.7e-37, where 127/absmax
+    overflows) down to subnormals: zeros decode to zero, the rest within half a
+    step (plus the rounding of a subnormal scale: 128 half-ulps of 2^-149)."""
+    codec = Int8(block=8)
+    rng = np.random.default_rng(4)
+    for amax in (3e-37, 1e-38, 1e-40, 1e-43, 1e-30):
+        x = (rng.uniform(-1, 1, 64) * amax).astype(np.float32)
+        x[::3] = 0
+        x[5] = amax
+        _, out, err = roundtrip(codec, x)
+        assert np.all(out[x == 0] == 0), amax
+        bound = block_absmax(x, 8) / 254 * (1 + 1e-6) + 2.0 ** -142
+        assert np.all(np.abs(out - x) <= bound), (amax, np.abs(out - x).max())
+        np.testing.assert_array_equal(err, x - out)
+
+
 @pytest.mark.parametrize("codec,np_type", [(FP16(), np.float16), (BF16(), ml_dtypes.bfloat16)])
 def test_casts_equal_numpy_casts_bitwise(codec, np_type):
     x = np.random.default_rng(1).standard_normal(1001).astype(np.float32) * 100
@@ -397,6 +451,38 @@ def test_nan_and_inf_propagate_without_hanging(codec):
     same = len(set(WORLD.allgather(digest(data)))) == 1
     agree(WORLD, same and not np.isfinite(data[5]) and not np.isfinite(data[700]) and np.isfinite(data[300]),
           f"{data[[5, 700, 300]]}, same {same}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec,bad", [(FP16(), 1e5), (FP16(), np.inf), (BF16(), np.nan), (Int8(block=16), np.inf),
+                                       (Int8(block=512), np.nan), (TopK(0.1), np.inf), (TopK(0.002), np.nan)],
+                         ids=lambda v: str(v))
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_one_non_finite_step_does_not_poison_error_feedback(codec, bad, op):
+    """One step where rank 0's g[3] and g[1500:1510] are non-finite (AMP's loss
+    scaling makes such steps on purpose; top-k(0.002) keeps 4 of these 11): that
+    step's result is non-finite at g[3], every later step with all-ones inputs
+    is finite on every rank, and so is every residual."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    hpcdl.compression.reset_state()
+    name = f"ef.poison.{codec}.{op}"
+    count, problems = 2000, []
+    for step in range(4):
+        g = np.ones(count, np.float32)
+        if step == 0 and rank == 0:
+            g[3] = g[1500:1510] = bad
+        hpcdl.allreduce(g, op=op, name=name, compression=codec)
+        residual = hpcdl.compression.residual(name)
+        if not np.all(np.isfinite(residual)):
+            problems.append(f"step {step}: {np.count_nonzero(~np.isfinite(residual))} non-finite residuals")
+        if step == 0 and np.isfinite(g[3]):
+            problems.append(f"step 0: g[3] = {g[3]}, the non-finite input was hidden")
+        if step > 0 and not np.all(np.isfinite(g)):
+            problems.append(f"step {step}: {np.count_nonzero(~np.isfinite(g))} non-finite results, g[3] = {g[3]}")
+        if step > 0 and codec.name != "topk" and not np.allclose(g, size if op == "sum" else 1, rtol=1e-2):
+            problems.append(f"step {step}: results {g.min()}..{g.max()}")
+    hpcdl.compression.reset_state()
+    agree(WORLD, not problems, problems)
 
 
 @pytest.mark.mpi(min_size=2)

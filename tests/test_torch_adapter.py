@@ -83,6 +83,40 @@ def train_reference(steps, per_rank, size, dtype=torch.float32):
     return model
 
 
+def train_amp(comm, steps, per_rank, size, inf_step, inf_rank, clip=None, distributed=True):
+    """The usual AMP loop with torch.amp.GradScaler: scale(loss).backward(), then
+    step() and update(), nothing else. Rank inf_rank's loss is Inf at inf_step
+    (the step every rank must skip). With clip, the unscale_-then-clip pattern.
+    distributed=False: one process over the whole global batch (the reference)."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if distributed:
+        opt = hvt.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=512, comm=comm, name="amp")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    rank = comm.Get_rank() if distributed else 0
+    shares = [rank] if distributed else list(range(size))
+    scales, skipped = [], []
+    for step in range(steps):
+        x, y = full_batch(step, per_rank, size)
+        opt.zero_grad()
+        losses = []
+        for r in shares:
+            loss = loss_of(model, x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank])
+            losses.append(loss * float("inf") if (step, r) == (inf_step, inf_rank) else loss)
+        before = params_digest(model)
+        scaler.scale(sum(losses) / len(losses)).backward()
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(params_digest(model) == before)
+    if distributed:
+        opt.remove_hooks()
+    return model, scales, skipped
+
+
 def max_difference(a, b):
     return max(float((p.detach().double() - q.detach().double()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
@@ -129,16 +163,37 @@ def test_gradient_accumulation_over_backward_passes():
     assert max_difference(got, want) < 1e-5
 
 
-def test_second_backward_before_step_is_an_error():
-    model = make_model()
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+def test_backward_returns_reduced_gradients_and_a_second_backward_reduces_again():
+    """The allreduce finishes at the end of backward, so .grad is already reduced
+    when backward() returns; a second backward before step() adds its gradients
+    and reduces again (one allreduce per backward), and step() applies the total."""
+    got, want = make_model(), make_model()
+    opt = hvt.DistributedOptimizer(torch.optim.SGD(got.parameters(), lr=0.1), got.named_parameters(),
                                    comm=MPI.COMM_SELF, name="twice")
+    ref = torch.optim.SGD(want.parameters(), lr=0.1)
     x, y = full_batch(0, 4, 1)
-    loss_of(model, x, y).backward()
-    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+    hpcdl.stats(reset=True)
+    for model in (got, want):
         loss_of(model, x, y).backward()
-    opt.synchronize()  # the launched buckets finish; the wrapper stays usable
+        loss_of(model, x[:2], y[:2]).backward()
+    ops = sum(row["ops"] for row in hpcdl.stats()["allreduce"].values())
+    opt.step()
+    ref.step()
     opt.remove_hooks()
+    assert ops == 2 * len(opt.bucket_layout())
+    assert params_digest(got) == params_digest(want)
+
+
+def test_grad_scaler_single_process_equals_plain_amp():
+    """GradScaler's usual pattern, unchanged: the same parameters and scales as
+    plain AMP training, through a skipped step (Inf loss) and with unscale_ + clipping."""
+    for clip in (None, 0.05):
+        got, got_scales, got_skipped = train_amp(MPI.COMM_SELF, 4, 8, 1, inf_step=1, inf_rank=0, clip=clip)
+        want, want_scales, want_skipped = train_amp(MPI.COMM_SELF, 4, 8, 1, inf_step=1, inf_rank=0, clip=clip,
+                                                    distributed=False)
+        assert got_skipped == want_skipped == [False, True, False, False]
+        assert got_scales == want_scales
+        assert params_digest(got) == params_digest(want), clip
 
 
 def test_bad_arguments():
@@ -173,6 +228,24 @@ def test_accumulation_under_mpi_equals_reference():
     # each rank's half-batches are consecutive rows of its share: same global batch as the reference
     diff = max_difference(got, want)
     agree(WORLD, diff < 2e-5, f"max diff {diff}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_grad_scaler_equals_single_process_amp_and_skips_on_every_rank(clip):
+    """scale(loss).backward(); [unscale_ + clip;] step(); update(): the same parameters as
+    single-process AMP training on the concatenated batch; the Inf on the last rank at
+    step 1 makes every rank skip that step and halve its scale."""
+    size = WORLD.Get_size()
+    got, scales, skipped = collective(WORLD, train_amp, WORLD, 5, 6, size, inf_step=1, inf_rank=size - 1, clip=clip)
+    want, want_scales, want_skipped = train_amp(WORLD, 5, 6, size, inf_step=1, inf_rank=size - 1, clip=clip,
+                                                distributed=False)
+    diff = max_difference(got, want)
+    views = WORLD.allgather((params_digest(got), scales, skipped))
+    agree(WORLD, diff < 2e-5 and len({repr(v) for v in views}) == 1 and skipped == want_skipped
+          and want_skipped[1] and not any(want_skipped[2:]) and scales == want_scales,
+          f"max diff {diff}, skipped {skipped} vs {want_skipped}, scales {scales} vs {want_scales}, "
+          f"{len({repr(v) for v in views})} distinct views")
 
 
 @pytest.mark.mpi(min_size=2)

@@ -26,7 +26,8 @@ inline Status codec_encoded_bytes(const std::string& text, std::size_t n, std::s
   return Status::OK();
 }
 
-// err (optional, n floats): x - decode(encoded). stream keys stochastic rounding.
+// err (optional, n floats): x - decode(encoded), 0 where that is not finite (the
+// residual rule, codecs.hpp). stream keys stochastic rounding.
 inline Status codec_encode(const std::string& text, const float* x, std::size_t n, std::uint8_t* out, float* err,
                            std::uint64_t stream) {
   CodecSpec spec;
@@ -42,12 +43,15 @@ inline Status codec_encode(const std::string& text, const float* x, std::size_t 
     case CodecKind::kTopK: {
       const std::size_t k = topk_count(n, spec.ratio);
       thread_local TopkScratch scratch;  // reused, as the engine does
-      topk_encode(x, n, k, out, scratch);
-      if (err) {
-        std::memcpy(err, x, n * sizeof(float));
-        const std::uint32_t* idx = topk_indices(out);
-        for (std::size_t j = 0; j < k; ++j) err[idx[j]] = 0;
+      if (!err) {
+        topk_encode(x, n, k, out, scratch);
+        break;
       }
+      // The engine's error-feedback path, from a zero residual: err = x (NaN/Inf as 0), the k sent zeroed.
+      std::memset(err, 0, n * sizeof(float));
+      std::uint32_t* idx = topk_indices(out);
+      TopkSelector(n, k, scratch).select_with_residual(x, err, idx, topk_values(out, k));
+      for (std::size_t j = 0; j < k; ++j) err[idx[j]] = 0;
       break;
     }
   }

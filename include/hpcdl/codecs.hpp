@@ -9,7 +9,9 @@
 //   int8        : ceil(n/block) x float32 scale, then n x int8. Block b covers
 //                 values [b*block, (b+1)*block); scale = absmax/127; value =
 //                 q * scale. A block holding NaN or +-Inf gets scale NaN: all of
-//                 its values decode as NaN (propagated, never hidden).
+//                 its values decode as NaN (propagated, never hidden). A block
+//                 whose absmax is below 2^-100 is quantized at 2^64 times its
+//                 size (127/absmax would overflow); its scale may be subnormal.
 //   topk        : k x uint32 index (ascending), then k x float32 value.
 //
 // The kernels are plain loops over contiguous arrays that the compiler
@@ -124,7 +126,8 @@ inline float round_nearest_small(float v) {
 
 // The codec interface the compressed ring uses (Int8Codec, CastCodec):
 //   encode(x, add, n, out, err, stream): encodes v = x + add (add optional);
-//       err (optional, may be the same array as add) receives v - decode(out).
+//       err (optional, may be the same array as add) receives v - decode(out),
+//       or 0 where that is not finite (see residual_or_zero).
 //   encode_in_place(x, n, out, err, err_scale, stream): encodes x, then x
 //       receives decode(out) and err (optional) (x - decode(out)) * err_scale.
 //   decode(in, n, out)
@@ -166,6 +169,34 @@ inline void load_values(const float* __restrict__ x, const float* __restrict__ a
 }
 
 constexpr std::size_t kCodecPiece = 256;  // values staged on the stack at a time
+
+// err = (v - d) * err_scale, or 0 where that is not finite: a NaN or Inf
+// input, or a value the codec cannot hold (fp16 above 65504), reaches this
+// step's result through d, but never the residual that every later step adds
+// back (error feedback would otherwise turn one overflow into NaN for good).
+// The loop only ORs (exponent bits + 1 ulp of exponent), whose bit 31 is set
+// by an all-ones exponent (NaN, Inf): integer ops that vectorize with SSE2;
+// the fix-up pass runs only for a piece that holds a NaN or Inf.
+inline void residual_or_zero(const float* __restrict__ v, const float* __restrict__ d, std::size_t n,
+                             float err_scale, float* __restrict__ err) {
+  std::uint32_t exponents = 0;
+  if (err_scale != 1.0f) {
+    for (std::size_t i = 0; i < n; ++i) {
+      const float e = (v[i] - d[i]) * err_scale;
+      err[i] = e;
+      exponents |= (float_to_bits(e) & 0x7f800000u) + 0x00800000u;
+    }
+  } else {
+    for (std::size_t i = 0; i < n; ++i) {
+      const float e = v[i] - d[i];
+      err[i] = e;
+      exponents |= (float_to_bits(e) & 0x7f800000u) + 0x00800000u;
+    }
+  }
+  if (!(exponents & 0x80000000u)) return;
+  for (std::size_t i = 0; i < n; ++i)
+    if (!std::isfinite(err[i])) err[i] = 0.0f;
+}
 
 }  // namespace detail
 
@@ -271,10 +302,9 @@ class Int8Codec {
     return m;
   }
 
-  // Quantizes v[0, n) (values lo.. of the chunk); err and replace optional.
-  void quantize(const float* __restrict__ v, std::size_t n, std::size_t lo, float scale, float inv,
-                std::uint64_t base, std::int8_t* __restrict__ q, float* __restrict__ err, float err_scale,
-                float* __restrict__ replace) const {
+  // q[0, n) = v[0, n) * inv rounded (values lo.. of the chunk).
+  void quantize(const float* __restrict__ v, std::size_t n, std::size_t lo, float inv, std::uint64_t base,
+                std::int8_t* __restrict__ q) const {
     if (stochastic_) {
       for (std::size_t i = 0; i < n; ++i) {
         const float u = static_cast<float>(mix64(base + lo + i) >> 40) * (1.0f / 16777216.0f);  // [0, 1)
@@ -287,15 +317,22 @@ class Int8Codec {
         q[i] = static_cast<std::int8_t>(static_cast<int>(std::min(127.0f, std::max(-127.0f, r))));
       }
     }
-    if (err) {
-      if (err_scale != 1.0f) {
-        for (std::size_t i = 0; i < n; ++i) err[i] = (v[i] - static_cast<float>(q[i]) * scale) * err_scale;
-      } else {
-        for (std::size_t i = 0; i < n; ++i) err[i] = v[i] - static_cast<float>(q[i]) * scale;
-      }
-    }
-    if (replace) dequantize(q, n, scale, replace);
   }
+
+  // err = (v - q * unit) * err_scale; unit is the scale in v's units.
+  static void quantization_error(const float* __restrict__ v, const std::int8_t* __restrict__ q, std::size_t n,
+                                 float unit, float err_scale, float* __restrict__ err) {
+    if (err_scale != 1.0f) {
+      for (std::size_t i = 0; i < n; ++i) err[i] = (v[i] - static_cast<float>(q[i]) * unit) * err_scale;
+    } else {
+      for (std::size_t i = 0; i < n; ++i) err[i] = v[i] - static_cast<float>(q[i]) * unit;
+    }
+  }
+
+  // A block below this absmax (2^-100) is staged at 2^64 times its values,
+  // so 127/absmax stays finite (it overflows below ~3.7e-37) and zeros stay zeros.
+  static constexpr std::uint32_t kTinyAbsmaxBits = 27u << 23;
+  static constexpr float kTinyShift = 18446744073709551616.0f;  // 2^64
 
   void encode_impl(const float* x, const float* add, std::size_t n, std::uint8_t* out, float* err, float err_scale,
                    float* replace, std::uint64_t stream) const {
@@ -307,22 +344,26 @@ class Int8Codec {
     for (std::size_t b = 0; b < nb; ++b) {
       const std::size_t lo = b * block_, len = std::min<std::size_t>(block_, n - lo);
       const std::uint32_t amax_bits = absmax_bits(x + lo, add ? add + lo : nullptr, len);
-      float scale, inv;
-      if (amax_bits >= 0x7f800000u) {
-        scale = std::numeric_limits<float>::quiet_NaN();
-        inv = 0;
-      } else {
-        const float amax = bits_to_float(amax_bits);
-        scale = amax / 127.0f;
-        inv = amax > 0 ? 127.0f / amax : 0.0f;
-      }
+      const bool finite = amax_bits < 0x7f800000u, tiny = amax_bits < kTinyAbsmaxBits;
+      const float amax = bits_to_float(amax_bits), shift = tiny ? kTinyShift : 1.0f;
+      // scale: what decode multiplies by; inv and scale * shift: the same in the staged values' units.
+      const float scale = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      const float inv = finite && amax > 0 ? 127.0f / (amax * shift) : 0.0f;
+      // |error| <= scale (stochastic rounding; half that for nearest), so this
+      // bounds every err of the block; it fails for a NaN scale. Such a block
+      // decodes as NaN and leaves a zero residual (detail::residual_or_zero).
+      const bool residual_finite = std::isfinite(2.0f * scale * err_scale);
       std::memcpy(scales + b, &scale, sizeof(float));
       // The block again, a piece at a time (it is in cache): stage v, then quantize.
       for (std::size_t p = 0; p < len; p += detail::kCodecPiece) {
         const std::size_t m = std::min(detail::kCodecPiece, len - p), at = lo + p;
         detail::load_values(x + at, add ? add + at : nullptr, m, v);
-        quantize(v, m, at, scale, inv, base, q + at, err ? err + at : nullptr, err_scale,
-                 replace ? replace + at : nullptr);
+        if (tiny)
+          for (std::size_t i = 0; i < m; ++i) v[i] *= shift;
+        quantize(v, m, at, inv, base, q + at);
+        if (err && residual_finite) quantization_error(v, q + at, m, scale * shift, err_scale / shift, err + at);
+        if (err && !residual_finite) std::memset(err + at, 0, m * sizeof(float));
+        if (replace) dequantize(q + at, m, scale, replace + at);
       }
     }
   }
@@ -366,15 +407,6 @@ class CastCodec {
   }
 
  private:
-  static void error_of(const float* __restrict__ v, const float* __restrict__ d, std::size_t n, float err_scale,
-                       float* __restrict__ err) {
-    if (err_scale != 1.0f) {
-      for (std::size_t i = 0; i < n; ++i) err[i] = (v[i] - d[i]) * err_scale;
-    } else {
-      for (std::size_t i = 0; i < n; ++i) err[i] = v[i] - d[i];
-    }
-  }
-
   void encode_impl(const float* x, const float* add, std::size_t n, std::uint8_t* out, float* err, float err_scale,
                    float* replace) const {
     std::uint16_t* h = reinterpret_cast<std::uint16_t*>(out);
@@ -385,7 +417,7 @@ class CastCodec {
       ToHalf(v, m, h + p);
       if (!err && !replace) continue;
       ToFloat(h + p, m, d);
-      if (err) error_of(v, d, m, err_scale, err + p);
+      if (err) detail::residual_or_zero(v, d, m, err_scale, err + p);
       if (replace) std::memcpy(replace + p, d, m * sizeof(float));
     }
   }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -184,6 +185,14 @@ inline void sum_scale(T* dst, const T* src, std::size_t n, Acc scale) {
   }
 }
 
+// Integer sums wrap modulo 2^bits (two's complement), as MPI_SUM does in
+// practice: added as unsigned, since signed overflow is undefined behaviour.
+template <typename T>
+inline void sum_wrapping(T* dst, const T* src, std::size_t n) {
+  using U = std::make_unsigned_t<T>;
+  for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<U>(dst[i]) + static_cast<U>(src[i]));
+}
+
 template <float (*ToF)(std::uint16_t), std::uint16_t (*FromF)(float)>
 inline void sum_scale_half(std::uint16_t* dst, const std::uint16_t* src, std::size_t n, float scale) {
   for (std::size_t i = 0; i < n; ++i) dst[i] = FromF((ToF(dst[i]) + ToF(src[i])) * scale);
@@ -202,7 +211,8 @@ inline void scale_half(std::uint16_t* dst, std::size_t n, float scale) {
 }  // namespace detail
 
 // dst[i] = (dst[i] + src[i]) * scale, computed in the type's accumulator
-// (fp32 for 16-bit floats). Integer types only ever get scale == 1.
+// (fp32 for 16-bit floats). Integer types only ever get scale == 1, and wrap
+// on overflow (detail::sum_wrapping).
 inline void reduce_sum_scale(DType t, void* dst, const void* src, std::size_t n, double scale) {
   switch (t) {
     case DType::kFloat32:
@@ -222,10 +232,10 @@ inline void reduce_sum_scale(DType t, void* dst, const void* src, std::size_t n,
                                                            static_cast<float>(scale));
       break;
     case DType::kInt32:
-      detail::sum_scale(static_cast<std::int32_t*>(dst), static_cast<const std::int32_t*>(src), n, std::int32_t(1));
+      detail::sum_wrapping(static_cast<std::int32_t*>(dst), static_cast<const std::int32_t*>(src), n);
       break;
     case DType::kInt64:
-      detail::sum_scale(static_cast<std::int64_t*>(dst), static_cast<const std::int64_t*>(src), n, std::int64_t(1));
+      detail::sum_wrapping(static_cast<std::int64_t*>(dst), static_cast<const std::int64_t*>(src), n);
       break;
   }
 }

@@ -1,15 +1,22 @@
 // Settings hpcdl's C++ threads read from the environment. hpcdl.collectives
-// checks the same variables at import, so a value that is not a number in
-// range fails there, on every rank, before any thread reads it here.
+// checks the same variables at import with the same rule (decimal digits
+// only, then its bounds), so a value that is not a number in range fails
+// there, on every rank, before any thread reads it here.
 #pragma once
 
 #include <cstdlib>
+#include <cstring>
 
 namespace hpcdl {
 
+// The variable's value if it is 1 to 18 decimal digits (no sign, space or
+// '_'), else fallback.
 inline long env_long(const char* name, long fallback) {
   const char* v = std::getenv(name);
-  return v ? std::atol(v) : fallback;
+  if (!v) return fallback;
+  const std::size_t len = std::strlen(v);
+  if (len == 0 || len > 18 || std::strspn(v, "0123456789") != len) return fallback;
+  return std::strtol(v, nullptr, 10);
 }
 
 // The longest sleep between two polls of a waiting hpcdl thread

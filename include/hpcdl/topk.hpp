@@ -81,8 +81,11 @@ struct TopkScratch {
 //      k - |above| equal to t join.
 //   If the sample guessed too high (fewer than k at or above t) or too low
 //   (over 4k + 64 above t), an exact selection over all n values runs instead.
-// With a residual (error feedback) the scan also leaves x in the residual;
-// data is only read (the caller overwrites it with the sum).
+// With a residual (error feedback) the scan also leaves x in the residual
+// and notes whether any x is NaN or Inf; if so, those residual entries are
+// cleared after the selection (a NaN or Inf is sent this step if it is among
+// the k, and never added back at later steps). data is only read (the caller
+// overwrites it with the sum).
 class TopkSelector {
  public:
   TopkSelector(std::size_t n, std::size_t k, TopkScratch& scratch) : n_(n), k_(k), scratch_(scratch) {}
@@ -92,9 +95,13 @@ class TopkSelector {
     run<false>(x, nullptr, idx_out, val_out);
   }
 
-  // x = data + residual; on return the residual holds x (data is only read).
+  // x = data + residual; on return the residual holds x, with NaN and Inf
+  // replaced by 0 (data is only read).
   void select_with_residual(const float* data, float* residual, std::uint32_t* idx_out, float* val_out) {
     run<true>(data, residual, idx_out, val_out);
+    if (!any_non_finite_) return;
+    for (std::size_t i = 0; i < n_; ++i)
+      if (!std::isfinite(residual[i])) residual[i] = 0.0f;
   }
 
  private:
@@ -140,19 +147,22 @@ class TopkSelector {
     return sample[want];
   }
 
-  // Groups of 16 values: x (+ the residual fold) and two bit masks, lanes
-  // with magnitude > t and == t, from vector compares (magnitudes have the
+  // Groups of 16 values: x (+ the residual fold) and bit masks, lanes with
+  // magnitude > t, == t and (with the residual) NaN or Inf, from vector compares (magnitudes have the
   // sign bit clear, so signed 32-bit compares order them). Only set bits are
   // visited, so the scan costs about one pass over memory however many ties
   // the data has.
   static constexpr std::size_t kGroup = 16;
 
+  static constexpr std::uint32_t kLargestFinite = 0x7f7fffffu;  // magnitudes above: Inf, NaN
+
   template <bool kResidual>
   static void group_masks(const float* in, float* residual, std::uint32_t t, std::uint32_t* above,
-                          std::uint32_t* at) {
+                          std::uint32_t* at, std::uint32_t* non_finite) {
 #if defined(__SSE2__)
     const __m128i tv = _mm_set1_epi32(static_cast<int>(t)), abs_mask = _mm_set1_epi32(0x7fffffff);
-    std::uint32_t a = 0, e = 0;
+    const __m128i finite_max = _mm_set1_epi32(static_cast<int>(kLargestFinite));
+    std::uint32_t a = 0, e = 0, f = 0;
     for (int j = 0; j < 4; ++j) {
       __m128 v;
       if (kResidual) {
@@ -164,18 +174,21 @@ class TopkSelector {
       const __m128i m = _mm_and_si128(_mm_castps_si128(v), abs_mask);
       a |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, tv)))) << (4 * j);
       e |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(m, tv)))) << (4 * j);
+      if (kResidual)
+        f |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, finite_max))));
     }
     *above = a;
     *at = e;
+    *non_finite = f;
 #else
-    group_masks_scalar<kResidual>(in, residual, kGroup, t, above, at);
+    group_masks_scalar<kResidual>(in, residual, kGroup, t, above, at, non_finite);
 #endif
   }
 
   template <bool kResidual>
   static void group_masks_scalar(const float* in, float* residual, std::size_t len, std::uint32_t t,
-                                 std::uint32_t* above, std::uint32_t* at) {
-    std::uint32_t a = 0, e = 0;
+                                 std::uint32_t* above, std::uint32_t* at, std::uint32_t* non_finite) {
+    std::uint32_t a = 0, e = 0, f = 0;
     for (std::size_t j = 0; j < len; ++j) {
       float v;
       if (kResidual) {
@@ -187,9 +200,11 @@ class TopkSelector {
       const std::uint32_t m = detail::topk_magnitude(v);
       a |= static_cast<std::uint32_t>(m > t) << j;
       e |= static_cast<std::uint32_t>(m == t) << j;
+      f |= static_cast<std::uint32_t>(m > kLargestFinite);
     }
     *above = a;
     *at = e;
+    *non_finite = f;
   }
 
   // With kResidual, x ends up in residual; else x = in. Candidates are kept
@@ -203,15 +218,17 @@ class TopkSelector {
     at_x_ = scratch_.at_x.get<float>(k_);
     const float* x = kResidual ? residual : in;
     std::size_t na = 0, ne = 0;
+    std::uint32_t non_finite = 0;
     for (std::size_t lo = 0; lo < n_; lo += kGroup) {
       const std::size_t len = std::min(kGroup, n_ - lo);
-      std::uint32_t a, e;
+      std::uint32_t a, e, f;
       float* r = kResidual ? residual + lo : nullptr;
       if (len == kGroup) {
-        group_masks<kResidual>(in + lo, r, t, &a, &e);
+        group_masks<kResidual>(in + lo, r, t, &a, &e, &f);
       } else {
-        group_masks_scalar<kResidual>(in + lo, r, len, t, &a, &e);
+        group_masks_scalar<kResidual>(in + lo, r, len, t, &a, &e, &f);
       }
+      non_finite |= f;
       for (; a; a &= a - 1, ++na) {
         if (na >= cap_) continue;
         const std::size_t i = lo + __builtin_ctz(a);
@@ -226,6 +243,7 @@ class TopkSelector {
     }
     n_above_ = na;
     n_at_ = ne;
+    any_non_finite_ = non_finite != 0;
   }
 
   void cut_above(std::uint32_t* idx_out, float* val_out) {
@@ -264,6 +282,7 @@ class TopkSelector {
   std::uint32_t *above_ = nullptr, *at_ = nullptr;
   float *above_x_ = nullptr, *at_x_ = nullptr;
   std::size_t cap_ = 0, n_above_ = 0, n_at_ = 0;
+  bool any_non_finite_ = false;
 };
 
 inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8_t* out, TopkScratch& scratch) {
