@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <thread>
@@ -44,9 +45,10 @@ inline Status require_thread_multiple(const std::string& who, const std::string&
 
 // Work the waiting thread does while its MPI requests are in flight: the
 // engine reads its control channel there, so the next operation is agreed
-// while this one's data moves. It must not wait on MPI itself. It returns
-// false when the wait is to be abandoned (a rank it waits for has left).
-inline thread_local std::function<bool()>* wait_hook = nullptr;
+// while this one's data moves. It must not wait on MPI itself. It gets how
+// long the wait has lasted (from its first call) and returns false when the
+// wait is to be abandoned (a rank it waits for has left).
+inline thread_local std::function<bool(double waited_s)>* wait_hook = nullptr;
 
 // MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
 // core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the
@@ -59,14 +61,30 @@ inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Statu
   const long cap_us = wait_sleep_cap_us();
   if (cap_us <= 0) return MPI_Waitany(n, requests, index, status);
   long sleep_us = 1;
+  std::chrono::steady_clock::time_point hooked_since;  // read only once the hook runs: none on short waits
   for (;;) {
     int flag = 0;
     const int rc = MPI_Testany(n, requests, index, &flag, status);
     if (rc != MPI_SUCCESS || flag) return rc;
-    if (sleep_us >= 16 && wait_hook != nullptr && !(*wait_hook)()) return kWaitAbandoned;
+    if (sleep_us >= 16 && wait_hook != nullptr) {
+      const auto now = std::chrono::steady_clock::now();
+      if (hooked_since.time_since_epoch().count() == 0) hooked_since = now;
+      if (!(*wait_hook)(std::chrono::duration<double>(now - hooked_since).count())) return kWaitAbandoned;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     sleep_us = std::min(sleep_us * 2, cap_us);
   }
+}
+
+// Prints "[hpcdl rank N] <why>: aborting the job" and ends the job (MPI_Abort;
+// MPICH's can return to a thread other than the one the launcher kills first).
+[[noreturn]] inline void abort_job(const std::string& why) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::fprintf(stderr, "[hpcdl rank %d] %s: aborting the job (MPI_Abort)\n", rank, why.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
 }
 
 // Cancels posted requests and waits until MPI has let go of their buffers, so
@@ -82,16 +100,9 @@ inline void cancel_and_complete(std::vector<MPI_Request*> requests, double secon
     while (*r != MPI_REQUEST_NULL) {
       MPI_Test(r, &flag, MPI_STATUS_IGNORE);
       if (flag) break;
-      if (std::chrono::steady_clock::now() > deadline) {
-        int rank = 0;
-        MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-        std::fprintf(stderr,
-                     "[hpcdl rank %d] %s: a transfer could not be cancelled within %.0f s and would write into "
-                     "freed memory: aborting the job\n",
-                     rank, who, seconds);
-        std::fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, 1);
-      }
+      if (std::chrono::steady_clock::now() > deadline)
+        abort_job(std::string(who) + ": a transfer could not be cancelled within " +
+                  std::to_string(static_cast<int>(seconds)) + " s, and MPI would still use memory about to be freed");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }

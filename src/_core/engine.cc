@@ -29,9 +29,12 @@ constexpr int kTagPlan = 2;   // coordinator -> workers: what to run, in order
 constexpr int kTagData = 3;
 constexpr int kTagLeave = 4;  // a rank leaves the communicator (exit, free): to the coordinator, which forwards it
 
-// After a rank has left, a ring still running here gets this long to take the
-// data that rank sent before it left, then is abandoned.
-constexpr double kLeftRankGraceSeconds = 2.0;
+// After a rank has left, a wait of the running operation that has made no
+// progress for this long (since the news) is given up: the data that rank
+// sent before it left had time to arrive. A ring's requests are cancelled
+// then; a collective's cannot be, so it gets longer and then ends the job.
+constexpr double kLeftRankRingGraceSeconds = 5.0;
+constexpr double kLeftRankCollectiveGraceSeconds = 30.0;
 
 enum class PlanResult : std::uint8_t { kRun = 0, kMismatch = 1, kStall = 2, kTimeout = 3 };
 
@@ -793,7 +796,7 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
   double warned_at = 0;
   // Its data comes from the caller's computation: wake rarely meanwhile.
   while (!op.wait_ready_for(0.02)) {
-    if (wait_hook != nullptr) (*wait_hook)();
+    if (wait_hook != nullptr) (*wait_hook)(0);
     if (!ctx.gone.ok()) return ctx.gone;
     double warn_s;
     {
@@ -925,7 +928,7 @@ void Engine::loop() {
     const bool stall_check = seconds_since(last_plan) > 0.1;
     bool unused_busy = false;
     auto last_agreed = std::chrono::steady_clock::time_point{};
-    std::function<bool()> agree_meanwhile = [&] {
+    std::function<bool(double)> agree_meanwhile = [&](double waited_s) {
       // A poll a millisecond agrees the next operation long before a ring
       // ends; every poll more is MPI progress on a core the ranks share.
       const auto now = std::chrono::steady_clock::now();
@@ -936,17 +939,14 @@ void Engine::loop() {
           if (ctx->set_up && ctx->control_error.ok())
             ctx->control_error = poll_control(*ctx, false, warn_s, error_s, &unused_busy);
       }
-      // A rank of the running operation left: its last data had time to arrive.
+      // A rank of the running operation left, and this wait stopped progressing.
       CommContext* running = executing_;
-      if (running == nullptr || running->gone.ok() || seconds_since(running->gone_at) < kLeftRankGraceSeconds)
+      if (running == nullptr || running->gone.ok()) return true;
+      const double stuck_s = std::min(waited_s, seconds_since(running->gone_at));
+      if (stuck_s < (executing_cancellable_ ? kLeftRankRingGraceSeconds : kLeftRankCollectiveGraceSeconds))
         return true;
       if (executing_cancellable_) return false;
-      // A collective request can be neither cancelled nor freed: end the job.
-      std::fprintf(stderr, "[hpcdl rank %d] %s: aborting the job (MPI_Abort)\n", running->rank,
-                   running->gone.message().c_str());
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 1);
-      return false;
+      abort_job(running->gone.message());  // a collective request can be neither cancelled nor freed
     };
     wait_hook = &agree_meanwhile;
     for (auto& ctx : contexts) {
