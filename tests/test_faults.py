@@ -217,3 +217,28 @@ def test_ctrl_c_interrupts_a_rank_blocked_on_a_new_communicator(tmp_path):
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
     assert "[hpcdl rank 0] uncaught KeyboardInterrupt" in out, out
+
+
+def test_abandoned_ring_returns_only_once_its_transfers_are_cancelled(tmp_path):
+    """Ranks 0 and 2 catch the error of a ring abandoned because rank 1 left, and
+    reuse the buffer. The ring returned only after cancelling (or completing)
+    what it had posted; a send MPI cannot cancel (rank 0's to the departed
+    rank 1, under MPICH) ends the job instead of leaving MPI the buffer."""
+    rc, out = run_job(tmp_path, 3, """
+        a = np.ones(3 << 20, np.float32)
+        h = hpcdl.allreduce_async(a, name="big", deferred=True)
+        if RANK == 1:
+            time.sleep(1.0)
+            sys.exit(1)
+        h.mark_ready()
+        try:
+            h.wait()
+        except hpcdl.CancelledError as exc:
+            a[:] = -1.0  # the caller's memory again
+            print(f"rank {RANK} caught: {exc}", flush=True)
+        time.sleep(600)  # the job must end without these ranks' help
+    """)
+    assert rc != 0, out
+    caught = {r: f"rank {r} caught: hpcdl: rank 1 of the communicator" in out for r in (0, 2)}
+    cannot_cancel = "[hpcdl rank 0] ring allreduce: a transfer could not be cancelled" in out
+    assert caught[2] and (caught[0] or cannot_cancel), out

@@ -501,7 +501,7 @@ bool Engine::drain_submissions() {
   }
   for (auto& item : batch) {
     item.first->pending.emplace(item.second->name(), item.second);
-    // A context a rank has left reports nothing more: fail_context ends it.
+    // A context a rank has left reports nothing more: the loop fails what is pending there.
     if (item.first->gone.ok()) item.first->unreported.push_back(item.second->name());
   }
   return !batch.empty();
