@@ -1012,7 +1012,7 @@ void Engine::loop() {
     for (auto& op : ctx->pending)
       op.second->finish(Status::Cancelled("hpcdl's engine shut down before '" + op.first + "' ran"));
     ctx->pending.clear();
-    if (!ctx->freed) announce_leaving(*ctx, "its process exited (hpcdl shut down at interpreter exit)");
+    if (!ctx->freed) announce_leaving(*ctx, "its process exited (its engine shut down at interpreter exit)");
   }
   std::lock_guard<std::mutex> g(mu_);
   for (auto& ctx : contexts_) ctx->in_flight.clear();
