@@ -22,6 +22,7 @@ from libhpcdl.engine cimport (CDType, CEngine, CEngineStats, COpKind, COpRequest
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.timeline cimport CTimeline, CTraceEvent
 
+import threading
 import warnings
 
 DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
@@ -86,6 +87,12 @@ cdef class Buffer:
     cdef void* ptr(self):
         return self.view.buf
 
+    cdef void release(self):
+        """The engine is done with the memory: let the exporter free or resize it."""
+        if self.held:
+            self.held = False
+            PyBuffer_Release(&self.view)
+
     @property
     def nbytes(self):
         return self.view.len
@@ -112,11 +119,29 @@ cdef class Handle:
     cdef shared_ptr[COperation] op
     cdef readonly Buffer buffer  # keeps the memory alive while the engine uses it
     cdef readonly str name
-    cdef bint checked
+    cdef bint raised  # its error has reached the caller
+
+    cdef void _retire(self):
+        """The engine is done with the operation: drop it from the in-flight set, free its buffer."""
+        _inflight.discard(self)
+        if self.buffer is not None:
+            self.buffer.release()
+
+    cdef _finish(self):
+        """Retire a finished operation and raise its error, the first time one is seen."""
+        self._retire()
+        cdef CStatus st = self.op.get().status()
+        if not st.ok() and not self.raised:
+            self.raised = True
+            check_status(st)
 
     def done(self):
-        """True once the operation has finished (successfully or not)."""
-        return self.op.get().done()
+        """True once the operation has finished; raises its error if it failed
+        (once: whichever of done() and wait() sees it first)."""
+        if not self.op.get().done():
+            return False
+        self._finish()
+        return True
 
     def wait(self, timeout=None):
         """Block until the operation finishes; raise its error if it failed.
@@ -140,8 +165,7 @@ cdef class Handle:
                 waited += slice_s
                 if timeout is not None and waited >= timeout:
                     raise TimeoutError(f"hpcdl operation '{self.name}' not finished after {timeout} s")
-        _inflight.discard(self)
-        check_status(op.status())
+        self._finish()
         return None if self.buffer is None else self.buffer.owner
 
     def mark_ready(self):
@@ -162,8 +186,19 @@ cdef class Handle:
                 "finished_us": t.finished_us}
 
 
-# Handles not yet waited for: their buffers must outlive the engine's use.
+# Handles of operations the engine may still use: their buffers must outlive
+# that use. A finished one leaves when done()/wait() sees it, or when a scan
+# (wait(), or a submit once the set doubled) finds it finished.
 _inflight = set()
+_prune_at = [64]
+
+
+cdef _prune():
+    """Retire every finished operation in _inflight (their errors wait for their own done()/wait())."""
+    cdef Handle h
+    for h in [h for h in _inflight if h.op.get().done()]:
+        h._retire()
+    _prune_at[0] = max(64, 2 * len(_inflight))
 
 
 cdef bint _blocks(Handle h):
@@ -179,6 +214,7 @@ def _refuse_wait_behind_unready(Handle waiting):
     if _blocks(waiting):
         raise RuntimeError(f"hpcdl operation '{waiting.name}' was submitted with deferred=True: "
                            "call mark_ready() once its buffer holds the data, then wait()")
+    _prune()  # the scan below then covers unfinished operations only
     for h in _inflight:
         if _blocks(h):
             raise RuntimeError(f"waiting for hpcdl operation '{waiting.name}' while deferred operation "
@@ -196,6 +232,8 @@ def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=
     if comm is None or comm.ob_mpi == MPI_COMM_NULL:
         raise ValueError("communicator is MPI.COMM_NULL")
     req.name = (name or "").encode()
+    if not name:
+        req.desc.thread = threading.current_thread().name.encode()
     req.desc.kind = <COpKind>kind
     req.desc.dtype = <CDType>DTYPES[buf.dtype][0] if buf is not None else CDType.kInt32
     req.desc.count = buf.count if buf is not None else 0
@@ -212,6 +250,8 @@ def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=
     h.op = op
     h.buffer = buf
     h.name = op.get().name().decode()
+    if len(_inflight) >= _prune_at[0]:
+        _prune()
     _inflight.add(h)
     return h
 

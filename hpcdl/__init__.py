@@ -79,7 +79,8 @@ def local_size():
     return _local_comm().Get_size()
 
 
-# Stop the engine thread before mpi4py finalizes MPI at exit.
+# Stop the engine thread before mpi4py finalizes MPI at exit; it tells the other
+# ranks that this one leaves, so that any operation of theirs waiting for it fails.
 atexit.register(_core.shutdown)
 
 

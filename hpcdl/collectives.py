@@ -95,12 +95,16 @@ def _comm(comm):
 
 
 def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression=None, deferred=False):
-    """Start an in-place allreduce of ``buf``; returns a Handle (``wait()``, ``done()``).
+    """Start an in-place allreduce of ``buf``; returns a Handle (``wait()``, ``done()``:
+    whichever first sees the operation finished raises its error and lets go of ``buf``).
 
     op: "sum" or "average" (average needs a floating dtype).
     name: identifies the operation across ranks. Named operations may be
         submitted in any order on different ranks: the engine agrees on one
-        order before running them. Unnamed ones are matched by submission order.
+        order before running them. Unnamed ones are matched by submission order
+        on each communicator, and the submitting thread's name is checked too:
+        two threads whose unnamed operations pair differently on different
+        ranks get MismatchError, not each other's data.
         With compression, a name also keys the tensor's error-feedback residual.
     dtype: read the buffer as this dtype (e.g. "bfloat16" for a uint16 view).
     compression: None (dense) or a codec from hpcdl.compression (Int8(),

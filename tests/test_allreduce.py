@@ -4,9 +4,12 @@ Every result is checked against a float64 reference and for bitwise equality
 across ranks; ranks agree on the verdict before asserting (tests/conftest.py).
 """
 
+import gc
 import hashlib
+import threading
 import time
 import warnings
+import weakref
 
 import ml_dtypes
 import numpy as np
@@ -206,9 +209,10 @@ def test_deferred_mismatch_raises_on_every_rank_without_mark_ready():
     handle = hpcdl.allreduce_async(np.zeros(10 + (rank == 0), dtype=np.float32), name="deferred.mismatch",
                                    deferred=True)
     deadline = time.monotonic() + 60
-    while not handle.done() and time.monotonic() < deadline:
+    finished, err = False, None
+    while not finished and err is None and time.monotonic() < deadline:
+        finished, err = outcome(handle.done)  # done() raises the error it sees
         time.sleep(0.01)
-    _, err = outcome(handle.wait)
     agree(WORLD, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), repr(err))
 
 
@@ -374,3 +378,81 @@ def test_integer_sums_wrap_like_numpy(dtype):
             expected += base - np.array(r % 2, dtype) * np.array([0, 0, 0, 0, 0, 1], dtype)  # numpy wraps
     hpcdl.allreduce(data, name=f"wrap.{dtype}")
     agree(WORLD, np.array_equal(data, expected), f"{data} vs {expected}")
+
+
+def test_unnamed_ops_from_two_threads_never_pair_across_threads():
+    """Thread "reduce-ones" and thread "reduce-hundreds" submit unnamed allreduces
+    in opposite orders on rank 0 and the other ranks: submission order pairs
+    each thread's operation with the other thread's, which the submitting
+    thread's name turns into a MismatchError on every rank, never a sum of both."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    ones, hundreds = np.ones(64, np.float32), np.full(64, 100.0, np.float32)
+    first_done = threading.Event()
+    results = {}
+
+    def reduce(array, goes_first, thread_name):
+        if not goes_first:
+            first_done.wait(30)
+        handle = hpcdl.allreduce_async(array)
+        if goes_first:
+            first_done.set()
+        results[thread_name] = outcome(handle.wait)
+
+    threads = [threading.Thread(target=reduce, args=(ones, rank == 0, "reduce-ones"), name="reduce-ones"),
+               threading.Thread(target=reduce, args=(hundreds, rank != 0, "reduce-hundreds"),
+                                name="reduce-hundreds")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    errors = {k: err for k, (_, err) in results.items()}
+    ok = (len(errors) == 2 and all(isinstance(e, hpcdl.MismatchError) and "submitting thread differs" in str(e)
+                                   for e in errors.values()))
+    agree(WORLD, ok and np.all(ones == 1) and np.all(hundreds == 100), f"{errors!r}, {ones[0]}, {hundreds[0]}")
+
+
+def test_unnamed_ops_from_two_threads_in_the_same_order_are_right():
+    """Two threads taking turns the same way on every rank: each gets its own sum."""
+    size = WORLD.Get_size()
+    ones, hundreds = np.ones(64, np.float32), np.full(64, 100.0, np.float32)
+    results = {}
+
+    def reduce(array, key):
+        results[key] = outcome(hpcdl.allreduce, array)
+
+    for array, key in ((ones, "ones"), (hundreds, "hundreds"), (ones, "ones-again")):
+        t = threading.Thread(target=reduce, args=(array, key), name=f"reduce-{key}")
+        t.start()
+        t.join(120)
+    errors = [err for _, err in results.values() if err is not None]
+    agree(WORLD, not errors and np.all(ones == size * size) and np.all(hundreds == 100 * size),
+          f"{errors!r}, {ones[0]}, {hundreds[0]}")
+
+
+def test_handles_polled_with_done_release_their_buffers():
+    """Handles polled with done() and never waited for: once finished, dropping
+    them and the arrays frees the arrays (hpcdl keeps nothing of them)."""
+    arrays = [np.ones(1 << 16, np.float32) for _ in range(64)]
+    refs = [weakref.ref(a) for a in arrays]
+    handles = [hpcdl.allreduce_async(a, name=f"polled.{i}") for i, a in enumerate(arrays)]
+    deadline = time.monotonic() + 60
+    while not all(h.done() for h in handles) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    finished = all(h.done() for h in handles)
+    right = all(np.all(a == WORLD.Get_size()) for a in arrays)
+    del arrays, handles
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    agree(WORLD, finished and right and alive == 0, f"finished {finished}, right {right}, {alive} arrays alive")
+
+
+def test_done_raises_the_error_of_a_failed_operation():
+    """A mismatch seen through done() is raised there, on every rank."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    handle = hpcdl.allreduce_async(np.ones(10 + (rank == size - 1), np.float32), name="polled.mismatch")
+    deadline = time.monotonic() + 60
+    finished, err = False, None
+    while not finished and err is None and time.monotonic() < deadline:
+        finished, err = outcome(handle.done)
+        time.sleep(0.01)
+    agree(WORLD, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), f"{finished} {err!r}")

@@ -33,6 +33,7 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         uint64_t count
         uint64_t chunk_bytes
         string codec
+        string thread
 
     cdef cppclass COpRequest "hpcdl::OpRequest":
         string name

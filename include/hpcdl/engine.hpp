@@ -48,6 +48,10 @@ struct OpDesc {
   std::uint64_t count = 0;
   std::uint64_t chunk_bytes = 0;
   std::string codec;  // codec config, canonical text; empty = none
+  // Unnamed operations: the submitting thread's name. Unnamed operations pair
+  // by submission order; threads racing to submit would pair one thread's
+  // operation with another's, so the thread is part of what ranks agree on.
+  std::string thread;
 
   std::string serialize(const std::string& name) const;
   static bool parse(const std::string& bytes, std::string* name, OpDesc* out);
@@ -126,7 +130,9 @@ class Engine {
   // A copy of tensor `name`'s error-feedback residual on `comm`; *found is
   // false when there is none (never compressed with that name, or reset).
   Status copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found);
-  // Joins the thread; operations not yet run finish with kCancelled.
+  // Joins the thread; operations not yet run finish with kCancelled, and the
+  // other ranks of every communicator hpcdl used are told that this one left
+  // (their operations waiting for it fail instead of waiting forever).
   void shutdown();
 
  private:
@@ -146,6 +152,13 @@ class Engine {
   Status await_ready(CommContext& ctx, Operation& op);
   // The control channel is broken: nothing pending on ctx can complete.
   void fail_context(CommContext& ctx, const Status& st);
+  // Everything pending on ctx fails with st (no message of its own).
+  void fail_pending(CommContext& ctx, const Status& st);
+  // Completes the duplication of ctx's communicator (begun at its first
+  // submission); meanwhile warns or fails its pending operations like a stall.
+  Status finish_setup(CommContext& ctx, double warn_s, double error_s);
+  // Tells the other ranks of ctx that this rank leaves it (`why`), with operations possibly in flight.
+  void announce_leaving(CommContext& ctx, const std::string& why);
   Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic);
@@ -176,6 +189,8 @@ class Engine {
   // Engine thread only: the control message being read, and working memory
   // of compressed allreduces, kept between operations.
   std::vector<char> control_msg_;
+  CommContext* executing_ = nullptr;  // the context whose operation moves data now
+  bool executing_cancellable_ = false;  // that operation's requests can be cancelled (a ring)
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
 };

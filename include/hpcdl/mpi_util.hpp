@@ -6,17 +6,24 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "hpcdl/env.hpp"
 #include "hpcdl/status.hpp"
 
 namespace hpcdl {
 
+// What wait_any_politely returns when its wait_hook abandons the wait (not an MPI code).
+constexpr int kWaitAbandoned = -1;
+
 inline Status mpi_status(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return Status::OK();
+  if (rc == kWaitAbandoned) return Status::Cancelled(std::string(what) + ": abandoned (a rank of the communicator left)");
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
@@ -38,26 +45,66 @@ inline Status require_thread_multiple(const std::string& who, const std::string&
 
 // Work the waiting thread does while its MPI requests are in flight: the
 // engine reads its control channel there, so the next operation is agreed
-// while this one's data moves. It must not wait on MPI itself.
-inline thread_local std::function<void()>* wait_hook = nullptr;
+// while this one's data moves. It must not wait on MPI itself. It gets how
+// long the wait has lasted (from its first call) and returns false when the
+// wait is to be abandoned (a rank it waits for has left).
+inline thread_local std::function<bool(double waited_s)>* wait_hook = nullptr;
 
 // MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
 // core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the
 // rank's own compute and from the neighbours the ring waits for. Test, then
 // sleep with a backoff doubling from 1 us up to the cap; once the wait has
 // lasted a few sleeps, run the thread's wait_hook before each further sleep
-// (with the cap at 0 MPI blocks, and the hook never runs).
+// (with the cap at 0 MPI blocks, and the hook never runs). Returns
+// kWaitAbandoned, the requests still posted, when the hook says so.
 inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Status* status) {
   const long cap_us = wait_sleep_cap_us();
   if (cap_us <= 0) return MPI_Waitany(n, requests, index, status);
   long sleep_us = 1;
+  std::chrono::steady_clock::time_point hooked_since;  // read only once the hook runs: none on short waits
   for (;;) {
     int flag = 0;
     const int rc = MPI_Testany(n, requests, index, &flag, status);
     if (rc != MPI_SUCCESS || flag) return rc;
-    if (sleep_us >= 16 && wait_hook != nullptr) (*wait_hook)();
+    if (sleep_us >= 16 && wait_hook != nullptr) {
+      const auto now = std::chrono::steady_clock::now();
+      if (hooked_since.time_since_epoch().count() == 0) hooked_since = now;
+      if (!(*wait_hook)(std::chrono::duration<double>(now - hooked_since).count())) return kWaitAbandoned;
+    }
     std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     sleep_us = std::min(sleep_us * 2, cap_us);
+  }
+}
+
+// Prints "[hpcdl rank N] <why>: aborting the job" and ends the job (MPI_Abort;
+// MPICH's can return to a thread other than the one the launcher kills first).
+[[noreturn]] inline void abort_job(const std::string& why) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  std::fprintf(stderr, "[hpcdl rank %d] %s: aborting the job (MPI_Abort)\n", rank, why.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, 1);
+  std::_Exit(1);
+}
+
+// Cancels posted requests and waits until MPI has let go of their buffers, so
+// the memory can be freed or reused; a send MPI cannot cancel must still
+// complete: up to `seconds`, then the job is aborted rather than let MPI write
+// into (or read from) memory the caller is about to free.
+inline void cancel_and_complete(std::vector<MPI_Request*> requests, double seconds, const char* who) {
+  for (MPI_Request* r : requests)
+    if (*r != MPI_REQUEST_NULL) MPI_Cancel(r);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  for (MPI_Request* r : requests) {
+    int flag = 0;
+    while (*r != MPI_REQUEST_NULL) {
+      MPI_Test(r, &flag, MPI_STATUS_IGNORE);
+      if (flag) break;
+      if (std::chrono::steady_clock::now() > deadline)
+        abort_job(std::string(who) + ": a transfer could not be cancelled within " +
+                  std::to_string(static_cast<int>(seconds)) + " s, and MPI would still use memory about to be freed");
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
   }
 }
 

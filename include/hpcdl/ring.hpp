@@ -176,42 +176,54 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
     return Status::OK();
   };
 
-  HPCDL_RETURN_NOT_OK(post());
-  while (consumed < total) {
-    // Wait for the next receive, or for the oldest send if that is what holds us up.
-    MPI_Request wait_on[2];
-    int n = 0, recv_index = -1;
-    if (next_recv > consumed) {
-      recv_index = n;
-      wait_on[n++] = recv_req[consumed % kPipelineDepth];
+  // Any early return leaves receives and sends posted into memory the caller
+  // frees or reuses next: cancel them (or let them complete) first.
+  auto run = [&]() -> Status {
+    HPCDL_RETURN_NOT_OK(post());
+    while (consumed < total) {
+      // Wait for the next receive, or for the oldest send if that is what holds us up.
+      MPI_Request wait_on[2];
+      int n = 0, recv_index = -1;
+      if (next_recv > consumed) {
+        recv_index = n;
+        wait_on[n++] = recv_req[consumed % kPipelineDepth];
+      }
+      if (!send_req.empty()) wait_on[n++] = send_req.front().second;
+      if (n == 0) return Status::Internal("ring schedule stalled with nothing in flight");
+      int index = MPI_UNDEFINED;
+      MPI_Status st;
+      rc = wait_any_politely(n, wait_on, &index, &st);
+      HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Waitany"));
+      if (index == recv_index) {
+        recv_req[consumed % kPipelineDepth] = MPI_REQUEST_NULL;
+        int got = 0;
+        MPI_Get_count(&st, MPI_BYTE, &got);
+        traffic->bytes_received += static_cast<std::uint64_t>(got);
+        HPCDL_RETURN_NOT_OK(policy.received(consumed, static_cast<std::size_t>(got)));
+        ++consumed;
+        if (consumed == rs_units) traffic->reduce_scatter_end = MPI_Wtime();
+      } else {
+        send_req.pop_front();
+      }
+      HPCDL_RETURN_NOT_OK(post());
     }
-    if (!send_req.empty()) wait_on[n++] = send_req.front().second;
-    if (n == 0) return Status::Internal("ring schedule stalled with nothing in flight");
-    int index = MPI_UNDEFINED;
-    MPI_Status st;
-    rc = wait_any_politely(n, wait_on, &index, &st);
-    HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Waitany"));
-    if (index == recv_index) {
-      recv_req[consumed % kPipelineDepth] = MPI_REQUEST_NULL;
-      int got = 0;
-      MPI_Get_count(&st, MPI_BYTE, &got);
-      traffic->bytes_received += static_cast<std::uint64_t>(got);
-      HPCDL_RETURN_NOT_OK(policy.received(consumed, static_cast<std::size_t>(got)));
-      ++consumed;
-      if (consumed == rs_units) traffic->reduce_scatter_end = MPI_Wtime();
-    } else {
+    // The send window may still hold back the last units: drain it.
+    while (!send_req.empty()) {
+      rc = wait_politely(&send_req.front().second, MPI_STATUS_IGNORE);
+      HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(send)"));
       send_req.pop_front();
+      HPCDL_RETURN_NOT_OK(post());
     }
-    HPCDL_RETURN_NOT_OK(post());
+    return Status::OK();
+  };
+  Status st = run();
+  if (!st.ok()) {
+    std::vector<MPI_Request*> posted;
+    for (MPI_Request& r : recv_req) posted.push_back(&r);
+    for (auto& s : send_req) posted.push_back(&s.second);
+    cancel_and_complete(posted, 10.0, "ring allreduce");
   }
-  // The send window may still hold back the last units: drain it.
-  while (!send_req.empty()) {
-    rc = wait_politely(&send_req.front().second, MPI_STATUS_IGNORE);
-    HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(send)"));
-    send_req.pop_front();
-    HPCDL_RETURN_NOT_OK(post());
-  }
-  return Status::OK();
+  return st;
 }
 
 // Uncompressed policy: sends straight from the user's buffer (zero copy),

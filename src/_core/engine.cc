@@ -27,6 +27,14 @@ namespace {
 constexpr int kTagReady = 1;  // worker -> coordinator: operations ready here
 constexpr int kTagPlan = 2;   // coordinator -> workers: what to run, in order
 constexpr int kTagData = 3;
+constexpr int kTagLeave = 4;  // a rank leaves the communicator (exit, free): to the coordinator, which forwards it
+
+// After a rank has left, a wait of the running operation that has made no
+// progress for this long (since the news) is given up: the data that rank
+// sent before it left had time to arrive. A ring's requests are cancelled
+// then; a collective's cannot be, so it gets longer and then ends the job.
+constexpr double kLeftRankRingGraceSeconds = 5.0;
+constexpr double kLeftRankCollectiveGraceSeconds = 30.0;
 
 enum class PlanResult : std::uint8_t { kRun = 0, kMismatch = 1, kStall = 2, kTimeout = 3 };
 
@@ -63,6 +71,7 @@ std::string describe_disagreement(const std::vector<OpDesc>& descs) {
   field("root", [](const OpDesc& d) { return std::to_string(d.root); });
   field("chunk_bytes", [](const OpDesc& d) { return std::to_string(d.chunk_bytes); });
   field("compression", [](const OpDesc& d) { return d.codec.empty() ? std::string("none") : d.codec; });
+  field("submitting thread", [](const OpDesc& d) { return "'" + d.thread + "'"; });
   return os.str();
 }
 
@@ -87,6 +96,7 @@ std::string OpDesc::serialize(const std::string& name) const {
   w.put<std::uint64_t>(count);
   w.put<std::uint64_t>(chunk_bytes);
   w.put_string(codec);
+  w.put_string(thread);
   return std::string(w.buffer().begin(), w.buffer().end());
 }
 
@@ -94,7 +104,7 @@ bool OpDesc::parse(const std::string& bytes, std::string* name, OpDesc* out) {
   WireReader r(bytes.data(), bytes.size());
   std::int32_t kind, dtype, op;
   if (!r.get_string(name) || !r.get(&kind) || !r.get(&dtype) || !r.get(&op) || !r.get(&out->root) ||
-      !r.get(&out->count) || !r.get(&out->chunk_bytes) || !r.get_string(&out->codec))
+      !r.get(&out->count) || !r.get(&out->chunk_bytes) || !r.get_string(&out->codec) || !r.get_string(&out->thread))
     return false;
   out->kind = static_cast<OpKind>(kind);
   out->dtype = static_cast<DType>(dtype);
@@ -181,6 +191,18 @@ class CommContext {
   std::uint64_t unnamed_seq = 0;  // advanced on submitting threads, under Engine::mu_
   std::set<std::string> in_flight;  // names submitted and not finished, under Engine::mu_
   bool freed = false;               // the user freed the communicator, under Engine::mu_
+
+  // ctl and data are duplicated with MPI_Comm_idup at the first submission
+  // (collective: it completes once every rank submitted on the communicator);
+  // the engine thread completes it and only then uses them.
+  MPI_Request setup[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  bool set_up = false;
+  std::chrono::steady_clock::time_point setup_since;
+  double setup_warned_at = 0;
+
+  // Engine thread: a rank has left (process exit, freed communicator), and since when.
+  Status gone;
+  std::chrono::steady_clock::time_point gone_at;
 
   bool is_coordinator() const { return rank == 0; }
 
@@ -400,13 +422,15 @@ Status Engine::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
       if (c.get() == attr) *out = c;
     if (*out) return Status::OK();
   }
+  // Started here, in the caller's program order among its own collectives on
+  // comm; never waited for here: a rank that submits later must not block
+  // this one (nor the engine, which runs what is already agreed meanwhile).
   auto ctx = std::make_shared<CommContext>();
-  rc = MPI_Comm_dup(comm, &ctx->ctl);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_dup"));
-  rc = MPI_Comm_dup(comm, &ctx->data);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_dup"));
-  MPI_Comm_set_errhandler(ctx->ctl, MPI_ERRORS_RETURN);
-  MPI_Comm_set_errhandler(ctx->data, MPI_ERRORS_RETURN);
+  rc = MPI_Comm_idup(comm, &ctx->ctl, &ctx->setup[0]);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_idup"));
+  rc = MPI_Comm_idup(comm, &ctx->data, &ctx->setup[1]);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_idup"));
+  ctx->setup_since = std::chrono::steady_clock::now();
   MPI_Comm_rank(comm, &ctx->rank);
   MPI_Comm_size(comm, &ctx->size);
   ctx->id = next_context_id_++;
@@ -477,7 +501,8 @@ bool Engine::drain_submissions() {
   }
   for (auto& item : batch) {
     item.first->pending.emplace(item.second->name(), item.second);
-    item.first->unreported.push_back(item.second->name());
+    // A context a rank has left reports nothing more: the loop fails what is pending there.
+    if (item.first->gone.ok()) item.first->unreported.push_back(item.second->name());
   }
   return !batch.empty();
 }
@@ -576,6 +601,7 @@ Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traf
       return run_ring(plan, policy, ctx.data, kTagData, traffic);
     }
     case CodecKind::kTopK:
+      executing_cancellable_ = false;  // its allgather is a collective
       return topk_allreduce(ctx.data, ctx.size, data, n, spec.ratio, scale, res, traffic, topk_scratch_);
     case CodecKind::kNone:
       break;
@@ -593,6 +619,8 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
   }
   Status st;
   RingTraffic traffic;
+  executing_ = &ctx;
+  executing_cancellable_ = d.kind == OpKind::kAllreduce;  // a ring's point-to-point requests can be cancelled
   if (d.kind == OpKind::kAllreduce) {
     const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
     if (ctx.size == 1) {
@@ -617,6 +645,7 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
     }
   }
   // A barrier needs nothing more: it ran because every rank had entered it.
+  executing_ = nullptr;
   const double end_us = now_us();
   {
     std::lock_guard<std::mutex> g(op.mu_);
@@ -657,13 +686,36 @@ Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, d
                                             ctx.ctl, MPI_STATUS_IGNORE),
                                    "MPI_Recv(control)"));
     arrived = true;
+    if (probe.MPI_TAG == kTagLeave) {
+      if (ctx.gone.ok()) {
+        WireReader r(control_msg_.data(), control_msg_.size());
+        std::int32_t rank = -1, world_rank = -1;
+        std::string why;
+        r.get(&rank);
+        r.get(&world_rank);
+        r.get_string(&why);
+        ctx.gone = Status::Cancelled("hpcdl: rank " + std::to_string(rank) + " of the communicator (rank " +
+                                     std::to_string(world_rank) + " of COMM_WORLD) left: " + why +
+                                     "; operations on this communicator cannot complete");
+        ctx.gone_at = std::chrono::steady_clock::now();
+        ctx.table.clear();
+        // Said here too: the caller may catch the error its operations get.
+        if (!ctx.pending.empty() || executing_ == &ctx)
+          std::fprintf(stderr, "[hpcdl rank %d] %s\n", ctx.rank, ctx.gone.message().c_str());
+        // First news of it at the coordinator: tell everyone else, once.
+        if (ctx.is_coordinator())
+          for (int r2 = 1; r2 < ctx.size; ++r2)
+            if (r2 != probe.MPI_SOURCE) HPCDL_RETURN_NOT_OK(ctx.send(r2, kTagLeave, control_msg_));
+      }
+      continue;
+    }
     if (probe.MPI_TAG == kTagReady && ctx.is_coordinator())
       HPCDL_RETURN_NOT_OK(ctx.on_ready(probe.MPI_SOURCE, control_msg_.data(), control_msg_.size()));
     else if (probe.MPI_TAG == kTagPlan)
       ctx.plans.push_back(control_msg_);
   }
   *busy = *busy || arrived || !own_report.empty();
-  if (ctx.is_coordinator() && (arrived || !own_report.empty() || stall_check) && !ctx.table.empty()) {
+  if (ctx.is_coordinator() && ctx.gone.ok() && (arrived || !own_report.empty() || stall_check) && !ctx.table.empty()) {
     WireWriter w;
     std::uint32_t entries = 0;
     w.put<std::uint32_t>(0);
@@ -720,6 +772,7 @@ Status Engine::run_plans(CommContext& ctx) {
         }
         st = await_ready(ctx, *op);
         if (st.ok()) st = execute(ctx, *op);
+        if (!st.ok() && !ctx.gone.ok()) st = ctx.gone;  // abandoned because a rank left: say which
       } else {
         ctx.last_reported.erase(name);  // report it in full next time
         st = static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
@@ -743,7 +796,8 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
   double warned_at = 0;
   // Its data comes from the caller's computation: wake rarely meanwhile.
   while (!op.wait_ready_for(0.02)) {
-    if (wait_hook != nullptr) (*wait_hook)();
+    if (wait_hook != nullptr) (*wait_hook)(0);
+    if (!ctx.gone.ok()) return ctx.gone;
     double warn_s;
     {
       std::lock_guard<std::mutex> g(mu_);
@@ -762,8 +816,65 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
   return Status::OK();
 }
 
+Status Engine::finish_setup(CommContext& ctx, double warn_s, double error_s) {
+  int flag = 0;
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Testall(2, ctx.setup, &flag, MPI_STATUSES_IGNORE), "MPI_Comm_idup"));
+  if (flag) {
+    MPI_Comm_set_errhandler(ctx.ctl, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(ctx.data, MPI_ERRORS_RETURN);
+    ctx.set_up = true;
+    return Status::OK();
+  }
+  // Until every rank has submitted its first operation here, no operation on
+  // this communicator can be reported, so the coordinator cannot name the late
+  // ranks: the waiting ranks warn (or fail) on their own.
+  const double waited = seconds_since(ctx.setup_since);
+  const std::string what = " for the other ranks to submit their first operation on this communicator "
+                           "(hpcdl sets up its channels with the first operation every rank submits on it)";
+  if (error_s > 0 && waited >= error_s) {
+    for (auto& kv : ctx.pending)
+      kv.second->finish(Status::Timeout("hpcdl: operation '" + kv.first + "' waited " +
+                                        std::to_string(static_cast<int>(waited)) + " s" + what));
+    ctx.pending.clear();
+    std::lock_guard<std::mutex> g(mu_);
+    ctx.in_flight.clear();
+  } else if (warn_s > 0 && waited >= warn_s && waited - ctx.setup_warned_at >= warn_s) {
+    ctx.setup_warned_at = waited;
+    for (auto& kv : ctx.pending)
+      kv.second->notify("hpcdl: operation '" + kv.first + "' has waited " + std::to_string(static_cast<int>(waited)) +
+                        " s" + what);
+  }
+  return Status::OK();
+}
+
+void Engine::announce_leaving(CommContext& ctx, const std::string& why) {
+  if (!ctx.set_up || ctx.size < 2) return;
+  int world_rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+  WireWriter w;
+  w.put<std::int32_t>(ctx.rank);
+  w.put<std::int32_t>(world_rank);
+  w.put_string(why);
+  // The coordinator tells every rank; anyone else tells the coordinator, which forwards it.
+  for (int r = 0; r < ctx.size; ++r)
+    if (r != ctx.rank && (ctx.is_coordinator() || r == 0)) ctx.send(r, kTagLeave, w.buffer());
+  // Small messages leave at once; a rank already gone must not hold this one up.
+  const auto since = std::chrono::steady_clock::now();
+  while (!ctx.outbox.empty() && seconds_since(since) < 1.0 && ctx.flush_outbox().ok())
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  for (auto& out : ctx.outbox) {
+    MPI_Request_free(&out->req);
+    out.release();  // MPI may still read its bytes: a few bytes kept for good
+  }
+  ctx.outbox.clear();
+}
+
 void Engine::fail_context(CommContext& ctx, const Status& st) {
   std::fprintf(stderr, "[hpcdl rank %d] engine error: %s\n", ctx.rank, st.message().c_str());
+  fail_pending(ctx, st);
+}
+
+void Engine::fail_pending(CommContext& ctx, const Status& st) {
   for (auto& kv : ctx.pending) kv.second->finish(st);
   ctx.pending.clear();
   ctx.plans.clear();
@@ -789,39 +900,71 @@ void Engine::loop() {
       for (auto& c : contexts_) (c->freed ? freed : contexts).push_back(c);
       contexts_ = contexts;
     }
+    std::vector<std::shared_ptr<CommContext>> freed_during_setup;
     for (auto& ctx : freed) {
       {
         std::lock_guard<std::mutex> g(residual_mu_);
         for (auto it = residuals_.begin(); it != residuals_.end();)
           it = it->first.first == ctx->id ? residuals_.erase(it) : std::next(it);
       }
+      // The other ranks may wait for these in their rings or agreement: tell them.
+      if (!ctx->pending.empty()) announce_leaving(*ctx, "it freed the communicator with operations in flight");
       for (auto& kv : ctx->pending)
         kv.second->finish(Status::Cancelled("the communicator of '" + kv.first + "' was freed before it ran"));
+      ctx->pending.clear();
+      int set_up = ctx->set_up;
+      if (!set_up) MPI_Testall(2, ctx->setup, &set_up, MPI_STATUSES_IGNORE);
+      if (!set_up) {  // the duplicates exist only once the idup completes
+        freed_during_setup.push_back(ctx);
+        continue;
+      }
       MPI_Comm_free(&ctx->ctl);
       MPI_Comm_free(&ctx->data);
+    }
+    if (!freed_during_setup.empty()) {
+      std::lock_guard<std::mutex> g(mu_);
+      contexts_.insert(contexts_.end(), freed_during_setup.begin(), freed_during_setup.end());
     }
     const bool stall_check = seconds_since(last_plan) > 0.1;
     bool unused_busy = false;
     auto last_agreed = std::chrono::steady_clock::time_point{};
-    std::function<void()> agree_meanwhile = [&] {
+    std::function<bool(double)> agree_meanwhile = [&](double waited_s) {
       // A poll a millisecond agrees the next operation long before a ring
       // ends; every poll more is MPI progress on a core the ranks share.
       const auto now = std::chrono::steady_clock::now();
-      if (now - last_agreed < std::chrono::milliseconds(1)) return;
-      last_agreed = now;
-      drain_submissions();
-      for (auto& ctx : contexts)
-        if (ctx->control_error.ok())
-          ctx->control_error = poll_control(*ctx, false, warn_s, error_s, &unused_busy);
+      if (now - last_agreed >= std::chrono::milliseconds(1)) {
+        last_agreed = now;
+        drain_submissions();
+        for (auto& ctx : contexts)
+          if (ctx->set_up && ctx->control_error.ok())
+            ctx->control_error = poll_control(*ctx, false, warn_s, error_s, &unused_busy);
+      }
+      // A rank of the running operation left, and this wait stopped progressing.
+      CommContext* running = executing_;
+      if (running == nullptr || running->gone.ok()) return true;
+      const double stuck_s = std::min(waited_s, seconds_since(running->gone_at));
+      if (stuck_s < (executing_cancellable_ ? kLeftRankRingGraceSeconds : kLeftRankCollectiveGraceSeconds))
+        return true;
+      if (executing_cancellable_) return false;
+      abort_job(running->gone.message());  // a collective request can be neither cancelled nor freed
     };
     wait_hook = &agree_meanwhile;
     for (auto& ctx : contexts) {
+      if (!ctx->set_up) {
+        Status st = finish_setup(*ctx, warn_s, error_s);
+        if (!st.ok()) fail_context(*ctx, st);
+        if (!ctx->set_up) continue;
+      }
       Status st = poll_control(*ctx, stall_check, warn_s, error_s, &busy);
       if (st.ok()) {
         busy = busy || !ctx->plans.empty();
         st = run_plans(*ctx);
       }
-      if (!st.ok()) fail_context(*ctx, st);
+      if (!st.ok()) {
+        fail_context(*ctx, st);
+      } else if (!ctx->gone.ok() && !ctx->pending.empty()) {
+        fail_pending(*ctx, ctx->gone);  // what waits for the rank that left
+      }
     }
     wait_hook = nullptr;
     for (auto& ctx : contexts) busy = busy || !ctx->plans.empty();
@@ -846,7 +989,7 @@ void Engine::loop() {
     }
     bool waiting = false;
     for (auto& ctx : contexts) {
-      waiting = waiting || !ctx->outbox.empty();
+      waiting = waiting || !ctx->outbox.empty() || (!ctx->set_up && !ctx->pending.empty());
       for (auto& kv : ctx->pending) waiting = waiting || kv.second->ready();
     }
     const auto max_idle = std::chrono::microseconds(waiting ? std::clamp(wait_sleep_cap_us(), 1L, 1000L) : 20000);
@@ -856,15 +999,23 @@ void Engine::loop() {
     const bool woken = cv_.wait_for(g, idle, [&] { return !queue_.empty() || !running_ || wakeups_ != seen_wakeups; });
     idle = woken ? std::chrono::microseconds(20) : std::min(idle * 2, max_idle);
   }
-  // Shutting down: whatever has not run never will.
+  // Shutting down: whatever has not run never will, and the other ranks may
+  // wait for this one (in an operation it never submitted, or one it
+  // cancels here): tell them, so they fail instead of waiting forever.
   drain_submissions();
-  std::lock_guard<std::mutex> g(mu_);
-  for (auto& ctx : contexts_) {
+  std::vector<std::shared_ptr<CommContext>> contexts;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    contexts = contexts_;
+  }
+  for (auto& ctx : contexts) {
     for (auto& op : ctx->pending)
       op.second->finish(Status::Cancelled("hpcdl's engine shut down before '" + op.first + "' ran"));
     ctx->pending.clear();
-    ctx->in_flight.clear();
+    if (!ctx->freed) announce_leaving(*ctx, "its process exited (its engine shut down at interpreter exit)");
   }
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto& ctx : contexts_) ctx->in_flight.clear();
 }
 
 void Engine::shutdown() {
