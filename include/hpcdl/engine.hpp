@@ -31,6 +31,7 @@
 #include "hpcdl/dtype.hpp"
 #include "hpcdl/ring.hpp"
 #include "hpcdl/status.hpp"
+#include "hpcdl/sparse_allreduce.hpp"
 #include "hpcdl/topk.hpp"
 
 namespace hpcdl {
@@ -178,6 +179,7 @@ class Engine {
   std::vector<char> control_msg_;
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
+  SplitScratch split_scratch_;
 };
 
 }  // namespace hpcdl
