@@ -6,7 +6,10 @@
 Standard normal gradients (seeded per rank and step), named so error feedback
 runs as in training; each algorithm (allgather, split, auto) runs --steps calls.
 Prints, per algorithm, the largest and smallest bytes received by a rank per
-call, and that largest in units of 8k (the allgather's figure at p = 2).
+call, that largest in units of 8k (the allgather's figure at p = 2), and the
+slowest rank's mean seconds per call (wall time: machine load shows in it).
+--skew F multiplies the first 1/F of each gradient by 1000 (0: off), so every
+rank's largest values sit in one corner of the index space.
 """
 
 import argparse
@@ -23,6 +26,7 @@ def main(argv=None):
     p.add_argument("--count", type=int, default=4 << 20)
     p.add_argument("--ratio", type=float, default=0.01)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--skew", type=int, default=0)
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -33,13 +37,17 @@ def main(argv=None):
         hpcdl.stats(reset=True)
         for step in range(args.steps):
             g = np.random.default_rng(1000 * step + rank).standard_normal(args.count).astype(np.float32)
+            if args.skew:
+                g[:args.count // args.skew] *= 1000
             hpcdl.allreduce(g, op="average", name="bench.topk", compression=codec)
         row = hpcdl.stats(reset=True)["allreduce"][str(codec)]
         per_call = row["bytes_received"] / row["ops"]
         most, least = comm.allreduce(per_call, op=MPI.MAX), comm.allreduce(per_call, op=MPI.MIN)
+        seconds = comm.allreduce(row["seconds"] / row["ops"], op=MPI.MAX)
         if rank == 0:
             print(f"p={size} n={args.count} k={k} {algorithm:9s}: bytes received per rank per call "
-                  f"max {most:.0f} min {least:.0f} = {most / (8 * k):.2f} x 8k", flush=True)
+                  f"max {most:.0f} min {least:.0f} = {most / (8 * k):.2f} x 8k, {1e3 * seconds:.1f} ms per call",
+                  flush=True)
     hpcdl.compression.reset_state()
 
 

@@ -143,9 +143,17 @@ def test_split_residual_keeps_exactly_what_the_global_selection_dropped():
     agree(WORLD, not problems, problems)
 
 
-def received_per_rank(comm, codec, count):
+def skewed(rank, count):
+    """Large values only in the first twentieth of the indices: ranges of equal
+    length would send every pair to rank 0."""
+    x = normal(rank, count)
+    x[:count // 20] *= 1000
+    return x
+
+
+def received_per_rank(comm, codec, count, make=normal):
     """Bytes this rank received in one allreduce of count values (hpcdl.stats)."""
-    data = normal(comm.Get_rank(), count)
+    data = make(comm.Get_rank(), count)
     hpcdl.stats(reset=True)
     hpcdl.allreduce(data, comm=comm, compression=codec)
     rows = hpcdl.stats(reset=True)["allreduce"]
@@ -156,7 +164,8 @@ def received_per_rank(comm, codec, count):
 def test_split_bytes_per_rank_flat_in_p_and_auto_picks_the_fewer():
     """At p = 2 auto runs the allgather (8k in); at this p auto runs the split,
     every rank receiving at most 2x the p = 2 figure, less than the (p - 1) 8k
-    of the allgather."""
+    of the allgather; with every large value in a twentieth of the indices too
+    (the ranges follow the pairs)."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     count, ratio = 1_000_003, 0.01
     k = TopK(ratio).k(count)
@@ -165,14 +174,16 @@ def test_split_bytes_per_rank_flat_in_p_and_auto_picks_the_fewer():
     def measure():
         two = received_per_rank(pair, TopK(ratio), count) if pair != MPI.COMM_NULL else None
         return two, received_per_rank(WORLD, TopK(ratio), count), \
-            received_per_rank(WORLD, TopK(ratio, algorithm="allgather"), count)
+            received_per_rank(WORLD, TopK(ratio, algorithm="allgather"), count), \
+            received_per_rank(WORLD, TopK(ratio, algorithm="split"), count, skewed)
 
-    two, auto, allgather = collective(WORLD, measure)
+    two, auto, allgather, skew = collective(WORLD, measure)
     if pair != MPI.COMM_NULL:
         pair.Free()
     p2 = WORLD.bcast(two, root=0)
-    ok = p2 == 8 * k and allgather == (size - 1) * 8 * k and auto <= 2 * p2 and auto < allgather
-    agree(WORLD, ok, f"p=2 {p2} (8k = {8 * k}), p={size}: auto {auto}, allgather {allgather}")
+    ok = p2 == 8 * k and allgather == (size - 1) * 8 * k and auto <= 2 * p2 and skew <= 2 * p2 \
+        and auto < allgather
+    agree(WORLD, ok, f"p=2 {p2} (8k = {8 * k}), p={size}: auto {auto}, allgather {allgather}, skewed split {skew}")
 
 
 @pytest.mark.mpi(min_size=2)

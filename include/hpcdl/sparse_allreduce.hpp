@@ -8,8 +8,8 @@
 // data communicator, non-blocking collectives waited on politely:
 //   1. each rank selects its local top-k of x = data (+ residual) (TopkSelector);
 //   2. balance: a histogram of the selected indices over B equal bins is summed
-//      (Iallreduce); the index space is cut at bin edges into p contiguous
-//      ranges holding about p k / p = k selected pairs each;
+//      (Iallreduce); the index space is cut into p contiguous ranges holding
+//      about p k / p = k selected pairs each (cuts interpolated inside bins);
 //   3. reduce-scatter: each rank sends the pairs of range j to rank j
 //      (Ialltoall of counts, Ialltoallv of indices and of values); rank j sums
 //      them in rank order: its candidates are the union of received indices;
@@ -119,16 +119,17 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
   if (final_scale != 1.0)
     for (std::size_t j = 0; j < k; ++j) val[j] *= static_cast<float>(final_scale);
 
-  // 2. Balance: ranges cut at the bin edges nearest each j/p of all p k pairs.
+  // 2. Balance: range j ends where the running count of all p k pairs reaches
+  // (j + 1) k, interpolated linearly inside that bin (pairs assumed even there).
   std::size_t bins = detail::split_balance_bins(p, n, k);
   const std::size_t width = (n + bins - 1) / bins;
   bins = (n + width - 1) / width;
   std::uint32_t* hist = s.hist.get<std::uint32_t>(std::max(bins, detail::kRadixBins));
   std::fill(hist, hist + bins, 0u);
   for (std::size_t j = 0; j < k; ++j) ++hist[idx[j] / width];
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(bins), MPI_UINT32_T, MPI_SUM, comm,
-                                           &rq[0]),
-                            "MPI_Iallreduce(top-k balance)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(bins), MPI_UINT32_T, MPI_SUM, comm, &rq[0]),
+      "MPI_Iallreduce(top-k balance)"));
   received += detail::allreduce_volume(p, 4 * bins);
   sent += detail::allreduce_volume(p, 4 * bins);
   // While the histogram travels: data is no longer read (x is in val, or in the residual).
@@ -142,8 +143,10 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
     std::size_t bin = 0;
     for (int j = 1; j < p; ++j) {
       const std::uint64_t target = total * static_cast<std::uint64_t>(j) / up;
-      while (bin < bins && cum < target) cum += hist[bin++];
-      bound[j] = std::min(n, bin * width);
+      while (bin < bins && cum + hist[bin] < target) cum += hist[bin++];
+      std::size_t at = n;
+      if (bin < bins) at = bin * width + (hist[bin] ? (target - cum) * width / hist[bin] : 0);
+      bound[j] = std::min(n, at);
     }
   }
 
@@ -155,9 +158,9 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
     send_displ[j] = static_cast<int>(lo - idx);
     send_count[j] = static_cast<int>(hi - lo);
   }
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Ialltoall(send_count.data(), 1, MPI_INT, recv_count.data(), 1, MPI_INT, comm,
-                                          &rq[0]),
-                            "MPI_Ialltoall(top-k counts)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Ialltoall(send_count.data(), 1, MPI_INT, recv_count.data(), 1, MPI_INT, comm, &rq[0]),
+      "MPI_Ialltoall(top-k counts)"));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k counts)"));
   std::size_t n_recv = 0;
   for (std::size_t r = 0; r < up; ++r) {
@@ -170,13 +173,14 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
   }
   std::uint32_t* recv_idx = s.recv_idx.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
   float* recv_val = s.recv_val.get<float>(std::max<std::size_t>(n_recv, 1));
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Ialltoallv(idx, send_count.data(), send_displ.data(), MPI_UINT32_T, recv_idx,
-                                           recv_count.data(), recv_displ.data(), MPI_UINT32_T, comm,
-                                           &rq[0]),
-                            "MPI_Ialltoallv(top-k indices)"));
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Ialltoallv(val, send_count.data(), send_displ.data(), MPI_FLOAT, recv_val,
-                                           recv_count.data(), recv_displ.data(), MPI_FLOAT, comm, &rq[1]),
-                            "MPI_Ialltoallv(top-k values)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Ialltoallv(idx, send_count.data(), send_displ.data(), MPI_UINT32_T, recv_idx, recv_count.data(),
+          recv_displ.data(), MPI_UINT32_T, comm, &rq[0]),
+      "MPI_Ialltoallv(top-k indices)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Ialltoallv(val, send_count.data(), send_displ.data(), MPI_FLOAT, recv_val, recv_count.data(),
+          recv_displ.data(), MPI_FLOAT, comm, &rq[1]),
+      "MPI_Ialltoallv(top-k values)"));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k reduce-scatter)"));
   const std::size_t lo = bound[rank], hi = bound[rank + 1];
   for (std::size_t c = 0; c < n_recv; ++c) {  // blocks arrive in rank order: the sums are too
@@ -198,9 +202,9 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
     std::fill(hist, hist + detail::kRadixBins, 0u);
     for (std::size_t c = 0; c < n_cand; ++c)
       if (round == 0 || (mag[c] >> (shift + detail::kRadixBits)) == prefix) ++hist[(mag[c] >> shift) & 0xffu];
-    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(detail::kRadixBins), MPI_UINT32_T,
-                                             MPI_SUM, comm, &rq[0]),
-                              "MPI_Iallreduce(top-k select)"));
+    HPCDL_RETURN_NOT_OK(mpi_status(
+        MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(detail::kRadixBins), MPI_UINT32_T, MPI_SUM, comm, &rq[0]),
+        "MPI_Iallreduce(top-k select)"));
     HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k select)"));
     received += detail::allreduce_volume(p, 4 * detail::kRadixBins);
     sent += detail::allreduce_volume(p, 4 * detail::kRadixBins);
@@ -217,9 +221,9 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
   std::uint32_t ties = 0;
   for (std::size_t c = 0; c < n_cand; ++c) ties += mag[c] == cut;
   std::vector<std::uint32_t> all_ties(up);
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgather(&ties, 1, MPI_UINT32_T, all_ties.data(), 1, MPI_UINT32_T, comm,
-                                           &rq[0]),
-                            "MPI_Iallgather(top-k ties)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Iallgather(&ties, 1, MPI_UINT32_T, all_ties.data(), 1, MPI_UINT32_T, comm, &rq[0]),
+      "MPI_Iallgather(top-k ties)"));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k ties)"));
   received += 4 * (up - 1);
   sent += 4 * (up - 1);
@@ -240,9 +244,9 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
 
   // 5. Allgather of the selected pairs: ranges ascend, so the result's indices do.
   std::vector<int> out_count(up), out_displ(up);
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgather(&n_sel, 1, MPI_INT, out_count.data(), 1, MPI_INT, comm,
-                                           &rq[0]),
-                            "MPI_Iallgather(top-k selected counts)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Iallgather(&n_sel, 1, MPI_INT, out_count.data(), 1, MPI_INT, comm, &rq[0]),
+      "MPI_Iallgather(top-k selected counts)"));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k selected counts)"));
   std::size_t n_out = 0;
   for (std::size_t r = 0; r < up; ++r) {
@@ -251,12 +255,13 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
   }
   std::uint32_t* out_idx = s.out_idx.get<std::uint32_t>(std::max<std::size_t>(n_out, 1));
   float* out_val = s.out_val.get<float>(std::max<std::size_t>(n_out, 1));
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgatherv(sel_idx, n_sel, MPI_UINT32_T, out_idx, out_count.data(),
-                                            out_displ.data(), MPI_UINT32_T, comm, &rq[0]),
-                            "MPI_Iallgatherv(top-k indices)"));
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgatherv(sel_val, n_sel, MPI_FLOAT, out_val, out_count.data(), out_displ.data(),
-                                            MPI_FLOAT, comm, &rq[1]),
-                            "MPI_Iallgatherv(top-k values)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Iallgatherv(sel_idx, n_sel, MPI_UINT32_T, out_idx, out_count.data(), out_displ.data(), MPI_UINT32_T, comm,
+          &rq[0]),
+      "MPI_Iallgatherv(top-k indices)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Iallgatherv(sel_val, n_sel, MPI_FLOAT, out_val, out_count.data(), out_displ.data(), MPI_FLOAT, comm, &rq[1]),
+      "MPI_Iallgatherv(top-k values)"));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k allgather)"));
   received += 4 * (up - 1) + 8 * static_cast<std::uint64_t>(n_out - static_cast<std::size_t>(n_sel));
   sent += 4 * (up - 1) + 8 * static_cast<std::uint64_t>(n_sel) * (up - 1);
