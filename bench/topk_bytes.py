@@ -4,7 +4,8 @@
     mpiexec -n 4 python bench/topk_bytes.py --count 1000000 --ratio 0.001 --steps 5
 
 Standard normal gradients (seeded per rank and step), named so error feedback
-runs as in training; each algorithm (allgather, split, auto) runs --steps calls.
+runs as in training; each algorithm (allgather, split, auto) runs --steps calls
+after one uncounted warm-up call.
 Prints, per algorithm, the largest and smallest bytes received by a rank per
 call, that largest in units of 8k (the allgather's figure at p = 2), and the
 slowest rank's mean seconds per call (wall time: machine load shows in it).
@@ -33,6 +34,7 @@ def main(argv=None):
     k = TopK(args.ratio).k(args.count)
     for algorithm in ("allgather", "split", "auto"):
         codec = TopK(args.ratio, algorithm=algorithm)
+        hpcdl.allreduce(np.ones(args.count, np.float32), compression=codec)  # warm-up: scratch grows
         hpcdl.compression.reset_state()
         hpcdl.stats(reset=True)
         for step in range(args.steps):

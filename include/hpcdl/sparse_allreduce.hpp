@@ -16,7 +16,8 @@
 //   4. global selection: the k-th largest candidate magnitude m is found by a
 //      radix select over the 32 magnitude bits, 8 at a time (4 Iallreduces of
 //      256 counts); ties at m go to the lowest indices (an Iallgather of each
-//      range's tie count: ranges ascend, so lower ranges take theirs first);
+//      range's counts above and at m: ranges ascend, so lower ranges take
+//      their ties first, and every rank knows every range's selected count);
 //   5. an Iallgatherv of the selected pairs (k in all) gives every rank the
 //      same bytes, written into the cleared buffer: bitwise identical results.
 // Error feedback: a rank's residual keeps x except where its own pair made it
@@ -79,7 +80,7 @@ inline std::uint64_t topk_split_model_bytes(int p, std::size_t n, std::size_t k)
   const std::uint64_t pairs = 2 * static_cast<std::uint64_t>(p - 1) * topk_encoded_bytes(k) / p;
   return pairs + detail::allreduce_volume(p, 4 * detail::split_balance_bins(p, n, k)) +
          detail::kRadixRounds * detail::allreduce_volume(p, 4 * detail::kRadixBins) +
-         static_cast<std::uint64_t>(p - 1) * (4 + 4 + 4);
+         static_cast<std::uint64_t>(p - 1) * (4 + 8);
 }
 
 // Split or allgather: the algorithm named, or with "auto" the one whose
@@ -218,41 +219,45 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
     prefix = (prefix << detail::kRadixBits) | static_cast<std::uint32_t>(b);
   }
   const std::uint32_t cut = prefix;  // `need` candidates equal to it complete the k
-  std::uint32_t ties = 0;
-  for (std::size_t c = 0; c < n_cand; ++c) ties += mag[c] == cut;
-  std::vector<std::uint32_t> all_ties(up);
+  // Every range's (above, equal) counts: each rank derives all ranges' selected
+  // counts from them, so one exchange serves the ties and the allgather's sizes.
+  std::uint32_t mine[2] = {0, 0};
+  for (std::size_t c = 0; c < n_cand; ++c) {
+    if (mag[c] > cut) ++mine[0];
+    if (mag[c] == cut) ++mine[1];
+  }
+  std::vector<std::uint32_t> counts(2 * up);
   HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Iallgather(&ties, 1, MPI_UINT32_T, all_ties.data(), 1, MPI_UINT32_T, comm, &rq[0]),
-      "MPI_Iallgather(top-k ties)"));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k ties)"));
-  received += 4 * (up - 1);
-  sent += 4 * (up - 1);
-  std::uint64_t ties_before = 0;
-  for (int r = 0; r < rank; ++r) ties_before += all_ties[r];
-  std::uint64_t take = need > ties_before ? std::min<std::uint64_t>(need - ties_before, ties) : 0;
+      MPI_Iallgather(mine, 2, MPI_UINT32_T, counts.data(), 2, MPI_UINT32_T, comm, &rq[0]),
+      "MPI_Iallgather(top-k selected counts)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k selected counts)"));
+  received += 8 * (up - 1);
+  sent += 8 * (up - 1);
+  // Ties go to the lowest indices: range r takes what ranges 0..r-1 left.
+  std::vector<int> out_count(up), out_displ(up);
+  std::uint64_t ties_left = need, take = 0;
+  std::size_t n_out = 0;
+  for (std::size_t r = 0; r < up; ++r) {
+    const std::uint64_t ties = std::min<std::uint64_t>(ties_left, counts[2 * r + 1]);
+    ties_left -= ties;
+    if (r == static_cast<std::size_t>(rank)) take = ties;
+    out_count[r] = static_cast<int>(counts[2 * r] + ties);
+    out_displ[r] = static_cast<int>(n_out);
+    n_out += static_cast<std::size_t>(out_count[r]);
+  }
   std::uint32_t* sel_idx = s.sel_idx.get<std::uint32_t>(std::max<std::size_t>(n_cand, 1));
   float* sel_val = s.sel_val.get<float>(std::max<std::size_t>(n_cand, 1));
-  int n_sel = 0;
-  for (std::size_t c = 0; c < n_cand; ++c) {
+  const int n_sel = out_count[rank];
+  for (std::size_t c = 0, out = 0; c < n_cand; ++c) {
     if (mag[c] > cut || (mag[c] == cut && take > 0)) {
       if (mag[c] == cut) --take;
-      sel_idx[n_sel] = cand[c];
-      sel_val[n_sel++] = data[cand[c]];
+      sel_idx[out] = cand[c];
+      sel_val[out++] = data[cand[c]];
     }
     data[cand[c]] = 0.0f;  // the buffer is cleared again; the gathered result lands in it
   }
 
   // 5. Allgather of the selected pairs: ranges ascend, so the result's indices do.
-  std::vector<int> out_count(up), out_displ(up);
-  HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Iallgather(&n_sel, 1, MPI_INT, out_count.data(), 1, MPI_INT, comm, &rq[0]),
-      "MPI_Iallgather(top-k selected counts)"));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k selected counts)"));
-  std::size_t n_out = 0;
-  for (std::size_t r = 0; r < up; ++r) {
-    out_displ[r] = static_cast<int>(n_out);
-    n_out += static_cast<std::size_t>(out_count[r]);
-  }
   std::uint32_t* out_idx = s.out_idx.get<std::uint32_t>(std::max<std::size_t>(n_out, 1));
   float* out_val = s.out_val.get<float>(std::max<std::size_t>(n_out, 1));
   HPCDL_RETURN_NOT_OK(mpi_status(
@@ -263,8 +268,8 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
       MPI_Iallgatherv(sel_val, n_sel, MPI_FLOAT, out_val, out_count.data(), out_displ.data(), MPI_FLOAT, comm, &rq[1]),
       "MPI_Iallgatherv(top-k values)"));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k allgather)"));
-  received += 4 * (up - 1) + 8 * static_cast<std::uint64_t>(n_out - static_cast<std::size_t>(n_sel));
-  sent += 4 * (up - 1) + 8 * static_cast<std::uint64_t>(n_sel) * (up - 1);
+  received += 8 * static_cast<std::uint64_t>(n_out - static_cast<std::size_t>(n_sel));
+  sent += 8 * static_cast<std::uint64_t>(n_sel) * (up - 1);
   for (std::size_t g = 0; g < n_out; ++g) data[out_idx[g]] = out_val[g];
   // The residual gives up this rank's pairs that made it into the result (both lists ascend).
   for (std::size_t j = 0, g = 0; residual && j < k; ++j) {
