@@ -110,23 +110,33 @@ class Int8(Codec):
 class TopK(Codec):
     """Keep the k = max(1, ceil(ratio * n)) largest magnitudes; (uint32 index, float32 value) pairs.
 
-    Reduced by a sparse allgather (every rank sums all ranks' pairs in rank
-    order): use it with a name, so error feedback keeps what was dropped.
+    algorithm: how the pairs are reduced (docs/compression.md):
+    "allgather": every rank sums all ranks' pairs in rank order (bytes per rank
+    grow as (p - 1) 8k); "split": a reduce-scatter over p index ranges, an
+    exact global top-k of the sums, an allgather of those k pairs (about
+    2 (p - 1)/p 8k per rank, flat in p); "auto" (default): the one that
+    receives fewer bytes for this p and tensor size. Use it with a name, so
+    error feedback keeps what was dropped.
     """
 
     name = "topk"
+    ALGORITHMS = ("auto", "allgather", "split")
 
-    def __init__(self, ratio=0.01):
+    def __init__(self, ratio=0.01, algorithm="auto"):
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 \
                 or not math.isfinite(ratio):
             raise ValueError(f"TopK ratio must be in (0, 1], got {ratio!r}")
-        self.ratio = float(ratio)
+        if algorithm not in self.ALGORITHMS:
+            raise ValueError(f"TopK algorithm must be one of {self.ALGORITHMS}, got {algorithm!r}")
+        self.ratio, self.algorithm = float(ratio), algorithm
 
     def get_config(self):
-        return {"name": self.name, "ratio": self.ratio}
+        return {"name": self.name, "ratio": self.ratio, "algorithm": self.algorithm}
 
     def canonical(self):
-        return f"topk(ratio={self.ratio!r})"
+        if self.algorithm == "auto":
+            return f"topk(ratio={self.ratio!r})"
+        return f"topk(ratio={self.ratio!r},algorithm={self.algorithm})"
 
     def k(self, count):
         """How many values a tensor of ``count`` elements keeps."""

@@ -13,7 +13,7 @@ run() { echo "+ $*"; "$@" || status=1; }
 run timeout 3000 python -m pytest -q -p no:cacheprovider -m "not mpi" "$@" tests
 for n in 4 3 5; do
   files=tests
-  [ "$n" != 4 ] && files=tests/test_allreduce.py
+  [ "$n" != 4 ] && files="tests/test_allreduce.py tests/test_sparse_allreduce.py"
   run timeout 2400 mpiexec -n $n python -m pytest -q -p no:cacheprovider --with-mpi -m mpi "$@" $files
 done
 exit $status

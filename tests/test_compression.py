@@ -301,8 +301,8 @@ def test_int8_ring_within_bound_and_bitwise_identical(op):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("codec", [FP16(), BF16(), Int8(rounding="stochastic", seed=5), TopK(0.05)],
-                         ids=str)
+@pytest.mark.parametrize("codec", [FP16(), BF16(), Int8(rounding="stochastic", seed=5), TopK(0.05),
+                                   TopK(0.05, algorithm="split")], ids=str)
 def test_other_codecs_bitwise_identical_and_close(codec):
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     rel = {"fp16": 2.0 ** -10, "bf16": 2.0 ** -7}.get(codec.name, 2 / 127)
@@ -327,7 +327,7 @@ def test_topk_allreduce_sums_every_ranks_k_largest_in_rank_order():
     problems = []
     for count, ratio in [(1, 0.01), (5, 0.01), (1000, 0.01), (100_003, 0.01), (4097, 1.0), (2_000_003, 0.01)]:
         inputs = [contribution(r, count) for r in range(size)]
-        codec = TopK(ratio)
+        codec = TopK(ratio, algorithm="allgather")
         expected = topk_sum_in_rank_order(inputs, codec)
         data = inputs[rank].copy()
         hpcdl.allreduce(data, compression=codec)
@@ -342,7 +342,7 @@ def test_topk_allreduce_sums_every_ranks_k_largest_in_rank_order():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("codec", [Int8(block=32), TopK(0.01), FP16()], ids=str)
+@pytest.mark.parametrize("codec", [Int8(block=32), TopK(0.01), TopK(0.01, algorithm="split"), FP16()], ids=str)
 @pytest.mark.parametrize("op", ["sum", "average"])
 def test_error_feedback_identity(codec, op):
     """After T steps: sum of applied results (in sum units) + sum over ranks of
@@ -377,7 +377,7 @@ def test_topk_large_tensor_identity_ties_and_misled_sample():
     gradients; heavy ties at the cut and a sample misled either way (its thresholds
     far too high, or far too low) still keep exactly the k largest, never more."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
-    codec, count = TopK(0.02), (1 << 20) + 77
+    codec, count = TopK(0.02, algorithm="allgather"), (1 << 20) + 77
     hpcdl.compression.reset_state()
     applied = np.zeros(count, np.float64)
     true_total = np.zeros(count, np.float64)
@@ -507,10 +507,10 @@ def test_stats_measure_compressed_bytes_exactly():
     n, block = 100_003, 256
     hpcdl.stats(reset=True)
     hpcdl.allreduce(np.ones(n, np.float32), compression=Int8(block=block))
-    hpcdl.allreduce(np.ones(n, np.float32), compression=TopK(0.01))
+    hpcdl.allreduce(np.ones(n, np.float32), compression=TopK(0.01, algorithm="allgather"))
     hpcdl.allreduce(np.ones(n, np.float32))
     rows = hpcdl.stats()["allreduce"]
-    int8, topk, dense = rows["int8(block=256)"], rows["topk(ratio=0.01)"], rows["none"]
+    int8, topk, dense = rows["int8(block=256)"], rows["topk(ratio=0.01,algorithm=allgather)"], rows["none"]
     seg_lens = [n // size + (1 if s < n % size else 0) for s in range(size)]  # one chunk per segment here
     expected_int8 = 2 * (size - 1) * sum(math.ceil(s / block) * 4 + s for s in seg_lens)
     expected_topk = size * (size - 1) * 8 * TopK(0.01).k(n)

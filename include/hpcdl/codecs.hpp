@@ -2,7 +2,8 @@
 //
 // A codec is named by a canonical text that every rank must agree on (it is
 // part of OpDesc): "fp16", "bf16", "int8(block=256)",
-// "int8(block=256,rounding=stochastic,seed=7)", "topk(ratio=0.01)"; empty = none.
+// "int8(block=256,rounding=stochastic,seed=7)", "topk(ratio=0.01)",
+// "topk(ratio=0.01,algorithm=split)"; empty = none.
 //
 // Wire formats (little-endian, as the hosts are; one encoded chunk of n values):
 //   fp16 / bf16 : n x uint16 (IEEE half / bfloat16, round to nearest even).
@@ -34,12 +35,16 @@ namespace hpcdl {
 
 enum class CodecKind : int { kNone = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kTopK = 4 };
 
+// How top-k is reduced (include/hpcdl/sparse_allreduce.hpp): auto picks by bytes received.
+enum class TopkAlgorithm : int { kAuto = 0, kAllgather = 1, kSplit = 2 };
+
 struct CodecSpec {
   CodecKind kind = CodecKind::kNone;
   std::uint32_t block = 256;  // int8: values per scale
   bool stochastic = false;    // int8: stochastic rounding instead of nearest
   std::uint64_t seed = 0;     // int8 stochastic: RNG seed
   double ratio = 0;           // topk: fraction of values kept
+  TopkAlgorithm topk_algorithm = TopkAlgorithm::kAuto;  // topk: allgather, split, or auto
 };
 
 namespace detail {
@@ -104,6 +109,11 @@ inline Status parse_codec(const std::string& text, CodecSpec* out) {
       return Status::Invalid("compression '" + text + "': ratio must be in (0, 1]");
     out->kind = CodecKind::kTopK;
     out->ratio = ratio;
+    if (detail::codec_field(args, "algorithm", &v)) {
+      if (v != "allgather" && v != "split")
+        return Status::Invalid("compression '" + text + "': algorithm must be allgather or split (auto: leave it out)");
+      out->topk_algorithm = v == "split" ? TopkAlgorithm::kSplit : TopkAlgorithm::kAllgather;
+    }
     return Status::OK();
   }
   return Status::Invalid("unknown compression '" + text + "'");

@@ -31,6 +31,7 @@
 #include "hpcdl/dtype.hpp"
 #include "hpcdl/ring.hpp"
 #include "hpcdl/status.hpp"
+#include "hpcdl/sparse_allreduce.hpp"
 #include "hpcdl/topk.hpp"
 
 namespace hpcdl {
@@ -193,6 +194,7 @@ class Engine {
   bool executing_cancellable_ = false;  // that operation's requests can be cancelled (a ring)
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
+  SplitScratch split_scratch_;
 };
 
 }  // namespace hpcdl

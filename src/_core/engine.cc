@@ -601,7 +601,10 @@ Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traf
       return run_ring(plan, policy, ctx.data, kTagData, traffic);
     }
     case CodecKind::kTopK:
-      executing_cancellable_ = false;  // its allgather is a collective
+      executing_cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
+      if (topk_use_split(spec.topk_algorithm, ctx.size, n, topk_count(n, spec.ratio)))
+        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, data, n, spec.ratio, scale, res, traffic,
+                                    topk_scratch_, split_scratch_);
       return topk_allreduce(ctx.data, ctx.size, data, n, spec.ratio, scale, res, traffic, topk_scratch_);
     case CodecKind::kNone:
       break;
