@@ -63,6 +63,11 @@ def build_requirement_mpicxx():
 
 
 class MPIBuildExt(build_ext):
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:  # pip passes no -j: compile the extensions side by side
+            self.parallel = int(os.environ.get("HPCDL_BUILD_JOBS") or os.cpu_count() or 1)
+
     def build_extensions(self):
         mpicxx = find_mpicxx()
         print(f"hpcdl: compiling with {mpicxx}")
