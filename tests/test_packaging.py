@@ -19,6 +19,8 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The first test also builds and installs (the module's fixture): minutes on a loaded machine.
+pytestmark = pytest.mark.timeout(1800)
 
 
 def run(argv, timeout, **kwargs):
@@ -64,7 +66,6 @@ def installed(tmp_path_factory):
     return sdist, venv, env, work
 
 
-@pytest.mark.timeout(1800)
 def test_sdist_carries_every_source_and_no_generated_cpp(installed):
     sdist = installed[0]
     with tarfile.open(sdist) as tar:
