@@ -2,11 +2,14 @@
 
 Each ext/_NAME.pyx becomes the module hpcdl._NAME, compiled together with the
 C++ sources in src/_NAME/ and src/common/ (when they exist). The compiler is
-the MPI C++ wrapper: $MPICXX, else the mpicxx beside $MPICC, else the one in
-this Python's environment (PyPI's mpich wheel), else mpicxx on PATH.
+the MPI C++ wrapper, the first of: $MPICXX; the mpicxx beside $MPICC; the one in
+this Python's environment (PyPI's mpich wheel installed there); an mpicxx on PATH
+(a site MPI module); the mpich wheel that pip's isolated build environment holds
+as a build requirement (a bare environment: pip install hpcdl[mpich]).
 """
 
 import glob
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -30,14 +33,41 @@ def find_mpicxx():
             if os.path.exists(candidate):
                 return candidate
         return mpicc  # a C wrapper still links; libstdc++ is added below
-    for candidate in (os.path.join(sys.prefix, "bin", "mpicxx"), shutil.which("mpicxx")):
-        if candidate and os.path.exists(candidate):
+    own = os.path.join(sys.prefix, "bin", "mpicxx")
+    if os.access(own, os.X_OK):
+        return own
+    wheel = build_requirement_mpicxx()
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        candidate = os.path.join(folder, "mpicxx")
+        if folder and os.access(candidate, os.X_OK) and os.path.realpath(candidate) != wheel:
             return candidate
+    if wheel:
+        return wheel
     sys.exit("hpcdl: no MPI C++ compiler found. Install one (pip install mpich, or load your "
              "site's MPI module) or name it with MPICXX=/path/to/mpicxx or MPICC=/path/to/mpicc.")
 
 
+def build_requirement_mpicxx():
+    """The mpicxx of an mpich wheel importable here but installed elsewhere: under pip's build
+    isolation the build requirement, in a temporary prefix that pip puts first on PATH. An
+    extension it links gets a RUNPATH into that prefix, which pip then deletes: it loads because
+    `import hpcdl` imports mpi4py.MPI first, which puts the installed libmpi.so.12 in the process."""
+    try:
+        dist = importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in dist.files or ():
+        if file.name == "mpicxx":
+            return os.path.realpath(dist.locate_file(file))
+    return None
+
+
 class MPIBuildExt(build_ext):
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:  # pip passes no -j: compile the extensions side by side
+            self.parallel = int(os.environ.get("HPCDL_BUILD_JOBS") or os.cpu_count() or 1)
+
     def build_extensions(self):
         mpicxx = find_mpicxx()
         print(f"hpcdl: compiling with {mpicxx}")

@@ -398,10 +398,7 @@ def print_codec_table(rows, names, sizes):
             print(f"{format_bytes(nbytes):>6}  {name:<24} {t * 1e3:9.1f} {eff} {wire_mb} {speedup}")
 
 
-def plot(path, summary, names, sizes, stream, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def draw(plt, summary, names, sizes, stream, title):
     fig, ax = plt.subplots(figsize=(8, 5))
     for n in names:
         xs = [s for s in sizes if summary.get((n, s))]
@@ -417,9 +414,7 @@ def plot(path, summary, names, sizes, stream, title):
     ax.grid(True, which="major", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp{os.getpid()}.png"
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    return fig
 
 
 def parse_args(argv):
@@ -514,8 +509,11 @@ def main(argv=None):
             "stream_MBps": stream, "mpi": MPI.Get_library_version().splitlines()[0],
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(), "cpus": os.cpu_count()}
     write_atomic(stem + ".json", lambda f: json.dump(meta, f, indent=1))
-    plot(stem + ".png", summary, names, args.sizes, stream, f"allreduce busbw, {comm.size} ranks ({args.tag})")
-    print(f"wrote {stem}.csv, {stem}.png, {stem}.json")
+    from hpcdl.bench import save_figure
+
+    title = f"allreduce busbw, {comm.size} ranks ({args.tag})"
+    plotted = save_figure(stem + ".png", lambda plt: draw(plt, summary, names, args.sizes, stream, title))
+    print(f"wrote {stem}.csv, {stem}.json" + (f", {stem}.png" if plotted else ""))
     if wrong:
         print("WRONG results: " + ", ".join(f"{s} at {b}" for s, b in wrong), file=sys.stderr)
         return 1

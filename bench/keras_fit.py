@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import hpcdl  # noqa: E402
 import hpcdl.compression  # noqa: E402
 import hpcdl.tensorflow  # noqa: E402
+from hpcdl.bench import save_figure  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -145,12 +146,14 @@ def main():
                                  round(medians[name] * 1e3, 3), round(ratio, 4), round(paired, 4),
                                  size, params, args.batch, args.compression, args.steps_per_execution, load])
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save_figure(os.path.join(args.out, f"{args.tag}.png"),
+                lambda plt: draw(plt, args, alternate.times, medians, ratio, paired, size, params))
+
+
+def draw(plt, args, times_by_system, medians, ratio, paired, size, params):
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     labels = {"fit": "model.fit + DistributedOptimizer", "tape": "tf.function loop + DistributedGradientTape"}
-    for (name, times), color in zip(alternate.times.items(), ("tab:blue", "tab:orange")):
+    for (name, times), color in zip(times_by_system.items(), ("tab:blue", "tab:orange")):
         rounds = range(1, len(times))
         ax.plot(rounds, [t * 1e3 for t in times[1:]], "o-", color=color, label=f"{labels[name]}")
         ax.axhline(medians[name] * 1e3, color=color, linestyle="--", linewidth=1,
@@ -162,7 +165,7 @@ def main():
                  f"steps/execution {args.steps_per_execution}; fit/tape {ratio:.3f} (paired {paired:.3f})", fontsize=8)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, f"{args.tag}.png"), dpi=110)
+    return fig
 
 
 if __name__ == "__main__":

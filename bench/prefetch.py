@@ -205,11 +205,7 @@ def model_rows(args, variant, step_s):
     return rows
 
 
-def plot(rows, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def draw(plt, rows):
     variants = sorted({r["variant"] for r in rows})
     loaders = ["dataloader", "hpcdl", "model-staging", "model-prefetch"]
     colors = {"dataloader": "tab:red", "hpcdl": "tab:blue", "model-staging": "salmon", "model-prefetch": "lightblue"}
@@ -233,7 +229,7 @@ def plot(rows, path):
         ax.set_title(f"4 ranks, slow store: {variant} step")
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def driver(args):
@@ -317,7 +313,9 @@ def driver(args):
         w = csv.DictWriter(fh, fieldnames=list(runs[0]))
         w.writeheader()
         w.writerows({key: cell(value) for key, value in r.items()} for r in runs)
-    plot(rows, os.path.join(out, f"{args.name}.png"))
+    from hpcdl.bench import save_figure
+
+    save_figure(os.path.join(out, f"{args.name}.png"), lambda plt: draw(plt, rows))
 
 
 def main(argv=None):

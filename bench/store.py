@@ -305,10 +305,7 @@ def main(argv=None):
 
 
 def write_results(args, rows, scan):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from hpcdl.bench import save_figure
 
     fields = ["mode", "ranks", "samples", "cold_samples_per_s", "cold_MB_per_s", "warm_samples_per_s",
               "warm_MB_per_s", "metadata_calls_per_10k", "throttle_MB_per_s", "fraction_of_throttle", "missing"]
@@ -318,6 +315,12 @@ def write_results(args, rows, scan):
         w.writeheader()
         for row in rows + ([scan] if scan else []):
             w.writerow({key: cell(value) for key, value in row.items()})
+    png = os.path.join(args.out, "store.png")
+    plotted = save_figure(png, lambda plt: draw(plt, args, rows), dpi=120)
+    print(f"wrote {path}" + (f" and {png}" if plotted else ""))
+
+
+def draw(plt, args, rows):
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     ranks_list = sorted({r["ranks"] for r in rows})
     width = 0.8 / len(ranks_list)
@@ -336,8 +339,7 @@ def write_results(args, rows, scan):
         ax.set_title(f"{args.files} files: {title}", fontsize=9)
         ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "store.png"), dpi=120)
-    print(f"wrote {path} and {os.path.join(args.out, 'store.png')}")
+    return fig
 
 
 def print_table(args, rows, scan):

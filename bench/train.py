@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)  # this checkout's hpcdl, not an installed one
 
 import hpcdl
 import hpcdl.torch
+from hpcdl.bench import save_figure
 from hpcdl.measure import rate, ratio, show
 
 WORLD = MPI.COMM_WORLD
@@ -136,15 +137,16 @@ def main():
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    save_figure(os.path.join(args.out, f"{args.tag}.png"), lambda plt: draw(plt, rows, args.tag, size, params))
+
+
+def draw(plt, rows, tag, size, params):
     fig, ax = plt.subplots(figsize=(6, 3.2))
     ax.bar([r["system"] for r in rows], [r["samples_per_s"] or 0 for r in rows], color="tab:blue")
     ax.set_ylabel("samples/s (all ranks)")
-    ax.set_title(f"{args.tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU")
+    ax.set_title(f"{tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, f"{args.tag}.png"), dpi=110)
+    return fig
 
 
 if __name__ == "__main__":

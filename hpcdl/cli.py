@@ -213,7 +213,10 @@ def _cmd_bench(args):
 
 
 def _parser():
+    from hpcdl import __version__
+
     parser = argparse.ArgumentParser(prog="hpcdl", description="hpcdl: distributed DL training tools")
+    parser.add_argument("--version", action="version", version=f"hpcdl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="version, MPI library and thread level")
     p.set_defaults(func=_cmd_info)
