@@ -19,6 +19,7 @@ import os
 import stat
 import sys
 import time
+import warnings
 from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,8 +30,13 @@ from mpi4py import MPI
 from hpcdl import _store
 from hpcdl.errors import CorruptDataError, HpcdlError
 
+
+class StoreWarning(UserWarning):
+    """A store opens but lacks a safeguard (e.g. packed by an older hpcdl without index checksums)."""
+
 FORMAT = "hpcdl-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_FIRST_CHECKED_VERSION = 2  # stores packed before it carry no index checksums
 MANIFEST = "manifest.h5"
 DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_THREADS = 8
@@ -43,13 +49,48 @@ _PROGRESS_TAG = 4242
 PackResult = namedtuple("PackResult", "samples bytes shards skipped reused_shards seconds")
 PackResult.__doc__ = """What pack() did: skipped is a list of (path, reason) of files left out."""
 
-VerifyReport = namedtuple("VerifyReport", "samples bytes_read seconds problems")
-VerifyReport.__doc__ = """Result of Store.verify(): problems is a list of (index, name, reason)."""
+VerifyReport = namedtuple("VerifyReport", "samples bytes_read seconds problems damaged")
+VerifyReport.__doc__ = """Result of Store.verify(): problems is a list of (index, name, reason) of bad
+samples in readable shards; damaged a list of (shard path, first sample, samples, reason) of shards
+that could not be opened (each reported once, all its samples lost)."""
 
 
 def crc32c(data, crc=0):
     """CRC32C of a bytes-like object (the checksum the store keeps per sample)."""
     return _store.crc32c(data, crc)
+
+
+def _index_crc(values):
+    """CRC32C of an index data set's contents: numbers as their little-endian
+    bytes; strings as their UTF-8 bytes after the list of their lengths (so a
+    byte moved between two names changes it)."""
+    values = np.asarray(values)
+    if values.dtype.kind in "OSU":
+        parts = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values.ravel()]
+        lengths = np.array([len(p) for p in parts], dtype="<u8")
+        return _store.crc32c(b"".join(parts), _store.crc32c(lengths.tobytes()))
+    return _store.crc32c(np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")).tobytes())
+
+
+def _create_checked(f, name, values, dtype=None):
+    """Write an index data set with the CRC32C of its contents as its attribute `crc32c`."""
+    if dtype is not None and h5py.check_string_dtype(dtype):
+        values = np.array(list(values), dtype=object)
+    f.create_dataset(name, data=values, dtype=dtype).attrs["crc32c"] = np.uint32(_index_crc(values))
+
+
+def _read_checked(f, name, where, checked=True):
+    """An index data set's contents after checking them against its `crc32c`
+    attribute (checked=False: a store packed before index checksums).
+    Strings come back as UTF-8 bytes."""
+    values = f[name][:]
+    if checked:
+        stored = f[name].attrs.get("crc32c")
+        computed = _index_crc(values)
+        if stored is None or int(stored) != computed:
+            found = "no checksum" if stored is None else f"stored crc32c 0x{int(stored):08x}, read 0x{computed:08x}"
+            raise CorruptDataError(f"index data set '{name}' of {where} is damaged ({found})")
+    return values
 
 
 def shard_name(index, count):
@@ -234,8 +275,10 @@ def _reuse_shard(path, plan):
                 return None
             return {"index": plan["index"], "samples": int(f.attrs["num_samples"]),
                     "bytes": int(f.attrs["data_bytes_used"]), "reused": True,
-                    "skipped": list(zip(f["skipped_names"].asstr()[:], f["skipped_reasons"].asstr()[:]))}
-    except (OSError, KeyError, ValueError):
+                    "skipped": [(n.decode(), r.decode()) for n, r in
+                                zip(_read_checked(f, "skipped_names", "the shard"),
+                                    _read_checked(f, "skipped_reasons", "the shard"))]}
+    except (OSError, KeyError, ValueError, CorruptDataError):
         return None
 
 
@@ -286,14 +329,14 @@ def _write_shard(src, dst, plan, pool, progress):
                 progress.advance(1, size)
         if at > start:
             data[start:at] = np.frombuffer(b"".join(pending), dtype=np.uint8)
-        f.create_dataset("offsets", data=np.array(offsets, dtype=np.uint64))
-        f.create_dataset("sizes", data=np.array(sizes, dtype=np.uint64))
-        f.create_dataset("crc32c", data=np.array(crcs, dtype=np.uint32))
-        f.create_dataset("labels", data=np.array(labels, dtype=np.int32))
+        _create_checked(f, "offsets", np.array(offsets, dtype=np.uint64))
+        _create_checked(f, "sizes", np.array(sizes, dtype=np.uint64))
+        _create_checked(f, "crc32c", np.array(crcs, dtype=np.uint32))
+        _create_checked(f, "labels", np.array(labels, dtype=np.int32))
         text = h5py.string_dtype("utf-8")
-        f.create_dataset("names", data=np.array(names, dtype=object), dtype=text)
-        f.create_dataset("skipped_names", data=np.array([s[0] for s in skipped], dtype=object), dtype=text)
-        f.create_dataset("skipped_reasons", data=np.array([s[1] for s in skipped], dtype=object), dtype=text)
+        _create_checked(f, "names", names, text)
+        _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
+        _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
         f.attrs.update({"format": FORMAT + "-shard", "format_version": FORMAT_VERSION,
                         "shard_index": plan["index"], "num_shards": plan["count"],
                         "num_samples": len(offsets), "data_bytes_used": at,
@@ -315,14 +358,13 @@ def _write_manifest(src, dst, label_names, summaries, skipped_listing, pack_seco
     tmp = os.path.join(dst, "." + MANIFEST + _TMP_SUFFIX)
     with h5py.File(tmp, "w") as f:
         n = len(summaries)
-        f.create_dataset("shard_files", data=np.array([shard_name(s["index"], n) for s in summaries],
-                                                       dtype=object), dtype=text)
-        f.create_dataset("shard_first_sample", data=first)
-        f.create_dataset("shard_num_samples", data=counts)
-        f.create_dataset("shard_data_bytes", data=np.array([s["bytes"] for s in summaries], dtype=np.uint64))
-        f.create_dataset("label_names", data=np.array(label_names, dtype=object), dtype=text)
-        f.create_dataset("skipped_names", data=np.array([s[0] for s in skipped], dtype=object), dtype=text)
-        f.create_dataset("skipped_reasons", data=np.array([s[1] for s in skipped], dtype=object), dtype=text)
+        _create_checked(f, "shard_files", [shard_name(s["index"], n) for s in summaries], text)
+        _create_checked(f, "shard_first_sample", first)
+        _create_checked(f, "shard_num_samples", counts)
+        _create_checked(f, "shard_data_bytes", np.array([s["bytes"] for s in summaries], dtype=np.uint64))
+        _create_checked(f, "label_names", label_names, text)
+        _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
+        _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
         f.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION,
                         "num_samples": int(counts.sum()),
                         "total_bytes": int(sum(s["bytes"] for s in summaries)),
@@ -561,21 +603,34 @@ class Store:
                 if version > FORMAT_VERSION:
                     raise HpcdlError(f"store '{self.path}' has format version {version}; this hpcdl "
                                      f"reads up to {FORMAT_VERSION}: upgrade hpcdl")
-                shard_files = list(m["shard_files"].asstr()[:])
-                first = m["shard_first_sample"][:].astype(np.int64)
-                counts = m["shard_num_samples"][:].astype(np.int64)
-                self.classes = list(m["label_names"].asstr()[:])
-                self.skipped = list(zip(m["skipped_names"].asstr()[:], m["skipped_reasons"].asstr()[:]))
+                self._checked = version >= _FIRST_CHECKED_VERSION
+
+                def read(name):
+                    return _read_checked(m, name, f"manifest '{self.path}'", self._checked)
+
+                def text(name):
+                    return [v.decode("utf-8") for v in read(name)]
+
+                shard_files = text("shard_files")
+                first = read("shard_first_sample").astype(np.int64)
+                counts = read("shard_num_samples").astype(np.int64)
+                self.shard_data_bytes = read("shard_data_bytes").astype(np.int64)
+                self.classes = text("label_names")
+                self.skipped = list(zip(text("skipped_names"), text("skipped_reasons")))
                 self.attrs = dict(m.attrs)
-        except (OSError, KeyError) as exc:
+        except (OSError, KeyError, ValueError) as exc:
             raise CorruptDataError(f"cannot read the manifest '{self.path}': {exc}") from None
+        if not self._checked:
+            warnings.warn(f"store '{self.root}' was packed by an older hpcdl (format version {version}) "
+                          "without index checksums: damaged labels, names or offsets cannot be detected; "
+                          "re-pack it", StoreWarning, stacklevel=2)
         self.shard_paths = [os.path.join(self.root, f) for f in shard_files]
         self.shard_first = first
         self.shard_counts = counts
         infos, labels, name_parts, self.damaged = [], [], [], []
         for k, path_k in enumerate(self.shard_paths):
             try:
-                info, shard_labels, shard_names = self._open_shard(path_k, int(counts[k]))
+                info, shard_labels, shard_names = self._open_shard(path_k, int(counts[k]), self._checked)
             except (OSError, KeyError, ValueError, CorruptDataError) as exc:
                 last = int(first[k] + counts[k]) - 1
                 reason = (f"shard '{path_k}' cannot be used ({exc}); samples {first[k]}..{last} "
@@ -599,7 +654,10 @@ class Store:
                                      for i in infos]) if infos else np.zeros(0, np.uint64)
 
     @staticmethod
-    def _open_shard(path, expected):
+    def _open_shard(path, expected, checked):
+        def read(name):
+            return _read_checked(f, name, "the shard", checked)
+
         with h5py.File(path, "r", locking=False) as f:
             if not f.attrs.get("complete") or int(f.attrs["num_samples"]) != expected:
                 raise CorruptDataError(f"it holds {f.attrs.get('num_samples')} samples, "
@@ -609,9 +667,9 @@ class Store:
                 raise CorruptDataError("its data set is not a contiguous, unfiltered 1-D uint8 array")
             offset = data.id.get_offset()  # None when the data set is empty (never allocated)
             info = {"path": path, "data_offset": 0 if offset is None else offset,
-                    "data_bytes": data.shape[0], "offsets": f["offsets"][:],
-                    "sizes": f["sizes"][:], "crc32c": f["crc32c"][:]}
-            return info, f["labels"][:].astype(np.int32), list(f["names"][:])
+                    "data_bytes": data.shape[0], "offsets": read("offsets"),
+                    "sizes": read("sizes"), "crc32c": read("crc32c")}
+            return info, read("labels").astype(np.int32), list(read("names"))
 
     def __reduce__(self):
         return Store, self._args
@@ -701,18 +759,23 @@ class Store:
 
     def verify(self, progress=False):
         """Read every sample front to back and check its CRC32C. Returns a
-        VerifyReport; report.problems lists (index, name, reason), empty when all is well."""
+        VerifyReport; report.problems lists (index, name, reason) and
+        report.damaged the shards that could not be opened; both empty when all is well."""
         bar = _bar(progress, total=int(self.sizes.sum()), unit="B", unit_scale=True, desc="verify")
         started = time.monotonic()
         problems, bytes_read = [], 0
+        damaged = [(self.shard_paths[k], int(self.shard_first[k]), int(self.shard_counts[k]), reason)
+                   for k, reason in self.damaged]
         for k in range(len(self.shard_paths)):
+            if "damaged" in self.shard_infos[k]:
+                continue
             bad, reasons, nbytes = self._reader.verify_shard(k)
             problems.extend((i, self.names[i], r) for i, r in zip(bad, reasons))
             bytes_read += nbytes
             bar.update(int(self.sizes[self.shard_first[k]:self.shard_first[k] + self.shard_counts[k]].sum()))
         bar.close()
         return VerifyReport(samples=len(self), bytes_read=bytes_read,
-                            seconds=time.monotonic() - started, problems=problems)
+                            seconds=time.monotonic() - started, problems=problems, damaged=damaged)
 
     def close(self):
         self._reader = None
