@@ -16,6 +16,7 @@ import bisect
 import errno
 import hashlib
 import os
+import socket
 import stat
 import sys
 import time
@@ -42,6 +43,7 @@ DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_THREADS = 8
 _SHARD_PREFIX = "shard-"
 _TMP_SUFFIX = ".tmp"
+_LOCK = ".hpcdl-pack.lock"
 _WRITE_BLOCK = 16 << 20     # bytes gathered before one HDF5 write
 _READ_WINDOW = 256          # files in flight per packing rank
 _PROGRESS_TAG = 4242
@@ -217,13 +219,93 @@ def _plan(src, files, shards, shard_bytes, nranks):
     return [c.decode() for c in classes], plans
 
 
+class _PackLock:
+    """DST/.hpcdl-pack.lock: one pack at a time per destination.
+
+    Created with O_CREAT|O_EXCL (atomic on local file systems, Lustre and NFS
+    v3+, and independent of HDF5_USE_FILE_LOCKING and of flock support); it
+    holds "host pid start-time". A lock left by a dead process on this host is
+    taken over; one from another host is only reported (its liveness cannot be
+    checked from here): delete the file when that run is known to be gone.
+    """
+
+    def __init__(self, dst):
+        if os.path.exists(dst) and not os.path.isdir(dst):
+            raise FileExistsError(f"destination '{dst}' exists and is not a directory")
+        os.makedirs(dst, exist_ok=True)
+        self.path = os.path.join(dst, _LOCK)
+        self.token = f"{socket.gethostname()} {os.getpid()} {time.time():.3f}"
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None or not self._take_over_if_dead(holder):
+                    raise FileExistsError(self._busy_message(dst, holder)) from None
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(self.token)
+            return
+        raise FileExistsError(self._busy_message(dst, self._holder()))
+
+    def _holder(self, path=None):
+        """(host, pid, started) from a lock file; None when it is gone or not (yet) written."""
+        try:
+            with open(path or self.path) as fh:
+                host, pid, started = fh.read().split()
+            return host, int(pid), float(started)
+        except (OSError, ValueError):
+            return None
+
+    def _take_over_if_dead(self, holder):
+        host, pid, _ = holder
+        if host != socket.gethostname():
+            return False
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            return False
+        # Rename first: of two runs taking over the same stale lock only one renames it.
+        aside = f"{self.path}.stale-{os.getpid()}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return True  # another run took it over: try again
+        if self._holder(aside) != holder:  # a live run's lock, made in between: put it back
+            os.rename(aside, self.path)
+            return False
+        os.remove(aside)
+        return True
+
+    @staticmethod
+    def _busy_message(dst, holder):
+        if holder is None:
+            return (f"another hpcdl pack is writing to '{dst}' (its lock file {_LOCK} is unreadable); "
+                    f"if no pack is running there, delete '{os.path.join(dst, _LOCK)}'")
+        host, pid, started = holder
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        return (f"another hpcdl pack is writing to '{dst}': pid {pid} on host {host}, started {since}; wait for "
+                f"it to finish, or if it is dead, delete '{os.path.join(dst, _LOCK)}'")
+
+    def release(self):
+        if self._is_mine():
+            os.remove(self.path)
+
+    def _is_mine(self):
+        try:
+            with open(self.path) as fh:
+                return fh.read() == self.token
+        except OSError:
+            return False
+
+
 def _prepare_destination(dst, force):
-    """Make dst ready: new, empty, or an unfinished store to continue. Never
-    overwrites a finished store (or foreign files) unless force."""
-    if os.path.exists(dst) and not os.path.isdir(dst):
-        raise FileExistsError(f"destination '{dst}' exists and is not a directory")
-    os.makedirs(dst, exist_ok=True)
-    names = os.listdir(dst)
+    """Make dst (locked by this run) ready: new, empty, or an unfinished store to
+    continue. Never overwrites a finished store (or foreign files) unless force."""
+    names = [n for n in os.listdir(dst) if n != _LOCK]
     ours = [n for n in names if n == MANIFEST or n.startswith(_SHARD_PREFIX)
             or (n.startswith("." + _SHARD_PREFIX) and n.endswith(_TMP_SUFFIX))]
     foreign = sorted(set(names) - set(ours))
@@ -465,12 +547,14 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
     rank, nranks = comm.Get_rank(), comm.Get_size()
     src_dir, dst = os.fspath(src_dir), os.fspath(dst)
     started = time.monotonic()
+    locks = []  # rank 0's lock on dst, held until the store reads back
 
     def plan_on_rank0():
         if rank != 0:
             return None
         if not os.path.isdir(src_dir):
             raise FileNotFoundError(f"source '{src_dir}' is not a directory")
+        locks.append(_PackLock(dst))
         _prepare_destination(dst, force)
         dst_st = os.stat(dst)
         files, skipped = _list_source(src_dir, {(dst_st.st_dev, dst_st.st_ino)}, progress)
@@ -481,47 +565,52 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
         _remove_stale_shards(dst, plans)
         return label_names, plans, skipped, sum(f[1] for f in files)
 
-    planned = _agree(comm, plan_on_rank0)
-    label_names, plans, skipped_listing, total_bytes = comm.bcast(planned, root=0)
-    mine = [p for p in plans if p["index"] % nranks == rank]
-    total_files = sum(len(p["files"]) for p in plans)
-
-    progress_comm = comm.Dup()
-    reporter = _Progress(progress_comm, total_files, total_bytes, progress)
-
-    def write_mine():
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            return [_write_shard(src_dir, dst, p, pool, reporter) for p in mine]
-
     try:
-        summaries, error = write_mine(), None
-    except Exception as exc:  # noqa: BLE001 - raised below on every rank
-        summaries, error = None, exc
+        planned = _agree(comm, plan_on_rank0)
+        label_names, plans, skipped_listing, total_bytes = comm.bcast(planned, root=0)
+        mine = [p for p in plans if p["index"] % nranks == rank]
+        total_files = sum(len(p["files"]) for p in plans)
+
+        progress_comm = comm.Dup()
+        reporter = _Progress(progress_comm, total_files, total_bytes, progress)
+
+        def write_mine():
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                return [_write_shard(src_dir, dst, p, pool, reporter) for p in mine]
+
+        try:
+            summaries, error = write_mine(), None
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank
+            summaries, error = None, exc
+        finally:
+            reporter.finish()
+            progress_comm.Free()
+
+        def reraise_local():
+            if error is not None:
+                raise error
+            return summaries
+
+        summaries = _agree(comm, reraise_local)
+        gathered = comm.gather(summaries, root=0)
+
+        def manifest_on_rank0():
+            if rank != 0:
+                return None
+            every = [s for part in gathered for s in part]
+            skipped = _write_manifest(src_dir, dst, label_names, every, skipped_listing,
+                                      time.monotonic() - started)
+            Store(dst).close()  # no success reported over a store that does not open (index checked)
+            return PackResult(samples=sum(s["samples"] for s in every), bytes=sum(s["bytes"] for s in every),
+                              shards=len(every), skipped=skipped,
+                              reused_shards=sum(s["reused"] for s in every),
+                              seconds=time.monotonic() - started)
+
+        result = _agree(comm, manifest_on_rank0)
+        return comm.bcast(result, root=0)
     finally:
-        reporter.finish()
-        progress_comm.Free()
-
-    def reraise_local():
-        if error is not None:
-            raise error
-        return summaries
-
-    summaries = _agree(comm, reraise_local)
-    gathered = comm.gather(summaries, root=0)
-
-    def manifest_on_rank0():
-        if rank != 0:
-            return None
-        every = [s for part in gathered for s in part]
-        skipped = _write_manifest(src_dir, dst, label_names, every, skipped_listing,
-                                  time.monotonic() - started)
-        return PackResult(samples=sum(s["samples"] for s in every), bytes=sum(s["bytes"] for s in every),
-                          shards=len(every), skipped=skipped,
-                          reused_shards=sum(s["reused"] for s in every),
-                          seconds=time.monotonic() - started)
-
-    result = _agree(comm, manifest_on_rank0)
-    return comm.bcast(result, root=0)
+        for lock in locks:
+            lock.release()
 
 
 # --------------------------------------------------------------------------- reading

@@ -6,6 +6,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -474,6 +475,55 @@ def test_killed_pack_leaves_no_manifest_and_rerun_completes(tmp_path):
     result = store.pack(src, dst, shards=40, progress=False)
     assert result.reused_shards == len(complete) >= 1
     assert not [p for p in dst.iterdir() if p.name.endswith(".tmp")]
+    check_round_trip(store.Store(dst), content)
+
+
+def test_second_pack_into_one_destination_is_refused(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    content = make_tree(str(src), files=3000, max_size=400)
+    first = subprocess.Popen([sys.executable, "-m", "hpcdl", "pack", str(src), str(dst), "--shards", "40",
+                              "--threads", "1", "-q"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        lock = dst / ".hpcdl-pack.lock"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and first.poll() is None and not (lock.exists() and lock.stat().st_size):
+            time.sleep(0.002)
+        assert first.poll() is None and lock.exists(), "the first pack took no lock while it ran"
+        os.killpg(first.pid, signal.SIGSTOP)  # holds the lock, mid-run, for as long as the test needs
+        second = hpcdl_cli("pack", str(src), str(dst), "--shards", "40", "-q")
+        assert second.returncode == 1 and "another hpcdl pack is writing to" in second.stderr
+        assert f"pid {first.pid} on host" in second.stderr, second.stderr
+        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        ranks = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "hpcdl", "pack", str(src), str(dst),
+                                "-q"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert ranks.returncode != 0 and f"pid {first.pid} on host" in ranks.stderr, ranks.stderr
+        os.killpg(first.pid, signal.SIGCONT)
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert first.returncode == 0 and "packed 3002 samples" in out, err
+    assert not lock.exists()
+    check_round_trip(store.Store(dst), content)
+
+
+def test_lock_of_a_dead_pack_is_taken_over_and_another_hosts_is_not(tree, tmp_path):
+    src, content = tree
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = dst / ".hpcdl-pack.lock"
+    lock.write_text(f"{socket.gethostname()} {dead.pid} {time.time()}")
+    store.pack(src, dst, shards=2, progress=False)
+    assert not lock.exists()
+    check_round_trip(store.Store(dst), content)
+    lock.write_text(f"other-host.example 4242 {time.time()}")
+    with pytest.raises(FileExistsError, match="pid 4242 on host other-host.example.*delete"):
+        store.pack(src, dst, shards=2, progress=False, force=True)
+    assert lock.exists()  # not ours to remove
     check_round_trip(store.Store(dst), content)
 
 
