@@ -35,6 +35,7 @@ from hpcdl.errors import CorruptDataError, HpcdlError
 class StoreWarning(UserWarning):
     """A store opens but lacks a safeguard (e.g. packed by an older hpcdl without index checksums)."""
 
+
 FORMAT = "hpcdl-store"
 FORMAT_VERSION = 2
 _FIRST_CHECKED_VERSION = 2  # stores packed before it carry no index checksums

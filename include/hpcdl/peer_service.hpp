@@ -123,7 +123,8 @@ class PeerService {
     Status st = post_pieces(false, p.buffer.data(), 0, std::min<std::uint64_t>(max_message_, p.buffer.size()),
                             peer, p.tag, &p.recvs);
     MPI_Request send = MPI_REQUEST_NULL;
-    if (st.ok()) st = mpi_status(MPI_Isend(message, 2, MPI_UINT64_T, peer, kRequestTag, comm_, &send), "peer tier: MPI_Isend");
+    if (st.ok())
+      st = mpi_status(MPI_Isend(message, 2, MPI_UINT64_T, peer, kRequestTag, comm_, &send), "peer tier: MPI_Isend");
     if (st.ok()) st = mpi_status(MPI_Wait(&send, MPI_STATUS_IGNORE), "peer tier: MPI_Wait");
     if (!st.ok()) {  // never sent: nothing will match the receive
       cancel_all(&p.recvs);
@@ -275,7 +276,8 @@ class PeerService {
       p.rest_posted = true;
       if (p.buffer[0] == kHeld && p.buffer.size() > max_message_) {
         p.recvs.clear();
-        HPCDL_RETURN_NOT_OK(post_pieces(false, p.buffer.data(), max_message_, p.buffer.size(), p.peer, p.tag, &p.recvs));
+        HPCDL_RETURN_NOT_OK(
+            post_pieces(false, p.buffer.data(), max_message_, p.buffer.size(), p.peer, p.tag, &p.recvs));
         *done = false;
       }
     }

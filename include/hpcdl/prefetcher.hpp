@@ -522,7 +522,8 @@ class Prefetcher {
         char* dst = f.tier == kTierRam ? ram_.get() + placement_.offset[f.k] : f.scratch.data();
         const int source = fill_source_[f.k];
         // A source given up on is not polled: its late answer is matched at shutdown.
-        const PeerService::Outcome o = peer_gone_[source] ? PeerService::Outcome::kWaiting : peers_->poll(f.ticket, dst);
+        const PeerService::Outcome o =
+            peer_gone_[source] ? PeerService::Outcome::kWaiting : peers_->poll(f.ticket, dst);
         if (o == PeerService::Outcome::kWaiting && !peer_gone_[source]) {
           ++i;
           continue;
