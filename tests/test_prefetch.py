@@ -373,7 +373,7 @@ def test_corrupt_sample_fails_only_its_batch(tmp_path, ram):
     steps = len(stream) // 3
     delivered, failed = {}, {}  # by global batch number
     with Prefetcher(store.Store(st.root), 4, 3, 0, ram_bytes=ram) as pf:
-        while True:
+        for _ in range(len(stream) + 1):  # bounded even if an error stuck to every later batch
             try:
                 for batch in pf:  # iterating again goes on after a failed batch
                     delivered[batch.epoch * steps + batch.step] = (batch.indices.tolist(),
