@@ -9,12 +9,12 @@ from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from libcpp.memory cimport unique_ptr
 from libcpp.string cimport string
-from libcpp.utility cimport move
+from libcpp.utility cimport move, pair
 from libcpp.vector cimport vector
 from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_Comm, MPI_COMM_NULL
 
-from libhpcdl.prefetch cimport (CBatchView, CPlacement, CPrefetchConfig, CPrefetcher, CPrefetchStats,
+from libhpcdl.prefetch cimport (CBatchView, CPeerService, CPlacement, CPrefetchConfig, CPrefetcher, CPrefetchStats,
                                 CStreamSpec, epoch_order as c_epoch_order, CPeerSources, CPlan, make_plan,
                                 place as c_place, shuffle_draw as c_shuffle_draw)
 from libhpcdl.status cimport CStatus, check_status
@@ -163,6 +163,12 @@ def required_staging(uint64_t samples, uint64_t global_batch, uint64_t ranks, ui
     return out
 
 
+def peer_message_pieces(uint64_t total, uint64_t max_message):
+    """The byte ranges [(begin, end)] in which the peer tier sends a reply of `total` bytes."""
+    cdef vector[pair[uint64_t, uint64_t]] ranges = CPeerService.pieces(total, max_message)
+    return ranges
+
+
 def timeline_enable(bint on):
     CTimeline.instance().enable(on)
 
@@ -202,6 +208,8 @@ cdef class Core:
         for b in cfg["peer_disk_bytes"]:
             c.peer_disk_bytes.push_back(b)
         c.peer_timeout_s, c.serve_delay_s = cfg["peer_timeout"], cfg["serve_delay"]
+        if cfg.get("peer_message_bytes"):
+            c.peer_message_bytes = cfg["peer_message_bytes"]
         if comm is not None:
             mpi_comm = comm.ob_mpi
         self.staging = staging
@@ -244,6 +252,7 @@ cdef class Core:
             "bytes": {SOURCES[i]: s.bytes[i] for i in range(4)},
             "peer_misses": s.peer_misses, "peer_timeouts": s.peer_timeouts, "peer_waits": s.peer_waits,
             "peer_fills": s.peer_fills, "store_reads": s.store_reads,
+            "peer_errors": s.peer_errors, "peers_gone": s.peers_gone,
             "served_to_peers": s.served_to_peers, "ram_loaded": s.ram_loaded, "disk_written": s.disk_written,
             "batches": s.batches, "stall_seconds": s.stall_s, "staging_bytes": s.staging_bytes,
             "ram_used": s.tier_used[0], "disk_used": s.tier_used[1],

@@ -81,22 +81,66 @@ def _open_store(args):
         return None
 
 
+def _verify_findings(st, report):
+    """The problems of a verify report, one entry per shard-level cause: a damaged
+    shard once with its sample count, a reason repeated by samples of one shard
+    (e.g. truncated) once with their count, a sample's own reason (a checksum) alone.
+    Each entry: {shard, first, samples, reason} plus name for a single sample."""
+    import numpy as np
+
+    findings = [{"shard": os.path.basename(path), "first": first, "samples": count, "reason": reason}
+                for path, first, count, reason in report.damaged]
+    groups = {}
+    for index, name, reason in report.problems:
+        shard = int(np.searchsorted(st.shard_first, index, side="right")) - 1
+        groups.setdefault((shard, reason), []).append((index, name))
+    for (shard, reason), samples in groups.items():
+        entry = {"shard": os.path.basename(st.shard_paths[shard]), "first": samples[0][0],
+                 "samples": len(samples), "reason": reason}
+        if len(samples) == 1:
+            entry["name"] = samples[0][1]
+        findings.append(entry)
+    return sorted(findings, key=lambda e: e["first"])
+
+
 def _cmd_verify(args):
-    st = _open_store(args)
-    if st is None:
-        return 1
-    report = st.verify(progress=not args.quiet)
+    import json
+
+    from hpcdl import store
+    from hpcdl.errors import HpcdlError
+
+    if args.json:
+        try:
+            st = store.Store(args.dst, allow_damaged=True)
+        except (OSError, HpcdlError) as exc:
+            print(json.dumps({"store": args.dst, "error": str(exc)}))
+            return 1
+    else:
+        st = _open_store(args)
+        if st is None:
+            return 1
+    report = st.verify(progress=not (args.quiet or args.json))
+    findings = _verify_findings(st, report)
+    bad = sum(f["samples"] for f in findings)
+    if args.json:
+        print(json.dumps({"store": st.root, "samples": report.samples, "shards": len(st.shard_paths),
+                          "bytes_read": report.bytes_read, "seconds": report.seconds,
+                          "ok": report.samples - bad, "bad": bad, "problems": findings}))
+        return 0 if not findings else 1
     mb = report.bytes_read / 1e6
     print(f"verified {report.samples} samples in {len(st.shard_paths)} shards: read {mb:.1f} MB in "
           f"{report.seconds:.2f} s ({mb / max(report.seconds, 1e-9):.1f} MB/s)")
-    if not report.problems:
+    if not findings:
         print("OK: every checksum matches")
         return 0
-    print(f"FAILED: {len(report.problems)} bad sample(s)")
-    for index, name, reason in report.problems[:20]:
-        print(f"  sample {index} {name!r}: {reason}")
-    if len(report.problems) > 20:
-        print(f"  ... and {len(report.problems) - 20} more")
+    print(f"FAILED: {bad} bad sample(s)")
+    for f in findings[:20]:
+        if "name" in f:
+            print(f"  sample {f['first']} {f['name']!r}: {f['reason']}")
+        else:
+            print(f"  {f['shard']}: {f['samples']} samples from {f['first']}: {f['reason']}")
+    if len(findings) > 20:
+        print(f"  ... and {len(findings) - 20} more")
     return 1
 
 
@@ -106,10 +150,14 @@ def _cmd_ls(args):
     st = _open_store(args)
     if st is None:
         return 1
-    sizes = st.sizes
+    readable = np.ones(len(st), dtype=bool)
+    for k, _ in st.damaged:
+        readable[st.shard_first[k]:st.shard_first[k] + st.shard_counts[k]] = False
+    sizes = st.sizes[readable]
+    total = int(st.shard_data_bytes.sum())  # the manifest's figure: a damaged shard's sizes are unknown
     print(f"store {st.root} (format version {st.attrs['format_version']}, packed from {st.attrs['source']})")
-    print(f"samples: {len(st)}   bytes: {int(sizes.sum())} ({sizes.sum() / 1e6:.1f} MB)")
-    if len(st):
+    print(f"samples: {len(st)}   bytes: {total} ({total / 1e6:.1f} MB)")
+    if len(sizes):
         print(f"sample size: min {int(sizes.min())}  median {int(np.median(sizes))}  "
               f"mean {sizes.mean():.0f}  max {int(sizes.max())} bytes")
     print(f"shards: {len(st.shard_paths)}")
@@ -129,7 +177,9 @@ def _cmd_ls(args):
         _print_skipped(st.skipped, len(st.skipped))
     elif st.skipped:
         _print_skipped(st.skipped, 5)
-    return 0
+    for k, reason in st.damaged:
+        print(f"hpcdl ls: error: {os.path.basename(st.shard_paths[k])} is damaged: {reason}", file=sys.stderr)
+    return 1 if st.damaged else 0
 
 
 # Set by mpiexec (MPICH, Intel MPI), srun --mpi=pmi2 / pmix and Open MPI's mpirun in each rank.
@@ -235,6 +285,8 @@ def _parser():
     p = sub.add_parser("verify", help="check every sample's checksum of a store")
     p.add_argument("dst", metavar="DST", help="store directory (or its manifest.h5)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout: store, samples, shards, "
+                   "bytes_read, seconds, ok, bad, problems [{shard, first, samples, reason[, name]}] (or error)")
     p.set_defaults(func=_cmd_verify)
     p = sub.add_parser("ls", help="summary of a store: counts, sizes, label histogram")
     p.add_argument("dst", metavar="DST", help="store directory (or its manifest.h5)")

@@ -204,12 +204,19 @@ class Prefetcher:
     batch (the same global order; another global batch or seed: ValueError).
     peer_timeout: seconds to wait for a peer's answer before reading the store
     instead (a peer that has not loaded a sample yet answers "later" within half
-    of it, and is asked again).
+    of it, and is asked again); a peer that does not answer in time is given up
+    on for the rest of the run (a warning; stats peers_gone), so a gone peer
+    costs about one timeout, not one per sample.
+
+    A sample that cannot be read (checksum mismatch, I/O error) fails only the
+    batch that holds it: that batch raises the reader's error (it names the
+    sample and its shard) and is consumed, so iterating again goes on with the
+    next batch; the batches before and after it are delivered.
     """
 
     def __init__(self, store, batch_size, epochs, seed, comm=None, ram_bytes=DEFAULT_RAM_BYTES, disk_dir=None,
                  disk_bytes=0, threads=4, drop_last=True, start=(0, 0), staging_bytes=DEFAULT_STAGING_BYTES,
-                 ram_threads=2, disk_threads=2, peer_timeout=2.0, _serve_delay=0.0):
+                 ram_threads=2, disk_threads=2, peer_timeout=2.0, _serve_delay=0.0, _peer_message_bytes=0):
         self._core = None
         self.store = store if isinstance(store, Store) else Store(store)
         self.comm = comm
@@ -256,7 +263,7 @@ class Prefetcher:
                "disk_dir": os.fspath(disk_dir) if disk_dir else "", "threads": max(int(threads), 1),
                "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
                "peer_ram_bytes": peer_ram, "peer_disk_bytes": peer_disk, "peer_timeout": float(peer_timeout),
-               "serve_delay": float(_serve_delay)}
+               "serve_delay": float(_serve_delay), "peer_message_bytes": int(_peer_message_bytes)}
         self._trace = os.environ.get(TRACE_ENV)
         if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
             warnings.warn(f"[hpcdl rank {self.rank}] {TRACE_ENV} is ignored while HPCDL_TIMELINE is set: "
@@ -307,7 +314,11 @@ class Prefetcher:
         if self._core is None:
             raise ValueError("the prefetcher is closed")
         epoch, step = self.position
-        batch, ring, nbytes, ids, offsets = self._core.next_batch()
+        try:
+            batch, ring, nbytes, ids, offsets = self._core.next_batch()
+        except OSError:  # a sample of this batch could not be read: the batch is consumed
+            self._position += self.local_batch
+            raise
         self._position += self.local_batch
         self._emit_warnings()
         return Batch(epoch, step, ids, self.store.labels[ids.astype(np.int64)],
@@ -322,7 +333,8 @@ class Prefetcher:
 
     def stats(self):
         """Per-source hits and bytes (ram, disk, peer, store), peer misses,
-        timeouts and waits ("later" answers), samples served to peers, tier
+        timeouts, waits ("later" answers) and MPI errors (peer_errors), peers
+        given up on (peers_gone), samples served to peers, tier
         slots filled from peers (peer_fills), every backing-store read
         (store_reads), tier fill, and the consumer's stall time."""
         s = self._core.stats() if self._core is not None else dict(self._final_stats or {})

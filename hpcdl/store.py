@@ -16,9 +16,11 @@ import bisect
 import errno
 import hashlib
 import os
+import socket
 import stat
 import sys
 import time
+import warnings
 from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,13 +31,20 @@ from mpi4py import MPI
 from hpcdl import _store
 from hpcdl.errors import CorruptDataError, HpcdlError
 
+
+class StoreWarning(UserWarning):
+    """A store opens but lacks a safeguard (e.g. packed by an older hpcdl without index checksums)."""
+
+
 FORMAT = "hpcdl-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+_FIRST_CHECKED_VERSION = 2  # stores packed before it carry no index checksums
 MANIFEST = "manifest.h5"
 DEFAULT_SHARD_BYTES = 1 << 30
 DEFAULT_THREADS = 8
 _SHARD_PREFIX = "shard-"
 _TMP_SUFFIX = ".tmp"
+_LOCK = ".hpcdl-pack.lock"
 _WRITE_BLOCK = 16 << 20     # bytes gathered before one HDF5 write
 _READ_WINDOW = 256          # files in flight per packing rank
 _PROGRESS_TAG = 4242
@@ -43,13 +52,48 @@ _PROGRESS_TAG = 4242
 PackResult = namedtuple("PackResult", "samples bytes shards skipped reused_shards seconds")
 PackResult.__doc__ = """What pack() did: skipped is a list of (path, reason) of files left out."""
 
-VerifyReport = namedtuple("VerifyReport", "samples bytes_read seconds problems")
-VerifyReport.__doc__ = """Result of Store.verify(): problems is a list of (index, name, reason)."""
+VerifyReport = namedtuple("VerifyReport", "samples bytes_read seconds problems damaged")
+VerifyReport.__doc__ = """Result of Store.verify(): problems is a list of (index, name, reason) of bad
+samples in readable shards; damaged a list of (shard path, first sample, samples, reason) of shards
+that could not be opened (each reported once, all its samples lost)."""
 
 
 def crc32c(data, crc=0):
     """CRC32C of a bytes-like object (the checksum the store keeps per sample)."""
     return _store.crc32c(data, crc)
+
+
+def _index_crc(values):
+    """CRC32C of an index data set's contents: numbers as their little-endian
+    bytes; strings as their UTF-8 bytes after the list of their lengths (so a
+    byte moved between two names changes it)."""
+    values = np.asarray(values)
+    if values.dtype.kind in "OSU":
+        parts = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values.ravel()]
+        lengths = np.array([len(p) for p in parts], dtype="<u8")
+        return _store.crc32c(b"".join(parts), _store.crc32c(lengths.tobytes()))
+    return _store.crc32c(np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")).tobytes())
+
+
+def _create_checked(f, name, values, dtype=None):
+    """Write an index data set with the CRC32C of its contents as its attribute `crc32c`."""
+    if dtype is not None and h5py.check_string_dtype(dtype):
+        values = np.array(list(values), dtype=object)
+    f.create_dataset(name, data=values, dtype=dtype).attrs["crc32c"] = np.uint32(_index_crc(values))
+
+
+def _read_checked(f, name, where, checked=True):
+    """An index data set's contents after checking them against its `crc32c`
+    attribute (checked=False: a store packed before index checksums).
+    Strings come back as UTF-8 bytes."""
+    values = f[name][:]
+    if checked:
+        stored = f[name].attrs.get("crc32c")
+        computed = _index_crc(values)
+        if stored is None or int(stored) != computed:
+            found = "no checksum" if stored is None else f"stored crc32c 0x{int(stored):08x}, read 0x{computed:08x}"
+            raise CorruptDataError(f"index data set '{name}' of {where} is damaged ({found})")
+    return values
 
 
 def shard_name(index, count):
@@ -176,13 +220,93 @@ def _plan(src, files, shards, shard_bytes, nranks):
     return [c.decode() for c in classes], plans
 
 
+class _PackLock:
+    """DST/.hpcdl-pack.lock: one pack at a time per destination.
+
+    Created with O_CREAT|O_EXCL (atomic on local file systems, Lustre and NFS
+    v3+, and independent of HDF5_USE_FILE_LOCKING and of flock support); it
+    holds "host pid start-time". A lock left by a dead process on this host is
+    taken over; one from another host is only reported (its liveness cannot be
+    checked from here): delete the file when that run is known to be gone.
+    """
+
+    def __init__(self, dst):
+        if os.path.exists(dst) and not os.path.isdir(dst):
+            raise FileExistsError(f"destination '{dst}' exists and is not a directory")
+        os.makedirs(dst, exist_ok=True)
+        self.path = os.path.join(dst, _LOCK)
+        self.token = f"{socket.gethostname()} {os.getpid()} {time.time():.3f}"
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None or not self._take_over_if_dead(holder):
+                    raise FileExistsError(self._busy_message(dst, holder)) from None
+                continue
+            with os.fdopen(fd, "w") as fh:
+                fh.write(self.token)
+            return
+        raise FileExistsError(self._busy_message(dst, self._holder()))
+
+    def _holder(self, path=None):
+        """(host, pid, started) from a lock file; None when it is gone or not (yet) written."""
+        try:
+            with open(path or self.path) as fh:
+                host, pid, started = fh.read().split()
+            return host, int(pid), float(started)
+        except (OSError, ValueError):
+            return None
+
+    def _take_over_if_dead(self, holder):
+        host, pid, _ = holder
+        if host != socket.gethostname():
+            return False
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            return False
+        # Rename first: of two runs taking over the same stale lock only one renames it.
+        aside = f"{self.path}.stale-{os.getpid()}"
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return True  # another run took it over: try again
+        if self._holder(aside) != holder:  # a live run's lock, made in between: put it back
+            os.rename(aside, self.path)
+            return False
+        os.remove(aside)
+        return True
+
+    @staticmethod
+    def _busy_message(dst, holder):
+        if holder is None:
+            return (f"another hpcdl pack is writing to '{dst}' (its lock file {_LOCK} is unreadable); "
+                    f"if no pack is running there, delete '{os.path.join(dst, _LOCK)}'")
+        host, pid, started = holder
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        return (f"another hpcdl pack is writing to '{dst}': pid {pid} on host {host}, started {since}; wait for "
+                f"it to finish, or if it is dead, delete '{os.path.join(dst, _LOCK)}'")
+
+    def release(self):
+        if self._is_mine():
+            os.remove(self.path)
+
+    def _is_mine(self):
+        try:
+            with open(self.path) as fh:
+                return fh.read() == self.token
+        except OSError:
+            return False
+
+
 def _prepare_destination(dst, force):
-    """Make dst ready: new, empty, or an unfinished store to continue. Never
-    overwrites a finished store (or foreign files) unless force."""
-    if os.path.exists(dst) and not os.path.isdir(dst):
-        raise FileExistsError(f"destination '{dst}' exists and is not a directory")
-    os.makedirs(dst, exist_ok=True)
-    names = os.listdir(dst)
+    """Make dst (locked by this run) ready: new, empty, or an unfinished store to
+    continue. Never overwrites a finished store (or foreign files) unless force."""
+    names = [n for n in os.listdir(dst) if n != _LOCK]
     ours = [n for n in names if n == MANIFEST or n.startswith(_SHARD_PREFIX)
             or (n.startswith("." + _SHARD_PREFIX) and n.endswith(_TMP_SUFFIX))]
     foreign = sorted(set(names) - set(ours))
@@ -234,8 +358,10 @@ def _reuse_shard(path, plan):
                 return None
             return {"index": plan["index"], "samples": int(f.attrs["num_samples"]),
                     "bytes": int(f.attrs["data_bytes_used"]), "reused": True,
-                    "skipped": list(zip(f["skipped_names"].asstr()[:], f["skipped_reasons"].asstr()[:]))}
-    except (OSError, KeyError, ValueError):
+                    "skipped": [(n.decode(), r.decode()) for n, r in
+                                zip(_read_checked(f, "skipped_names", "the shard"),
+                                    _read_checked(f, "skipped_reasons", "the shard"))]}
+    except (OSError, KeyError, ValueError, CorruptDataError):
         return None
 
 
@@ -286,14 +412,14 @@ def _write_shard(src, dst, plan, pool, progress):
                 progress.advance(1, size)
         if at > start:
             data[start:at] = np.frombuffer(b"".join(pending), dtype=np.uint8)
-        f.create_dataset("offsets", data=np.array(offsets, dtype=np.uint64))
-        f.create_dataset("sizes", data=np.array(sizes, dtype=np.uint64))
-        f.create_dataset("crc32c", data=np.array(crcs, dtype=np.uint32))
-        f.create_dataset("labels", data=np.array(labels, dtype=np.int32))
+        _create_checked(f, "offsets", np.array(offsets, dtype=np.uint64))
+        _create_checked(f, "sizes", np.array(sizes, dtype=np.uint64))
+        _create_checked(f, "crc32c", np.array(crcs, dtype=np.uint32))
+        _create_checked(f, "labels", np.array(labels, dtype=np.int32))
         text = h5py.string_dtype("utf-8")
-        f.create_dataset("names", data=np.array(names, dtype=object), dtype=text)
-        f.create_dataset("skipped_names", data=np.array([s[0] for s in skipped], dtype=object), dtype=text)
-        f.create_dataset("skipped_reasons", data=np.array([s[1] for s in skipped], dtype=object), dtype=text)
+        _create_checked(f, "names", names, text)
+        _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
+        _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
         f.attrs.update({"format": FORMAT + "-shard", "format_version": FORMAT_VERSION,
                         "shard_index": plan["index"], "num_shards": plan["count"],
                         "num_samples": len(offsets), "data_bytes_used": at,
@@ -315,14 +441,13 @@ def _write_manifest(src, dst, label_names, summaries, skipped_listing, pack_seco
     tmp = os.path.join(dst, "." + MANIFEST + _TMP_SUFFIX)
     with h5py.File(tmp, "w") as f:
         n = len(summaries)
-        f.create_dataset("shard_files", data=np.array([shard_name(s["index"], n) for s in summaries],
-                                                       dtype=object), dtype=text)
-        f.create_dataset("shard_first_sample", data=first)
-        f.create_dataset("shard_num_samples", data=counts)
-        f.create_dataset("shard_data_bytes", data=np.array([s["bytes"] for s in summaries], dtype=np.uint64))
-        f.create_dataset("label_names", data=np.array(label_names, dtype=object), dtype=text)
-        f.create_dataset("skipped_names", data=np.array([s[0] for s in skipped], dtype=object), dtype=text)
-        f.create_dataset("skipped_reasons", data=np.array([s[1] for s in skipped], dtype=object), dtype=text)
+        _create_checked(f, "shard_files", [shard_name(s["index"], n) for s in summaries], text)
+        _create_checked(f, "shard_first_sample", first)
+        _create_checked(f, "shard_num_samples", counts)
+        _create_checked(f, "shard_data_bytes", np.array([s["bytes"] for s in summaries], dtype=np.uint64))
+        _create_checked(f, "label_names", label_names, text)
+        _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
+        _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
         f.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION,
                         "num_samples": int(counts.sum()),
                         "total_bytes": int(sum(s["bytes"] for s in summaries)),
@@ -423,12 +548,14 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
     rank, nranks = comm.Get_rank(), comm.Get_size()
     src_dir, dst = os.fspath(src_dir), os.fspath(dst)
     started = time.monotonic()
+    locks = []  # rank 0's lock on dst, held until the store reads back
 
     def plan_on_rank0():
         if rank != 0:
             return None
         if not os.path.isdir(src_dir):
             raise FileNotFoundError(f"source '{src_dir}' is not a directory")
+        locks.append(_PackLock(dst))
         _prepare_destination(dst, force)
         dst_st = os.stat(dst)
         files, skipped = _list_source(src_dir, {(dst_st.st_dev, dst_st.st_ino)}, progress)
@@ -439,47 +566,52 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
         _remove_stale_shards(dst, plans)
         return label_names, plans, skipped, sum(f[1] for f in files)
 
-    planned = _agree(comm, plan_on_rank0)
-    label_names, plans, skipped_listing, total_bytes = comm.bcast(planned, root=0)
-    mine = [p for p in plans if p["index"] % nranks == rank]
-    total_files = sum(len(p["files"]) for p in plans)
-
-    progress_comm = comm.Dup()
-    reporter = _Progress(progress_comm, total_files, total_bytes, progress)
-
-    def write_mine():
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            return [_write_shard(src_dir, dst, p, pool, reporter) for p in mine]
-
     try:
-        summaries, error = write_mine(), None
-    except Exception as exc:  # noqa: BLE001 - raised below on every rank
-        summaries, error = None, exc
+        planned = _agree(comm, plan_on_rank0)
+        label_names, plans, skipped_listing, total_bytes = comm.bcast(planned, root=0)
+        mine = [p for p in plans if p["index"] % nranks == rank]
+        total_files = sum(len(p["files"]) for p in plans)
+
+        progress_comm = comm.Dup()
+        reporter = _Progress(progress_comm, total_files, total_bytes, progress)
+
+        def write_mine():
+            with ThreadPoolExecutor(max(1, threads)) as pool:
+                return [_write_shard(src_dir, dst, p, pool, reporter) for p in mine]
+
+        try:
+            summaries, error = write_mine(), None
+        except Exception as exc:  # noqa: BLE001 - raised below on every rank
+            summaries, error = None, exc
+        finally:
+            reporter.finish()
+            progress_comm.Free()
+
+        def reraise_local():
+            if error is not None:
+                raise error
+            return summaries
+
+        summaries = _agree(comm, reraise_local)
+        gathered = comm.gather(summaries, root=0)
+
+        def manifest_on_rank0():
+            if rank != 0:
+                return None
+            every = [s for part in gathered for s in part]
+            skipped = _write_manifest(src_dir, dst, label_names, every, skipped_listing,
+                                      time.monotonic() - started)
+            Store(dst).close()  # no success reported over a store that does not open (index checked)
+            return PackResult(samples=sum(s["samples"] for s in every), bytes=sum(s["bytes"] for s in every),
+                              shards=len(every), skipped=skipped,
+                              reused_shards=sum(s["reused"] for s in every),
+                              seconds=time.monotonic() - started)
+
+        result = _agree(comm, manifest_on_rank0)
+        return comm.bcast(result, root=0)
     finally:
-        reporter.finish()
-        progress_comm.Free()
-
-    def reraise_local():
-        if error is not None:
-            raise error
-        return summaries
-
-    summaries = _agree(comm, reraise_local)
-    gathered = comm.gather(summaries, root=0)
-
-    def manifest_on_rank0():
-        if rank != 0:
-            return None
-        every = [s for part in gathered for s in part]
-        skipped = _write_manifest(src_dir, dst, label_names, every, skipped_listing,
-                                  time.monotonic() - started)
-        return PackResult(samples=sum(s["samples"] for s in every), bytes=sum(s["bytes"] for s in every),
-                          shards=len(every), skipped=skipped,
-                          reused_shards=sum(s["reused"] for s in every),
-                          seconds=time.monotonic() - started)
-
-    result = _agree(comm, manifest_on_rank0)
-    return comm.bcast(result, root=0)
+        for lock in locks:
+            lock.release()
 
 
 # --------------------------------------------------------------------------- reading
@@ -561,21 +693,34 @@ class Store:
                 if version > FORMAT_VERSION:
                     raise HpcdlError(f"store '{self.path}' has format version {version}; this hpcdl "
                                      f"reads up to {FORMAT_VERSION}: upgrade hpcdl")
-                shard_files = list(m["shard_files"].asstr()[:])
-                first = m["shard_first_sample"][:].astype(np.int64)
-                counts = m["shard_num_samples"][:].astype(np.int64)
-                self.classes = list(m["label_names"].asstr()[:])
-                self.skipped = list(zip(m["skipped_names"].asstr()[:], m["skipped_reasons"].asstr()[:]))
+                self._checked = version >= _FIRST_CHECKED_VERSION
+
+                def read(name):
+                    return _read_checked(m, name, f"manifest '{self.path}'", self._checked)
+
+                def text(name):
+                    return [v.decode("utf-8") for v in read(name)]
+
+                shard_files = text("shard_files")
+                first = read("shard_first_sample").astype(np.int64)
+                counts = read("shard_num_samples").astype(np.int64)
+                self.shard_data_bytes = read("shard_data_bytes").astype(np.int64)
+                self.classes = text("label_names")
+                self.skipped = list(zip(text("skipped_names"), text("skipped_reasons")))
                 self.attrs = dict(m.attrs)
-        except (OSError, KeyError) as exc:
+        except (OSError, KeyError, ValueError) as exc:
             raise CorruptDataError(f"cannot read the manifest '{self.path}': {exc}") from None
+        if not self._checked:
+            warnings.warn(f"store '{self.root}' was packed by an older hpcdl (format version {version}) "
+                          "without index checksums: damaged labels, names or offsets cannot be detected; "
+                          "re-pack it", StoreWarning, stacklevel=2)
         self.shard_paths = [os.path.join(self.root, f) for f in shard_files]
         self.shard_first = first
         self.shard_counts = counts
         infos, labels, name_parts, self.damaged = [], [], [], []
         for k, path_k in enumerate(self.shard_paths):
             try:
-                info, shard_labels, shard_names = self._open_shard(path_k, int(counts[k]))
+                info, shard_labels, shard_names = self._open_shard(path_k, int(counts[k]), self._checked)
             except (OSError, KeyError, ValueError, CorruptDataError) as exc:
                 last = int(first[k] + counts[k]) - 1
                 reason = (f"shard '{path_k}' cannot be used ({exc}); samples {first[k]}..{last} "
@@ -599,7 +744,10 @@ class Store:
                                      for i in infos]) if infos else np.zeros(0, np.uint64)
 
     @staticmethod
-    def _open_shard(path, expected):
+    def _open_shard(path, expected, checked):
+        def read(name):
+            return _read_checked(f, name, "the shard", checked)
+
         with h5py.File(path, "r", locking=False) as f:
             if not f.attrs.get("complete") or int(f.attrs["num_samples"]) != expected:
                 raise CorruptDataError(f"it holds {f.attrs.get('num_samples')} samples, "
@@ -609,9 +757,9 @@ class Store:
                 raise CorruptDataError("its data set is not a contiguous, unfiltered 1-D uint8 array")
             offset = data.id.get_offset()  # None when the data set is empty (never allocated)
             info = {"path": path, "data_offset": 0 if offset is None else offset,
-                    "data_bytes": data.shape[0], "offsets": f["offsets"][:],
-                    "sizes": f["sizes"][:], "crc32c": f["crc32c"][:]}
-            return info, f["labels"][:].astype(np.int32), list(f["names"][:])
+                    "data_bytes": data.shape[0], "offsets": read("offsets"),
+                    "sizes": read("sizes"), "crc32c": read("crc32c")}
+            return info, read("labels").astype(np.int32), list(read("names"))
 
     def __reduce__(self):
         return Store, self._args
@@ -701,18 +849,23 @@ class Store:
 
     def verify(self, progress=False):
         """Read every sample front to back and check its CRC32C. Returns a
-        VerifyReport; report.problems lists (index, name, reason), empty when all is well."""
+        VerifyReport; report.problems lists (index, name, reason) and
+        report.damaged the shards that could not be opened; both empty when all is well."""
         bar = _bar(progress, total=int(self.sizes.sum()), unit="B", unit_scale=True, desc="verify")
         started = time.monotonic()
         problems, bytes_read = [], 0
+        damaged = [(self.shard_paths[k], int(self.shard_first[k]), int(self.shard_counts[k]), reason)
+                   for k, reason in self.damaged]
         for k in range(len(self.shard_paths)):
+            if "damaged" in self.shard_infos[k]:
+                continue
             bad, reasons, nbytes = self._reader.verify_shard(k)
             problems.extend((i, self.names[i], r) for i, r in zip(bad, reasons))
             bytes_read += nbytes
             bar.update(int(self.sizes[self.shard_first[k]:self.shard_first[k] + self.shard_counts[k]].sum()))
         bar.close()
         return VerifyReport(samples=len(self), bytes_read=bytes_read,
-                            seconds=time.monotonic() - started, problems=problems)
+                            seconds=time.monotonic() - started, problems=problems, damaged=damaged)
 
     def close(self):
         self._reader = None

@@ -346,6 +346,50 @@ def test_corrupt_sample_raises_never_wrong_bytes(tmp_path):
                 assert victim not in batch.indices.tolist()
 
 
+def test_peer_replies_go_in_pieces_below_the_message_limit():
+    assert _prefetch.peer_message_pieces(0, 7) == []
+    assert _prefetch.peer_message_pieces(7, 7) == [(0, 7)]
+    assert _prefetch.peer_message_pieces(16, 7) == [(0, 7), (7, 14), (14, 16)]
+    total = (5 << 30) + 3  # a 5 GiB sample and its status byte, with the default limit
+    pieces = _prefetch.peer_message_pieces(total, 1 << 30)
+    assert pieces[0][0] == 0 and pieces[-1][1] == total and len(pieces) == 6
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    assert all(0 < end - begin < 2**31 for begin, end in pieces)  # MPI counts are int
+
+
+@pytest.mark.parametrize("ram", [0, 10**6])
+def test_corrupt_sample_fails_only_its_batch(tmp_path, ram):
+    st = make_store(str(tmp_path), files=40, seed=4)
+    victim = int(np.argmax(st.sizes))
+    info = next(i for i in st.shard_infos if "offsets" in i)
+    with open(info["path"], "r+b") as fh:
+        fh.seek(info["data_offset"] + int(info["offsets"][victim]))
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    stream = prefetch.rank_stream(len(st), 4, 1, 0, 3, 0).reshape(-1, 4)
+    holding = [b for b, row in enumerate(stream) if victim in row.tolist()]
+    assert holding  # the victim is in the run
+    steps = len(stream) // 3
+    delivered, failed = {}, {}  # by global batch number
+    with Prefetcher(store.Store(st.root), 4, 3, 0, ram_bytes=ram) as pf:
+        for _ in range(len(stream) + 1):  # bounded even if an error stuck to every later batch
+            try:
+                for batch in pf:  # iterating again goes on after a failed batch
+                    delivered[batch.epoch * steps + batch.step] = (batch.indices.tolist(),
+                                                                   [bytes(s) for s in batch.samples()])
+                break
+            except CorruptDataError as exc:
+                epoch, step = pf.position  # the failed batch is consumed
+                failed[epoch * steps + step - 1] = str(exc)
+    assert sorted(failed) == holding
+    for message in failed.values():
+        assert f"sample {victim} " in message and info["path"] in message and "checksum mismatch" in message
+    assert sorted(delivered) == sorted(set(range(len(stream))) - set(holding))
+    for b, (ids, data) in delivered.items():
+        assert ids == stream[b].tolist() and data == [st.read(i) for i in ids]
+
+
 def test_break_mid_epoch_joins_threads_and_removes_files(st, tmp_path):
     before = threads_now()
     pf = Prefetcher(st, 8, 5, 1, ram_bytes=20000, disk_dir=str(tmp_path), disk_bytes=40000, threads=3,

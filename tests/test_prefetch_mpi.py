@@ -134,6 +134,51 @@ def test_a_silent_peer_means_reading_the_store(comm, shared_store):
     agree(comm, timeouts > 0, "no request timed out")
 
 
+def test_a_peer_that_stops_answering_costs_a_few_timeouts(comm, shared_store):
+    # Rank 1's server stops answering for longer than the whole run (it catches
+    # up before close(), which waits for every answer). Every other rank gives
+    # it up after its first timeouts and reads the store instead: at most one
+    # timeout per requesting thread (4 staging threads and the peer filler),
+    # however many samples rank 1 holds.
+    st = shared_store
+    ram = int(st.sizes.sum()) // 3
+    gone = 12.0 if comm.Get_rank() == 1 else 0.0
+
+    def run():
+        with Prefetcher(st, 8, 4, 17, comm=comm, ram_bytes=ram, threads=4, peer_timeout=0.5,
+                        _serve_delay=gone) as pf:
+            ids, right = delivered(pf, st)
+            return right, pf.stats()
+
+    right, stats = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    timeouts = comm.allgather((stats["peer_timeouts"], stats["peers_gone"]))
+    agree(comm, sum(t for t, _ in timeouts) > 0, "no request to rank 1 timed out")
+    # (a loaded machine may time out on a healthy peer too: the bound is per peer given up on)
+    agree(comm, all(t <= 5 * g and (g > 0) == (t > 0) for t, g in timeouts),
+          f"(timeouts, peers given up on) per rank {timeouts}: a gone peer cost more than one timeout per thread")
+
+
+def test_peer_replies_in_pieces_deliver_the_right_bytes(comm, shared_store):
+    # Replies cut into MPI messages of 7 bytes: the path a sample of 2 GiB or
+    # more takes with the default limit of 1 GiB per message.
+    st = shared_store
+    ram = int(st.sizes.sum()) // 3
+
+    def run():
+        with Prefetcher(st, 8, 2, 11, comm=comm, ram_bytes=ram, peer_timeout=30.0, _peer_message_bytes=7) as pf:
+            ids, right = delivered(pf, st)
+        return ids, right, pf.stats()
+
+    ids, right, stats = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    peer_hits, served = comm.allreduce(stats["hits"]["peer"]), comm.allreduce(stats["served_to_peers"])
+    peer_fills = comm.allreduce(stats["peer_fills"])
+    agree(comm, peer_hits + peer_fills > 0 and peer_hits + peer_fills == served,
+          f"peer hits {peer_hits}, peer fills {peer_fills}, served {served}")
+    agree(comm, stats["peer_timeouts"] == 0 and stats["peer_errors"] == 0, repr(stats))
+
+
 def test_mismatched_settings_raise_on_every_rank(comm, shared_store):
     seed = 1 if comm.Get_rank() == 2 else 0
     _, err = outcome(Prefetcher, shared_store, 8, 2, seed, comm=comm)

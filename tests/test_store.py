@@ -6,6 +6,7 @@ import os
 import pickle
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -308,6 +309,71 @@ def test_flipped_byte_is_caught_on_read_and_by_verify(tree, tmp_path):
     assert proc.returncode == 1 and "FAILED: 1 bad sample" in proc.stdout and st.names[victim] in proc.stdout
 
 
+def flip_bit(path, name, item=0):
+    """Flip one bit of item `item` of data set `name` in an HDF5 file: in the
+    file's raw bytes for numbers, through h5py for strings (their bytes live in
+    a heap, the data set holds references)."""
+    with h5py.File(path, "r+") as f:
+        ds = f[name]
+        if h5py.check_string_dtype(ds.dtype):
+            text = bytearray(ds[item])
+            text[0] ^= 0x01
+            ds[item] = bytes(text).decode("utf-8")
+            return
+        at = ds.id.get_offset() + item * ds.dtype.itemsize
+    with open(path, "r+b") as fh:
+        fh.seek(at)
+        byte = fh.read(1)
+        fh.seek(at)
+        fh.write(bytes([byte[0] ^ 0x01]))
+
+
+SHARD_INDEX = ("offsets", "sizes", "crc32c", "labels", "names")
+MANIFEST_INDEX = ("shard_files", "shard_first_sample", "shard_num_samples", "shard_data_bytes", "label_names",
+                  "skipped_names", "skipped_reasons")
+
+
+@pytest.mark.parametrize("dataset", SHARD_INDEX)
+def test_flipped_bit_in_a_shard_index_is_named_at_open(tree, tmp_path, dataset):
+    src, _ = tree
+    dst = tmp_path / "dst"
+    store.pack(src, dst, shards=2, progress=False)
+    shard = dst / store.shard_name(1, 2)
+    flip_bit(shard, dataset, item=1)
+    with pytest.raises(CorruptDataError) as err:
+        store.Store(dst)
+    assert f"shard '{shard}'" in str(err.value) and f"index data set '{dataset}'" in str(err.value)
+    proc = hpcdl_cli("verify", str(dst), "-q")
+    assert proc.returncode == 1 and shard.name in proc.stdout and f"'{dataset}'" in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("dataset", MANIFEST_INDEX)
+def test_flipped_bit_in_the_manifest_is_named_at_open(tmp_path, dataset):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    make_tree(str(src), files=40)
+    os.symlink("missing", src / "dangling")  # something skipped, so the skipped lists are not empty
+    store.pack(src, dst, shards=2, progress=False)
+    flip_bit(dst / store.MANIFEST, dataset)
+    with pytest.raises(CorruptDataError, match=f"index data set '{dataset}' of manifest '.*{store.MANIFEST}'"):
+        store.Store(dst)
+    proc = hpcdl_cli("verify", str(dst), "-q")
+    assert proc.returncode == 1 and f"'{dataset}'" in proc.stderr
+
+
+def test_store_without_index_checksums_opens_with_a_warning(tree, tmp_path):
+    src, content = tree
+    dst = tmp_path / "dst"
+    store.pack(src, dst, shards=2, progress=False)
+    for path in [dst / store.MANIFEST] + [dst / store.shard_name(k, 2) for k in range(2)]:
+        with h5py.File(path, "r+") as f:  # as packed by hpcdl before format version 2
+            f.attrs["format_version"] = 1
+            for name in f:
+                f[name].attrs.pop("crc32c", None)
+    with pytest.warns(store.StoreWarning, match="without index checksums.*re-pack"):
+        st = store.Store(dst)
+    check_round_trip(st, content)
+
+
 def test_truncated_shard_is_named(tree, tmp_path):
     src, content = tree
     dst = tmp_path / "dst"
@@ -323,9 +389,48 @@ def test_truncated_shard_is_named(tree, tmp_path):
         st[lo]
     assert st[0] == content[st.names[0]]
     report = st.verify()
-    assert [p[0] for p in report.problems] == list(range(lo, lo + n))
+    assert report.problems == [] and len(report.damaged) == 1
+    assert report.damaged[0][:3] == (str(shard), lo, n) and "truncated" in report.damaged[0][3]
     proc = hpcdl_cli("verify", str(dst), "-q")
-    assert proc.returncode == 1 and shard.name in proc.stdout
+    assert proc.returncode == 1 and f"FAILED: {n} bad sample(s)" in proc.stdout
+    assert len([line for line in proc.stdout.splitlines() if shard.name in line]) == 1
+    assert [line for line in proc.stdout.splitlines() if shard.name in line] == [
+        line for line in proc.stdout.splitlines() if line.startswith(f"  {shard.name}: {n} samples from {lo}: ")]
+    proc = hpcdl_cli("ls", str(dst))
+    assert proc.returncode == 1 and f"{shard.name} is damaged" in proc.stderr
+    total = sum(len(v) for v in content.values())
+    assert f"bytes: {total} " in proc.stdout and f"{shard.name}  samples {lo}..{lo + n - 1}" in proc.stdout
+
+
+def test_verify_json(tree, tmp_path):
+    import json
+
+    src, content = tree
+    dst = tmp_path / "dst"
+    store.pack(src, dst, shards=3, progress=False)
+    proc = hpcdl_cli("verify", str(dst), "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    total = sum(len(v) for v in content.values())
+    assert (out["samples"], out["shards"], out["ok"], out["bad"], out["problems"]) == (len(content), 3,
+                                                                                       len(content), 0, [])
+    assert out["bytes_read"] >= total and isinstance(out["seconds"], float) and out["seconds"] > 0
+    st = store.Store(dst)
+    victim = max(range(int(st.shard_counts[0])), key=st.size)  # in shard 0, which starts at sample 0
+    flip_bit(st.shard_paths[0], "data", item=int(st.shard_infos[0]["offsets"][victim]))
+    shard2 = dst / store.shard_name(2, 3)
+    with open(shard2, "r+b") as fh:
+        fh.truncate(shard2.stat().st_size // 2)
+    proc = hpcdl_cli("verify", str(dst), "--json")
+    out = json.loads(proc.stdout)
+    lost = int(st.shard_counts[2])
+    assert proc.returncode == 1 and out["bad"] == 1 + lost and out["ok"] == len(content) - 1 - lost
+    first, second = out["problems"]
+    assert first["shard"] == store.shard_name(0, 3) and first["first"] == victim and first["samples"] == 1
+    assert first["name"] == st.names[victim] and "checksum mismatch" in first["reason"]
+    assert second["shard"] == shard2.name and second["samples"] == lost and "truncated" in second["reason"]
+    proc = hpcdl_cli("verify", str(tmp_path / "nothing"), "--json")
+    assert proc.returncode == 1 and "no hpcdl store" in json.loads(proc.stdout)["error"]
 
 
 def test_shard_truncated_after_open_is_caught_on_read(tree, tmp_path):
@@ -370,6 +475,55 @@ def test_killed_pack_leaves_no_manifest_and_rerun_completes(tmp_path):
     result = store.pack(src, dst, shards=40, progress=False)
     assert result.reused_shards == len(complete) >= 1
     assert not [p for p in dst.iterdir() if p.name.endswith(".tmp")]
+    check_round_trip(store.Store(dst), content)
+
+
+def test_second_pack_into_one_destination_is_refused(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    content = make_tree(str(src), files=3000, max_size=400)
+    first = subprocess.Popen([sys.executable, "-m", "hpcdl", "pack", str(src), str(dst), "--shards", "40",
+                              "--threads", "1", "-q"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        lock = dst / ".hpcdl-pack.lock"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and first.poll() is None and not (lock.exists() and lock.stat().st_size):
+            time.sleep(0.002)
+        assert first.poll() is None and lock.exists(), "the first pack took no lock while it ran"
+        os.killpg(first.pid, signal.SIGSTOP)  # holds the lock, mid-run, for as long as the test needs
+        second = hpcdl_cli("pack", str(src), str(dst), "--shards", "40", "-q")
+        assert second.returncode == 1 and "another hpcdl pack is writing to" in second.stderr
+        assert f"pid {first.pid} on host" in second.stderr, second.stderr
+        mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        ranks = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "hpcdl", "pack", str(src), str(dst),
+                                "-q"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert ranks.returncode != 0 and f"pid {first.pid} on host" in ranks.stderr, ranks.stderr
+        os.killpg(first.pid, signal.SIGCONT)
+        out, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+    assert first.returncode == 0 and "packed 3002 samples" in out, err
+    assert not lock.exists()
+    check_round_trip(store.Store(dst), content)
+
+
+def test_lock_of_a_dead_pack_is_taken_over_and_another_hosts_is_not(tree, tmp_path):
+    src, content = tree
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock = dst / ".hpcdl-pack.lock"
+    lock.write_text(f"{socket.gethostname()} {dead.pid} {time.time()}")
+    store.pack(src, dst, shards=2, progress=False)
+    assert not lock.exists()
+    check_round_trip(store.Store(dst), content)
+    lock.write_text(f"other-host.example 4242 {time.time()}")
+    with pytest.raises(FileExistsError, match="pid 4242 on host other-host.example.*delete"):
+        store.pack(src, dst, shards=2, progress=False, force=True)
+    assert lock.exists()  # not ours to remove
     check_round_trip(store.Store(dst), content)
 
 

@@ -2,6 +2,7 @@ from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport unique_ptr
 from libcpp.string cimport string
+from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 from mpi4py.libmpi cimport MPI_Comm
 
@@ -44,6 +45,11 @@ cdef extern from "hpcdl/placement.hpp" namespace "hpcdl" nogil:
                       const uint64_t* own_caps, const vector[uint64_t]& ram_capacity,
                       const vector[uint64_t]& disk_capacity, CPlan* out)
 
+cdef extern from "hpcdl/peer_service.hpp" namespace "hpcdl" nogil:
+    cdef cppclass CPeerService "hpcdl::PeerService":
+        @staticmethod
+        vector[pair[uint64_t, uint64_t]] pieces(uint64_t total, uint64_t max_message)
+
 cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
     cdef cppclass CPrefetchConfig "hpcdl::PrefetchConfig":
         CStreamSpec spec
@@ -52,11 +58,13 @@ cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
         size_t staging_threads, ram_threads, disk_threads
         vector[uint64_t] peer_ram_bytes, peer_disk_bytes
         double peer_timeout_s, serve_delay_s
+        uint64_t peer_message_bytes
 
     cdef cppclass CPrefetchStats "hpcdl::PrefetchStats":
         uint64_t hits[4]
         uint64_t bytes[4]
         uint64_t peer_misses, peer_timeouts, peer_waits, served_to_peers, peer_fills, store_reads
+        uint64_t peer_errors, peers_gone
         uint64_t ram_loaded, disk_written, batches
         uint64_t tier_used[2]
         uint64_t tier_samples[2]

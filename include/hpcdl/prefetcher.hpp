@@ -57,6 +57,7 @@ struct PrefetchConfig {
   std::vector<std::uint64_t> peer_ram_bytes;   // per rank; empty: no peer tier
   std::vector<std::uint64_t> peer_disk_bytes;  // per rank (empty: no disk tiers)
   double peer_timeout_s = 2.0, serve_delay_s = 0.0;
+  std::uint64_t peer_message_bytes = PeerService::kMaxMessageBytes;  // the largest MPI message of a peer reply
 };
 
 enum Source { kFromRam = 0, kFromDisk = 1, kFromPeer = 2, kFromStore = 3, kSources = 4 };
@@ -65,6 +66,7 @@ struct PrefetchStats {
   std::uint64_t hits[kSources] = {0, 0, 0, 0};
   std::uint64_t bytes[kSources] = {0, 0, 0, 0};
   std::uint64_t peer_misses = 0, peer_timeouts = 0, peer_waits = 0, served_to_peers = 0;
+  std::uint64_t peer_errors = 0, peers_gone = 0;  // failed MPI requests; peers given up on (their samples: the store)
   std::uint64_t peer_fills = 0, store_reads = 0;  // tier slots filled from a peer; every read of the backing store
   std::uint64_t ram_loaded = 0, disk_written = 0, batches = 0;
   std::uint64_t tier_used[kCachedTiers] = {0, 0}, tier_samples[kCachedTiers] = {0, 0};
@@ -101,7 +103,9 @@ class Prefetcher {
       HPCDL_RETURN_NOT_OK(PeerService::create(
           comm, [q = p.get()](std::uint64_t k, char* dst) { return q->serve_peer(k, dst); },
           [q = p.get()](std::uint64_t k) { return q->reader_->size(k); }, p->cfg_.peer_timeout_s,
-          p->cfg_.serve_delay_s, &p->peers_));
+          p->cfg_.serve_delay_s, p->cfg_.peer_message_bytes, &p->peers_));
+      p->peer_gone_.reset(new std::atomic<bool>[p->peers_->size()]);
+      for (int q = 0; q < p->peers_->size(); ++q) p->peer_gone_[q] = false;
     }
     p->start_threads();
     *out = std::move(p);
@@ -154,6 +158,8 @@ class Prefetcher {
   std::uint64_t end_batch() const { return end_ / L_; }
 
   // Blocks until local batch `b` (taken in order) is staged; releases the previous one.
+  // A batch with a sample that could not be read is consumed and returns that
+  // sample's error; the batches before and after it are delivered.
   Status next_batch(BatchView* out) {
     std::unique_lock<std::mutex> lock(mu_);
     if (next_consume_ > first_batch()) release_locked(next_consume_ - 1);
@@ -161,7 +167,7 @@ class Prefetcher {
     const std::uint64_t b = next_consume_;
     const double t0 = now_us();
     bool stalled = false;
-    while (!stopping_ && batch_done_[b - first_batch()] < L_ && error_.ok()) {
+    while (!stopping_ && batch_done_[b - first_batch()] < L_) {
       stalled = true;
       ready_cv_.wait(lock);
     }
@@ -170,9 +176,9 @@ class Prefetcher {
       stats_.stall_s += (t1 - t0) * 1e-6;
       Timeline::instance().record("stall", "prefetch", t0, t1, 1);
     }
-    if (!error_.ok()) return error_;
     if (stopping_) return Status::Cancelled("the prefetcher was closed");
     ++next_consume_;
+    if (!batch_error_[b - first_batch()].ok()) return batch_error_[b - first_batch()];
     ++stats_.batches;
     const std::uint64_t t = b * L_;
     out->batch = b;
@@ -194,6 +200,8 @@ class Prefetcher {
     s.peer_misses = peer_misses_;
     s.peer_timeouts = peer_timeouts_;
     s.peer_waits = peer_waits_;
+    s.peer_errors = peer_errors_;
+    for (std::size_t q = 0; peer_gone_ && q < cfg_.peer_ram_bytes.size(); ++q) s.peers_gone += peer_gone_[q].load();
     s.peer_fills = peer_fills_;
     s.store_reads = store_reads_;
     s.ram_loaded = ram_loaded_;
@@ -261,6 +269,7 @@ class Prefetcher {
     batch_ring_.assign(batches, 0);
     batch_alloc_end_.assign(batches, 0);
     batch_done_.assign(batches, 0);
+    batch_error_.assign(batches, Status::OK());
     next_consume_ = first_batch();
     next_claim_ = 0;
     for (int t = 0; t < kCachedTiers; ++t) {
@@ -428,18 +437,43 @@ class Prefetcher {
     const std::uint64_t size = reader_->size(k);
     if (size == 0) return false;
     for (;;) {
-      const PeerService::Outcome o = peers_->fetch(peer, k, size, dst);
+      if (peer_gone_[peer] || stopping_) return false;
+      PeerService::Ticket t;
+      if (!request_peer(peer, k, size, &t)) return false;
+      PeerService::Outcome o;
+      for (int backoff_us = 5;; backoff_us = std::min(backoff_us * 2, 500)) {
+        if (peer_gone_[peer]) {  // another thread gave up on it: no need to wait out this timeout too
+          peers_->abandon(t);
+          return false;
+        }
+        o = peers_->poll(t, dst);
+        if (o != PeerService::Outcome::kWaiting) break;
+        std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
+      }
       if (o == PeerService::Outcome::kGot) return true;
-      count_outcome(o);
-      if (o != PeerService::Outcome::kLater || stopping_) return false;
+      count_outcome(peer, o, t.error);
+      if (o != PeerService::Outcome::kLater) return false;
     }
   }
 
-  // A peer's answer other than the bytes: "later" (ask again), a timeout, or a miss.
-  void count_outcome(PeerService::Outcome o) {
-    ++(o == PeerService::Outcome::kLater     ? peer_waits_
-       : o == PeerService::Outcome::kTimeout ? peer_timeouts_
-                                             : peer_misses_);
+  // Sends a request; false (the peer is given up on) when MPI fails.
+  bool request_peer(int peer, std::uint64_t k, std::uint64_t size, PeerService::Ticket* t) {
+    const Status st = peers_->request(peer, k, size, t);
+    if (!st.ok()) count_outcome(peer, PeerService::Outcome::kError, st);
+    return st.ok();
+  }
+
+  // A peer's answer other than the bytes: "later" (ask again), a miss, a
+  // timeout or an MPI error; after the last two the peer is given up on for
+  // the rest of the run, so a peer that is gone costs one timeout, not one per sample.
+  void count_outcome(int peer, PeerService::Outcome o, const Status& error) {
+    using O = PeerService::Outcome;
+    ++(o == O::kLater ? peer_waits_ : o == O::kTimeout ? peer_timeouts_ : o == O::kError ? peer_errors_ : peer_misses_);
+    if ((o == O::kTimeout || o == O::kError) && !peer_gone_[peer].exchange(true))
+      warn("peer tier: rank " + std::to_string(peer) +
+           (o == O::kTimeout ? " did not answer within " + std::to_string(cfg_.peer_timeout_s) + " s"
+                             : " cannot be reached (" + error.message() + ")") +
+           "; its samples come from the backing store for the rest of the run");
   }
 
   void finish_slot(int tier, std::uint64_t k, bool ok) {
@@ -472,12 +506,15 @@ class Prefetcher {
         if (tier == kTierDisk && disk_failed_) continue;
         std::uint8_t expected = kEmpty;
         if (!slots_[tier][k].compare_exchange_strong(expected, kLoading)) continue;  // a staging thread took it
-        if (reader_->size(k) == 0) {  // nothing to fetch
-          finish_slot(tier, k, load_slot(tier, k, nullptr));
+        InFlight f{tier, k, {}, {}, now_us()};
+        if (tier == kTierDisk) f.scratch.resize(reader_->size(k));
+        char* dst = tier == kTierRam ? ram_.get() + placement_.offset[k] : f.scratch.data();
+        // Nothing to fetch, or a source given up on: the store.
+        if (reader_->size(k) == 0 || peer_gone_[fill_source_[k]] ||
+            !request_peer(fill_source_[k], k, reader_->size(k), &f.ticket)) {
+          finish_slot(tier, k, fill_from_store(tier, k, dst, f.t0));
           continue;
         }
-        InFlight f{tier, k, peers_->request(fill_source_[k], k, reader_->size(k)), {}, now_us()};
-        if (tier == kTierDisk) f.scratch.resize(reader_->size(k));
         flight.push_back(std::move(f));
       }
       if (flight.empty()) return;
@@ -485,23 +522,28 @@ class Prefetcher {
       for (std::size_t i = 0; i < flight.size();) {
         InFlight& f = flight[i];
         char* dst = f.tier == kTierRam ? ram_.get() + placement_.offset[f.k] : f.scratch.data();
-        const PeerService::Outcome o = peers_->poll(f.ticket, dst);
-        if (o == PeerService::Outcome::kWaiting) {
+        const int source = fill_source_[f.k];
+        // A source given up on is not polled: its late answer is matched at shutdown.
+        const PeerService::Outcome o =
+            peer_gone_[source] ? PeerService::Outcome::kWaiting : peers_->poll(f.ticket, dst);
+        if (o == PeerService::Outcome::kWaiting && !peer_gone_[source]) {
           ++i;
           continue;
         }
         progress = true;
         if (o == PeerService::Outcome::kLater) {  // the source is behind: ask again
-          count_outcome(o);
-          f.ticket = peers_->request(fill_source_[f.k], f.k, reader_->size(f.k));
-          ++i;
-          continue;
+          count_outcome(source, o, f.ticket.error);
+          if (!peer_gone_[source] && request_peer(source, f.k, reader_->size(f.k), &f.ticket)) {
+            ++i;
+            continue;
+          }
         }
         bool ok;
         if (o == PeerService::Outcome::kGot) {
           ok = commit_slot(f.tier, f.k, dst, true, f.t0);
         } else {
-          count_outcome(o);
+          if (o == PeerService::Outcome::kWaiting) peers_->abandon(f.ticket);  // its source was given up on
+          else if (o != PeerService::Outcome::kLater) count_outcome(source, o, f.ticket.error);
           ok = fill_from_store(f.tier, f.k, dst, f.t0);
         }
         finish_slot(f.tier, f.k, ok);
@@ -596,7 +638,7 @@ class Prefetcher {
       const Status st = fetch(k, global_key(cfg_.spec, t, cfg_.rank), dst, scratch.data());
       {
         std::lock_guard<std::mutex> g(mu_);
-        if (!st.ok() && error_.ok()) error_ = st;
+        if (!st.ok() && batch_error_[rel_batch].ok()) batch_error_[rel_batch] = st;
         ++batch_done_[rel_batch];
       }
       ready_cv_.notify_all();
@@ -682,14 +724,16 @@ class Prefetcher {
   std::mutex mu_;
   std::condition_variable ready_cv_, space_cv_;
   std::atomic<bool> stopping_{false};
-  Status error_;
+  std::vector<Status> batch_error_;  // per local batch: the first sample that could not be read
   std::uint64_t alloc_ = 0, freed_ = 0, next_claim_ = 0, next_consume_ = 0;
   std::vector<std::uint64_t> batch_bytes_, batch_offsets_, batch_ring_, batch_alloc_end_;
   std::vector<std::uint32_t> batch_done_;
   std::vector<std::thread> threads_;
 
   std::atomic<std::uint64_t> hits_[kSources] = {{0}, {0}, {0}, {0}}, bytes_[kSources] = {{0}, {0}, {0}, {0}};
-  std::atomic<std::uint64_t> peer_misses_{0}, peer_timeouts_{0}, peer_waits_{0}, peer_fills_{0}, store_reads_{0};
+  std::atomic<std::uint64_t> peer_misses_{0}, peer_timeouts_{0}, peer_waits_{0}, peer_errors_{0}, peer_fills_{0},
+      store_reads_{0};
+  std::unique_ptr<std::atomic<bool>[]> peer_gone_;  // per rank, with the peer tier: given up on (no answer, MPI error)
   std::atomic<std::uint64_t> ram_loaded_{0}, disk_written_{0};
   PrefetchStats stats_;
   std::mutex warn_mu_;

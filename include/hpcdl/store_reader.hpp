@@ -168,19 +168,14 @@ class StoreReader {
   }
 
   // Scans one shard front to back in large reads and checks every sample's
-  // CRC32C; appends the global index and reason of each bad sample.
+  // CRC32C; appends the global index and reason of each bad sample. A shard
+  // that could not be opened is one error (its reason), not one per sample.
   Status verify_shard(std::size_t shard, std::vector<std::uint64_t>* bad, std::vector<std::string>* reasons,
                       std::uint64_t* bytes_read) const {
     if (shard >= shards_.size()) return Status::Invalid("shard index out of range");
     const Shard& sh = shards_[shard];
     *bytes_read = 0;
-    if (!sh.damaged.empty()) {
-      for (std::size_t i = sh.first; i < sh.first + sh.count; ++i) {
-        bad->push_back(i);
-        reasons->push_back(sh.damaged);
-      }
-      return Status::OK();
-    }
+    if (!sh.damaged.empty()) return Status::Corrupt(sh.damaged);
     std::vector<std::size_t> order(sh.count);
     std::iota(order.begin(), order.end(), sh.first);
     std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return file_offset_[a] < file_offset_[b]; });
