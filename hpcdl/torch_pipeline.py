@@ -260,7 +260,6 @@ class Pipeline:
             raise PipelineError(message) from exc
 
     def _step(self, inputs, targets):
-        m = self.micro_batches
         x = self._split(inputs, "inputs") if self.is_first else None
         y = self._split(targets, "targets") if self.is_last else None
         if self._output_layout is None and self._input_layout is None:

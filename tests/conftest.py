@@ -2,10 +2,17 @@
 verdict, the ranks agree on it with an allreduce, and only then assert, so a
 failure on one rank never leaves the others hanging in the next collective."""
 
+import os
+import signal
+import subprocess
+import sys
 import traceback
 
 import pytest
 from mpi4py import MPI
+
+# The launcher of this environment's MPI (the mpich wheel's, beside this Python).
+MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
 
 def agree(comm, ok, detail=""):
@@ -40,3 +47,24 @@ def outcome(fn, *args, **kwargs):
 @pytest.fixture
 def comm():
     return MPI.COMM_WORLD
+
+
+def start_job(argv, merge_stderr=True, **kwargs):
+    """A child process (an mpiexec job, a pip run) in its own session, so that a test can
+    kill everything it started, and only that, with finish_job."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
+                            start_new_session=True, **kwargs)
+
+
+def finish_job(proc, timeout):
+    """(return code, stdout, stderr) once the job ended; if it outlives `timeout` its whole
+    process group is killed and the test fails with its output (a hang never hangs the run)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{' '.join(map(str, proc.args))} still ran after {timeout} s; its output:\n"
+                    f"{(out or '')[-4000:]}{(err or '')[-2000:]}")
+    return proc.returncode, out, err

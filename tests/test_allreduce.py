@@ -385,7 +385,7 @@ def test_unnamed_ops_from_two_threads_never_pair_across_threads():
     in opposite orders on rank 0 and the other ranks: submission order pairs
     each thread's operation with the other thread's, which the submitting
     thread's name turns into a MismatchError on every rank, never a sum of both."""
-    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    rank = WORLD.Get_rank()
     ones, hundreds = np.ones(64, np.float32), np.full(64, 100.0, np.float32)
     first_done = threading.Event()
     results = {}

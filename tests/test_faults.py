@@ -8,16 +8,12 @@ of hanging the run. Bounds are generous (a loaded CI machine must pass).
 
 import os
 import re
-import shutil
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 
-import pytest
-
-pytestmark = pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec on PATH")
+from conftest import MPIEXEC, finish_job, start_job
 
 BOUND_S = 120
 
@@ -39,19 +35,13 @@ def start(tmp_path, ranks, body):
     env = dict(os.environ, PYTHONUNBUFFERED="1", JOB_DIR=str(tmp_path))
     for variable in ("HPCDL_STALL_ERROR_SECONDS", "HPCDL_STALL_WARNING_SECONDS"):
         env.pop(variable, None)  # the defaults are what is tested
-    return subprocess.Popen(["mpiexec", "-n", str(ranks), sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True, env=env)
+    return start_job([MPIEXEC, "-n", str(ranks), sys.executable, str(script)], env=env)
 
 
 def finish(proc, bound=BOUND_S):
     """(return code, output) once the job ended; fails the test if it outlives `bound`."""
-    try:
-        out, _ = proc.communicate(timeout=bound)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the job still ran after {bound} s; its output:\n{out}")
-    return proc.returncode, out
+    code, out, _ = finish_job(proc, bound)
+    return code, out
 
 
 def run_job(tmp_path, ranks, body, bound=BOUND_S):

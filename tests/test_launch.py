@@ -5,29 +5,24 @@ Each test starts its own small mpiexec job (a new session, killed whole on timeo
 
 import os
 import shutil
-import signal
-import subprocess
 import sys
 
 import pytest
+from conftest import finish_job, start_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
-PROBE = "import hpcdl; print(hpcdl.rank(), hpcdl.local_rank(), hpcdl.local_size(), flush=True)"
+# Each rank writes its own file: the ranks' stdout lines can interleave under a launcher.
+PROBE = ("import os, hpcdl; open(os.path.join(os.environ['PROBE_DIR'], str(hpcdl.rank())), 'w')"
+         ".write(f'{hpcdl.rank()} {hpcdl.local_rank()} {hpcdl.local_size()}')")
 
 
-def run_job(launcher, n, extra_env, timeout=180):
-    env = {**os.environ, **extra_env, "PYTHONPATH": ROOT}
-    proc = subprocess.Popen([launcher, "-n", str(n), sys.executable, "-c", PROBE], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"{launcher} -n {n} did not end within {timeout} s")
-    assert proc.returncode == 0, err
-    return sorted(tuple(int(v) for v in line.split()) for line in out.splitlines())
+def run_job(launcher, n, extra_env, out_dir, timeout=180):
+    env = {**os.environ, **extra_env, "PYTHONPATH": ROOT, "PROBE_DIR": str(out_dir)}
+    code, _, err = finish_job(start_job([launcher, "-n", str(n), sys.executable, "-c", PROBE], merge_stderr=False,
+                                        cwd=ROOT, env=env), timeout)
+    assert code == 0, err
+    return sorted(tuple(int(v) for v in path.read_text().split()) for path in out_dir.iterdir())
 
 
 # The variables a process started by srun (or by mpirun inside an sbatch job) inherits.
@@ -37,11 +32,10 @@ INHERITED = {"slurm": {"SLURM_LOCALID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS"
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "mpiexec.gforker"])
 @pytest.mark.parametrize("inherited", sorted(INHERITED))
-def test_local_rank_comes_from_mpi_not_inherited_variables(launcher, inherited):
+def test_local_rank_comes_from_mpi_not_inherited_variables(launcher, inherited, tmp_path):
     """Two ranks on this node: local ranks 0 and 1 even when an enclosing job's
     variables say 0 (MPICH's gforker exports no local rank of its own)."""
     path = shutil.which(launcher, path=BIN)
-    if path is None:
-        pytest.skip(f"{launcher} is not installed next to {sys.executable}")
-    rows = run_job(path, 2, INHERITED[inherited])
+    assert path is not None, f"{launcher} is not installed next to {sys.executable} (the mpich wheel has both)"
+    rows = run_job(path, 2, INHERITED[inherited], tmp_path)
     assert rows == [(0, 0, 2), (1, 1, 2)], rows

@@ -11,12 +11,12 @@ import glob
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import tarfile
 
 import pytest
+from conftest import finish_job, start_job
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The first test also builds and installs (the module's fixture): minutes on a loaded machine.
@@ -25,15 +25,8 @@ pytestmark = pytest.mark.timeout(1800)
 
 def run(argv, timeout, **kwargs):
     """argv's CompletedProcess; on timeout its whole process group is killed and the test fails."""
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, **kwargs)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(argv)} ran past {timeout} s:\n{out[-4000:]}")
-    return subprocess.CompletedProcess(argv, proc.returncode, out)
+    code, out, _ = finish_job(start_job(argv, **kwargs), timeout)
+    return subprocess.CompletedProcess(argv, code, out)
 
 
 def checked(argv, timeout, **kwargs):

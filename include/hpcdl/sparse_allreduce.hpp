@@ -111,14 +111,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
   // 1. Local selection, scaled as in topk_allreduce (the sums are the result).
   std::uint32_t* idx = s.mine_idx.get<std::uint32_t>(k);
   float* val = s.mine_val.get<float>(k);
-  TopkSelector selector(n, k, topk_scratch);
-  if (residual) {
-    selector.select_with_residual(data, residual, idx, val);
-  } else {
-    selector.select(data, idx, val);
-  }
-  if (final_scale != 1.0)
-    for (std::size_t j = 0; j < k; ++j) val[j] *= static_cast<float>(final_scale);
+  topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val);
 
   // 2. Balance: range j ends where the running count of all p k pairs reaches
   // (j + 1) k, interpolated linearly inside that bin (pairs assumed even there).

@@ -314,6 +314,21 @@ inline void topk_sum_into(const std::uint8_t* all, int p, std::size_t k, float* 
   }
 }
 
+// This rank's contribution to a top-k allreduce: the k pairs of data (+ residual,
+// which keeps what is not selected), each value scaled before it is sent
+// (average: 1/p), so that the sum of the contributions is the result.
+inline void topk_contribution(const float* data, float* residual, std::size_t n, std::size_t k, double final_scale,
+                              TopkScratch& scratch, std::uint32_t* idx, float* val) {
+  TopkSelector selector(n, k, scratch);
+  if (residual) {
+    selector.select_with_residual(data, residual, idx, val);
+  } else {
+    selector.select(data, idx, val);
+  }
+  if (final_scale != 1.0)
+    for (std::size_t j = 0; j < k; ++j) val[j] *= static_cast<float>(final_scale);
+}
+
 // Allreduce of data[0, n) through top-k on every rank. residual (optional,
 // n values): added to the data before selection; on return, what this
 // rank's contribution dropped, in sum units.
@@ -326,17 +341,7 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
   std::uint8_t* mine = scratch.mine.get<std::uint8_t>(bytes);
   std::uint8_t* all = scratch.all.get<std::uint8_t>(bytes * static_cast<std::size_t>(size));
   std::uint32_t* idx = topk_indices(mine);
-  float* val = topk_values(mine, k);
-  TopkSelector selector(n, k, scratch);
-  if (residual) {
-    selector.select_with_residual(data, residual, idx, val);
-  } else {
-    selector.select(data, idx, val);
-  }
-  // Each contribution is scaled before it is sent (average: 1/p), so the sum
-  // of the contributions is the result, with no pass over it afterwards.
-  if (final_scale != 1.0)
-    for (std::size_t j = 0; j < k; ++j) val[j] *= static_cast<float>(final_scale);
+  topk_contribution(data, residual, n, k, final_scale, scratch, idx, topk_values(mine, k));
   // Non-blocking, waited on without MPI's busy spin: ranks still selecting keep the CPU.
   MPI_Request request;
   int rc = MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm,
