@@ -165,6 +165,9 @@ def main():
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="train-onehost")
     args = parser.parse_args()
+    unknown = set(filter(None, args.ddp_hooks.split(","))) - set(DDP_HOOKS)
+    if unknown:
+        parser.error(f"--ddp-hooks: unknown {','.join(sorted(unknown))}; choose from {','.join(DDP_HOOKS)}")
     torch.set_num_threads(1)
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
 
@@ -179,9 +182,6 @@ def main():
     x = torch.randn(args.batch, features, generator=g)
     y = torch.randint(0, classes, (args.batch,), generator=g)
 
-    unknown = set(filter(None, args.ddp_hooks.split(","))) - set(DDP_HOOKS)
-    if unknown:
-        parser.error(f"--ddp-hooks: unknown {','.join(sorted(unknown))}; choose from {','.join(DDP_HOOKS)}")
     systems, failed = build_systems(args, lambda: make_model(features, args.hidden, args.layers, classes), "bench")
     params = sum(p.numel() for p in systems["ddp-gloo"][0].parameters())
 
@@ -218,9 +218,9 @@ def main():
         median = statistics.median(times[name]) if name in times else None
         used = statistics.median(cpu[name]) if name in cpu else None
         rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
-                     "median_step_ms": median and median * 1e3, "samples_per_s": rate(size * args.batch, median),
+                     "median_step_ms": None if median is None else median * 1e3, "samples_per_s": rate(size * args.batch, median),
                      "throughput_vs_ddp": ratio(ddp_median, median), "steps_timed": len(times.get(name, ())),
-                     "cpu_ms_per_step": used and used * 1e3, "train_steps": args.train_steps,
+                     "cpu_ms_per_step": None if used is None else used * 1e3, "train_steps": args.train_steps,
                      "test_acc": accuracy.get(name, (None, None))[0],
                      "test_loss": accuracy.get(name, (None, None))[1], "note": failed.get(name, ""),
                      "load_avg_1min": os.getloadavg()[0],
