@@ -218,7 +218,8 @@ def main():
         median = statistics.median(times[name]) if name in times else None
         used = statistics.median(cpu[name]) if name in cpu else None
         rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
-                     "median_step_ms": None if median is None else median * 1e3, "samples_per_s": rate(size * args.batch, median),
+                     "median_step_ms": None if median is None else median * 1e3,
+                     "samples_per_s": rate(size * args.batch, median),
                      "throughput_vs_ddp": ratio(ddp_median, median), "steps_timed": len(times.get(name, ())),
                      "cpu_ms_per_step": None if used is None else used * 1e3, "train_steps": args.train_steps,
                      "test_acc": accuracy.get(name, (None, None))[0],
