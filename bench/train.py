@@ -1,4 +1,6 @@
-"""Training step time: hpcdl.torch.DistributedOptimizer vs DistributedDataParallel over gloo.
+"""Training step time and accuracy: hpcdl.torch.DistributedOptimizer (dense and
+its codecs) vs DistributedDataParallel over gloo, plain and with its
+communication hooks (fp16/bf16 compression, PowerSGD rank 1 and 4).
 
     mpiexec -n 4 python bench/train.py --out bench/results --tag train-onehost
     flock /tmp/hpcdl-netcluster.lock bench/netcluster.sh run -- mpiexec -n 4 bench/netns-exec.sh \\
@@ -6,9 +8,17 @@
 
 The same MLP (CPU), the same data and step on every system; systems alternate
 in rounds of a few steps so that machine noise hits them alike; the figure is
-the median step time over all timed steps. Writes TAG.csv and TAG.png (with the
-load average and, on the emulated cluster, the measured TCP stream); rank 0
-prints a table. Imports this checkout's hpcdl, wherever it is started from.
+the median step time over all timed steps (random data). PowerSGD compresses
+from step POWERSGD_START_ITER on; the warm-up round runs at least that many
+steps, so every timed step is compressed. PowerSGD's DDP gets one bucket for
+all gradients: over gloo its hook deadlocks with two (see build_systems). A separate, untimed phase trains a
+fresh copy of every system for --train-steps steps on the scikit-learn digits
+(each rank on its shard, the same batches for every system) and reports the
+accuracy on a held-out fifth. A system that cannot run here (DDP refuses
+bf16_compress_hook without CUDA/NCCL or XPU) is a row with its reason and no
+figures. Writes TAG.csv and TAG.png (with the load average and, on the
+emulated cluster, the measured TCP stream); rank 0 prints a table. Imports
+this checkout's hpcdl, wherever it is started from.
 """
 
 import argparse
@@ -27,9 +37,12 @@ sys.path.insert(0, ROOT)  # this checkout's hpcdl, not an installed one
 import hpcdl
 import hpcdl.torch
 from hpcdl.bench import save_figure
-from hpcdl.measure import rate, ratio, show
+from hpcdl.measure import cell, rate, ratio, show
 
 WORLD = MPI.COMM_WORLD
+POWERSGD_START_ITER = 10  # PowerSGDState's warm-up: plain allreduce before this step (its default is 1000)
+DDP_HOOKS = ("fp16", "bf16", "powersgd-r1", "powersgd-r4")
+TEST_FRACTION, SPLIT_SEED = 0.2, 1234
 
 
 def make_model(features, hidden, layers, classes):
@@ -57,6 +70,84 @@ def codecs(names):
     return out
 
 
+def register_hook(model, name):
+    """Register DDP's communication hook for --ddp-hooks NAME on model."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if name in ("fp16", "bf16"):
+        model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
+    else:
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(name[-1]),
+                                            start_powerSGD_iter=POWERSGD_START_ITER)
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+
+
+def build_systems(args, make, prefix):
+    """({name: (model, optimizer)}, {name: reason it did not run}): the same on every rank."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    systems, failed = {}, {}
+    ddp = DistributedDataParallel(make())
+    systems["ddp-gloo"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=args.lr))
+    grad_mib = sum(p.numel() * p.element_size() for p in ddp.parameters()) / 2**20
+    for hook in [h for h in args.ddp_hooks.split(",") if h]:
+        # PowerSGD's callbacks wait inside gloo's 2 worker threads for a nested allreduce: with 2 buckets
+        # in flight both block (deadlock). An explicit bucket_cap_mb also sets the first bucket's cap: one bucket.
+        ddp = DistributedDataParallel(make(), bucket_cap_mb=grad_mib + 1 if hook.startswith("powersgd") else None)
+        try:
+            register_hook(ddp, hook)
+            error = None
+        except Exception as exc:  # DDP checks the hook at registration, the same on every rank
+            error = f"{type(exc).__name__}: {exc}"
+        errors = [e for e in WORLD.allgather(error) if e]
+        if errors:
+            failed[f"ddp-{hook}"] = f"did not run: {errors[0]}"
+        else:
+            systems[f"ddp-{hook}"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=args.lr))
+    for label, codec in codecs(args.codecs.split(",")):
+        model = make()
+        opt = hpcdl.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
+                                               model.named_parameters(), compression=codec,
+                                               bucket_bytes=args.bucket_bytes, name=f"{prefix}.{label}")
+        systems[f"hpcdl-{label}"] = (model, opt)
+    return systems, failed
+
+
+def digits(rank, size):
+    """(train x, train y) of this rank's shard and the whole held-out (x, y) of the scikit-learn digits."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x, y = torch.tensor(data.data / 16.0, dtype=torch.float32), torch.tensor(data.target)
+    order = torch.randperm(len(y), generator=torch.Generator().manual_seed(SPLIT_SEED))
+    held_out = int(len(y) * TEST_FRACTION)
+    test, train = order[:held_out], order[held_out:][rank::size]
+    return x[train], y[train], x[test], y[test]
+
+
+def accuracy_phase(args, rank, size):
+    """{system: (held-out accuracy, mean held-out loss)} after --train-steps steps of each system on the
+    digits, and the failures."""
+    train_x, train_y, test_x, test_y = digits(rank, size)
+    systems, failed = build_systems(
+        args, lambda: make_model(train_x.shape[1], args.hidden, args.layers, 10), "bench.acc")
+    accuracy = {}
+    for name, (model, opt) in systems.items():
+        g = torch.Generator().manual_seed(rank)  # the same batches for every system
+        for _ in range(args.train_steps):
+            pick = torch.randint(0, len(train_y), (args.batch,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(train_x[pick]), train_y[pick]).backward()
+            opt.step()
+        with torch.no_grad():
+            mine = slice(rank, None, size)
+            logits = model(test_x[mine])
+            correct = int((logits.argmax(1) == test_y[mine]).sum())
+            loss = float(torch.nn.functional.cross_entropy(logits, test_y[mine], reduction="sum"))
+        accuracy[name] = (ratio(WORLD.allreduce(correct), len(test_y)), ratio(WORLD.allreduce(loss), len(test_y)))
+    return accuracy, failed
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
@@ -64,17 +155,23 @@ def main():
     parser.add_argument("--batch", type=int, default=32, help="per rank")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per system and round")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--codecs", default="dense,int8,topk")
+    parser.add_argument("--codecs", default="dense,int8,topk", help="hpcdl codecs: dense,fp16,int8,topk")
+    parser.add_argument("--ddp-hooks", default=",".join(DDP_HOOKS),
+                        help=f"DDP communication hooks, from {','.join(DDP_HOOKS)} ('' for plain DDP only)")
+    parser.add_argument("--train-steps", type=int, default=200, help="steps of every system in the accuracy phase")
+    parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
     parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address for gloo")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="train-onehost")
     args = parser.parse_args()
+    unknown = set(filter(None, args.ddp_hooks.split(","))) - set(DDP_HOOKS)
+    if unknown:
+        parser.error(f"--ddp-hooks: unknown {','.join(sorted(unknown))}; choose from {','.join(DDP_HOOKS)}")
     torch.set_num_threads(1)
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     port = WORLD.bcast(29400 + os.getpid() % 500 if rank == 0 else None)
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
@@ -85,16 +182,8 @@ def main():
     x = torch.randn(args.batch, features, generator=g)
     y = torch.randint(0, classes, (args.batch,), generator=g)
 
-    systems = {}
-    ddp_model = DistributedDataParallel(make_model(features, args.hidden, args.layers, classes))
-    systems["ddp-gloo"] = (ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=0.01))
-    for label, codec in codecs(args.codecs.split(",")):
-        model = make_model(features, args.hidden, args.layers, classes)
-        opt = hpcdl.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                               model.named_parameters(), compression=codec,
-                                               bucket_bytes=args.bucket_bytes, name=f"bench.{label}")
-        systems[f"hpcdl-{label}"] = (model, opt)
-    params = sum(p.numel() for p in ddp_model.parameters())
+    systems, failed = build_systems(args, lambda: make_model(features, args.hidden, args.layers, classes), "bench")
+    params = sum(p.numel() for p in systems["ddp-gloo"][0].parameters())
 
     def step(model, opt):
         opt.zero_grad()
@@ -103,10 +192,10 @@ def main():
 
     times = {name: [] for name in systems}
     cpu = {name: [] for name in systems}  # CPU seconds of this process (all threads) per step, mean over ranks
-    for rnd in range(args.rounds + 1):  # round 0 warms up
+    for rnd in range(args.rounds + 1):  # round 0 warms up, PowerSGD's plain-allreduce steps included
         for name, (model, opt) in systems.items():
             WORLD.Barrier()
-            for _ in range(args.steps):
+            for _ in range(args.steps if rnd else max(args.steps, POWERSGD_START_ITER)):
                 t0, c0 = time.perf_counter(), time.process_time()
                 step(model, opt)
                 every = WORLD.allgather((time.perf_counter() - t0, time.process_time() - c0))
@@ -114,6 +203,7 @@ def main():
                 if rnd:
                     times[name].append(elapsed)
                     cpu[name].append(used)
+    accuracy, _ = accuracy_phase(args, rank, size)
     dist.destroy_process_group()
     if rank != 0:
         return
@@ -121,31 +211,54 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     rows = []
     print(f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params, "
-          f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank")
-    for name, samples in times.items():
-        median = statistics.median(samples)
+          f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank; accuracy on the digits "
+          f"after {args.train_steps} steps; PowerSGD from step {POWERSGD_START_ITER}")
+    hooks = [f"ddp-{hook}" for hook in args.ddp_hooks.split(",") if hook]
+    for name in ["ddp-gloo", *hooks, *(name for name in times if name.startswith("hpcdl-"))]:
+        median = statistics.median(times[name]) if name in times else None
+        used = statistics.median(cpu[name]) if name in cpu else None
         rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
-                     "median_step_ms": median * 1e3, "samples_per_s": rate(size * args.batch, median),
-                     "throughput_vs_ddp": ratio(ddp_median, median), "steps_timed": len(samples),
-                     "cpu_ms_per_step": statistics.median(cpu[name]) * 1e3,
+                     "median_step_ms": None if median is None else median * 1e3,
+                     "samples_per_s": rate(size * args.batch, median),
+                     "throughput_vs_ddp": ratio(ddp_median, median), "steps_timed": len(times.get(name, ())),
+                     "cpu_ms_per_step": None if used is None else used * 1e3, "train_steps": args.train_steps,
+                     "test_acc": accuracy.get(name, (None, None))[0],
+                     "test_loss": accuracy.get(name, (None, None))[1], "note": failed.get(name, ""),
                      "load_avg_1min": os.getloadavg()[0],
                      "stream_MBps": os.environ.get("HPCDL_BENCH_STREAM_MBPS", "")})
-        print(f"[hpcdl rank 0] {name:14s} {median * 1e3:9.2f} ms/step  {show(rows[-1]['samples_per_s'], '9.0f')} "
-              f"samples/s  {show(rows[-1]['throughput_vs_ddp'], '5.2f')}x DDP  "
-              f"{statistics.median(cpu[name]) * 1e3:7.1f} ms CPU/step/rank")
+        r = rows[-1]
+        print(f"[hpcdl rank 0] {name:17s} {show(r['median_step_ms'], '9.2f')} ms/step  "
+              f"{show(r['samples_per_s'], '9.0f')} samples/s  {show(r['throughput_vs_ddp'], '5.2f')}x DDP  "
+              f"{show(r['cpu_ms_per_step'], '7.1f')} ms CPU/step/rank  test acc {show(r['test_acc'], '.3f')} "
+              f"loss {show(r['test_loss'], '.4f')}  "
+              f"{r['note']}")
     with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({key: cell(value) for key, value in row.items()} for row in rows)
     save_figure(os.path.join(args.out, f"{args.tag}.png"), lambda plt: draw(plt, rows, args.tag, size, params))
 
 
 def draw(plt, rows, tag, size, params):
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.bar([r["system"] for r in rows], [r["samples_per_s"] or 0 for r in rows], color="tab:blue")
-    ax.set_ylabel("samples/s (all ranks)")
-    ax.set_title(f"{tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU")
-    fig.tight_layout()
+    fig, (speed, acc) = plt.subplots(1, 2, figsize=(11, 4))
+    families = {"ddp-gloo": ("DDP (gloo)", "tab:gray"), "ddp-": ("DDP + comm hook", "tab:orange"),
+                "hpcdl-": ("hpcdl DistributedOptimizer", "tab:blue")}
+    for ax, key, label in ((speed, "samples_per_s", "training throughput, samples/s (all ranks)"),
+                           (acc, "test_acc", f"held-out accuracy after {rows[0]['train_steps']} steps (digits)")):
+        for i, row in enumerate(rows):
+            family = next(f for prefix, f in families.items() if row["system"].startswith(prefix))
+            value = row[key]
+            ax.bar(i, value or 0, color=family[1], label=family[0])
+            if value is None:  # not measured: say so instead of drawing a zero
+                ax.text(i, 0, " did not run", rotation=90, ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(rows)), [r["system"] for r in rows], rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel(label, fontsize=9)
+    acc.set_ylim(0, 1)
+    handles = dict(zip(*reversed(speed.get_legend_handles_labels())))
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8)
+    fig.suptitle(f"{tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU, PowerSGD from step "
+                 f"{POWERSGD_START_ITER}")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
