@@ -6,12 +6,11 @@ over gloo that the bench avoids."""
 
 import csv
 import os
-import signal
-import subprocess
 import sys
 
+from conftest import MPIEXEC, finish_job, start_job
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 SYSTEMS = {"ddp-gloo", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
            "hpcdl-dense", "hpcdl-int8", "hpcdl-topk"}
 FIGURES = ("median_step_ms", "samples_per_s", "throughput_vs_ddp", "test_acc", "test_loss")
@@ -21,15 +20,8 @@ def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
     command = [MPIEXEC, "-n", "2", sys.executable, os.path.join(ROOT, "bench", "train.py"), "--hidden", "512",
                "--layers", "2", "--batch", "8", "--steps", "2", "--rounds", "1", "--train-steps", "12",
                "--out", str(tmp_path), "--tag", "tiny"]
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        output, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the job we started, with its ranks
-        output, _ = proc.communicate()
-        raise AssertionError(f"bench/train.py did not finish in 300 s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-3000:]
+    code, output, _ = finish_job(start_job(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1")), 300)
+    assert code == 0, output[-3000:]
     with open(tmp_path / "tiny.csv", newline="") as fh:
         rows = {row["system"]: row for row in csv.DictReader(fh)}
     assert set(rows) == SYSTEMS, output[-3000:]
