@@ -1100,11 +1100,16 @@ void Engine::loop() {
     const bool stall_check = seconds_since(last_plan) > 0.1;
     bool unused_busy = false;
     auto last_agreed = std::chrono::steady_clock::time_point{};
+    // A poll a millisecond agrees the next operation long before a ring
+    // ends; every poll more is MPI progress on a core the ranks share. A rank
+    // with children in the report tree polls every 200 us: its subtree's
+    // reports and plans wait for its polls.
+    bool forwards = false;
+    for (auto& ctx : contexts) forwards = forwards || !ctx->children.empty();
+    const auto agree_every = std::chrono::microseconds(forwards ? 200 : 1000);
     std::function<bool(double)> agree_meanwhile = [&](double waited_s) {
-      // A poll a millisecond agrees the next operation long before a ring
-      // ends; every poll more is MPI progress on a core the ranks share.
       const auto now = std::chrono::steady_clock::now();
-      if (now - last_agreed >= std::chrono::milliseconds(1)) {
+      if (now - last_agreed >= agree_every) {
         last_agreed = now;
         drain_submissions();
         for (auto& ctx : contexts)
