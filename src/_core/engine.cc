@@ -230,9 +230,11 @@ class CommContext {
   // reported an operation (then one entry goes up) or until they have been
   // held report_hold_seconds (then they go up as they are, and so does what
   // arrives later, so the coordinator can name the ranks missing).
+  static constexpr char kByDescription = 1, kById = 2;
   struct Partial {
-    std::vector<char> ready;  // [rank - this rank]
+    std::vector<char> ready;  // [rank - this rank]: 0 not yet, kByDescription or kById
     int count = 0;
+    bool any_by_id = false;  // else every rank's description went up: nothing to merge
     std::chrono::steady_clock::time_point first_seen;
     bool released = false;
   };
@@ -304,6 +306,9 @@ class CommContext {
 
   // Coordinator: ranks [first, end) have operation id ready.
   void mark_ready(std::uint32_t id, int first, int end);
+  // Worker: ranks [first, end) of this subtree have operation id ready
+  // (sent_by_id: reported by id, else by a description already sent up).
+  void merge_cached(std::uint32_t id, int first, int end, bool sent_by_id);
   void put_upward_cached(std::uint32_t id, int first, int end);
   // Coordinator: plan what is complete, warn about what stalls.
   void plan(double warn_s, double error_s, WireWriter* w, std::uint32_t* entries);
@@ -373,6 +378,10 @@ Status CommContext::take_report(const char* bytes, std::size_t n, bool own) {
         upward.put<std::uint8_t>(kEntryDescription);
         upward.put<std::int32_t>(source);
         upward.put_string(desc);
+        // A changed description of an operation seen before: the rest of the
+        // subtree may report it by id, and their merged entry must not wait for this rank.
+        auto known = ids.find(name);
+        if (known != ids.end()) merge_cached(known->second, source, source + 1, false);
         continue;
       }
       std::uint32_t id;
@@ -396,30 +405,39 @@ Status CommContext::take_report(const char* bytes, std::size_t n, bool own) {
       if (is_coordinator()) {
         if (id >= coord_names.size()) return Status::Internal("unknown operation id in ready message");
         mark_ready(id, first, end);
-        continue;
+      } else {
+        merge_cached(id, first, end, true);
       }
-      const int span = subtree_end - rank;
-      Partial& p = partial[id];
-      if (p.ready.empty()) {
-        p.ready.assign(span, 0);
-        p.first_seen = std::chrono::steady_clock::now();
-      }
-      for (int k = first; k < end; ++k)
-        if (!p.ready[k - rank]) {
-          p.ready[k - rank] = 1;
-          ++p.count;
-        }
-      if (p.released) {
-        put_upward_cached(id, first, end);
-      } else if (p.count == span) {
-        put_upward_cached(id, rank, subtree_end);
-      }
-      if (p.count == span) partial.erase(id);
     } else {
       return Status::Internal("malformed ready message");
     }
   }
   return Status::OK();
+}
+
+void CommContext::merge_cached(std::uint32_t id, int first, int end, bool sent_by_id) {
+  const int span = subtree_end - rank;
+  Partial& p = partial[id];
+  if (p.ready.empty()) {
+    p.ready.assign(span, 0);
+    p.first_seen = std::chrono::steady_clock::now();
+  }
+  for (int k = first; k < end; ++k)
+    if (!p.ready[k - rank]) {
+      p.ready[k - rank] = sent_by_id ? kById : kByDescription;
+      ++p.count;
+    }
+  p.any_by_id = p.any_by_id || sent_by_id;
+  // The merged entry may name ranks whose descriptions went up before it: the
+  // coordinator marks a rank ready once, and reads its description first. It
+  // goes up only with a rank reported by id in it, so it never arrives after
+  // the descriptions alone completed the operation (a stale mark for the next step).
+  if (p.released) {
+    if (sent_by_id) put_upward_cached(id, first, end);
+  } else if (p.count == span && p.any_by_id) {
+    put_upward_cached(id, rank, subtree_end);
+  }
+  if (p.count == span) partial.erase(id);
 }
 
 void CommContext::put_upward_cached(std::uint32_t id, int first, int end) {
@@ -436,13 +454,13 @@ void CommContext::release_held(double hold_s) {
     if (p.released || seconds_since(p.first_seen) < hold_s) continue;
     p.released = true;
     const int span = static_cast<int>(p.ready.size());
-    for (int i = 0; i < span;) {
-      if (!p.ready[i]) {
+    for (int i = 0; i < span;) {  // ranks reported by id: descriptions went up already
+      if (p.ready[i] != kById) {
         ++i;
         continue;
       }
       int j = i;
-      while (j < span && p.ready[j]) ++j;
+      while (j < span && p.ready[j] == kById) ++j;
       put_upward_cached(kv.first, rank + i, rank + j);
       i = j;
     }
