@@ -17,7 +17,7 @@ from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_COMM_NULL
 
 from libhpcdl.codecs cimport codec_decode, codec_encode, codec_encoded_bytes
-from libhpcdl.engine cimport (CDType, CEngine, CEngineStats, COpKind, COpRequest,
+from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineStats, COpKind, COpRequest,
                               COperation, COpTimes, CReduceOp, kDefaultChunkBytes)
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.timeline cimport CTimeline, CTraceEvent
@@ -278,6 +278,13 @@ def stats():
     return [{"kind": r.kind.decode(), "codec": r.codec.decode(), "ops": r.ops,
              "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
              "dense_bytes": r.dense_bytes, "seconds": r.seconds} for r in rows]
+
+
+def agreement_stats():
+    """The agreement's control traffic on this rank (a dict of counters)."""
+    cdef CAgreementStats a = CEngine.instance().agreement_stats()
+    return {"messages_sent": a.messages_sent, "messages_received": a.messages_received,
+            "entries_received": a.entries_received, "descriptions_received": a.descriptions_received}
 
 
 def reset_stats():

@@ -23,6 +23,7 @@ _SETTINGS = {
     "stall_error_seconds": (float, 0, None, "HPCDL_STALL_ERROR_SECONDS"),
     "wait_sleep_us": (int, 0, 1_000_000, "HPCDL_WAIT_SLEEP_US"),
     "engine_slice_us": (int, 0, 100_000, "HPCDL_ENGINE_SLICE_US"),  # Linux takes 100 us to 100 ms
+    "agreement_flat": (int, 0, 1, "HPCDL_AGREEMENT_FLAT"),
 }
 
 
@@ -74,7 +75,9 @@ def configure(chunk_bytes=None, stall_warning_seconds=None, stall_error_seconds=
     Read from the environment only (by the engine thread): HPCDL_WAIT_SLEEP_US
     (longest sleep between polls of a waiting operation, default 200; 0 blocks
     in MPI) and HPCDL_ENGINE_SLICE_US (the engine thread's scheduler slice on
-    Linux 6.12+, default 100; 0 keeps the system's).
+    Linux 6.12+, default 100; 0 keeps the system's). HPCDL_AGREEMENT_FLAT=1
+    sends every rank's reports to the coordinator directly instead of up a
+    binomial tree (bench/agreement.py compares the two).
     """
     for key, value in (("chunk_bytes", chunk_bytes), ("stall_warning_seconds", stall_warning_seconds),
                        ("stall_error_seconds", stall_error_seconds)):
@@ -158,9 +161,14 @@ def stats(reset=False):
 
     Returns {"allreduce": {"none": {"ops", "bytes_sent", "bytes_received",
     "dense_bytes", "seconds"}}, "broadcast": {...}, ...}; dense_bytes is what
-    an uncompressed ring sends for the same operations.
+    an uncompressed ring sends for the same operations. "agreement" counts the
+    control traffic that agrees on order: {"messages_sent",
+    "messages_received", "entries_received" (reports from other ranks, one
+    per operation and sender: a rank's child in the report tree sends one for
+    its whole subtree), "descriptions_received" (of those, full descriptions
+    of new or changed operations)}.
     """
-    out = {}
+    out = {"agreement": _core.agreement_stats()}
     for row in _core.stats():
         kind, codec = row.pop("kind"), row.pop("codec")
         out.setdefault(kind, {})[codec or kind] = row

@@ -312,6 +312,96 @@ def test_stall_warning_names_the_missing_rank():
         hpcdl.configure(stall_warning_seconds=60)
 
 
+def report_tree_children_of_rank0(size):
+    """Rank 0's children in the binomial report tree: ranks 1, 2, 4, ... below size."""
+    return sum(1 for k in range(size.bit_length()) if (1 << k) < size)
+
+
+def run_named_step(names, arrays, step, seed):
+    """Every rank submits the named ops in its own order; True when all sums are right."""
+    order = np.random.default_rng(seed).permutation(len(names))
+    for i in order:
+        arrays[names[i]][:] = step + i
+    handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i]) for i in order]
+    for h in handles:
+        h.wait()
+    return all(np.all(arrays[n] == (step + i) * WORLD.Get_size()) for i, n in enumerate(names))
+
+
+def test_ops_seen_before_reach_rank0_once_per_tree_child():
+    """Steady state: rank 0 gets one merged report per op from each of its
+    children in the report tree (ceil(log2 P) of them), never a rank's own."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    names = [f"steady.{i}" for i in range(6)]
+    arrays = {n: np.zeros(33 + i, dtype=np.float32) for i, n in enumerate(names)}
+    first, _ = outcome(run_named_step, names, arrays, 0, rank)  # new names: full descriptions
+    WORLD.Barrier()
+    hpcdl.stats(reset=True)
+    steps = 5
+    results = [outcome(run_named_step, names, arrays, step, 100 * step + rank) for step in range(1, steps + 1)]
+    right = first is True and all(ok is True and err is None for ok, err in results)
+    counts = hpcdl.stats()["agreement"]
+    if rank == 0:
+        expected = steps * len(names) * report_tree_children_of_rank0(size)
+        ok = counts["descriptions_received"] == 0 and counts["entries_received"] == expected
+    else:
+        ok = counts["descriptions_received"] == 0 and counts["messages_sent"] > 0
+    agree(WORLD, right and ok, f"results right: {right}, {counts}")
+
+
+def test_mismatch_after_many_cached_steps_is_named_on_every_rank():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    names = ["cached.a", "cached.changes", "cached.b"]
+    arrays = {n: np.zeros(100, dtype=np.float32) for n in names}
+    cached_ok = all(outcome(run_named_step, names, arrays, step, rank)[0] is True for step in range(20))
+    if rank == size - 1:
+        arrays["cached.changes"] = np.zeros(101, dtype=np.float32)
+    # Reports held for stalls are released only after 900 s now: the changed
+    # description must complete its subtree's merged report (rank size - 1 is
+    # a leaf under an inner rank at P = 4 and 5), not wait for that release.
+    hpcdl.configure(stall_warning_seconds=3600)
+    try:
+        order = names[::-1] if rank % 2 else names
+        handles = [hpcdl.allreduce_async(arrays[n], name=n) for n in order]
+        errors = {h.name: outcome(h.wait, timeout=60)[1] for h in handles}
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
+    err = errors["cached.changes"]
+    named = (isinstance(err, hpcdl.MismatchError) and "'cached.changes'" in str(err) and "count differs" in str(err)
+             and f"101 on rank {size - 1}" in str(err))
+    others_ran = errors["cached.a"] is None and errors["cached.b"] is None
+    # The next step, back in agreement, runs.
+    arrays["cached.changes"] = np.zeros(100, dtype=np.float32)
+    after, after_err = outcome(run_named_step, names, arrays, 21, rank)
+    agree(WORLD, cached_ok and named and others_ran and after is True,
+          f"cached steps right: {cached_ok}, {errors}, after: {after} {after_err!r}")
+
+
+def test_stall_of_an_op_seen_before_names_the_missing_rank_inside_the_tree():
+    """The missing rank is an inner node of the report tree (rank 2 of 4 or 5,
+    whose subtree holds rank 3) or a leaf (rank 1 of 3): held reports go up."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    missing = size // 2
+    a = np.ones(16, dtype=np.float32)
+    warm = [outcome(collective, WORLD, hpcdl.allreduce, a, name="late.cached")[1] for _ in range(3)]
+    hpcdl.configure(stall_warning_seconds=0.3)
+    try:
+        a[:] = 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == missing:
+                time.sleep(1.5)
+            _, err = outcome(hpcdl.allreduce, a, name="late.cached")
+        stall = [str(w.message) for w in caught if issubclass(w.category, hpcdl.StallWarning)]
+        if rank == missing:
+            ok = not stall
+        else:
+            ok = bool(stall) and "late.cached" in stall[0] and f"for rank {missing}," in stall[0]
+        agree(WORLD, ok and err is None and all(e is None for e in warm) and np.all(a == size), (stall, err, warm))
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
+
+
 def test_stall_error_fails_waiting_ranks_instead_of_hanging():
     rank = WORLD.Get_rank()
     hpcdl.configure(stall_error_seconds=0.5)

@@ -75,7 +75,8 @@ def test_bad_communicator_and_configuration():
                                              ("HPCDL_ENGINE_SLICE_US", "1000000"),
                                              # digits only: C++ (env.hpp) reads these by the same rule
                                              ("HPCDL_WAIT_SLEEP_US", "1_000"), ("HPCDL_WAIT_SLEEP_US", " 50"),
-                                             ("HPCDL_ENGINE_SLICE_US", "+100"), ("HPCDL_CHUNK_BYTES", "65_536")])
+                                             ("HPCDL_ENGINE_SLICE_US", "+100"), ("HPCDL_CHUNK_BYTES", "65_536"),
+                                             ("HPCDL_AGREEMENT_FLAT", "2"), ("HPCDL_AGREEMENT_FLAT", "yes")])
 def test_bad_environment_setting_fails_at_import_naming_it(variable, value):
     env = dict(os.environ, **{variable: value})
     out = subprocess.run([sys.executable, "-c", "import hpcdl"], env=env, capture_output=True, text=True, timeout=120)
@@ -85,7 +86,7 @@ def test_bad_environment_setting_fails_at_import_naming_it(variable, value):
 
 def test_good_environment_settings_are_taken():
     env = dict(os.environ, HPCDL_CHUNK_BYTES="65536", HPCDL_STALL_WARNING_SECONDS="2.5", HPCDL_WAIT_SLEEP_US="0",
-               HPCDL_ENGINE_SLICE_US="0")
+               HPCDL_ENGINE_SLICE_US="0", HPCDL_AGREEMENT_FLAT="1")
     out = subprocess.run([sys.executable, "-c", "import hpcdl; c = hpcdl.configure(); "
                           "print(c['chunk_bytes'], c['stall_warning_seconds'])"],
                          env=env, capture_output=True, text=True, timeout=120)

@@ -59,12 +59,16 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         uint64_t ops, bytes_sent, bytes_received, dense_bytes
         double seconds
 
+    cdef cppclass CAgreementStats "hpcdl::AgreementStats":
+        uint64_t messages_sent, messages_received, entries_received, descriptions_received
+
     cdef cppclass CEngine "hpcdl::Engine":
         @staticmethod
         CEngine& instance()
         CStatus submit(MPI_Comm comm, COpRequest req, shared_ptr[COperation]* out)
         void set_stall_limits(double warn_seconds, double error_seconds)
         vector[CEngineStats] stats()
+        CAgreementStats agreement_stats()
         void reset_stats()
         void reset_compression_state()
         CStatus copy_residual(MPI_Comm comm, const string& name, vector[float]* out, cbool* found)

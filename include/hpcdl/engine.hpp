@@ -7,8 +7,11 @@
 // Agreement: every rank reports operations that are ready to a coordinator
 // (rank 0 of the communicator). The coordinator runs an operation once every
 // rank has reported it, after checking that they all describe it the same
-// way, and broadcasts the order. Names seen before are reported as small
-// integer ids, so repeated training steps cost a few bytes per tensor.
+// way, and sends the order out. Reports travel up a binomial tree rooted at
+// the coordinator and plans down it: a rank merges the reports of its
+// subtree, so an operation seen before (reported as a small integer id with
+// an unchanged description) reaches the coordinator as one entry per child,
+// O(log P) messages and hops per step instead of one report per rank.
 //
 // A deferred operation is reported (and so agreed) at submission, before its
 // data is in place; the engine runs it, in the agreed order, once the caller
@@ -111,6 +114,13 @@ struct EngineStats {
   double seconds = 0;
 };
 
+// The agreement's control traffic on this rank, summed over communicators.
+struct AgreementStats {
+  std::uint64_t messages_sent = 0, messages_received = 0;  // reports and plans
+  std::uint64_t entries_received = 0;       // reports taken from other ranks, one per operation and sender
+  std::uint64_t descriptions_received = 0;  // of those, full descriptions (new or changed operations)
+};
+
 class CommContext;
 
 class Engine {
@@ -125,6 +135,7 @@ class Engine {
   // communicator was freed: an idle loop rechecks now.
   void wake();
   std::vector<EngineStats> stats();
+  AgreementStats agreement_stats();
   void reset_stats();
   // Forgets every error-feedback residual (hpcdl.compression.reset_state()).
   void reset_compression_state();
@@ -147,6 +158,8 @@ class Engine {
   // Plans are queued on ctx, not run: this also runs while an operation's
   // data moves (wait_hook), so the next one is agreed meanwhile.
   Status poll_control(CommContext& ctx, bool stall_check, double warn_s, double error_s, bool* busy);
+  // Adds ctx's control traffic counted since the last call to agreement_stats().
+  void publish_agreement_stats(CommContext& ctx);
   // Runs or fails the entries of ctx's queued plans, in order.
   Status run_plans(CommContext& ctx);
   // Waits until a deferred operation the plan has reached is marked ready.
@@ -186,6 +199,7 @@ class Engine {
 
   std::mutex stats_mu_;
   std::map<std::pair<std::string, std::string>, EngineStats> stats_;
+  AgreementStats agreement_stats_;  // under stats_mu_
 
   // Engine thread only: the control message being read, and working memory
   // of compressed allreduces, kept between operations.

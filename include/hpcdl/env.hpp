@@ -33,4 +33,11 @@ inline long engine_slice_us() {
   return us;
 }
 
+// HPCDL_AGREEMENT_FLAT=1: every rank reports to the coordinator directly
+// (fan-in P - 1) instead of up a binomial tree; for comparison in bench/.
+inline bool agreement_flat() {
+  static const bool flat = env_long("HPCDL_AGREEMENT_FLAT", 0) != 0;
+  return flat;
+}
+
 }  // namespace hpcdl

@@ -24,8 +24,8 @@ namespace hpcdl {
 
 namespace {
 
-constexpr int kTagReady = 1;  // worker -> coordinator: operations ready here
-constexpr int kTagPlan = 2;   // coordinator -> workers: what to run, in order
+constexpr int kTagReady = 1;  // up the report tree: operations ready in the sender's subtree
+constexpr int kTagPlan = 2;   // down the report tree, from the coordinator: what to run, in order
 constexpr int kTagData = 3;
 constexpr int kTagLeave = 4;  // a rank leaves the communicator (exit, free): to the coordinator, which forwards it
 
@@ -37,6 +37,20 @@ constexpr double kLeftRankRingGraceSeconds = 5.0;
 constexpr double kLeftRankCollectiveGraceSeconds = 30.0;
 
 enum class PlanResult : std::uint8_t { kRun = 0, kMismatch = 1, kStall = 2, kTimeout = 3 };
+
+// Entries of a ready message.
+constexpr std::uint8_t kEntryDescription = 0;  // i32 rank, string: that rank's full description
+constexpr std::uint8_t kEntryCached = 1;  // u32 id, i32 first, i32 end: ranks [first, end) report it unchanged
+
+// How long a rank holds its subtree's partial reports of an operation before
+// sending them up as they are (rank by rank): a quarter of the stall limits,
+// so the coordinator names the missing ranks at most that much later.
+double report_hold_seconds(double warn_s, double error_s) {
+  double hold = std::numeric_limits<double>::infinity();
+  if (warn_s > 0) hold = std::min(hold, warn_s / 4);
+  if (error_s > 0) hold = std::min(hold, error_s / 4);
+  return hold;
+}
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -206,6 +220,29 @@ class CommContext {
 
   bool is_coordinator() const { return rank == 0; }
 
+  // Report tree: binomial and rooted at the coordinator (or flat,
+  // HPCDL_AGREEMENT_FLAT=1); this rank's subtree is ranks [rank, subtree_end).
+  int parent = -1, subtree_end = 1;
+  std::vector<int> children;
+  void set_tree(bool flat);
+
+  // Cached reports from this rank's subtree, merged until all of it has
+  // reported an operation (then one entry goes up) or until they have been
+  // held report_hold_seconds (then they go up as they are, and so does what
+  // arrives later, so the coordinator can name the ranks missing).
+  static constexpr char kByDescription = 1, kById = 2;
+  struct Partial {
+    std::vector<char> ready;  // [rank - this rank]: 0 not yet, kByDescription or kById
+    int count = 0;
+    bool any_by_id = false;  // else every rank's description went up: nothing to merge
+    std::chrono::steady_clock::time_point first_seen;
+    bool released = false;
+  };
+  std::map<std::uint32_t, Partial> partial;
+  WireWriter upward;  // the next ready message to the parent
+  std::uint32_t upward_entries = 0;
+  AgreementStats counted;  // engine thread: not yet added to the engine's
+
   // Worker side: operations waiting to run here, by name.
   std::map<std::string, std::shared_ptr<Operation>> pending;
   std::vector<std::string> unreported;
@@ -243,6 +280,7 @@ class CommContext {
     int rc = MPI_Isend(out->bytes.data(), static_cast<int>(out->bytes.size()), MPI_BYTE, dest, tag, ctl, &out->req);
     HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Isend(control)"));
     outbox.push_back(std::move(out));
+    if (tag != kTagLeave) ++counted.messages_sent;
     return Status::OK();
   }
 
@@ -256,16 +294,46 @@ class CommContext {
     return Status::OK();
   }
 
-  // Report newly submitted operations to the coordinator.
-  Status report(std::vector<char>* plan_for_self);
+  // Takes newly submitted operations into this rank's report.
+  Status report();
+  // Takes a ready message from a child (or this rank's own): the coordinator
+  // records it, any other rank merges it into what goes up.
+  Status take_report(const char* bytes, std::size_t n, bool own);
+  // Worker: the partial reports held long enough go up as they are.
+  void release_held(double hold_s);
+  // Worker: sends what goes up to the parent, if anything.
+  Status send_upward();
 
-  // Coordinator: take one rank's report.
-  Status on_ready(int source, const char* bytes, std::size_t n);
+  // Coordinator: ranks [first, end) have operation id ready.
+  void mark_ready(std::uint32_t id, int first, int end);
+  // Worker: ranks [first, end) of this subtree have operation id ready
+  // (sent_by_id: reported by id, else by a description already sent up).
+  void merge_cached(std::uint32_t id, int first, int end, bool sent_by_id);
+  void put_upward_cached(std::uint32_t id, int first, int end);
   // Coordinator: plan what is complete, warn about what stalls.
   void plan(double warn_s, double error_s, WireWriter* w, std::uint32_t* entries);
 };
 
-Status CommContext::report(std::vector<char>* plan_for_self) {
+void CommContext::set_tree(bool flat) {
+  if (flat) {
+    parent = rank == 0 ? -1 : 0;
+    subtree_end = rank == 0 ? size : rank + 1;
+    for (int r = 1; rank == 0 && r < size; ++r) children.push_back(r);
+    return;
+  }
+  // Rank r's parent clears r's lowest set bit; r's subtree spans that bit.
+  int span = 1;
+  if (rank == 0) {
+    while (span < size) span <<= 1;
+  } else {
+    span = rank & -rank;
+    parent = rank - span;
+  }
+  subtree_end = std::min(size, rank + span);
+  for (int step = 1; step < span && rank + step < size; step <<= 1) children.push_back(rank + step);
+}
+
+Status CommContext::report() {
   if (unreported.empty()) return Status::OK();
   WireWriter w;
   w.put<std::uint32_t>(static_cast<std::uint32_t>(unreported.size()));
@@ -274,37 +342,49 @@ Status CommContext::report(std::vector<char>* plan_for_self) {
     auto id = ids.find(name);
     auto last = last_reported.find(name);
     if (id != ids.end() && last != last_reported.end() && last->second == desc) {
-      w.put<std::uint8_t>(1);
+      w.put<std::uint8_t>(kEntryCached);
       w.put<std::uint32_t>(id->second);
+      w.put<std::int32_t>(rank);
+      w.put<std::int32_t>(rank + 1);
     } else {
-      w.put<std::uint8_t>(0);
+      w.put<std::uint8_t>(kEntryDescription);
+      w.put<std::int32_t>(rank);
       w.put_string(desc);
       last_reported[name] = desc;
     }
   }
   unreported.clear();
-  if (is_coordinator()) {
-    *plan_for_self = std::move(w.buffer());
-    return Status::OK();
-  }
-  return send(0, kTagReady, std::move(w.buffer()));
+  return take_report(w.buffer().data(), w.buffer().size(), true);
 }
 
-Status CommContext::on_ready(int source, const char* bytes, std::size_t n) {
+Status CommContext::take_report(const char* bytes, std::size_t n, bool own) {
   WireReader r(bytes, n);
   std::uint32_t count;
   if (!r.get(&count)) return Status::Internal("malformed ready message");
   for (std::uint32_t i = 0; i < count; ++i) {
-    std::uint8_t cached;
-    std::uint32_t id;
-    if (!r.get(&cached)) return Status::Internal("malformed ready message");
-    if (cached) {
-      if (!r.get(&id) || id >= coord_names.size()) return Status::Internal("unknown operation id in ready message");
-    } else {
+    std::uint8_t form;
+    if (!r.get(&form)) return Status::Internal("malformed ready message");
+    if (!own) ++counted.entries_received;
+    if (form == kEntryDescription) {
+      std::int32_t source;
       std::string desc, name;
       OpDesc parsed;
-      if (!r.get_string(&desc) || !OpDesc::parse(desc, &name, &parsed))
+      if (!r.get(&source) || !r.get_string(&desc) || !OpDesc::parse(desc, &name, &parsed) || source < rank ||
+          source >= subtree_end)
         return Status::Internal("malformed operation description");
+      if (!own) ++counted.descriptions_received;
+      if (!is_coordinator()) {
+        if (upward_entries++ == 0) upward.put<std::uint32_t>(0);
+        upward.put<std::uint8_t>(kEntryDescription);
+        upward.put<std::int32_t>(source);
+        upward.put_string(desc);
+        // A changed description of an operation seen before: the rest of the
+        // subtree may report it by id, and their merged entry must not wait for this rank.
+        auto known = ids.find(name);
+        if (known != ids.end()) merge_cached(known->second, source, source + 1, false);
+        continue;
+      }
+      std::uint32_t id;
       auto it = coord_ids.find(name);
       if (it == coord_ids.end()) {
         id = static_cast<std::uint32_t>(coord_names.size());
@@ -316,18 +396,97 @@ Status CommContext::on_ready(int source, const char* bytes, std::size_t n) {
         id = it->second;
       }
       last_desc[id][source] = desc;
-    }
-    Entry& e = table[id];
-    if (e.ready.empty()) {
-      e.ready.assign(size, 0);
-      e.first_seen = std::chrono::steady_clock::now();
-    }
-    if (!e.ready[source]) {
-      e.ready[source] = 1;
-      ++e.ready_count;
+      mark_ready(id, source, source + 1);
+    } else if (form == kEntryCached) {
+      std::uint32_t id;
+      std::int32_t first, end;
+      if (!r.get(&id) || !r.get(&first) || !r.get(&end) || first < rank || first >= end || end > subtree_end)
+        return Status::Internal("malformed cached report");
+      if (is_coordinator()) {
+        if (id >= coord_names.size()) return Status::Internal("unknown operation id in ready message");
+        mark_ready(id, first, end);
+      } else {
+        merge_cached(id, first, end, true);
+      }
+    } else {
+      return Status::Internal("malformed ready message");
     }
   }
   return Status::OK();
+}
+
+void CommContext::merge_cached(std::uint32_t id, int first, int end, bool sent_by_id) {
+  const int span = subtree_end - rank;
+  Partial& p = partial[id];
+  if (p.ready.empty()) {
+    p.ready.assign(span, 0);
+    p.first_seen = std::chrono::steady_clock::now();
+  }
+  for (int k = first; k < end; ++k)
+    if (!p.ready[k - rank]) {
+      p.ready[k - rank] = sent_by_id ? kById : kByDescription;
+      ++p.count;
+    }
+  p.any_by_id = p.any_by_id || sent_by_id;
+  // The merged entry may name ranks whose descriptions went up before it: the
+  // coordinator marks a rank ready once, and reads its description first. It
+  // goes up only with a rank reported by id in it, so it never arrives after
+  // the descriptions alone completed the operation (a stale mark for the next step).
+  if (p.released) {
+    if (sent_by_id) put_upward_cached(id, first, end);
+  } else if (p.count == span && p.any_by_id) {
+    put_upward_cached(id, rank, subtree_end);
+  }
+  if (p.count == span) partial.erase(id);
+}
+
+void CommContext::put_upward_cached(std::uint32_t id, int first, int end) {
+  if (upward_entries++ == 0) upward.put<std::uint32_t>(0);
+  upward.put<std::uint8_t>(kEntryCached);
+  upward.put<std::uint32_t>(id);
+  upward.put<std::int32_t>(first);
+  upward.put<std::int32_t>(end);
+}
+
+void CommContext::release_held(double hold_s) {
+  for (auto& kv : partial) {
+    Partial& p = kv.second;
+    if (p.released || seconds_since(p.first_seen) < hold_s) continue;
+    p.released = true;
+    const int span = static_cast<int>(p.ready.size());
+    for (int i = 0; i < span;) {  // ranks reported by id: descriptions went up already
+      if (p.ready[i] != kById) {
+        ++i;
+        continue;
+      }
+      int j = i;
+      while (j < span && p.ready[j] == kById) ++j;
+      put_upward_cached(kv.first, rank + i, rank + j);
+      i = j;
+    }
+  }
+}
+
+Status CommContext::send_upward() {
+  if (upward_entries == 0) return Status::OK();
+  std::memcpy(upward.buffer().data(), &upward_entries, sizeof(upward_entries));
+  std::vector<char> bytes = std::move(upward.buffer());
+  upward = WireWriter();
+  upward_entries = 0;
+  return send(parent, kTagReady, std::move(bytes));
+}
+
+void CommContext::mark_ready(std::uint32_t id, int first, int end) {
+  Entry& e = table[id];
+  if (e.ready.empty()) {
+    e.ready.assign(size, 0);
+    e.first_seen = std::chrono::steady_clock::now();
+  }
+  for (int k = first; k < end; ++k)
+    if (!e.ready[k]) {
+      e.ready[k] = 1;
+      ++e.ready_count;
+    }
 }
 
 void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32_t* entries) {
@@ -433,6 +592,7 @@ Status Engine::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
   ctx->setup_since = std::chrono::steady_clock::now();
   MPI_Comm_rank(comm, &ctx->rank);
   MPI_Comm_size(comm, &ctx->size);
+  ctx->set_tree(agreement_flat());
   ctx->id = next_context_id_++;
   rc = MPI_Comm_set_attr(comm, keyval_, ctx.get());
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_set_attr"));
@@ -529,9 +689,15 @@ std::vector<EngineStats> Engine::stats() {
   return out;
 }
 
+AgreementStats Engine::agreement_stats() {
+  std::lock_guard<std::mutex> g(stats_mu_);
+  return agreement_stats_;
+}
+
 void Engine::reset_stats() {
   std::lock_guard<std::mutex> g(stats_mu_);
   stats_.clear();
+  agreement_stats_ = AgreementStats();
 }
 
 void Engine::reset_compression_state() {
@@ -673,9 +839,8 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
 }
 
 Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, double error_s, bool* busy) {
-  std::vector<char> own_report;
-  HPCDL_RETURN_NOT_OK(ctx.report(&own_report));
-  if (!own_report.empty()) HPCDL_RETURN_NOT_OK(ctx.on_ready(0, own_report.data(), own_report.size()));
+  const bool reported = !ctx.unreported.empty();
+  HPCDL_RETURN_NOT_OK(ctx.report());
   bool arrived = false;
   for (;;) {
     int flag = 0;
@@ -689,6 +854,7 @@ Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, d
                                             ctx.ctl, MPI_STATUS_IGNORE),
                                    "MPI_Recv(control)"));
     arrived = true;
+    if (probe.MPI_TAG != kTagLeave) ++ctx.counted.messages_received;
     if (probe.MPI_TAG == kTagLeave) {
       if (ctx.gone.ok()) {
         WireReader r(control_msg_.data(), control_msg_.size());
@@ -702,6 +868,7 @@ Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, d
                                      "; operations on this communicator cannot complete");
         ctx.gone_at = std::chrono::steady_clock::now();
         ctx.table.clear();
+        ctx.partial.clear();
         // Said here too: the caller may catch the error its operations get.
         if (!ctx.pending.empty() || executing_ == &ctx)
           std::fprintf(stderr, "[hpcdl rank %d] %s\n", ctx.rank, ctx.gone.message().c_str());
@@ -712,24 +879,44 @@ Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, d
       }
       continue;
     }
-    if (probe.MPI_TAG == kTagReady && ctx.is_coordinator())
-      HPCDL_RETURN_NOT_OK(ctx.on_ready(probe.MPI_SOURCE, control_msg_.data(), control_msg_.size()));
-    else if (probe.MPI_TAG == kTagPlan)
+    if (probe.MPI_TAG == kTagReady) {
+      HPCDL_RETURN_NOT_OK(ctx.take_report(control_msg_.data(), control_msg_.size(), false));
+    } else if (probe.MPI_TAG == kTagPlan) {
+      for (int child : ctx.children) HPCDL_RETURN_NOT_OK(ctx.send(child, kTagPlan, control_msg_));
       ctx.plans.push_back(control_msg_);
+    }
   }
-  *busy = *busy || arrived || !own_report.empty();
-  if (ctx.is_coordinator() && ctx.gone.ok() && (arrived || !own_report.empty() || stall_check) && !ctx.table.empty()) {
+  *busy = *busy || arrived || reported;
+  if (!ctx.is_coordinator() && ctx.gone.ok()) {
+    ctx.release_held(report_hold_seconds(warn_s, error_s));
+    HPCDL_RETURN_NOT_OK(ctx.send_upward());
+  }
+  if (ctx.is_coordinator() && ctx.gone.ok() && (arrived || reported || stall_check) && !ctx.table.empty()) {
     WireWriter w;
     std::uint32_t entries = 0;
     w.put<std::uint32_t>(0);
     ctx.plan(warn_s, error_s, &w, &entries);
     if (entries) {
       std::memcpy(w.buffer().data(), &entries, sizeof(entries));
-      for (int r = 1; r < ctx.size; ++r) HPCDL_RETURN_NOT_OK(ctx.send(r, kTagPlan, w.buffer()));
+      for (int child : ctx.children) HPCDL_RETURN_NOT_OK(ctx.send(child, kTagPlan, w.buffer()));
       ctx.plans.push_back(std::move(w.buffer()));
     }
   }
+  publish_agreement_stats(ctx);
   return ctx.flush_outbox();
+}
+
+void Engine::publish_agreement_stats(CommContext& ctx) {
+  AgreementStats& c = ctx.counted;
+  if (c.messages_sent + c.messages_received == 0) return;
+  {
+    std::lock_guard<std::mutex> g(stats_mu_);
+    agreement_stats_.messages_sent += c.messages_sent;
+    agreement_stats_.messages_received += c.messages_received;
+    agreement_stats_.entries_received += c.entries_received;
+    agreement_stats_.descriptions_received += c.descriptions_received;
+  }
+  c = AgreementStats();
 }
 
 Status Engine::run_plans(CommContext& ctx) {
@@ -931,11 +1118,16 @@ void Engine::loop() {
     const bool stall_check = seconds_since(last_plan) > 0.1;
     bool unused_busy = false;
     auto last_agreed = std::chrono::steady_clock::time_point{};
+    // A poll a millisecond agrees the next operation long before a ring
+    // ends; every poll more is MPI progress on a core the ranks share. A rank
+    // with children in the report tree polls every 200 us: its subtree's
+    // reports and plans wait for its polls.
+    bool forwards = false;
+    for (auto& ctx : contexts) forwards = forwards || !ctx->children.empty();
+    const auto agree_every = std::chrono::microseconds(forwards ? 200 : 1000);
     std::function<bool(double)> agree_meanwhile = [&](double waited_s) {
-      // A poll a millisecond agrees the next operation long before a ring
-      // ends; every poll more is MPI progress on a core the ranks share.
       const auto now = std::chrono::steady_clock::now();
-      if (now - last_agreed >= std::chrono::milliseconds(1)) {
+      if (now - last_agreed >= agree_every) {
         last_agreed = now;
         drain_submissions();
         for (auto& ctx : contexts)
