@@ -58,6 +58,37 @@ def make_store(root, files=150, seed=0, max_size=3000, comm=None):
     return store.Store(dst)
 
 
+def store_made_by_rank0(comm, prefix, files, seed):
+    """For a module fixture of MPI tests: rank 0 makes a store in a new folder, every rank
+    opens it; removed after the module's tests (a generator: `yield from` it)."""
+    import shutil
+    import tempfile
+
+    from mpi4py import MPI
+
+    root = None
+    if comm.Get_rank() == 0:
+        root = tempfile.mkdtemp(prefix=prefix)
+        make_store(root, files=files, seed=seed, comm=MPI.COMM_SELF).close()
+    root = comm.bcast(root, root=0)
+    yield store.Store(os.path.join(root, "store"))
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def corrupt_largest_sample(st):
+    """Flip one byte of the store's largest sample on disk; returns its index and shard path."""
+    victim = int(np.argmax(st.sizes))
+    info = next(i for i in st.shard_infos if "offsets" in i)
+    with open(info["path"], "r+b") as fh:
+        fh.seek(info["data_offset"] + int(info["offsets"][victim]))
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    return victim, info["path"]
+
+
 @pytest.fixture(scope="module")
 def st(tmp_path_factory):
     return make_store(str(tmp_path_factory.mktemp("prefetch")))
@@ -332,13 +363,7 @@ def test_read_only_and_full_disk_tiers_fall_back(st, tmp_path):
 
 def test_corrupt_sample_raises_never_wrong_bytes(tmp_path):
     st = make_store(str(tmp_path), files=40, seed=4)
-    victim = int(np.argmax(st.sizes))
-    info = next(i for i in st.shard_infos if "offsets" in i)
-    with open(info["path"], "r+b") as fh:
-        fh.seek(info["data_offset"] + int(info["offsets"][victim]))
-        byte = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    victim, shard = corrupt_largest_sample(st)
     with Prefetcher(store.Store(st.root), 4, 2, 0, ram_bytes=10**6) as pf:
         with pytest.raises(CorruptDataError, match="checksum mismatch"):
             for batch in pf:
@@ -359,13 +384,7 @@ def test_peer_replies_go_in_pieces_below_the_message_limit():
 @pytest.mark.parametrize("ram", [0, 10**6])
 def test_corrupt_sample_fails_only_its_batch(tmp_path, ram):
     st = make_store(str(tmp_path), files=40, seed=4)
-    victim = int(np.argmax(st.sizes))
-    info = next(i for i in st.shard_infos if "offsets" in i)
-    with open(info["path"], "r+b") as fh:
-        fh.seek(info["data_offset"] + int(info["offsets"][victim]))
-        byte = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([byte[0] ^ 0xFF]))
+    victim, shard = corrupt_largest_sample(st)
     stream = prefetch.rank_stream(len(st), 4, 1, 0, 3, 0).reshape(-1, 4)
     holding = [b for b, row in enumerate(stream) if victim in row.tolist()]
     assert holding  # the victim is in the run
@@ -383,7 +402,7 @@ def test_corrupt_sample_fails_only_its_batch(tmp_path, ram):
                 failed[epoch * steps + step - 1] = str(exc)
     assert sorted(failed) == holding
     for message in failed.values():
-        assert f"sample {victim} " in message and info["path"] in message and "checksum mismatch" in message
+        assert f"sample {victim} " in message and shard in message and "checksum mismatch" in message
     assert sorted(delivered) == sorted(set(range(len(stream))) - set(holding))
     for b, (ids, data) in delivered.items():
         assert ids == stream[b].tolist() and data == [st.read(i) for i in ids]

@@ -3,7 +3,6 @@ ranks, peer fetches that deliver the right bytes, each sample read from the
 store once per job when every rank caches what it reads, a silent peer -> the
 store, mismatched settings -> an error on every rank. Collective-safe (conftest)."""
 
-import os
 import shutil
 import tempfile
 
@@ -11,9 +10,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcdl import store
 from hpcdl.errors import MismatchError
 from hpcdl.prefetch import Prefetcher
+from test_prefetch import store_made_by_rank0
 from conftest import agree, collective, outcome
 
 pytestmark = pytest.mark.mpi
@@ -21,17 +20,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module")
 def shared_store():
-    comm = MPI.COMM_WORLD
-    root = None
-    if comm.Get_rank() == 0:
-        from test_prefetch import make_store
-        root = tempfile.mkdtemp(prefix="hpcdl-prefetch-mpi-")
-        make_store(root, files=160, seed=8, comm=MPI.COMM_SELF).close()
-    root = comm.bcast(root, root=0)
-    yield store.Store(os.path.join(root, "store"))
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from store_made_by_rank0(MPI.COMM_WORLD, "hpcdl-prefetch-mpi-", files=160, seed=8)
 
 
 def delivered(pf, st):

@@ -6,7 +6,6 @@ that a 4-rank Prefetcher runs exactly plan()'s result, and that a state taken
 on 4 ranks resumes on 2 and on 3 with exactly the rest of the global order.
 Collective-safe (conftest)."""
 
-import os
 import shutil
 import tempfile
 
@@ -14,8 +13,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcdl import _prefetch, prefetch, store
+from hpcdl import _prefetch, prefetch
 from hpcdl.prefetch import Prefetcher, plan
+from test_prefetch import store_made_by_rank0
 from conftest import agree, collective
 
 NONE = 2**64 - 1
@@ -158,17 +158,7 @@ def test_state_of_another_run_is_an_error(st, change, message):
 
 @pytest.fixture(scope="module")
 def shared_store():
-    comm = MPI.COMM_WORLD
-    root = None
-    if comm.Get_rank() == 0:
-        from test_prefetch import make_store
-        root = tempfile.mkdtemp(prefix="hpcdl-prefetch-plan-")
-        make_store(root, files=150, seed=12, comm=MPI.COMM_SELF).close()
-    root = comm.bcast(root, root=0)
-    yield store.Store(os.path.join(root, "store"))
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(root, ignore_errors=True)
+    yield from store_made_by_rank0(MPI.COMM_WORLD, "hpcdl-prefetch-plan-", files=150, seed=12)
 
 
 @pytest.mark.mpi(min_size=4)
