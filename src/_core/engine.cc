@@ -35,6 +35,10 @@ constexpr int kTagLeave = 4;  // a rank leaves the communicator (exit, free): to
 // then; a collective's cannot be, so it gets longer and then ends the job.
 constexpr double kLeftRankRingGraceSeconds = 5.0;
 constexpr double kLeftRankCollectiveGraceSeconds = 30.0;
+// Operations not yet planned here when the news came are failed only after
+// this long with no plan to run: plans the coordinator sent before a rank left
+// (it may be the one that left) are still on their way down the report tree.
+constexpr double kLeftRankPlanGraceSeconds = 5.0;
 
 enum class PlanResult : std::uint8_t { kRun = 0, kMismatch = 1, kStall = 2, kTimeout = 3 };
 
@@ -1157,7 +1161,8 @@ void Engine::loop() {
       }
       if (!st.ok()) {
         fail_context(*ctx, st);
-      } else if (!ctx->gone.ok() && !ctx->pending.empty()) {
+      } else if (!ctx->gone.ok() && !ctx->pending.empty() && ctx->plans.empty() &&
+                 seconds_since(ctx->gone_at) >= kLeftRankPlanGraceSeconds) {
         fail_pending(*ctx, ctx->gone);  // what waits for the rank that left
       }
     }
