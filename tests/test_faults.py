@@ -213,12 +213,19 @@ def test_abandoned_ring_returns_only_once_its_transfers_are_cancelled(tmp_path):
     """Ranks 0 and 2 catch the error of a ring abandoned because rank 1 left, and
     reuse the buffer. The ring returned only after cancelling (or completing)
     what it had posted; a send MPI cannot cancel (rank 0's to the departed
-    rank 1, under MPICH) ends the job instead of leaving MPI the buffer."""
+    rank 1, under MPICH) ends the job instead of leaving MPI the buffer.
+
+    Rank 1 leaves as at interpreter exit (its engine shuts down and tells the
+    others) but its process lives on: were it to end at once, the launcher
+    could kill ranks 0 and 2 before they decide, and what is checked here would
+    not be seen."""
     rc, out = run_job(tmp_path, 3, """
         a = np.ones(3 << 20, np.float32)
         h = hpcdl.allreduce_async(a, name="big", deferred=True)
         if RANK == 1:
             time.sleep(1.0)
+            hpcdl._core.shutdown()  # what hpcdl's atexit hook runs
+            time.sleep(45.0)
             sys.exit(1)
         h.mark_ready()
         try:
