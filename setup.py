@@ -1,13 +1,16 @@
 """Build hpcdl's extensions with the MPI compiler wrapper.
 
-Each ext/_NAME.pyx becomes the module hpcdl._NAME, compiled together with the
-C++ sources in src/_NAME/ and src/common/ (when they exist). The compiler is
+One extension module, hpcdl._core: ext/_core.pyx (which includes the topic
+files ext/*.pxi) compiled together with every C++ source src/*/*.cc, so each
+singleton of the core exists once (docs/building.md says why not a shared
+libhpcdl). The compiler is
 the MPI C++ wrapper, the first of: $MPICXX; the mpicxx beside $MPICC; the one in
 this Python's environment (PyPI's mpich wheel installed there); an mpicxx on PATH
 (a site MPI module); the mpich wheel that pip's isolated build environment holds
 as a build requirement (a bare environment: pip install hpcdl[mpich]).
 """
 
+import concurrent.futures
 import glob
 import importlib.metadata
 import os
@@ -65,7 +68,7 @@ def build_requirement_mpicxx():
 class MPIBuildExt(build_ext):
     def finalize_options(self):
         super().finalize_options()
-        if not self.parallel:  # pip passes no -j: compile the extensions side by side
+        if not self.parallel:  # pip passes no -j: compile the sources side by side
             self.parallel = int(os.environ.get("HPCDL_BUILD_JOBS") or os.cpu_count() or 1)
 
     def build_extensions(self):
@@ -76,25 +79,36 @@ class MPIBuildExt(build_ext):
             argv = getattr(self.compiler, attr, None)
             if argv:
                 self.compiler.set_executable(attr, [mpicxx] + list(argv[1:]))
+        compile_side_by_side(self.compiler, int(self.parallel))
         super().build_extensions()
 
 
+def compile_side_by_side(compiler, jobs):
+    """build_ext's -j builds extensions side by side; the one extension's sources
+    would compile one after another, so compile them on `jobs` threads instead."""
+    one_by_one = compiler.compile
+
+    def compile(sources, *args, **kwargs):
+        if jobs <= 1 or len(sources) <= 1:
+            return one_by_one(sources, *args, **kwargs)
+        with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+            objects = list(pool.map(lambda source: one_by_one([source], *args, **kwargs), sources))
+        return [obj for objs in objects for obj in objs]
+
+    compiler.compile = compile
+
+
 def extensions():
-    exts = []
-    for pyx in sorted(glob.glob(os.path.join("ext", "_*.pyx"))):
-        name = os.path.splitext(os.path.basename(pyx))[0]
-        sources = [pyx] + sorted(glob.glob(os.path.join("src", name, "*.cc"))) \
-            + sorted(glob.glob(os.path.join("src", "common", "*.cc")))
-        exts.append(Extension(
-            f"hpcdl.{name}", sources, language="c++",
-            include_dirs=["include", mpi4py.get_include()],
-            extra_compile_args=["-std=c++17", "-O3", "-Wall", "-Wno-unused-function"]
-            + os.environ.get("HPCDL_CXXFLAGS", "").split(),
-            extra_link_args=["-lstdc++", "-pthread"],
-            depends=sorted(glob.glob("include/hpcdl/*.hpp") + glob.glob("ext/libhpcdl/*.pxd")),
-        ))
-    return cythonize(exts, include_path=["ext"], compiler_directives={"language_level": 3},
-                     nthreads=int(os.environ.get("HPCDL_BUILD_JOBS", 0)))
+    sources = [os.path.join("ext", "_core.pyx")] + sorted(glob.glob(os.path.join("src", "*", "*.cc")))
+    core = Extension(
+        "hpcdl._core", sources, language="c++",
+        include_dirs=["include", mpi4py.get_include()],
+        extra_compile_args=["-std=c++17", "-O3", "-Wall", "-Wno-unused-function"]
+        + os.environ.get("HPCDL_CXXFLAGS", "").split(),
+        extra_link_args=["-lstdc++", "-pthread"],
+        depends=sorted(glob.glob("include/hpcdl/*.hpp") + glob.glob("ext/*.pxi") + glob.glob("ext/libhpcdl/*.pxd")),
+    )
+    return cythonize([core], include_path=["ext"], compiler_directives={"language_level": 3})
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": MPIBuildExt})

@@ -28,7 +28,7 @@ import weakref
 import numpy as np
 from mpi4py import MPI
 
-from hpcdl import _prefetch, timeline
+from hpcdl import _core, timeline
 from hpcdl.errors import MismatchError
 from hpcdl.store import Store, _agree
 
@@ -46,7 +46,7 @@ class PrefetchWarning(UserWarning):
 
 def epoch_order(n, seed, epoch):
     """Epoch ``epoch``'s order of samples 0..n-1 (the C++ shuffle; uint64 array)."""
-    return _prefetch.epoch_order(n, seed, epoch)
+    return _core.epoch_order(n, seed, epoch)
 
 
 def rank_stream(n, batch_size, ranks, rank, epochs, seed, drop_last=True, start=0):
@@ -55,14 +55,14 @@ def rank_stream(n, batch_size, ranks, rank, epochs, seed, drop_last=True, start=
     batch_size is the global batch B (a multiple of ranks); each rank reads
     B/ranks samples per step. ``start`` skips the first positions (resume).
     """
-    return _prefetch.rank_stream(n, batch_size, ranks, rank, epochs, seed, drop_last, start)
+    return _core.rank_stream(n, batch_size, ranks, rank, epochs, seed, drop_last, start)
 
 
 def placement(stream, sizes, ram_bytes, disk_bytes=0):
     """Where one rank keeps each sample: dict with per-sample ``freq``,
     ``first``, ``tier`` (0 RAM, 1 disk, 2 store), ``offset``; the ``ram`` and
     ``disk`` lists in first-use order; ``ram_used`` and ``disk_used`` bytes."""
-    return _prefetch.placement(stream, sizes, ram_bytes, disk_bytes)
+    return _core.placement(stream, sizes, ram_bytes, disk_bytes)
 
 
 def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_bytes=0, drop_last=True,
@@ -78,7 +78,7 @@ def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_
     start: (epoch, step) or a Prefetcher.state(). Cost independent of ranks
     (docs/prefetch.md, "Planning at scale").
     """
-    layout = _prefetch.stream_layout(samples, batch_size, ranks, epochs, seed, drop_last)
+    layout = _core.stream_layout(samples, batch_size, ranks, epochs, seed, drop_last)
     if not 0 <= rank < ranks:
         raise ValueError(f"rank {rank} out of range [0, {ranks})")
     position = _start_position(start, samples, batch_size, epochs, seed, drop_last, layout)
@@ -87,7 +87,7 @@ def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_
     if any(len(v) != ranks for v in per_rank):
         raise ValueError(f"ram_bytes and disk_bytes need one value or one per rank ({ranks})")
     peer_ram, peer_disk = _peer_capacities(ranks, *per_rank)
-    return _prefetch.plan(samples, batch_size, ranks, rank, epochs, seed, drop_last, position, sizes,
+    return _core.plan(samples, batch_size, ranks, rank, epochs, seed, drop_last, position, sizes,
                           per_rank[0][rank], per_rank[1][rank], peer_ram, peer_disk)
 
 
@@ -232,7 +232,7 @@ class Prefetcher:
         self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
 
         def validate():
-            layout = _prefetch.stream_layout(n, self.batch_size, self.ranks, self.num_epochs, self.seed,
+            layout = _core.stream_layout(n, self.batch_size, self.ranks, self.num_epochs, self.seed,
                                              self.drop_last)
             position = _start_position(start, n, self.batch_size, self.num_epochs, self.seed, self.drop_last,
                                        layout)
@@ -254,7 +254,7 @@ class Prefetcher:
         else:
             peer_ram = peer_disk = []
         self._position = position
-        required = _prefetch.required_staging(n, self.batch_size, self.ranks, self.rank, self.num_epochs, self.seed,
+        required = _core.required_staging(n, self.batch_size, self.ranks, self.rank, self.num_epochs, self.seed,
                                               self.drop_last, self.store.sizes) if self.num_epochs else 1
         self._staging = np.empty(max(int(staging_bytes), required), dtype=np.uint8)
         cfg = {"samples": n, "global_batch": self.batch_size, "ranks": self.ranks, "epochs": self.num_epochs,
@@ -270,9 +270,9 @@ class Prefetcher:
                           "the timeline has the prefetcher's events", PrefetchWarning, stacklevel=2)
             self._trace = None
         if self._trace:
-            _prefetch.timeline_enable(True)
-        self._core = _prefetch.Core(self.store.shard_infos, cfg, self._staging,
-                                    comm if self.ranks > 1 else None)
+            _core.timeline_enable(True)
+        self._core = _core.PrefetchCore(self.store.shard_infos, cfg, self._staging,
+                                        comm if self.ranks > 1 else None)
         self._started = time.monotonic()
         self._final_stats = None
         self._emit_warnings()
@@ -347,7 +347,7 @@ class Prefetcher:
         return self._core.placement()
 
     def _write_trace(self):
-        events = _prefetch.timeline_take()
+        events = _core.timeline_take()
         path = self._trace if self.ranks == 1 else f"{self._trace}.rank{self.rank}"
         trace = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": self.rank, "tid": track}
                  for name, cat, ts, dur, track in events]

@@ -28,7 +28,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from hpcdl import _store
+from hpcdl import _core
 from hpcdl.errors import CorruptDataError, HpcdlError
 
 
@@ -60,7 +60,7 @@ that could not be opened (each reported once, all its samples lost)."""
 
 def crc32c(data, crc=0):
     """CRC32C of a bytes-like object (the checksum the store keeps per sample)."""
-    return _store.crc32c(data, crc)
+    return _core.crc32c(data, crc)
 
 
 def _index_crc(values):
@@ -71,8 +71,8 @@ def _index_crc(values):
     if values.dtype.kind in "OSU":
         parts = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values.ravel()]
         lengths = np.array([len(p) for p in parts], dtype="<u8")
-        return _store.crc32c(b"".join(parts), _store.crc32c(lengths.tobytes()))
-    return _store.crc32c(np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")).tobytes())
+        return _core.crc32c(b"".join(parts), _core.crc32c(lengths.tobytes()))
+    return _core.crc32c(np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")).tobytes())
 
 
 def _create_checked(f, name, values, dtype=None):
@@ -347,7 +347,7 @@ def _read_file(root, rel, planned_size):
         return None, None, reason
     if len(data) != planned_size:
         return None, None, f"changed while packing ({planned_size} bytes when listed, {len(data)} when read)"
-    return data, _store.crc32c(data), None
+    return data, _core.crc32c(data), None
 
 
 def _reuse_shard(path, plan):
@@ -739,7 +739,7 @@ class Store:
         self.names = _Names(b"".join(name_parts), np.concatenate([[0], np.cumsum(lengths)]))
         del name_parts
         self.shard_infos = infos  # kept: the prefetcher opens its own reader over the same shards
-        self._reader = _store.Reader(infos, threads, verify_checksums)
+        self._reader = _core.Reader(infos, threads, verify_checksums)
         self.sizes = np.concatenate([i["sizes"] if "sizes" in i else np.zeros(i["count"], np.uint64)
                                      for i in infos]) if infos else np.zeros(0, np.uint64)
 

@@ -21,7 +21,7 @@ import time
 
 from mpi4py import MPI
 
-from hpcdl import _core, _prefetch
+from hpcdl import _core
 
 TRACKS = {0: "engine", 1: "prefetcher"}
 _state = {"path": None}
@@ -36,11 +36,7 @@ def enable(path, comm=None):
     stale = _part(_state["path"], _state["rank"])  # left by an earlier run that died
     if os.path.exists(stale):
         os.remove(stale)
-    # The engine (_core) and the prefetcher (_prefetch) are separate extensions. GCC
-    # makes the header's Timeline::instance() one object across them (a GNU unique
-    # symbol); a toolchain without those gives each its own list: use both.
-    _core.timeline_enable(True)
-    _prefetch.timeline_enable(True)
+    _core.timeline_enable(True)  # the engine and the prefetcher record into this one list
 
 
 def enabled():
@@ -66,7 +62,7 @@ def _write_at_exit():
     _core.shutdown()  # no event is recorded after this
     part = _part(path, rank)  # prefetchers are closed by now: hpcdl.prefetch's atexit hook runs first
     with open(part + ".tmp", "w") as f:
-        json.dump(_events(rank, _core.timeline_take() + _prefetch.timeline_take()), f)
+        json.dump(_events(rank, _core.timeline_take()), f)
     os.replace(part + ".tmp", part)
     if rank != 0:
         return

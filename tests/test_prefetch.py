@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from hpcdl import _prefetch, prefetch, store
+from hpcdl import _core, prefetch, store
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import PrefetchWarning, Prefetcher
 
@@ -111,10 +111,10 @@ def test_philox_known_answers():
     assert philox4x32_10([MASK32] * 4, [MASK32] * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
     assert philox4x32_10([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0]) == \
         [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
-    from hpcdl import _prefetch
-    assert _prefetch.shuffle_draw(0, 0, 0) == 0xE169C58D6627E8D5
-    assert _prefetch.shuffle_draw(2**64 - 1, 2**64 - 1, 2**64 - 1) == 0x41C83B0E408F276D
-    assert _prefetch.shuffle_draw(0x299F31D0A4093822, 0x0370734413198A2E, 0x85A308D3243F6A88) == 0x94FDCCEBD16CFE09
+    from hpcdl import _core
+    assert _core.shuffle_draw(0, 0, 0) == 0xE169C58D6627E8D5
+    assert _core.shuffle_draw(2**64 - 1, 2**64 - 1, 2**64 - 1) == 0x41C83B0E408F276D
+    assert _core.shuffle_draw(0x299F31D0A4093822, 0x0370734413198A2E, 0x85A308D3243F6A88) == 0x94FDCCEBD16CFE09
 
 
 @pytest.mark.parametrize("n,seed,epoch", [(1, 0, 0), (2, 5, 1), (97, 123, 0), (1000, 2**40 + 7, 3), (257, 0, 2**33)])
@@ -218,7 +218,7 @@ def test_peer_sources_are_the_earliest_other_cacher(ram, disk):
         cached = np.flatnonzero(p["tier"] < 2)
         keys[q, cached] = p["first"][cached] // local * ranks + q
     for me in range(ranks):
-        rank, key = _prefetch.peer_sources(n, batch, ranks, epochs, seed, True, 0, sizes, rams, disks, me)
+        rank, key = _core.peer_sources(n, batch, ranks, epochs, seed, True, 0, sizes, rams, disks, me)
         others = keys.copy()
         others[me] = 2**64 - 1
         best = others.min(axis=0)
@@ -371,11 +371,11 @@ def test_corrupt_sample_raises_never_wrong_bytes(tmp_path):
 
 
 def test_peer_replies_go_in_pieces_below_the_message_limit():
-    assert _prefetch.peer_message_pieces(0, 7) == []
-    assert _prefetch.peer_message_pieces(7, 7) == [(0, 7)]
-    assert _prefetch.peer_message_pieces(16, 7) == [(0, 7), (7, 14), (14, 16)]
+    assert _core.peer_message_pieces(0, 7) == []
+    assert _core.peer_message_pieces(7, 7) == [(0, 7)]
+    assert _core.peer_message_pieces(16, 7) == [(0, 7), (7, 14), (14, 16)]
     total = (5 << 30) + 3  # a 5 GiB sample and its status byte, with the default limit
-    pieces = _prefetch.peer_message_pieces(total, 1 << 30)
+    pieces = _core.peer_message_pieces(total, 1 << 30)
     assert pieces[0][0] == 0 and pieces[-1][1] == total and len(pieces) == 6
     assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
     assert all(0 < end - begin < 2**31 for begin, end in pieces)  # MPI counts are int

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpcdl import _prefetch, prefetch
+from hpcdl import _core, prefetch
 from hpcdl.prefetch import Prefetcher, plan
 from test_prefetch import store_made_by_rank0
 from conftest import agree, collective
@@ -48,7 +48,7 @@ def random_run(rng):
     total = int(sizes.sum())
     rams = [int(rng.integers(0, total // 2 + 2)) for _ in range(ranks)]
     disks = [int(rng.integers(0, total // 2 + 2)) if rng.integers(0, 2) else 0 for _ in range(ranks)]
-    steps = _prefetch.stream_layout(n, batch, ranks, epochs, seed, drop_last)[1]
+    steps = _core.stream_layout(n, batch, ranks, epochs, seed, drop_last)[1]
     epoch = int(rng.integers(0, epochs))
     start = (epoch, int(rng.integers(0, steps)))
     return dict(n=n, batch=batch, ranks=ranks, epochs=epochs, seed=seed, drop_last=drop_last, sizes=sizes,
@@ -61,7 +61,7 @@ def test_plan_sources_follow_every_rank_s_placement(trial):
     for _ in range(10):
         r = random_run(rng)
         local = r["batch"] // r["ranks"]
-        steps = _prefetch.stream_layout(r["n"], r["batch"], r["ranks"], r["epochs"], r["seed"], r["drop_last"])[1]
+        steps = _core.stream_layout(r["n"], r["batch"], r["ranks"], r["epochs"], r["seed"], r["drop_last"])[1]
         position = (r["start"][0] * steps + r["start"][1]) * local
         for me in range(r["ranks"]):
             got = plan(r["n"], r["batch"], r["ranks"], me, r["epochs"], r["seed"], r["sizes"], r["rams"], r["disks"],

@@ -1,6 +1,5 @@
-# cython: language_level=3, boundscheck=False, wraparound=False
-"""Low-level layer over the store reader (include/hpcdl/store_reader.hpp) and
-CRC32C (include/hpcdl/crc32c.hpp). The Pythonic layer is hpcdl/store.py."""
+# The store reader (include/hpcdl/store_reader.hpp) and CRC32C
+# (include/hpcdl/crc32c.hpp). The Pythonic layer is hpcdl/store.py.
 
 import os
 

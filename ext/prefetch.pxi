@@ -1,7 +1,5 @@
-# cython: language_level=3, boundscheck=False, wraparound=False
-"""Low-level layer over the shuffle, streams, placement and the prefetcher
-(include/hpcdl/shuffle.hpp, stream.hpp, placement.hpp, prefetcher.hpp).
-The Pythonic layer is hpcdl/prefetch.py."""
+# The shuffle, streams, placement and the prefetcher (include/hpcdl/shuffle.hpp,
+# stream.hpp, placement.hpp, prefetcher.hpp). The Pythonic layer is hpcdl/prefetch.py.
 
 import numpy as np
 
@@ -19,7 +17,6 @@ from libhpcdl.prefetch cimport (CBatchView, CPeerService, CPlacement, CPrefetchC
                                 place as c_place, shuffle_draw as c_shuffle_draw)
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.store cimport CShardInfo, CStoreReader, shard_infos
-from libhpcdl.timeline cimport CTimeline, CTraceEvent
 
 SOURCES = ("ram", "disk", "peer", "store")
 
@@ -169,17 +166,7 @@ def peer_message_pieces(uint64_t total, uint64_t max_message):
     return ranges
 
 
-def timeline_enable(bint on):
-    CTimeline.instance().enable(on)
-
-
-def timeline_take():
-    """Recorded trace events since the last call: (name, category, start_us, duration_us, track)."""
-    cdef vector[CTraceEvent] events = CTimeline.instance().take()
-    return [(e.name.decode(), e.category.decode(), e.start_us, e.duration_us, e.track) for e in events]
-
-
-cdef class Core:
+cdef class PrefetchCore:
     """One rank's running prefetcher. staging: a uint8 numpy array the core
     fills; batches are (ring offset, bytes, sample ids, offsets) into it."""
     cdef unique_ptr[CPrefetcher] core

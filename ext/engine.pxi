@@ -1,0 +1,378 @@
+# The collective engine (include/hpcdl/engine.hpp): Buffer, Handle, submit,
+# counters, error-feedback residuals and the whole-array codec kernels.
+# The Pythonic layer is hpcdl/collectives.py.
+
+from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContiguous,
+                             PyBuffer_Release, PyObject_GetBuffer)
+from cpython.exc cimport PyErr_CheckSignals
+from libc.stdint cimport uint8_t, uint64_t
+from libcpp cimport bool as cbool
+from libcpp.memory cimport shared_ptr
+from libcpp.string cimport string
+from libcpp.utility cimport move
+from libcpp.vector cimport vector
+from mpi4py cimport MPI
+from mpi4py.libmpi cimport MPI_COMM_NULL
+
+from libhpcdl.codecs cimport codec_decode, codec_encode, codec_encoded_bytes
+from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineStats, COpKind, COpRequest,
+                              COperation, COpTimes, CReduceOp, kDefaultChunkBytes)
+from libhpcdl.status cimport CStatus, check_status
+
+import threading
+import warnings
+
+DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
+
+# dtype name -> (core code, item size)
+DTYPES = {
+    "float32": (<int>CDType.kFloat32, 4),
+    "float64": (<int>CDType.kFloat64, 8),
+    "float16": (<int>CDType.kFloat16, 2),
+    "bfloat16": (<int>CDType.kBFloat16, 2),
+    "int32": (<int>CDType.kInt32, 4),
+    "int64": (<int>CDType.kInt64, 8),
+}
+_FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "l": "int64", "q": "int64"}
+_OPS = {"sum": <int>CReduceOp.kSum, "average": <int>CReduceOp.kAverage}
+
+
+class StallWarning(UserWarning):
+    """An operation waits for ranks that have not submitted it."""
+
+
+cdef class Buffer:
+    """A C-contiguous buffer taken through the buffer protocol, zero-copy.
+
+    The one intake path for every array handed to the core: it checks layout,
+    writability and dtype before any communication starts.
+    """
+    cdef Py_buffer view
+    cdef bint held
+    cdef readonly str dtype
+    cdef readonly Py_ssize_t count
+    cdef readonly object owner
+
+    def __cinit__(self, obj, dtype=None, bint writable=True):
+        self.held = False
+        try:
+            PyObject_GetBuffer(obj, &self.view, PyBUF_RECORDS_RO)
+        except (TypeError, BufferError, ValueError) as exc:
+            # Arrays of extension dtypes (ml_dtypes' bfloat16) export no format
+            # string: their dtype attribute names the type instead.
+            if not hasattr(obj, "dtype"):
+                raise TypeError(f"hpcdl needs an array exposing the buffer protocol, "
+                                f"got {type(obj).__name__}: {exc}") from None
+            PyObject_GetBuffer(obj, &self.view, PyBUF_STRIDES)
+        self.held = True
+        self.owner = obj
+        if writable and self.view.readonly:
+            raise ValueError(f"buffer is read-only; hpcdl reduces in place and needs a writable {type(obj).__name__}")
+        if not PyBuffer_IsContiguous(&self.view, b"C"):
+            raise ValueError("buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)")
+        fmt = self.view.format.decode() if self.view.format != NULL else "B"
+        self.dtype = _resolve_dtype(obj, dtype, fmt, self.view.itemsize)
+        self.count = self.view.len // self.view.itemsize if self.view.itemsize else 0
+        if DTYPES[self.dtype][1] != self.view.itemsize:
+            raise TypeError(f"dtype {self.dtype} has {DTYPES[self.dtype][1]}-byte elements, "
+                            f"the buffer has {self.view.itemsize}-byte items")
+
+    def __dealloc__(self):
+        if self.held:
+            PyBuffer_Release(&self.view)
+
+    cdef void* ptr(self):
+        return self.view.buf
+
+    cdef void release(self):
+        """The engine is done with the memory: let the exporter free or resize it."""
+        if self.held:
+            self.held = False
+            PyBuffer_Release(&self.view)
+
+    @property
+    def nbytes(self):
+        return self.view.len
+
+
+def _resolve_dtype(obj, dtype, str fmt, Py_ssize_t itemsize):
+    if dtype is not None:
+        name = str(getattr(dtype, "name", dtype))
+    elif hasattr(obj, "dtype"):
+        name = str(obj.dtype)
+    else:
+        code = fmt.lstrip("@=<>!")
+        name = _FORMATS.get(code, f"format '{code}'")
+        if name == "int64" and itemsize != 8:
+            name = f"format '{code}' of {itemsize} bytes"
+    if name not in DTYPES:
+        raise TypeError(f"unsupported dtype {name}; hpcdl reduces {', '.join(DTYPES)} "
+                        "(bfloat16 through ml_dtypes, or a uint16 view with dtype='bfloat16')")
+    return name
+
+
+cdef class Handle:
+    """An operation submitted to the engine: wait() for it, or poll done()."""
+    cdef shared_ptr[COperation] op
+    cdef readonly Buffer buffer  # keeps the memory alive while the engine uses it
+    cdef readonly str name
+    cdef bint raised  # its error has reached the caller
+
+    cdef void _retire(self):
+        """The engine is done with the operation: drop it from the in-flight set, free its buffer."""
+        _inflight.discard(self)
+        if self.buffer is not None:
+            self.buffer.release()
+
+    cdef _finish(self):
+        """Retire a finished operation and raise its error, the first time one is seen."""
+        self._retire()
+        cdef CStatus st = self.op.get().status()
+        if not st.ok() and not self.raised:
+            self.raised = True
+            check_status(st)
+
+    def done(self):
+        """True once the operation has finished; raises its error if it failed
+        (once: whichever of done() and wait() sees it first)."""
+        if not self.op.get().done():
+            return False
+        self._finish()
+        return True
+
+    def wait(self, timeout=None):
+        """Block until the operation finishes; raise its error if it failed.
+
+        Stall warnings from the engine are issued here (StallWarning), naming
+        the ranks that have not submitted the operation.
+        """
+        cdef COperation* op = self.op.get()
+        cdef bint finished = False
+        cdef double slice_s = 0.1
+        cdef double waited = 0.0
+        if not op.done():
+            _refuse_wait_behind_unready(self)
+        while not finished:
+            with nogil:
+                finished = op.wait_for(slice_s)
+            for notice in op.take_notices():
+                warnings.warn(notice.decode("utf-8", "replace"), StallWarning, stacklevel=2)
+            if not finished:
+                PyErr_CheckSignals()
+                waited += slice_s
+                if timeout is not None and waited >= timeout:
+                    raise TimeoutError(f"hpcdl operation '{self.name}' not finished after {timeout} s")
+        self._finish()
+        return None if self.buffer is None else self.buffer.owner
+
+    def mark_ready(self):
+        """The buffer of an operation submitted with deferred=True now holds its
+        data: the engine may run it. Idempotent; nothing to do for others."""
+        self.op.get().mark_ready()
+
+    def ready(self):
+        """False while a deferred operation waits for mark_ready()."""
+        return self.op.get().ready()
+
+    def timings(self):
+        """Wall-clock microseconds: submitted, ready (= submitted unless deferred),
+        agreed (the engine took its plan), started, reduce-scatter end, finished."""
+        cdef COpTimes t = self.op.get().times()
+        return {"submitted_us": t.submitted_us, "ready_us": t.ready_us, "agreed_us": t.agreed_us,
+                "started_us": t.started_us, "reduce_scatter_end_us": t.reduce_scatter_end_us,
+                "finished_us": t.finished_us}
+
+
+# Handles of operations the engine may still use: their buffers must outlive
+# that use. A finished one leaves when done()/wait() sees it, or when a scan
+# (wait(), or a submit once the set doubled) finds it finished.
+_inflight = set()
+_prune_at = [64]
+
+
+cdef _prune():
+    """Retire every finished operation in _inflight (their errors wait for their own done()/wait())."""
+    cdef Handle h
+    for h in [h for h in _inflight if h.op.get().done()]:
+        h._retire()
+    _prune_at[0] = max(64, 2 * len(_inflight))
+
+
+cdef bint _blocks(Handle h):
+    """A deferred operation not marked ready that has not failed already (a mismatch, shutdown)."""
+    return not h.op.get().ready() and not h.op.get().done()
+
+
+def _refuse_wait_behind_unready(Handle waiting):
+    """The engine runs operations in the agreed order and waits for a deferred
+    one's data when the order reaches it: waiting here for anything unfinished
+    while a deferred operation is not marked ready could wait forever."""
+    cdef Handle h
+    if _blocks(waiting):
+        raise RuntimeError(f"hpcdl operation '{waiting.name}' was submitted with deferred=True: "
+                           "call mark_ready() once its buffer holds the data, then wait()")
+    _prune()  # the scan below then covers unfinished operations only
+    for h in _inflight:
+        if _blocks(h):
+            raise RuntimeError(f"waiting for hpcdl operation '{waiting.name}' while deferred operation "
+                               f"'{h.name}' is not marked ready: the engine runs operations in the agreed "
+                               f"order and may have to run '{h.name}' first; mark_ready() it before waiting")
+
+
+def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=0,
+           uint64_t chunk_bytes=0, codec="", bint deferred=False):
+    """Submit one operation to the engine; returns a Handle (deferred: runs
+    after Handle.mark_ready())."""
+    cdef COpRequest req
+    cdef shared_ptr[COperation] op
+    cdef CStatus st
+    if comm is None or comm.ob_mpi == MPI_COMM_NULL:
+        raise ValueError("communicator is MPI.COMM_NULL")
+    req.name = (name or "").encode()
+    if not name:
+        req.desc.thread = threading.current_thread().name.encode()
+    req.desc.kind = <COpKind>kind
+    req.desc.dtype = <CDType>DTYPES[buf.dtype][0] if buf is not None else CDType.kInt32
+    req.desc.count = buf.count if buf is not None else 0
+    req.desc.reduce_op = <CReduceOp>reduce_op
+    req.desc.root = root
+    req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
+    req.desc.codec = codec.encode()
+    req.data = buf.ptr() if buf is not None else NULL
+    req.deferred = deferred
+    with nogil:
+        st = CEngine.instance().submit(comm.ob_mpi, move(req), &op)
+    check_status(st)
+    cdef Handle h = Handle.__new__(Handle)
+    h.op = op
+    h.buffer = buf
+    h.name = op.get().name().decode()
+    if len(_inflight) >= _prune_at[0]:
+        _prune()
+    _inflight.add(h)
+    return h
+
+
+def parse_op(op):
+    try:
+        return _OPS[op]
+    except KeyError:
+        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}") from None
+
+
+KIND_ALLREDUCE = <int>COpKind.kAllreduce
+KIND_BROADCAST = <int>COpKind.kBroadcast
+KIND_BARRIER = <int>COpKind.kBarrier
+
+
+def set_stall_limits(double warn_seconds, double error_seconds):
+    CEngine.instance().set_stall_limits(warn_seconds, error_seconds)
+
+
+def stats():
+    """Engine counters: a list of dicts, one per (kind, codec)."""
+    cdef vector[CEngineStats] rows = CEngine.instance().stats()
+    return [{"kind": r.kind.decode(), "codec": r.codec.decode(), "ops": r.ops,
+             "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
+             "dense_bytes": r.dense_bytes, "seconds": r.seconds} for r in rows]
+
+
+def agreement_stats():
+    """The agreement's control traffic on this rank (a dict of counters)."""
+    cdef CAgreementStats a = CEngine.instance().agreement_stats()
+    return {"messages_sent": a.messages_sent, "messages_received": a.messages_received,
+            "entries_received": a.entries_received, "descriptions_received": a.descriptions_received}
+
+
+def reset_stats():
+    CEngine.instance().reset_stats()
+
+
+def reset_compression_state():
+    """Forget every error-feedback residual."""
+    CEngine.instance().reset_compression_state()
+
+
+def residual(MPI.Comm comm, name):
+    """A float32 copy of tensor `name`'s error-feedback residual, or None."""
+    cdef vector[float] out
+    cdef cbool found = False
+    cdef string text = name.encode()
+    cdef CStatus st
+    with nogil:
+        st = CEngine.instance().copy_residual(comm.ob_mpi, text, &out, &found)
+    check_status(st)
+    if not found:
+        return None
+    import numpy
+    arr = numpy.empty(out.size(), dtype=numpy.float32)
+    cdef float[::1] view = arr
+    cdef size_t i
+    for i in range(out.size()):
+        view[i] = out[i]
+    return arr
+
+
+# ---- codec kernels on one whole array (tests, bench/codecs.py) ----
+
+cdef Buffer _float32(obj, bint writable):
+    cdef Buffer b = Buffer(obj, None, writable)
+    if b.dtype != "float32":
+        raise TypeError(f"codec kernels take float32 arrays, got {b.dtype}")
+    return b
+
+
+def codec_encoded_size(codec, size_t count):
+    """Bytes that `count` float32 values take on the wire under `codec` (canonical text)."""
+    cdef size_t out = 0
+    cdef string text = codec.encode()
+    check_status(codec_encoded_bytes(text, count, &out))
+    return out
+
+
+def codec_encode_into(codec, values, out, err=None, uint64_t stream=0):
+    """Encode float32 `values` into the uint8 array `out` (codec_encoded_size bytes);
+    `err`, if given (float32, same length), receives values - decode(encoded)."""
+    cdef Buffer src = _float32(values, False)
+    cdef string text = codec.encode()
+    cdef size_t need = codec_encoded_size(codec, src.count)
+    cdef Buffer e = None
+    cdef float* err_ptr = NULL
+    cdef uint8_t[::1] out_view = out
+    cdef CStatus st
+    if <size_t>out_view.shape[0] != need:
+        raise ValueError(f"out has {out_view.shape[0]} bytes, the encoding needs {need}")
+    if err is not None:
+        e = _float32(err, True)
+        if e.count != src.count:
+            raise ValueError("err must have as many values as values")
+        err_ptr = <float*>e.ptr()
+    cdef const float* src_ptr = <const float*>src.ptr()
+    cdef size_t count = src.count
+    cdef uint8_t* out_ptr = &out_view[0] if need else NULL
+    with nogil:
+        st = codec_encode(text, src_ptr, count, out_ptr, err_ptr, stream)
+    check_status(st)
+
+
+def codec_decode_into(codec, encoded, out):
+    """Decode the uint8 array `encoded` into the float32 array `out` (the original length)."""
+    cdef Buffer dst = _float32(out, True)
+    cdef string text = codec.encode()
+    cdef size_t need = codec_encoded_size(codec, dst.count)
+    cdef const uint8_t[::1] in_view = encoded
+    cdef CStatus st
+    if <size_t>in_view.shape[0] != need:
+        raise ValueError(f"encoded has {in_view.shape[0]} bytes, {dst.count} values need {need}")
+    cdef const uint8_t* in_ptr = &in_view[0] if need else NULL
+    cdef float* dst_ptr = <float*>dst.ptr()
+    cdef size_t count = dst.count
+    with nogil:
+        st = codec_decode(text, in_ptr, count, dst_ptr)
+    check_status(st)
+
+
+def shutdown():
+    with nogil:
+        CEngine.instance().shutdown()
+
