@@ -32,80 +32,14 @@
 
 #include "hpcdl/compressed_ring.hpp"
 #include "hpcdl/dtype.hpp"
+#include "hpcdl/operation.hpp"
+#include "hpcdl/residual_store.hpp"
 #include "hpcdl/ring.hpp"
 #include "hpcdl/status.hpp"
 #include "hpcdl/sparse_allreduce.hpp"
 #include "hpcdl/topk.hpp"
 
 namespace hpcdl {
-
-enum class OpKind : int { kAllreduce = 0, kBroadcast = 1, kBarrier = 2 };
-
-const char* op_kind_name(OpKind k);
-
-// What every rank must agree on for one operation.
-struct OpDesc {
-  OpKind kind = OpKind::kAllreduce;
-  DType dtype = DType::kFloat32;
-  ReduceOp reduce_op = ReduceOp::kSum;
-  std::int32_t root = 0;
-  std::uint64_t count = 0;
-  std::uint64_t chunk_bytes = 0;
-  std::string codec;  // codec config, canonical text; empty = none
-  // Unnamed operations: the submitting thread's name. Unnamed operations pair
-  // by submission order; threads racing to submit would pair one thread's
-  // operation with another's, so the thread is part of what ranks agree on.
-  std::string thread;
-
-  std::string serialize(const std::string& name) const;
-  static bool parse(const std::string& bytes, std::string* name, OpDesc* out);
-};
-
-struct OpRequest {
-  std::string name;  // empty: named by submission order on this communicator
-  OpDesc desc;
-  void* data = nullptr;
-  bool deferred = false;  // data not in place yet: run only after Operation::mark_ready()
-};
-
-struct OpTimes {
-  double submitted_us = 0, ready_us = 0, agreed_us = 0, started_us = 0;
-  double reduce_scatter_end_us = 0, finished_us = 0;
-};
-
-class Operation {
- public:
-  explicit Operation(std::string name, OpRequest req)
-      : name_(std::move(name)), req_(std::move(req)), ready_(!req_.deferred) {}
-  const std::string& name() const { return name_; }
-  bool done();
-  // A deferred operation's data is in place: the engine may run it. Idempotent.
-  void mark_ready();
-  bool ready();
-  // Waits up to `seconds`; true once the operation has finished.
-  bool wait_for(double seconds);
-  Status status();
-  // Warnings for whoever waits on this operation (stalls), oldest first.
-  std::vector<std::string> take_notices();
-  OpTimes times();
-
- private:
-  friend class Engine;
-  friend class CommContext;
-  void finish(Status st);
-  void notify(std::string message);
-  bool wait_ready_for(double seconds);
-
-  std::string name_;
-  OpRequest req_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  bool ready_;
-  Status status_;
-  std::vector<std::string> notices_;
-  OpTimes times_;
-};
 
 struct EngineStats {
   std::string kind;   // allreduce, broadcast, barrier
@@ -173,13 +107,13 @@ class Engine {
   Status finish_setup(CommContext& ctx, double warn_s, double error_s);
   // Tells the other ranks of ctx that this rank leaves it (`why`), with operations possibly in flight.
   void announce_leaving(CommContext& ctx, const std::string& why);
+  // Another rank's leave notice (in control_msg_) arrived from `source`.
+  Status take_leave_notice(CommContext& ctx, int source);
+  // Cancels and frees what a freed communicator held; false until its duplication completed.
+  bool release_freed(CommContext& ctx);
   Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic);
-  // Error feedback: the residual of tensor `name` on a context, count floats
-  // (made, zeroed, when new or when the count changed).
-  std::shared_ptr<std::vector<float>> residual_for(std::uint64_t context_id, const std::string& name,
-                                                   std::size_t count);
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -193,8 +127,7 @@ class Engine {
   std::uint64_t wakeups_ = 0;  // wake() calls: an idle loop rechecks what is ready or freed
   double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;
 
-  std::mutex residual_mu_;
-  std::map<std::pair<std::uint64_t, std::string>, std::shared_ptr<std::vector<float>>> residuals_;
+  ResidualStore residuals_;
   std::uint64_t next_context_id_ = 0;  // under mu_
 
   std::mutex stats_mu_;

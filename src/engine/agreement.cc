@@ -1,0 +1,349 @@
+// The agreement protocol: ranks report the operations ready on them up a
+// binomial report tree to the coordinator (rank 0), which plans what every
+// rank reported the same way and sends the plan down the tree
+// (include/hpcdl/engine.hpp describes it; op_wire.hpp the messages).
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "hpcdl/comm_context.hpp"
+#include "hpcdl/dtype.hpp"
+#include "hpcdl/engine.hpp"
+#include "hpcdl/mpi_util.hpp"
+#include "hpcdl/op_wire.hpp"
+#include "hpcdl/wire.hpp"
+
+namespace hpcdl {
+
+namespace {
+
+// How long a rank holds its subtree's partial reports of an operation before
+// sending them up as they are (rank by rank): a quarter of the stall limits,
+// so the coordinator names the missing ranks at most that much later.
+double report_hold_seconds(double warn_s, double error_s) {
+  double hold = std::numeric_limits<double>::infinity();
+  if (warn_s > 0) hold = std::min(hold, warn_s / 4);
+  if (error_s > 0) hold = std::min(hold, error_s / 4);
+  return hold;
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::ostringstream os;
+  os << (ranks.size() == 1 ? "rank " : "ranks ");
+  for (std::size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
+  return os.str();
+}
+
+// "count differs: 1000 on ranks 0, 1, 3; 998 on rank 2" for each field where ranks disagree.
+std::string describe_disagreement(const std::vector<OpDesc>& descs) {
+  std::ostringstream os;
+  auto field = [&](const char* label, auto value_of) {
+    std::map<std::string, std::vector<int>> by_value;
+    for (std::size_t r = 0; r < descs.size(); ++r) by_value[value_of(descs[r])].push_back(static_cast<int>(r));
+    if (by_value.size() < 2) return;
+    if (os.tellp() > 0) os << "; ";
+    os << label << " differs:";
+    bool first = true;
+    for (auto& kv : by_value) {
+      os << (first ? " " : ", ") << kv.first << " on " << rank_list(kv.second);
+      first = false;
+    }
+  };
+  field("operation", [](const OpDesc& d) { return std::string(op_kind_name(d.kind)); });
+  field("dtype", [](const OpDesc& d) { return std::string(dtype_name(d.dtype)); });
+  field("count", [](const OpDesc& d) { return std::to_string(d.count); });
+  field("op", [](const OpDesc& d) { return std::string(d.reduce_op == ReduceOp::kSum ? "sum" : "average"); });
+  field("root", [](const OpDesc& d) { return std::to_string(d.root); });
+  field("chunk_bytes", [](const OpDesc& d) { return std::to_string(d.chunk_bytes); });
+  field("compression", [](const OpDesc& d) { return d.codec.empty() ? std::string("none") : d.codec; });
+  field("submitting thread", [](const OpDesc& d) { return "'" + d.thread + "'"; });
+  return os.str();
+}
+
+}  // namespace
+
+void CommContext::set_tree(bool flat) {
+  if (flat) {
+    parent = rank == 0 ? -1 : 0;
+    subtree_end = rank == 0 ? size : rank + 1;
+    for (int r = 1; rank == 0 && r < size; ++r) children.push_back(r);
+    return;
+  }
+  // Rank r's parent clears r's lowest set bit; r's subtree spans that bit.
+  int span = 1;
+  if (rank == 0) {
+    while (span < size) span <<= 1;
+  } else {
+    span = rank & -rank;
+    parent = rank - span;
+  }
+  subtree_end = std::min(size, rank + span);
+  for (int step = 1; step < span && rank + step < size; step <<= 1) children.push_back(rank + step);
+}
+
+Status CommContext::report() {
+  if (unreported.empty()) return Status::OK();
+  WireWriter w;
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(unreported.size()));
+  for (const std::string& name : unreported) {
+    const std::string desc = pending.at(name)->req_.desc.serialize(name);
+    auto id = ids.find(name);
+    auto last = last_reported.find(name);
+    if (id != ids.end() && last != last_reported.end() && last->second == desc) {
+      w.put<std::uint8_t>(kEntryCached);
+      w.put<std::uint32_t>(id->second);
+      w.put<std::int32_t>(rank);
+      w.put<std::int32_t>(rank + 1);
+    } else {
+      w.put<std::uint8_t>(kEntryDescription);
+      w.put<std::int32_t>(rank);
+      w.put_string(desc);
+      last_reported[name] = desc;
+    }
+  }
+  unreported.clear();
+  return take_report(w.buffer().data(), w.buffer().size(), true);
+}
+
+Status CommContext::take_report(const char* bytes, std::size_t n, bool own) {
+  WireReader r(bytes, n);
+  std::uint32_t count;
+  if (!r.get(&count)) return Status::Internal("malformed ready message");
+  for (std::uint32_t i = 0; i < count; ++i) {
+    std::uint8_t form;
+    if (!r.get(&form)) return Status::Internal("malformed ready message");
+    if (!own) ++counted.entries_received;
+    if (form == kEntryDescription) {
+      std::int32_t source;
+      std::string desc, name;
+      OpDesc parsed;
+      if (!r.get(&source) || !r.get_string(&desc) || !OpDesc::parse(desc, &name, &parsed) || source < rank ||
+          source >= subtree_end)
+        return Status::Internal("malformed operation description");
+      if (!own) ++counted.descriptions_received;
+      if (!is_coordinator()) {
+        if (upward_entries++ == 0) upward.put<std::uint32_t>(0);
+        upward.put<std::uint8_t>(kEntryDescription);
+        upward.put<std::int32_t>(source);
+        upward.put_string(desc);
+        // A changed description of an operation seen before: the rest of the
+        // subtree may report it by id, and their merged entry must not wait for this rank.
+        auto known = ids.find(name);
+        if (known != ids.end()) merge_cached(known->second, source, source + 1, false);
+        continue;
+      }
+      std::uint32_t id;
+      auto it = coord_ids.find(name);
+      if (it == coord_ids.end()) {
+        id = static_cast<std::uint32_t>(coord_names.size());
+        coord_ids.emplace(name, id);
+        coord_names.push_back(name);
+        last_desc.emplace_back(size);
+        announced.push_back(0);
+      } else {
+        id = it->second;
+      }
+      last_desc[id][source] = desc;
+      mark_ready(id, source, source + 1);
+    } else if (form == kEntryCached) {
+      std::uint32_t id;
+      std::int32_t first, end;
+      if (!r.get(&id) || !r.get(&first) || !r.get(&end) || first < rank || first >= end || end > subtree_end)
+        return Status::Internal("malformed cached report");
+      if (is_coordinator()) {
+        if (id >= coord_names.size()) return Status::Internal("unknown operation id in ready message");
+        mark_ready(id, first, end);
+      } else {
+        merge_cached(id, first, end, true);
+      }
+    } else {
+      return Status::Internal("malformed ready message");
+    }
+  }
+  return Status::OK();
+}
+
+void CommContext::merge_cached(std::uint32_t id, int first, int end, bool sent_by_id) {
+  const int span = subtree_end - rank;
+  Partial& p = partial[id];
+  if (p.ready.empty()) {
+    p.ready.assign(span, 0);
+    p.first_seen = std::chrono::steady_clock::now();
+  }
+  for (int k = first; k < end; ++k)
+    if (!p.ready[k - rank]) {
+      p.ready[k - rank] = sent_by_id ? kById : kByDescription;
+      ++p.count;
+    }
+  p.any_by_id = p.any_by_id || sent_by_id;
+  // The merged entry may name ranks whose descriptions went up before it: the
+  // coordinator marks a rank ready once, and reads its description first. It
+  // goes up only with a rank reported by id in it, so it never arrives after
+  // the descriptions alone completed the operation (a stale mark for the next step).
+  if (p.released) {
+    if (sent_by_id) put_upward_cached(id, first, end);
+  } else if (p.count == span && p.any_by_id) {
+    put_upward_cached(id, rank, subtree_end);
+  }
+  if (p.count == span) partial.erase(id);
+}
+
+void CommContext::put_upward_cached(std::uint32_t id, int first, int end) {
+  if (upward_entries++ == 0) upward.put<std::uint32_t>(0);
+  upward.put<std::uint8_t>(kEntryCached);
+  upward.put<std::uint32_t>(id);
+  upward.put<std::int32_t>(first);
+  upward.put<std::int32_t>(end);
+}
+
+void CommContext::release_held(double hold_s) {
+  for (auto& kv : partial) {
+    Partial& p = kv.second;
+    if (p.released || seconds_since(p.first_seen) < hold_s) continue;
+    p.released = true;
+    const int span = static_cast<int>(p.ready.size());
+    for (int i = 0; i < span;) {  // ranks reported by id: descriptions went up already
+      if (p.ready[i] != kById) {
+        ++i;
+        continue;
+      }
+      int j = i;
+      while (j < span && p.ready[j] == kById) ++j;
+      put_upward_cached(kv.first, rank + i, rank + j);
+      i = j;
+    }
+  }
+}
+
+Status CommContext::send_upward() {
+  if (upward_entries == 0) return Status::OK();
+  std::memcpy(upward.buffer().data(), &upward_entries, sizeof(upward_entries));
+  std::vector<char> bytes = std::move(upward.buffer());
+  upward = WireWriter();
+  upward_entries = 0;
+  return send(parent, kTagReady, std::move(bytes));
+}
+
+void CommContext::mark_ready(std::uint32_t id, int first, int end) {
+  Entry& e = table[id];
+  if (e.ready.empty()) {
+    e.ready.assign(size, 0);
+    e.first_seen = std::chrono::steady_clock::now();
+  }
+  for (int k = first; k < end; ++k)
+    if (!e.ready[k]) {
+      e.ready[k] = 1;
+      ++e.ready_count;
+    }
+}
+
+void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32_t* entries) {
+  auto put_entry = [&](std::uint32_t id, PlanResult result, const std::string& message) {
+    w->put<std::uint32_t>(id);
+    w->put<std::uint8_t>(static_cast<std::uint8_t>(result));
+    const bool with_name = result != PlanResult::kRun || !announced[id];
+    w->put<std::uint8_t>(with_name ? 1 : 0);
+    if (with_name) w->put_string(coord_names[id]);
+    if (result == PlanResult::kRun) announced[id] = 1;
+    if (result != PlanResult::kRun) w->put_string(message);
+    ++*entries;
+  };
+  // Entries completed in the same cycle run in id order: only the coordinator
+  // decides, so every rank gets the same order.
+  for (auto it = table.begin(); it != table.end();) {
+    const std::uint32_t id = it->first;
+    Entry& e = it->second;
+    if (e.ready_count == size) {
+      std::vector<OpDesc> descs(size);
+      bool same = true;
+      for (int r = 0; r < size; ++r) {
+        std::string name;
+        OpDesc::parse(last_desc[id][r], &name, &descs[r]);
+        same = same && last_desc[id][r] == last_desc[id][0];
+      }
+      if (same) {
+        put_entry(id, PlanResult::kRun, "");
+      } else {
+        put_entry(id, PlanResult::kMismatch,
+                  "hpcdl: ranks disagree on operation '" + coord_names[id] + "': " + describe_disagreement(descs));
+      }
+      it = table.erase(it);
+      continue;
+    }
+    const double waited = seconds_since(e.first_seen);
+    std::vector<int> missing;
+    for (int r = 0; r < size; ++r)
+      if (!e.ready[r]) missing.push_back(r);
+    if (error_s > 0 && waited >= error_s) {
+      put_entry(id, PlanResult::kTimeout,
+                "hpcdl: operation '" + coord_names[id] + "' was never submitted by " + rank_list(missing) +
+                    " (gave up after " + std::to_string(static_cast<int>(waited)) + " s)");
+      it = table.erase(it);
+      continue;
+    }
+    if (warn_s > 0 && waited >= warn_s && waited - e.warned_at >= warn_s) {
+      e.warned_at = waited;
+      std::ostringstream os;
+      os << "hpcdl: operation '" << coord_names[id] << "' has waited " << static_cast<int>(waited)
+         << " s for " << rank_list(missing) << ", which have not submitted it (ready on "
+         << e.ready_count << " of " << size << " ranks)";
+      put_entry(id, PlanResult::kStall, os.str());
+    }
+    ++it;
+  }
+}
+
+Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, double error_s, bool* busy) {
+  const bool reported = !ctx.unreported.empty();
+  HPCDL_RETURN_NOT_OK(ctx.report());
+  bool arrived = false;
+  for (;;) {
+    int flag = 0;
+    MPI_Status probe;
+    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, ctx.ctl, &flag, &probe), "MPI_Iprobe"));
+    if (!flag) break;
+    int n = 0;
+    MPI_Get_count(&probe, MPI_BYTE, &n);
+    control_msg_.resize(static_cast<std::size_t>(n));
+    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe.MPI_SOURCE, probe.MPI_TAG,
+                                            ctx.ctl, MPI_STATUS_IGNORE),
+                                   "MPI_Recv(control)"));
+    arrived = true;
+    if (probe.MPI_TAG != kTagLeave) ++ctx.counted.messages_received;
+    if (probe.MPI_TAG == kTagLeave) {
+      HPCDL_RETURN_NOT_OK(take_leave_notice(ctx, probe.MPI_SOURCE));
+      continue;
+    }
+    if (probe.MPI_TAG == kTagReady) {
+      HPCDL_RETURN_NOT_OK(ctx.take_report(control_msg_.data(), control_msg_.size(), false));
+    } else if (probe.MPI_TAG == kTagPlan) {
+      for (int child : ctx.children) HPCDL_RETURN_NOT_OK(ctx.send(child, kTagPlan, control_msg_));
+      ctx.plans.push_back(control_msg_);
+    }
+  }
+  *busy = *busy || arrived || reported;
+  if (!ctx.is_coordinator() && ctx.gone.ok()) {
+    ctx.release_held(report_hold_seconds(warn_s, error_s));
+    HPCDL_RETURN_NOT_OK(ctx.send_upward());
+  }
+  if (ctx.is_coordinator() && ctx.gone.ok() && (arrived || reported || stall_check) && !ctx.table.empty()) {
+    WireWriter w;
+    std::uint32_t entries = 0;
+    w.put<std::uint32_t>(0);
+    ctx.plan(warn_s, error_s, &w, &entries);
+    if (entries) {
+      std::memcpy(w.buffer().data(), &entries, sizeof(entries));
+      for (int child : ctx.children) HPCDL_RETURN_NOT_OK(ctx.send(child, kTagPlan, w.buffer()));
+      ctx.plans.push_back(std::move(w.buffer()));
+    }
+  }
+  publish_agreement_stats(ctx);
+  return ctx.flush_outbox();
+}
+
+}  // namespace hpcdl

@@ -1,0 +1,215 @@
+// Running what the plan says, in its order: wait for a deferred operation's
+// data, then the dense ring, a codec's compressed scheme or the broadcast,
+// its counters and its timeline spans.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "hpcdl/codecs.hpp"
+#include "hpcdl/comm_context.hpp"
+#include "hpcdl/compressed_ring.hpp"
+#include "hpcdl/engine.hpp"
+#include "hpcdl/mpi_util.hpp"
+#include "hpcdl/op_wire.hpp"
+#include "hpcdl/ring.hpp"
+#include "hpcdl/timeline.hpp"
+#include "hpcdl/topk.hpp"
+#include "hpcdl/wire.hpp"
+
+namespace hpcdl {
+
+Status Engine::run_plans(CommContext& ctx) {
+  while (!ctx.plans.empty() && ctx.control_error.ok()) {
+    // Taken off the queue first: running an entry may queue the next plans.
+    std::vector<char> plan = std::move(ctx.plans.front());
+    ctx.plans.pop_front();
+    WireReader r(plan.data(), plan.size());
+    std::uint32_t entries = 0;
+    r.get(&entries);
+    for (std::uint32_t i = 0; i < entries; ++i) {
+      std::uint32_t id = 0;
+      std::uint8_t result = 0, with_name = 0;
+      std::string name, message;
+      r.get(&id);
+      r.get(&result);
+      r.get(&with_name);
+      if (with_name) {
+        r.get_string(&name);
+      } else if (id < ctx.names_by_id.size()) {
+        name = ctx.names_by_id[id];
+      }
+      if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+        if (id >= ctx.names_by_id.size()) ctx.names_by_id.resize(id + 1);
+        ctx.names_by_id[id] = name;
+        ctx.ids[name] = id;
+      } else {
+        r.get_string(&message);
+      }
+      auto it = ctx.pending.find(name);
+      if (it == ctx.pending.end()) continue;  // a stall notice for an op this rank never submitted
+      std::shared_ptr<Operation> op = it->second;
+      if (static_cast<PlanResult>(result) == PlanResult::kStall) {
+        op->notify(message);
+        continue;
+      }
+      ctx.pending.erase(it);
+      Status st;
+      if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+        {
+          std::lock_guard<std::mutex> g(op->mu_);
+          op->times_.agreed_us = now_us();
+        }
+        st = await_ready(ctx, *op);
+        if (st.ok()) st = execute(ctx, *op);
+        if (!st.ok() && !ctx.gone.ok()) st = ctx.gone;  // abandoned because a rank left: say which
+      } else {
+        ctx.last_reported.erase(name);  // report it in full next time
+        st = static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
+                                                                     : Status::Mismatch(message);
+      }
+      {
+        // Retire the name before the waiter wakes: its next step may reuse it at once.
+        std::lock_guard<std::mutex> g(mu_);
+        ctx.in_flight.erase(name);
+      }
+      op->finish(st);
+    }
+  }
+  return ctx.control_error;
+}
+
+// The other ranks wait in this operation's ring meanwhile; the control
+// channel is still read, so later operations are agreed.
+Status Engine::await_ready(CommContext& ctx, Operation& op) {
+  const auto since = std::chrono::steady_clock::now();
+  double warned_at = 0;
+  // Its data comes from the caller's computation: wake rarely meanwhile.
+  while (!op.wait_ready_for(0.02)) {
+    if (wait_hook != nullptr) (*wait_hook)(0);
+    if (!ctx.gone.ok()) return ctx.gone;
+    double warn_s;
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      if (!running_) return Status::Cancelled("hpcdl's engine shut down before '" + op.name() + "' was marked ready");
+      warn_s = stall_warn_s_;
+    }
+    const double waited = seconds_since(since);
+    if (warn_s > 0 && waited - warned_at >= warn_s) {
+      warned_at = waited;
+      std::fprintf(stderr,
+                   "[hpcdl rank %d] deferred operation '%s' is agreed on every rank but has waited %d s for "
+                   "mark_ready() here; the other ranks wait in its ring\n",
+                   ctx.rank, op.name().c_str(), static_cast<int>(waited));
+    }
+  }
+  return Status::OK();
+}
+
+// A compressed allreduce (p > 1) with the codec's scheme; named tensors keep
+// an error-feedback residual, which the scheme adds where it first touches
+// each element (no separate pass over the tensor).
+Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic) {
+  const OpDesc& d = op.req_.desc;
+  CodecSpec spec;
+  HPCDL_RETURN_NOT_OK(parse_codec(d.codec, &spec));
+  float* data = static_cast<float*>(op.req_.data);
+  const std::size_t n = d.count;
+  const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
+  std::shared_ptr<std::vector<float>> residual;  // kept alive even if reset_state() runs meanwhile
+  if (!op.req_.name.empty()) residual = residuals_.get(ctx.id, op.req_.name, n);
+  float* res = residual ? residual->data() : nullptr;
+  RingPlan plan(ctx.size, ctx.rank, n, sizeof(float), d.chunk_bytes);
+  traffic->dense_bytes = plan.dense_bytes_sent();
+  const std::uint64_t stream = mix64((ctx.compressed_ops++ << 20) ^ static_cast<std::uint64_t>(ctx.rank)) << 32;
+  switch (spec.kind) {
+    case CodecKind::kInt8: {
+      Int8Codec codec(spec);
+      CompressedRingPolicy<Int8Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic);
+    }
+    case CodecKind::kFp16: {
+      Fp16Codec codec(spec);
+      CompressedRingPolicy<Fp16Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic);
+    }
+    case CodecKind::kBf16: {
+      Bf16Codec codec(spec);
+      CompressedRingPolicy<Bf16Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic);
+    }
+    case CodecKind::kTopK:
+      executing_cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
+      if (topk_use_split(spec.topk_algorithm, ctx.size, n, topk_count(n, spec.ratio)))
+        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, data, n, spec.ratio, scale, res, traffic,
+                                    topk_scratch_, split_scratch_);
+      return topk_allreduce(ctx.data, ctx.size, data, n, spec.ratio, scale, res, traffic, topk_scratch_);
+    case CodecKind::kNone:
+      break;
+  }
+  return Status::Internal("run_compressed without a codec");
+}
+
+Status Engine::execute(CommContext& ctx, Operation& op) {
+  const OpDesc& d = op.req_.desc;
+  const double t0 = MPI_Wtime();
+  const double start_us = now_us();
+  {
+    std::lock_guard<std::mutex> g(op.mu_);
+    op.times_.started_us = start_us;
+  }
+  Status st;
+  RingTraffic traffic;
+  executing_ = &ctx;
+  executing_cancellable_ = d.kind == OpKind::kAllreduce;  // a ring's point-to-point requests can be cancelled
+  if (d.kind == OpKind::kAllreduce) {
+    const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
+    if (ctx.size == 1) {
+      scale_buffer(d.dtype, op.req_.data, d.count, scale);
+    } else if (!d.codec.empty()) {
+      st = run_compressed(ctx, op, &traffic);
+    } else {
+      RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
+      DenseRingPolicy policy(plan, op.req_.data, d.dtype, scale);
+      traffic.dense_bytes = plan.dense_bytes_sent();
+      st = run_ring(plan, policy, ctx.data, kTagData, &traffic);
+    }
+  } else if (d.kind == OpKind::kBroadcast) {
+    const std::size_t total = d.count * dtype_size(d.dtype);
+    char* p = static_cast<char*>(op.req_.data);
+    for (std::size_t off = 0; off < total && st.ok(); off += kMaxChunkBytes) {
+      const int n = static_cast<int>(std::min(kMaxChunkBytes, total - off));
+      MPI_Request request;
+      st = mpi_status(MPI_Ibcast(p + off, n, MPI_BYTE, d.root, ctx.data, &request), "MPI_Ibcast");
+      if (st.ok()) st = mpi_status(wait_politely(&request, MPI_STATUS_IGNORE), "MPI_Wait(broadcast)");
+      if (ctx.rank == d.root) traffic.bytes_sent += n; else traffic.bytes_received += n;
+    }
+  }
+  // A barrier needs nothing more: it ran because every rank had entered it.
+  executing_ = nullptr;
+  const double end_us = now_us();
+  {
+    std::lock_guard<std::mutex> g(op.mu_);
+    op.times_.reduce_scatter_end_us =
+        traffic.reduce_scatter_end > 0 ? start_us + (traffic.reduce_scatter_end - t0) * 1e6 : 0;
+  }
+  record(op, traffic, MPI_Wtime() - t0);
+  Timeline& tl = Timeline::instance();
+  if (tl.enabled()) {
+    const OpTimes t = op.times();
+    // A deferred operation's wait for its data is not negotiation: its own span.
+    if (op.req_.deferred) tl.record(op.name(), "deferred", t.submitted_us, t.ready_us, 0);
+    tl.record(op.name(), "negotiate", op.req_.deferred ? t.ready_us : t.submitted_us, start_us, 0);
+    if (t.reduce_scatter_end_us > 0) {
+      tl.record(op.name(), "reduce_scatter", start_us, t.reduce_scatter_end_us, 0);
+      tl.record(op.name(), "allgather", t.reduce_scatter_end_us, end_us, 0);
+    } else {
+      tl.record(op.name(), op_kind_name(d.kind), start_us, end_us, 0);
+    }
+  }
+  return st;
+}
+
+}  // namespace hpcdl

@@ -1,0 +1,45 @@
+// An operation's description as it travels in reports (OpDesc::serialize).
+#include <cstdint>
+#include <string>
+
+#include "hpcdl/engine.hpp"
+#include "hpcdl/wire.hpp"
+
+namespace hpcdl {
+
+const char* op_kind_name(OpKind k) {
+  switch (k) {
+    case OpKind::kAllreduce: return "allreduce";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kBarrier: return "barrier";
+  }
+  return "?";
+}
+
+std::string OpDesc::serialize(const std::string& name) const {
+  WireWriter w;
+  w.put_string(name);
+  w.put<std::int32_t>(static_cast<std::int32_t>(kind));
+  w.put<std::int32_t>(static_cast<std::int32_t>(dtype));
+  w.put<std::int32_t>(static_cast<std::int32_t>(reduce_op));
+  w.put<std::int32_t>(root);
+  w.put<std::uint64_t>(count);
+  w.put<std::uint64_t>(chunk_bytes);
+  w.put_string(codec);
+  w.put_string(thread);
+  return std::string(w.buffer().begin(), w.buffer().end());
+}
+
+bool OpDesc::parse(const std::string& bytes, std::string* name, OpDesc* out) {
+  WireReader r(bytes.data(), bytes.size());
+  std::int32_t kind, dtype, op;
+  if (!r.get_string(name) || !r.get(&kind) || !r.get(&dtype) || !r.get(&op) || !r.get(&out->root) ||
+      !r.get(&out->count) || !r.get(&out->chunk_bytes) || !r.get_string(&out->codec) || !r.get_string(&out->thread))
+    return false;
+  out->kind = static_cast<OpKind>(kind);
+  out->dtype = static_cast<DType>(dtype);
+  out->reduce_op = static_cast<ReduceOp>(op);
+  return true;
+}
+
+}  // namespace hpcdl

@@ -1,0 +1,59 @@
+// Error feedback: per communicator and tensor name, what compression dropped,
+// added back by the next compressed allreduce of that tensor.
+#include "hpcdl/residual_store.hpp"
+
+#include <iterator>
+
+#include "hpcdl/comm_context.hpp"
+#include "hpcdl/engine.hpp"
+#include "hpcdl/mpi_util.hpp"
+
+namespace hpcdl {
+
+std::shared_ptr<std::vector<float>> ResidualStore::get(std::uint64_t context_id, const std::string& name,
+                                                       std::size_t count) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto& slot = residuals_[{context_id, name}];
+  if (!slot || slot->size() != count) slot = std::make_shared<std::vector<float>>(count, 0.0f);
+  return slot;
+}
+
+bool ResidualStore::copy(std::uint64_t context_id, const std::string& name, std::vector<float>* out) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = residuals_.find({context_id, name});
+  if (it == residuals_.end()) return false;
+  *out = *it->second;
+  return true;
+}
+
+void ResidualStore::forget_context(std::uint64_t context_id) {
+  std::lock_guard<std::mutex> g(mu_);
+  for (auto it = residuals_.begin(); it != residuals_.end();)
+    it = it->first.first == context_id ? residuals_.erase(it) : std::next(it);
+}
+
+void ResidualStore::clear() {
+  std::lock_guard<std::mutex> g(mu_);
+  residuals_.clear();
+}
+
+void Engine::reset_compression_state() { residuals_.clear(); }
+
+Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found) {
+  *found = false;
+  // Look the context up only: making one is collective (MPI_Comm_dup).
+  std::uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
+    void* attr = nullptr;
+    int has = 0;
+    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, keyval_, &attr, &has), "MPI_Comm_get_attr"));
+    if (!has) return Status::OK();
+    id = static_cast<CommContext*>(attr)->id;
+  }
+  *found = residuals_.copy(id, name, out);
+  return Status::OK();
+}
+
+}  // namespace hpcdl
