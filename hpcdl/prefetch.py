@@ -19,7 +19,6 @@ thread with the GIL released.
 """
 
 import atexit
-import json
 import os
 import time
 import warnings
@@ -347,12 +346,8 @@ class Prefetcher:
         return self._core.placement()
 
     def _write_trace(self):
-        events = _core.timeline_take()
         path = self._trace if self.ranks == 1 else f"{self._trace}.rank{self.rank}"
-        trace = [{"name": name, "cat": cat, "ph": "X", "ts": ts, "dur": dur, "pid": self.rank, "tid": track}
-                 for name, cat, ts, dur, track in events]
-        with open(path, "w") as fh:
-            json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, fh)
+        timeline.write_trace(path, timeline.spans(self.rank, _core.timeline_take()))
 
     # ------------------------------------------------------------------ shutdown
 

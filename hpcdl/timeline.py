@@ -48,13 +48,27 @@ def _part(path, rank):
     return f"{path}.rank{rank}.part"
 
 
+def spans(rank, raw):
+    """The core's recorded events (_core.timeline_take()) as Chrome-trace "X" events of process `rank`."""
+    return [{"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": track, "ts": start, "dur": dur}
+            for name, cat, start, dur, track in raw]
+
+
+def write_trace(path, events, **other):
+    """A Chrome-trace JSON file of `events`, replaced whole (never left half-written)."""
+    trace = {"traceEvents": events, "displayTimeUnit": "ms"}
+    if other:
+        trace["otherData"] = other
+    with open(path + ".tmp", "w") as f:
+        json.dump(trace, f)
+    os.replace(path + ".tmp", path)
+
+
 def _events(rank, raw):
     events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
     events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
                for tid, name in TRACKS.items()]
-    events += [{"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": track, "ts": start, "dur": dur}
-               for name, cat, start, dur, track in raw]
-    return events
+    return events + spans(rank, raw)
 
 
 def _write_at_exit():
@@ -77,11 +91,7 @@ def _write_at_exit():
             continue
         with open(p) as f:
             merged += json.load(f)
-    trace = {"traceEvents": merged, "displayTimeUnit": "ms",
-             "otherData": {"ranks": size, "missing_ranks": missing}}
-    with open(path + ".tmp", "w") as f:
-        json.dump(trace, f)
-    os.replace(path + ".tmp", path)
+    write_trace(path, merged, ranks=size, missing_ranks=missing)
     for p in glob.glob(f"{glob.escape(path)}.rank*.part"):
         os.remove(p)
     note = f", no part from ranks {missing}" if missing else ""
