@@ -9,7 +9,7 @@ run, interleaved iteration by iteration so they meet the same conditions:
     mpiexec -n 4 python bench/allreduce.py --systems hpcdl \\
         --chunk-bytes 64KiB,256KiB,1MiB,4MiB --sizes 16MiB,64MiB    # chunk-size sweep
     mpiexec -n 4 python bench/allreduce.py --systems mpi \\
-        --compression none,fp16,int8,topk0.01 --sizes 4MiB,64MiB    # codecs (hpcdl[int8], ...)
+        --compression 'none,fp16,int8,topk(ratio=0.01)' --sizes 4MiB,64MiB    # codecs
 
 Per size and system: median and min over iterations of the slowest rank's
 time, algbw = bytes / time and busbw = algbw * 2(p-1)/p (as nccl-tests
@@ -100,21 +100,11 @@ class System:
 
 
 def parse_codec(text):
-    """'none', 'fp16', 'bf16', 'int8', 'int8:64' (block), 'topk0.01' -> an hpcdl codec (None = dense)."""
-    from hpcdl.compression import BF16, FP16, Int8, TopK
-    text = text.strip().lower()
-    try:
-        if text == "none":
-            return None
-        if text in ("fp16", "bf16"):
-            return FP16() if text == "fp16" else BF16()
-        if text.startswith("int8"):
-            return Int8(block=int(text[5:])) if text.startswith("int8:") else Int8()
-        if text.startswith("topk"):
-            return TopK(float(text[4:]))
-    except ValueError as e:
-        raise ValueError(f"bad codec {text!r}: {e}") from None
-    raise ValueError(f"unknown codec {text!r}; use none, fp16, bf16, int8[:BLOCK], topkRATIO")
+    """A codec text as hpcdl.compression.from_text reads it ('none', 'fp16', 'int8',
+    'int8(block=64)', 'topk(ratio=0.01)' ...) -> an hpcdl codec (None = dense)."""
+    from hpcdl.compression import NoCompression, from_text
+    codec = from_text(text)
+    return None if isinstance(codec, NoCompression) else codec
 
 
 class HpcdlSystem(System):
@@ -426,7 +416,7 @@ def parse_args(argv):
     p.add_argument("--chunk-bytes", default="", help="sweep hpcdl's chunk size over this list "
                    "(one hpcdl system per value); default: hpcdl's configured chunk size")
     p.add_argument("--compression", default="", help="comma-separated codecs for hpcdl, one system each "
-                   "(none, fp16, bf16, int8[:BLOCK], topkRATIO, e.g. none,fp16,int8,topk0.01); they replace "
+                   "(hpcdl.compression.from_text's syntax, e.g. none,fp16,int8,'topk(ratio=0.01)'); they replace "
                    "'hpcdl' in --systems and come first")
     p.add_argument("--iters", type=int, default=0, help="timed iterations per size and system "
                    "(default 0: adaptive, about --budget seconds each)")
@@ -446,9 +436,8 @@ def parse_args(argv):
     args.sizes = byte_list(args.sizes)
     args.chunk_sizes = byte_list(args.chunk_bytes) if args.chunk_bytes else []
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    args.codecs = [c.strip() for c in args.compression.split(",") if c.strip()]
-    for c in args.codecs:
-        parse_codec(c)
+    from hpcdl.compression import from_text_list
+    args.codecs = [str(codec) for codec in from_text_list(args.compression)]
     itemsize = np.dtype(DTYPE).itemsize
     bad = [format_bytes(s) for s in args.sizes if s <= 0 or s % itemsize]
     if bad:

@@ -32,7 +32,7 @@ import hpcdl  # noqa: E402
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=64, help="float32 buffer size in MiB (default 64)")
-    p.add_argument("--systems", default="int8,topk0.01,fp16,none,mpi",
+    p.add_argument("--systems", default="int8,topk(ratio=0.01),fp16,none,mpi",
                    help="hpcdl codecs (none = dense hpcdl) and/or mpi (default %(default)s)")
     p.add_argument("--calls", type=int, default=5, help="timed calls per system, after one untimed")
     args = p.parse_args(argv)

@@ -7,6 +7,7 @@ one .pxi file per topic, as mpi4py does; the Pythonic layers are
 hpcdl/collectives.py, hpcdl/store.py and hpcdl/prefetch.py.
 """
 
+include "status.pxi"
 include "engine.pxi"
 include "store.pxi"
 include "prefetch.pxi"

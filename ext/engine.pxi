@@ -14,25 +14,34 @@ from libcpp.vector cimport vector
 from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_COMM_NULL
 
-from libhpcdl.codecs cimport codec_decode, codec_encode, codec_encoded_bytes
+from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode, codec_encoded_bytes, codec_name,
+                              parse_codec, topk_algorithm_name, topk_count as c_topk_count)
 from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineStats, COpKind, COpRequest,
-                              COperation, COpTimes, CReduceOp, kDefaultChunkBytes)
+                              COperation, COpTimes, CReduceOp, dtype_is_float, dtype_name, dtype_size,
+                              dtype_valid, kDefaultChunkBytes, kMaxChunkBytes, kMinChunkBytes)
 from libhpcdl.status cimport CStatus, check_status
 
 import threading
 import warnings
 
+# The ring's chunk size: default and bounds (include/hpcdl/ring.hpp; the engine checks them).
 DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
+MIN_CHUNK_BYTES = kMinChunkBytes
+MAX_CHUNK_BYTES = kMaxChunkBytes
 
-# dtype name -> (core code, item size)
-DTYPES = {
-    "float32": (<int>CDType.kFloat32, 4),
-    "float64": (<int>CDType.kFloat64, 8),
-    "float16": (<int>CDType.kFloat16, 2),
-    "bfloat16": (<int>CDType.kBFloat16, 2),
-    "int32": (<int>CDType.kInt32, 4),
-    "int64": (<int>CDType.kInt64, 8),
-}
+
+cdef dict _dtype_table():
+    table = {}
+    cdef int code = 0
+    while dtype_valid(code):
+        table[dtype_name(<CDType>code).decode()] = (code, dtype_size(<CDType>code), dtype_is_float(<CDType>code))
+        code += 1
+    return table
+
+
+# The element types the core reduces (include/hpcdl/dtype.hpp): name -> (core code,
+# item size, floating point); read through hpcdl.collectives.DTYPES.
+DTYPES = _dtype_table()
 _FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "l": "int64", "q": "int64"}
 _OPS = {"sum": <int>CReduceOp.kSum, "average": <int>CReduceOp.kAverage}
 
@@ -313,7 +322,27 @@ def residual(MPI.Comm comm, name):
     return arr
 
 
-# ---- codec kernels on one whole array (tests, bench/codecs.py) ----
+# ---- the codec registry (include/hpcdl/codecs.hpp, codec_registry.hpp) ----
+
+def codec_config(text):
+    """The settings of a codec text as hpcdl.compression's get_config() spells them;
+    ValueError naming the setting when the core's rules reject it."""
+    cdef CCodecSpec spec
+    check_status(parse_codec(text.encode(), &spec))
+    config = {"name": codec_name(spec.kind).decode()}
+    if spec.kind == CCodecKind.kInt8:
+        config.update(block=spec.block, rounding="stochastic" if spec.stochastic else "nearest", seed=spec.seed)
+    elif spec.kind == CCodecKind.kTopK:
+        config.update(ratio=spec.ratio, algorithm=topk_algorithm_name(spec.topk_algorithm).decode())
+    return config
+
+
+def topk_count(size_t count, double ratio):
+    """How many values top-k keeps of `count`: max(1, ceil(ratio * count)), at most count (0 of 0)."""
+    return c_topk_count(count, ratio)
+
+
+# ---- codec kernels on one whole array (hpcdl.compression's Codec.encode_into/decode_into) ----
 
 cdef Buffer _float32(obj, bint writable):
     cdef Buffer b = Buffer(obj, None, writable)

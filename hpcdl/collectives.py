@@ -14,11 +14,16 @@ from mpi4py import MPI
 from hpcdl import _core
 from hpcdl.compression import canonical as _codec_text
 
+# The element types allreduce and broadcast take, as the core defines them
+# (include/hpcdl/dtype.hpp): name -> item size in bytes; FLOAT_DTYPES those
+# that op="average" and the framework adapters' gradients may use.
+DTYPES = {name: size for name, (_, size, _) in _core.DTYPES.items()}
+FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if is_float)
 
 # Engine tunables: type, lower and upper bound, environment variable. The
 # last two are read by the engine thread itself (C++) and only checked here.
 _SETTINGS = {
-    "chunk_bytes": (int, 64, 1 << 30, "HPCDL_CHUNK_BYTES"),
+    "chunk_bytes": (int, _core.MIN_CHUNK_BYTES, _core.MAX_CHUNK_BYTES, "HPCDL_CHUNK_BYTES"),
     "stall_warning_seconds": (float, 0, None, "HPCDL_STALL_WARNING_SECONDS"),
     "stall_error_seconds": (float, 0, None, "HPCDL_STALL_ERROR_SECONDS"),
     "wait_sleep_us": (int, 0, 1_000_000, "HPCDL_WAIT_SLEEP_US"),

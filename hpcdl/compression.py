@@ -10,13 +10,33 @@ Error feedback: an allreduce with a ``name`` keeps, per tensor name (and
 communicator), a residual of what compression dropped and adds it back before
 the next compression of that tensor; ``reset_state()`` forgets all residuals.
 Without a name no state is kept.
+
+The C++ core owns the rules: it parses the canonical text (the one reader of
+that syntax, ``from_text``), checks every setting, sizes and runs the kernels;
+the classes here only spell settings as that text.
 """
 
-import math
+import numbers
+import re
 
 from hpcdl import _core
 
-__all__ = ["Codec", "NoCompression", "FP16", "BF16", "Int8", "TopK", "from_config", "residual", "reset_state"]
+__all__ = ["Codec", "NoCompression", "FP16", "BF16", "Int8", "TopK", "from_config", "from_text", "from_text_list",
+           "residual",
+           "reset_state"]
+
+
+def _integer(value):
+    """An integer setting as the core reads it; anything else as repr, which the core rejects."""
+    return str(int(value)) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else repr(value)
+
+
+def _real(value):
+    return repr(float(value)) if isinstance(value, numbers.Real) and not isinstance(value, bool) else repr(value)
+
+
+def _word(value):
+    return value if isinstance(value, str) and value.isalpha() else repr(value)
 
 
 class Codec:
@@ -43,6 +63,17 @@ class Codec:
     def encoded_size(self, count):
         """Bytes that ``count`` float32 values take in one encoded chunk."""
         return _core.codec_encoded_size(self.canonical(), int(count))
+
+    def encode_into(self, values, out, err=None, stream=0):
+        """Encode the float32 array ``values`` as one chunk into the uint8 array ``out``
+        (encoded_size() bytes) with the engine's kernels, on the calling thread. ``err``
+        (float32, same length), if given, receives values - decode(out); ``stream`` keys
+        stochastic rounding."""
+        _core.codec_encode_into(self.canonical(), values, out, err, stream)
+
+    def decode_into(self, encoded, out):
+        """Decode the uint8 array ``encoded`` into the float32 array ``out`` (the original length)."""
+        _core.codec_decode_into(self.canonical(), encoded, out)
 
     def __str__(self):
         return self.canonical() or "none"
@@ -90,13 +121,9 @@ class Int8(Codec):
     name = "int8"
 
     def __init__(self, block=256, rounding="nearest", seed=0):
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1 << 24:
-            raise ValueError(f"Int8 block must be an integer in [1, 2**24], got {block!r}")
-        if rounding not in ("nearest", "stochastic"):
-            raise ValueError(f"Int8 rounding must be 'nearest' or 'stochastic', got {rounding!r}")
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 1 << 63:
-            raise ValueError(f"Int8 seed must be an integer in [0, 2**63), got {seed!r}")
-        self.block, self.rounding, self.seed = block, rounding, seed
+        # Every setting checked by the core (the seed too, which nearest rounding leaves out of the text).
+        _core.codec_config(f"int8(block={_integer(block)},rounding={_word(rounding)},seed={_integer(seed)})")
+        self.block, self.rounding, self.seed = int(block), rounding, int(seed)
 
     def get_config(self):
         return {"name": self.name, "block": self.block, "rounding": self.rounding, "seed": self.seed}
@@ -120,14 +147,10 @@ class TopK(Codec):
     """
 
     name = "topk"
-    ALGORITHMS = ("auto", "allgather", "split")
 
     def __init__(self, ratio=0.01, algorithm="auto"):
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1 \
-                or not math.isfinite(ratio):
-            raise ValueError(f"TopK ratio must be in (0, 1], got {ratio!r}")
-        if algorithm not in self.ALGORITHMS:
-            raise ValueError(f"TopK algorithm must be one of {self.ALGORITHMS}, got {algorithm!r}")
+        chosen = "" if algorithm == "auto" else f",algorithm={_word(algorithm)}"
+        _core.codec_config(f"topk(ratio={_real(ratio)}{chosen})")  # the core's rules
         self.ratio, self.algorithm = float(ratio), algorithm
 
     def get_config(self):
@@ -139,8 +162,8 @@ class TopK(Codec):
         return f"topk(ratio={self.ratio!r},algorithm={self.algorithm})"
 
     def k(self, count):
-        """How many values a tensor of ``count`` elements keeps."""
-        return 0 if count == 0 else min(count, max(1, math.ceil(self.ratio * count)))
+        """How many values a tensor of ``count`` elements keeps (the core's topk_count)."""
+        return _core.topk_count(int(count), self.ratio)
 
 
 _CODECS = {c.name: c for c in (NoCompression, FP16, BF16, Int8, TopK)}
@@ -153,6 +176,22 @@ def from_config(config):
     except (KeyError, TypeError):
         raise ValueError(f"not a codec config: {config!r} (name one of {sorted(_CODECS)})") from None
     return cls.from_config(config)
+
+
+def from_text(text):
+    """The codec that a canonical text names (``str(codec)``: "none", "fp16", "bf16",
+    "int8(block=64)", "int8(block=256,rounding=stochastic,seed=7)", "topk(ratio=0.01)",
+    "topk(ratio=0.01,algorithm=split)"), read by the core's parser; a bare name
+    ("int8", "topk") is that codec with its default settings."""
+    text = text.strip()
+    if text in _CODECS:
+        return _CODECS[text]()
+    return from_config(_core.codec_config(text))
+
+
+def from_text_list(text):
+    """The codecs of comma-separated texts, e.g. "none,fp16,int8(block=64,rounding=stochastic,seed=1)"."""
+    return [from_text(item) for item in re.split(r",(?![^()]*\))", text) if item.strip()]
 
 
 def canonical(compression):

@@ -1,5 +1,7 @@
 """Exceptions raised by hpcdl. Core failures arrive as a status code and a message."""
 
+from hpcdl import _core
+
 
 class HpcdlError(RuntimeError):
     """Base class of hpcdl's own errors."""
@@ -25,16 +27,17 @@ class StallTimeoutError(HpcdlError, TimeoutError):
     """An operation waited too long for other ranks."""
 
 
-_BY_CODE = {
-    1: ValueError,
-    2: MismatchError,
-    3: MPIError,
-    4: OSError,
-    5: CancelledError,
-    6: CorruptDataError,
-    7: StallTimeoutError,
-    8: HpcdlError,
+_BY_NAME = {
+    "invalid_argument": ValueError,
+    "mismatch": MismatchError,
+    "mpi_error": MPIError,
+    "io_error": OSError,
+    "cancelled": CancelledError,
+    "corrupt": CorruptDataError,
+    "timeout": StallTimeoutError,
+    "internal": HpcdlError,
 }
+_BY_CODE = {_core.STATUS_CODES[name]: error for name, error in _BY_NAME.items()}  # the numbers are the core's
 
 
 def from_status(code, message):

@@ -1,4 +1,4 @@
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport uint8_t, uint32_t, uint64_t
 from libcpp.string cimport string
 
 from libhpcdl.status cimport CStatus
@@ -7,3 +7,31 @@ cdef extern from "hpcdl/codec_array.hpp" namespace "hpcdl" nogil:
     CStatus codec_encoded_bytes(const string& text, size_t n, size_t* out)
     CStatus codec_encode(const string& text, const float* x, size_t n, uint8_t* out, float* err, uint64_t stream)
     CStatus codec_decode(const string& text, const uint8_t* data, size_t n, float* out)
+
+cdef extern from "hpcdl/codecs.hpp" namespace "hpcdl" nogil:
+    cdef enum class CCodecKind "hpcdl::CodecKind":
+        kNone
+        kFp16
+        kBf16
+        kInt8
+        kTopK
+
+    cdef enum class CTopkAlgorithm "hpcdl::TopkAlgorithm":
+        kAuto
+        kAllgather
+        kSplit
+
+    cdef cppclass CCodecSpec "hpcdl::CodecSpec":
+        CCodecKind kind
+        uint32_t block
+        bint stochastic
+        uint64_t seed
+        double ratio
+        CTopkAlgorithm topk_algorithm
+
+    CStatus parse_codec(const string& text, CCodecSpec* out)
+    const char* codec_name(CCodecKind kind)
+    const char* topk_algorithm_name(CTopkAlgorithm algorithm)
+
+cdef extern from "hpcdl/topk.hpp" namespace "hpcdl" nogil:
+    size_t topk_count(size_t n, double ratio)

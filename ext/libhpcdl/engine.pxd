@@ -74,5 +74,11 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         CStatus copy_residual(MPI_Comm comm, const string& name, vector[float]* out, cbool* found)
         void shutdown()
 
+cdef extern from "hpcdl/dtype.hpp" namespace "hpcdl" nogil:
+    size_t dtype_size(CDType t)
+    const char* dtype_name(CDType t)
+    cbool dtype_is_float(CDType t)
+    cbool dtype_valid(int t)
+
 cdef extern from "hpcdl/ring.hpp" namespace "hpcdl" nogil:
-    size_t kDefaultChunkBytes
+    size_t kDefaultChunkBytes, kMinChunkBytes, kMaxChunkBytes

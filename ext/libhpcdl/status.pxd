@@ -1,6 +1,17 @@
 from libcpp.string cimport string
 
 cdef extern from "hpcdl/status.hpp" namespace "hpcdl" nogil:
+    cdef enum class CStatusCode "hpcdl::StatusCode":
+        kOk
+        kInvalidArgument
+        kMismatch
+        kMpiError
+        kIOError
+        kCancelled
+        kCorrupt
+        kTimeout
+        kInternal
+
     cdef cppclass CStatus "hpcdl::Status":
         CStatus()
         bint ok()

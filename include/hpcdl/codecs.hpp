@@ -74,7 +74,19 @@ inline bool parse_uint(const std::string& s, std::uint64_t* out) {
 
 }  // namespace detail
 
-// Parses a canonical codec text (see the top of this file).
+// Names as the canonical text and hpcdl.compression spell them.
+inline const char* codec_name(CodecKind kind) {
+  static const char* const names[] = {"none", "fp16", "bf16", "int8", "topk"};
+  return names[static_cast<int>(kind)];
+}
+
+inline const char* topk_algorithm_name(TopkAlgorithm algorithm) {
+  static const char* const names[] = {"auto", "allgather", "split"};
+  return names[static_cast<int>(algorithm)];
+}
+
+// Parses a canonical codec text (see the top of this file): the one check of
+// every codec setting (hpcdl.compression's codecs are checked here too).
 inline Status parse_codec(const std::string& text, CodecSpec* out) {
   *out = CodecSpec();
   if (text.empty()) return Status::OK();
@@ -96,7 +108,8 @@ inline Status parse_codec(const std::string& text, CodecSpec* out) {
       out->stochastic = v == "stochastic";
     }
     if (detail::codec_field(args, "seed", &v)) {
-      if (!detail::parse_uint(v, &seed)) return Status::Invalid("compression '" + text + "': bad seed");
+      if (!detail::parse_uint(v, &seed) || seed >= (std::uint64_t(1) << 63))
+        return Status::Invalid("compression '" + text + "': seed must be an integer in [0, 2^63)");
       out->seed = seed;
     }
     return Status::OK();

@@ -9,6 +9,7 @@
 #include <utility>
 #include <vector>
 
+#include "hpcdl/codecs.hpp"
 #include "hpcdl/dtype.hpp"
 #include "hpcdl/status.hpp"
 
@@ -41,6 +42,7 @@ struct OpRequest {
   OpDesc desc;
   void* data = nullptr;
   bool deferred = false;  // data not in place yet: run only after Operation::mark_ready()
+  CodecSpec codec_spec;   // desc.codec as Engine::submit parsed it (the engine's own copy)
 };
 
 struct OpTimes {

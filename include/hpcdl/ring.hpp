@@ -25,6 +25,7 @@ namespace hpcdl {
 
 constexpr int kPipelineDepth = 2;
 constexpr std::size_t kDefaultChunkBytes = 4 << 20;  // measured: docs/performance.md
+constexpr std::size_t kMinChunkBytes = 64;
 constexpr std::size_t kMaxChunkBytes = std::size_t(1) << 30;  // one MPI message, count fits an int
 
 // Geometry of one ring allreduce: p segments (as even as possible), each cut

@@ -128,10 +128,11 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   const OpDesc& d = req.desc;
   if (d.kind == OpKind::kAllreduce && d.reduce_op == ReduceOp::kAverage && !dtype_is_float(d.dtype))
     return Status::Invalid(std::string("op='average' needs a floating-point dtype, got ") + dtype_name(d.dtype));
-  if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < 64 || d.chunk_bytes > kMaxChunkBytes))
-    return Status::Invalid("chunk_bytes must be between 64 and 2^30, got " + std::to_string(d.chunk_bytes));
+  if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
+    return Status::Invalid("chunk_bytes must be between " + std::to_string(kMinChunkBytes) + " and " +
+                           std::to_string(kMaxChunkBytes) + ", got " + std::to_string(d.chunk_bytes));
   if (d.kind == OpKind::kAllreduce && !d.codec.empty()) {
-    CodecSpec spec;
+    CodecSpec& spec = req.codec_spec;
     HPCDL_RETURN_NOT_OK(parse_codec(d.codec, &spec));
     HPCDL_RETURN_NOT_OK(check_codec_dtype(spec, d.codec, d.dtype));
     if (spec.kind == CodecKind::kTopK && d.count > std::numeric_limits<std::uint32_t>::max())

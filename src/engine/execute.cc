@@ -7,7 +7,9 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <type_traits>
 
+#include "hpcdl/codec_registry.hpp"
 #include "hpcdl/codecs.hpp"
 #include "hpcdl/comm_context.hpp"
 #include "hpcdl/compressed_ring.hpp"
@@ -113,8 +115,6 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
 // each element (no separate pass over the tensor).
 Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic) {
   const OpDesc& d = op.req_.desc;
-  CodecSpec spec;
-  HPCDL_RETURN_NOT_OK(parse_codec(d.codec, &spec));
   float* data = static_cast<float*>(op.req_.data);
   const std::size_t n = d.count;
   const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
@@ -124,32 +124,21 @@ Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traf
   RingPlan plan(ctx.size, ctx.rank, n, sizeof(float), d.chunk_bytes);
   traffic->dense_bytes = plan.dense_bytes_sent();
   const std::uint64_t stream = mix64((ctx.compressed_ops++ << 20) ^ static_cast<std::uint64_t>(ctx.rank)) << 32;
-  switch (spec.kind) {
-    case CodecKind::kInt8: {
-      Int8Codec codec(spec);
-      CompressedRingPolicy<Int8Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
-      return run_ring(plan, policy, ctx.data, kTagData, traffic);
-    }
-    case CodecKind::kFp16: {
-      Fp16Codec codec(spec);
-      CompressedRingPolicy<Fp16Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
-      return run_ring(plan, policy, ctx.data, kTagData, traffic);
-    }
-    case CodecKind::kBf16: {
-      Bf16Codec codec(spec);
-      CompressedRingPolicy<Bf16Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
-      return run_ring(plan, policy, ctx.data, kTagData, traffic);
-    }
-    case CodecKind::kTopK:
+  return visit_codec(op.req_.codec_spec, [&](const auto& codec) -> Status {
+    using Codec = std::decay_t<decltype(codec)>;
+    if constexpr (std::is_same_v<Codec, NoCodec>) {
+      return Status::Internal("run_compressed without a codec");
+    } else if constexpr (std::is_same_v<Codec, TopkCodec>) {
       executing_cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
-      if (topk_use_split(spec.topk_algorithm, ctx.size, n, topk_count(n, spec.ratio)))
-        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, data, n, spec.ratio, scale, res, traffic,
+      if (topk_use_split(codec.algorithm, ctx.size, n, codec.count(n)))
+        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, data, n, codec.ratio, scale, res, traffic,
                                     topk_scratch_, split_scratch_);
-      return topk_allreduce(ctx.data, ctx.size, data, n, spec.ratio, scale, res, traffic, topk_scratch_);
-    case CodecKind::kNone:
-      break;
-  }
-  return Status::Internal("run_compressed without a codec");
+      return topk_allreduce(ctx.data, ctx.size, data, n, codec.ratio, scale, res, traffic, topk_scratch_);
+    } else {
+      CompressedRingPolicy<Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic);
+    }
+  });
 }
 
 Status Engine::execute(CommContext& ctx, Operation& op) {
