@@ -12,7 +12,6 @@ from libcpp.string cimport string
 from libcpp.utility cimport move
 from libcpp.vector cimport vector
 from mpi4py cimport MPI
-from mpi4py.libmpi cimport MPI_COMM_NULL
 
 from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode, codec_encoded_bytes, codec_name,
                               parse_codec, topk_algorithm_name, topk_count as c_topk_count)
@@ -228,15 +227,13 @@ def _refuse_wait_behind_unready(Handle waiting):
                                f"order and may have to run '{h.name}' first; mark_ready() it before waiting")
 
 
-def submit(int kind, Buffer buf, MPI.Comm comm, name, int reduce_op=0, int root=0,
+def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, int root=0,
            uint64_t chunk_bytes=0, codec="", bint deferred=False):
     """Submit one operation to the engine; returns a Handle (deferred: runs
     after Handle.mark_ready())."""
     cdef COpRequest req
     cdef shared_ptr[COperation] op
     cdef CStatus st
-    if comm is None or comm.ob_mpi == MPI_COMM_NULL:
-        raise ValueError("communicator is MPI.COMM_NULL")
     req.name = (name or "").encode()
     if not name:
         req.desc.thread = threading.current_thread().name.encode()

@@ -69,6 +69,29 @@ def test_bad_communicator_and_configuration():
         hpcdl.configure(stall_error_seconds=float("nan"))
 
 
+def test_python_reads_the_core_rules():
+    """Limits, status codes and dtypes come from the C++ core, not retyped in Python."""
+    from hpcdl import _core, collectives, errors
+    default = hpcdl.configure()["chunk_bytes"]
+    try:
+        for bad in (_core.MIN_CHUNK_BYTES - 1, _core.MAX_CHUNK_BYTES + 1):
+            with pytest.raises(ValueError, match=f"between {_core.MIN_CHUNK_BYTES} and {_core.MAX_CHUNK_BYTES}"):
+                hpcdl.configure(chunk_bytes=bad)
+        hpcdl.configure(chunk_bytes=_core.MIN_CHUNK_BYTES)
+        x = np.arange(100, dtype=np.float32)
+        hpcdl.allreduce(x)  # the engine takes the smallest chunk Python lets through
+        assert x[99] == 99
+    finally:
+        hpcdl.configure(chunk_bytes=default)
+    assert sorted(errors._BY_CODE) == sorted(_core.STATUS_CODES.values()) and 0 not in errors._BY_CODE
+    assert errors.from_status(_core.STATUS_CODES["mismatch"], "m").__class__ is hpcdl.MismatchError
+    assert collectives.DTYPES == {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int32": 4, "int64": 8}
+    assert collectives.FLOAT_DTYPES == ("float32", "float64", "float16", "bfloat16")
+    for name, size in collectives.DTYPES.items():
+        if name != "bfloat16":
+            assert np.dtype(name).itemsize == size
+
+
 @pytest.mark.parametrize("variable, value", [("HPCDL_CHUNK_BYTES", "4MiB"), ("HPCDL_CHUNK_BYTES", "8"),
                                              ("HPCDL_STALL_ERROR_SECONDS", "-1"), ("HPCDL_WAIT_SLEEP_US", "2OO"),
                                              ("HPCDL_ENGINE_SLICE_US", "-5"),

@@ -16,7 +16,7 @@ from mpi4py import MPI
 import hpcdl
 from conftest import agree, outcome
 from hpcdl import _core
-from hpcdl.compression import BF16, FP16, Int8, NoCompression, TopK, from_config
+from hpcdl.compression import BF16, FP16, Int8, NoCompression, TopK, from_config, from_text, from_text_list
 
 WORLD = MPI.COMM_WORLD
 ODD_COUNTS = [0, 1, 2, 3, 5, 7, 63, 64, 65, 255, 257, 4097, 100_003]
@@ -239,6 +239,48 @@ def test_codec_configs_round_trip_and_reject_bad_settings():
                 lambda: Int8.from_config({"name": "topk", "ratio": 0.1})):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_the_core_checks_every_codec_setting():
+    """hpcdl.compression spells settings as the core's text; the core's parser is the one check."""
+    for bad in (lambda: Int8(block=2**24 + 1), lambda: Int8(block=True), lambda: Int8(block=2.0),
+                lambda: Int8(seed=-1), lambda: Int8(seed=2**63), lambda: Int8(rounding="nearest,block=3"),
+                lambda: TopK(True), lambda: TopK("0.5"), lambda: TopK(float("inf")),
+                lambda: TopK(0.5, algorithm="dense")):
+        with pytest.raises(ValueError, match="compression '"):
+            bad()
+    edge = Int8(block=2**24, rounding="stochastic", seed=2**63 - 1)
+    assert edge.encoded_size(2**24) == 4 + 2**24 and TopK(1).ratio == 1.0
+
+
+def test_from_text_reads_what_str_writes():
+    codecs = [NoCompression(), FP16(), BF16(), Int8(), Int8(block=64), Int8(block=64, rounding="stochastic", seed=3),
+              TopK(0.01), TopK(0.25, algorithm="split"), TopK(1e-05, algorithm="allgather")]
+    for codec in codecs:
+        again = from_text(str(codec))
+        assert again == codec and type(again) is type(codec), (str(codec), again)
+    assert from_text("int8") == Int8() and from_text("topk") == TopK()
+    assert from_text_list("none, fp16,int8(block=64,rounding=stochastic,seed=3),topk(ratio=0.5)") == \
+        [NoCompression(), FP16(), Int8(64, "stochastic", 3), TopK(0.5)]
+    for bad in ("zip", "int8(block=0)", "topk(ratio=2)", "int8(block=64", "topk(ratio=0.1,algorithm=auto)"):
+        with pytest.raises(ValueError):
+            from_text(bad)
+
+
+def test_encode_into_and_decode_into_run_the_core_kernels():
+    x = np.random.default_rng(3).standard_normal(1000).astype(np.float32)
+    for codec, bound in ((FP16(), 2**-11), (Int8(block=64), 1 / 254), (TopK(0.1), None)):
+        enc = np.empty(codec.encoded_size(x.size), np.uint8)
+        out, err = np.empty_like(x), np.empty_like(x)
+        codec.encode_into(x, enc, err)
+        codec.decode_into(enc, out)
+        np.testing.assert_allclose(out + err, x, rtol=0, atol=1e-6)  # err is what the encoding dropped
+        if bound is None:  # top-k: the k largest magnitudes exactly, zero elsewhere
+            np.testing.assert_array_equal(np.flatnonzero(out), k_largest(x, codec.k(x.size)))
+        else:
+            assert np.all(np.abs(out - x) <= bound * np.abs(x).max())
+        with pytest.raises(ValueError, match="bytes"):
+            codec.decode_into(enc[:-1], out)
 
 
 def test_bad_compression_arguments_fail_before_communication():
