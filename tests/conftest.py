@@ -11,6 +11,8 @@ import traceback
 import pytest
 from mpi4py import MPI
 
+# The repository (test modules sit one folder below tests/).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher of this environment's MPI (the mpich wheel's, beside this Python).
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 

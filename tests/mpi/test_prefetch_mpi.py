@@ -12,8 +12,8 @@ from mpi4py import MPI
 
 from hpcdl.errors import MismatchError
 from hpcdl.prefetch import Prefetcher
-from test_prefetch import store_made_by_rank0
 from conftest import agree, collective, outcome
+from helpers.prefetch import store_made_by_rank0
 
 pytestmark = pytest.mark.mpi
 
