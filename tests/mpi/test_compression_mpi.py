@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl
-from conftest import agree, outcome
+from conftest import agree, multi_rank, outcome
 from hpcdl import _core
 from hpcdl.compression import BF16, FP16, Int8, TopK
 from helpers.compression import ODD_COUNTS, k_largest
@@ -76,22 +76,22 @@ def test_int8_ring_within_bound_and_bitwise_identical(op):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("codec", [FP16(), BF16(), Int8(rounding="stochastic", seed=5), TopK(0.05),
                                    TopK(0.05, algorithm="split")], ids=str)
-def test_other_codecs_bitwise_identical_and_close(codec):
-    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+def test_other_codecs_bitwise_identical_and_close(comm, codec):
+    rank, size = comm.Get_rank(), comm.Get_size()
     rel = {"fp16": 2.0 ** -10, "bf16": 2.0 ** -7}.get(codec.name, 2 / 127)
     problems = []
     for count in ODD_COUNTS:
         inputs = [contribution(r, count) for r in range(size)]
         data = inputs[rank].copy()
-        hpcdl.allreduce(data, compression=codec)
-        if len(set(WORLD.allgather(digest(data)))) != 1:
+        hpcdl.allreduce(data, compression=codec, comm=comm)
+        if len(set(comm.allgather(digest(data)))) != 1:
             problems.append(f"count {count}: ranks differ")
         if codec.name != "topk" and count:
             scale = np.sum([np.abs(x) for x in inputs], axis=0).max()
             err = np.abs(data - np.sum(inputs, axis=0, dtype=np.float64)).max()
             if err > size * rel * scale:
                 problems.append(f"count {count}: err {err}")
-    agree(WORLD, not problems, problems)
+    agree(comm, not problems, problems)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -117,10 +117,11 @@ def test_topk_allreduce_sums_every_ranks_k_largest_in_rank_order():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("codec", [Int8(block=32), TopK(0.01), TopK(0.01, algorithm="split"), FP16()], ids=str)
 @pytest.mark.parametrize("op", ["sum", "average"])
-def test_error_feedback_identity(codec, op):
+@multi_rank  # one rank sends nothing, so it compresses nothing and keeps no residual
+def test_error_feedback_identity(comm, codec, op):
     """After T steps: sum of applied results (in sum units) + sum over ranks of
     residuals == sum of the true gradients, up to float rounding."""
-    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    rank, size = comm.Get_rank(), comm.Get_size()
     hpcdl.compression.reset_state()
     name = f"ef.{codec.name}.{op}"
     count, steps = 3001, 6
@@ -132,16 +133,16 @@ def test_error_feedback_identity(codec, op):
         true_total += np.sum(grads, axis=0, dtype=np.float64)
         magnitude += np.sum(np.abs(grads))
         g = grads[rank].copy()
-        hpcdl.allreduce(g, op=op, name=name, compression=codec)
+        hpcdl.allreduce(g, op=op, name=name, compression=codec, comm=comm)
         applied += g.astype(np.float64) * (size if op == "average" else 1)
-    residual = hpcdl.compression.residual(name)
-    residual_sum = WORLD.allreduce(residual.astype(np.float64))
+    residual = hpcdl.compression.residual(name, comm=comm)
+    residual_sum = comm.allreduce(residual.astype(np.float64))
     gap = np.abs(applied + residual_sum - true_total).max()
     dropped = np.abs(true_total - applied).max()
     ok = gap <= 1e-5 * magnitude / count * size and dropped > 100 * gap
     hpcdl.compression.reset_state()
-    gone = hpcdl.compression.residual(name) is None
-    agree(WORLD, ok and gone, f"identity gap {gap}, dropped {dropped}, reset {gone}")
+    gone = hpcdl.compression.residual(name, comm=comm) is None
+    agree(comm, ok and gone, f"identity gap {gap}, dropped {dropped}, reset {gone}")
 
 
 @pytest.mark.mpi(min_size=2)
@@ -214,15 +215,15 @@ def test_error_feedback_recovers_what_topk_dropped():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("codec", [Int8(block=16), TopK(0.1), FP16()], ids=str)
-def test_nan_and_inf_propagate_without_hanging(codec):
-    rank = WORLD.Get_rank()
+def test_nan_and_inf_propagate_without_hanging(comm, codec):
+    rank = comm.Get_rank()
     data = np.ones(1000, np.float32)
     if rank == 0:
         data[5], data[700] = np.nan, np.inf
         data[100] = 50  # make topk pick more than the specials
-    hpcdl.allreduce(data, compression=codec)
-    same = len(set(WORLD.allgather(digest(data)))) == 1
-    agree(WORLD, same and not np.isfinite(data[5]) and not np.isfinite(data[700]) and np.isfinite(data[300]),
+    hpcdl.allreduce(data, compression=codec, comm=comm)
+    same = len(set(comm.allgather(digest(data)))) == 1
+    agree(comm, same and not np.isfinite(data[5]) and not np.isfinite(data[700]) and np.isfinite(data[300]),
           f"{data[[5, 700, 300]]}, same {same}")
 
 
@@ -258,37 +259,39 @@ def test_one_non_finite_step_does_not_poison_error_feedback(codec, bad, op):
     agree(WORLD, not problems, problems)
 
 
+@multi_rank
 @pytest.mark.mpi(min_size=2)
-def test_codec_disagreement_is_a_mismatch_on_every_rank():
-    rank = WORLD.Get_rank()
+def test_codec_disagreement_is_a_mismatch_on_every_rank(comm):
+    rank = comm.Get_rank()
     data = np.ones(100, np.float32)
     before = data.copy()
     codec = Int8(block=128) if rank == 1 else Int8()
-    _, err = outcome(hpcdl.allreduce, data, name="mismatched.codec", compression=codec)
+    _, err = outcome(hpcdl.allreduce, data, name="mismatched.codec", compression=codec, comm=comm)
     message = str(err)
     ok = (isinstance(err, hpcdl.MismatchError) and "compression differs" in message
           and "int8(block=128) on rank 1" in message and np.array_equal(data, before))
     _, err2 = outcome(hpcdl.allreduce, data.copy(), name="codec.vs.none",
-                      compression=None if rank == 0 else FP16())
+                      compression=None if rank == 0 else FP16(), comm=comm)
     ok2 = isinstance(err2, hpcdl.MismatchError) and "none on rank 0" in str(err2)
-    agree(WORLD, ok and ok2, f"{err!r} / {err2!r}")
+    agree(comm, ok and ok2, f"{err!r} / {err2!r}")
 
 
+@multi_rank
 @pytest.mark.mpi(min_size=2)
-def test_stats_measure_compressed_bytes_exactly():
-    size = WORLD.Get_size()
+def test_stats_measure_compressed_bytes_exactly(comm):
+    size = comm.Get_size()
     n, block = 100_003, 256
     hpcdl.stats(reset=True)
-    hpcdl.allreduce(np.ones(n, np.float32), compression=Int8(block=block))
-    hpcdl.allreduce(np.ones(n, np.float32), compression=TopK(0.01, algorithm="allgather"))
-    hpcdl.allreduce(np.ones(n, np.float32))
+    hpcdl.allreduce(np.ones(n, np.float32), compression=Int8(block=block), comm=comm)
+    hpcdl.allreduce(np.ones(n, np.float32), compression=TopK(0.01, algorithm="allgather"), comm=comm)
+    hpcdl.allreduce(np.ones(n, np.float32), comm=comm)
     rows = hpcdl.stats()["allreduce"]
     int8, topk, dense = rows["int8(block=256)"], rows["topk(ratio=0.01,algorithm=allgather)"], rows["none"]
     seg_lens = [n // size + (1 if s < n % size else 0) for s in range(size)]  # one chunk per segment here
     expected_int8 = 2 * (size - 1) * sum(math.ceil(s / block) * 4 + s for s in seg_lens)
     expected_topk = size * (size - 1) * 8 * TopK(0.01).k(n)
-    totals = {k: WORLD.allreduce(r["bytes_sent"]) for k, r in (("int8", int8), ("topk", topk))}
+    totals = {k: comm.allreduce(r["bytes_sent"]) for k, r in (("int8", int8), ("topk", topk))}
     ok = (totals["int8"] == expected_int8 and totals["topk"] == expected_topk
           and int8["dense_bytes"] == dense["bytes_sent"] == topk["dense_bytes"]
           and int8["dense_bytes"] / int8["bytes_sent"] > 3.9 and int8["ops"] == 1 and int8["seconds"] > 0)
-    agree(WORLD, ok, f"{rows}, totals {totals} vs {expected_int8}, {expected_topk}")
+    agree(comm, ok, f"{rows}, totals {totals} vs {expected_int8}, {expected_topk}")

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.torch as hvt
-from conftest import agree, collective, outcome
+from conftest import agree, collective, multi_rank, outcome, world_only
 from hpcdl.pipeline import PipelineError, pipeline_grid
 from helpers.pipeline import LR, make_model, max_difference, train_pipeline, train_single
 
@@ -39,6 +39,7 @@ def verdict(comm, run, verify):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages", [2, 4])
+@world_only
 def test_pipeline_training_equals_single_process(comm, schedule, stages):
     pipe_comm = sub_pipelines(comm, stages)
     steps = 4
@@ -60,6 +61,7 @@ def test_pipeline_training_equals_single_process(comm, schedule, stages):
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@world_only
 def test_hybrid_2x2_equals_single_process_and_replicas_are_identical(comm, schedule):
     steps = 4
 
@@ -81,6 +83,7 @@ def test_hybrid_2x2_equals_single_process_and_replicas_are_identical(comm, sched
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
+@world_only
 def test_hybrid_with_int8_compression_keeps_replicas_identical_and_learns(comm):
     def run():
         pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2, stages=2, comm=comm)
@@ -100,6 +103,7 @@ def test_hybrid_with_int8_compression_keeps_replicas_identical_and_learns(comm):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
+@world_only
 def test_1f1b_holds_at_most_stages_micro_batches_of_activations(comm):
     m = 8  # = 2P: GPipe holds all of them, 1F1B at most P - stage
 
@@ -124,6 +128,7 @@ def test_1f1b_holds_at_most_stages_micro_batches_of_activations(comm):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
+@world_only
 def test_checkpoint_saves_and_loads_the_whole_model_and_close_ends_the_pipeline(comm):
     def run():
         pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2)
@@ -164,6 +169,7 @@ def expect_error_everywhere(comm, fn, kind, pattern):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
+@world_only
 def test_stage_count_that_does_not_divide_the_ranks(comm):
     expect_error_everywhere(comm, lambda: hvt.Pipeline(make_model(), F.cross_entropy, 2, stages=3),
                             ValueError, "3 pipeline stages do not divide the 4 ranks")
@@ -171,6 +177,7 @@ def test_stage_count_that_does_not_divide_the_ranks(comm):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
+@world_only
 def test_micro_batches_that_do_not_divide_the_batch(comm):
     pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=3)
     expect_error_everywhere(comm, lambda: train_pipeline(pipe, 1, rows=16), PipelineError,
@@ -180,6 +187,7 @@ def test_micro_batches_that_do_not_divide_the_batch(comm):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
+@world_only
 def test_stage_output_that_does_not_fit_the_next_stage(comm):
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Linear(16, 8), torch.nn.Linear(12, 8),
                                 torch.nn.Linear(8, 5))
@@ -193,6 +201,7 @@ def test_stage_output_that_does_not_fit_the_next_stage(comm):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
+@world_only
 def test_batch_shape_changed_after_the_first_step(comm):
     pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2)
     collective(comm, train_pipeline, pipe, 1, rows=16)
@@ -203,6 +212,7 @@ def test_batch_shape_changed_after_the_first_step(comm):
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("setting", ["schedule", "micro_batches"])
+@world_only
 def test_ranks_that_disagree_on_the_schedule(comm, setting):
     odd_rank = 2 if setting == "schedule" else 1
     odd = comm.Get_rank() == odd_rank
@@ -214,6 +224,7 @@ def test_ranks_that_disagree_on_the_schedule(comm, setting):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
+@multi_rank
 def test_grid_layout(comm):
     pipe, data = pipeline_grid(comm, 2)
     rank = comm.Get_rank()
@@ -234,6 +245,7 @@ class Widen(torch.nn.Module):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
+@world_only
 def test_stage_output_that_changes_after_the_first_step(comm):
     model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Linear(8, 8), Widen(), torch.nn.Linear(8, 8),
                                 torch.nn.Linear(8, 5))
@@ -247,6 +259,7 @@ def test_stage_output_that_changes_after_the_first_step(comm):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
+@multi_rank
 def test_pipeline_messages_never_match_the_users_receives(comm):
     """The pipeline talks on a duplicate of comm: a receive of any source and tag that
     the user posted on comm stays for the user's own message."""

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl.prefetch import Prefetcher, plan
-from conftest import agree, collective
+from conftest import agree, collective, multi_rank, world_only
 from helpers.prefetch import store_made_by_rank0
 
 
@@ -20,6 +20,7 @@ def shared_store():
 
 
 @pytest.mark.mpi(min_size=4)
+@multi_rank
 def test_prefetcher_runs_exactly_plan(comm, shared_store):
     # Capacities differ per rank and cut inside frequency classes; ranks 1 and 3 have a disk tier.
     st, me, ranks = shared_store, comm.Get_rank(), comm.Get_size()
@@ -54,6 +55,7 @@ def global_batches(comm, pf):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.parametrize("resume_ranks", [2, 3])
+@world_only
 def test_a_4_rank_checkpoint_resumes_on_fewer_ranks(comm, shared_store, resume_ranks):
     st, batch, epochs, seed = shared_store, 12, 2, 19
     me = comm.Get_rank()

@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl import store
-from conftest import agree, collective, outcome
+from conftest import agree, collective, multi_rank, outcome
 from helpers.store import check_round_trip, make_tree
 
 
@@ -28,6 +28,7 @@ def shared_tree(comm):
 
 
 @pytest.mark.mpi
+@multi_rank
 def test_mpi_pack_matches_single_rank(comm, shared_tree):
     base, content = shared_tree
     src = os.path.join(base, "src")
@@ -54,6 +55,7 @@ def test_mpi_pack_matches_single_rank(comm, shared_tree):
 
 
 @pytest.mark.mpi
+@multi_rank
 def test_mpi_pack_errors_reach_every_rank(comm, shared_tree):
     base, _ = shared_tree
     src, dst = os.path.join(base, "src"), os.path.join(base, "dst")
@@ -66,6 +68,7 @@ def test_mpi_pack_errors_reach_every_rank(comm, shared_tree):
 
 
 @pytest.mark.mpi
+@multi_rank
 def test_mpi_pack_resumes_after_a_lost_manifest(comm, shared_tree):
     base, content = shared_tree
     src, dst = os.path.join(base, "src"), os.path.join(base, "dst")
