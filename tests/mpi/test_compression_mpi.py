@@ -259,8 +259,8 @@ def test_one_non_finite_step_does_not_poison_error_feedback(codec, bad, op):
     agree(WORLD, not problems, problems)
 
 
-@multi_rank
 @pytest.mark.mpi(min_size=2)
+@multi_rank
 def test_codec_disagreement_is_a_mismatch_on_every_rank(comm):
     rank = comm.Get_rank()
     data = np.ones(100, np.float32)
@@ -276,8 +276,8 @@ def test_codec_disagreement_is_a_mismatch_on_every_rank(comm):
     agree(comm, ok and ok2, f"{err!r} / {err2!r}")
 
 
-@multi_rank
 @pytest.mark.mpi(min_size=2)
+@multi_rank
 def test_stats_measure_compressed_bytes_exactly(comm):
     size = comm.Get_size()
     n, block = 100_003, 256
