@@ -8,9 +8,8 @@ import csv
 import os
 import sys
 
-from conftest import MPIEXEC, finish_job, start_job
+from conftest import MPIEXEC, ROOT, finish_job, start_job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = {"ddp-gloo", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
            "hpcdl-dense", "hpcdl-int8", "hpcdl-topk"}
 FIGURES = ("median_step_ms", "samples_per_s", "throughput_vs_ddp", "test_acc", "test_loss")

@@ -11,15 +11,10 @@ from mpi4py import MPI
 
 import hpcdl
 from conftest import agree, collective
-from hpcdl import _core
-from hpcdl.compression import TopK, from_config
+from hpcdl.compression import TopK
+from helpers.compression import k_largest
 
 WORLD = MPI.COMM_WORLD
-
-
-def k_largest(x, k):
-    """Indices of the k largest magnitudes of x, ascending; lower indices win ties."""
-    return np.sort(np.argsort(-np.abs(x), kind="stable")[:k])
 
 
 def split_reference(inputs, k, scale):
@@ -198,13 +193,3 @@ def test_split_nan_propagates_and_identical():
     agree(WORLD, same and np.isnan(data[5]) and np.isinf(data[700]) and np.count_nonzero(data) == 100,
           f"{data[[5, 700, 100]]}, non-zeros {np.count_nonzero(data)}, same {same}")
 
-
-def test_topk_algorithm_setting_round_trips_and_is_checked():
-    split = TopK(0.01, algorithm="split")
-    assert str(split) == "topk(ratio=0.01,algorithm=split)" and str(TopK(0.01)) == "topk(ratio=0.01)"
-    assert from_config(split.get_config()) == split and TopK(0.01) != split
-    with pytest.raises(ValueError, match="algorithm"):
-        TopK(0.01, algorithm="ring")
-    with pytest.raises(ValueError, match="algorithm"):
-        _core.codec_encoded_size("topk(ratio=0.01,algorithm=ring)", 10)
-    assert split.encoded_size(1000) == TopK(0.01).encoded_size(1000) == 80

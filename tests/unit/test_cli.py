@@ -8,8 +8,7 @@ import shutil
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+from conftest import MPIEXEC, ROOT
 
 
 def bench(*args, prefix=()):

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import ROOT
+
+REPO = Path(ROOT)
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm-cluster.sh"
 SLURM_UNAVAILABLE = 3  # slurm-cluster.sh start: not installed and cannot be installed
 RANKS = 4

@@ -16,9 +16,9 @@ import sys
 import tarfile
 
 import pytest
-from conftest import finish_job, start_job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, finish_job, start_job
+
 # The first test also builds and installs (the module's fixture): minutes on a loaded machine.
 pytestmark = pytest.mark.timeout(1800)
 

@@ -12,8 +12,8 @@ from mpi4py import MPI
 
 from hpcdl.errors import MismatchError
 from hpcdl.prefetch import Prefetcher
-from test_prefetch import store_made_by_rank0
-from conftest import agree, collective, outcome
+from conftest import agree, collective, multi_rank, outcome, world_only
+from helpers.prefetch import store_made_by_rank0
 
 pytestmark = pytest.mark.mpi
 
@@ -32,6 +32,7 @@ def delivered(pf, st):
     return (np.concatenate(ids) if ids else np.zeros(0, np.uint64)), right
 
 
+@multi_rank
 def test_every_sample_once_per_epoch_across_ranks(comm, shared_store):
     st, epochs, batch = shared_store, 3, 16
 
@@ -52,6 +53,7 @@ def test_every_sample_once_per_epoch_across_ranks(comm, shared_store):
     agree(comm, ok, "a sample read twice (or missed) in an epoch")
 
 
+@multi_rank
 def test_peer_fetches_deliver_the_right_bytes(comm, shared_store):
     st = shared_store
     # Each rank's RAM holds about a third of the data: much of what a rank
@@ -74,6 +76,7 @@ def test_peer_fetches_deliver_the_right_bytes(comm, shared_store):
 
 
 @pytest.mark.parametrize("tiers", ["ram", "ram+disk"])
+@world_only
 def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tiers):
     # Every rank caches all it reads (RAM, or a small RAM and a disk tier): a
     # sample's first reader loads it from the store, every later reader from
@@ -107,6 +110,7 @@ def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tie
         agree(comm, disk_fills > 0, "nothing written to the disk tiers")
 
 
+@world_only
 def test_a_silent_peer_means_reading_the_store(comm, shared_store):
     st = shared_store
     ram = int(st.sizes.sum()) // 3
@@ -123,6 +127,7 @@ def test_a_silent_peer_means_reading_the_store(comm, shared_store):
     agree(comm, timeouts > 0, "no request timed out")
 
 
+@world_only
 def test_a_peer_that_stops_answering_costs_a_few_timeouts(comm, shared_store):
     # Rank 1's server stops answering for longer than the whole run (it catches
     # up before close(), which waits for every answer). Every other rank gives
@@ -148,6 +153,7 @@ def test_a_peer_that_stops_answering_costs_a_few_timeouts(comm, shared_store):
           f"(timeouts, peers given up on) per rank {timeouts}: a gone peer cost more than one timeout per thread")
 
 
+@multi_rank
 def test_peer_replies_in_pieces_deliver_the_right_bytes(comm, shared_store):
     # Replies cut into MPI messages of 7 bytes: the path a sample of 2 GiB or
     # more takes with the default limit of 1 GiB per message.
@@ -168,6 +174,7 @@ def test_peer_replies_in_pieces_deliver_the_right_bytes(comm, shared_store):
     agree(comm, stats["peer_timeouts"] == 0 and stats["peer_errors"] == 0, repr(stats))
 
 
+@multi_rank
 def test_mismatched_settings_raise_on_every_rank(comm, shared_store):
     seed = 1 if comm.Get_rank() == 2 else 0
     _, err = outcome(Prefetcher, shared_store, 8, 2, seed, comm=comm)

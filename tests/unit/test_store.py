@@ -1,48 +1,23 @@
 """The HDF5-aggregated small-file store: format, pack, read, bad input,
-corruption, crash safety, CLI, and packing under 4 MPI ranks."""
+corruption, crash safety, CLI (packing under 4 MPI ranks: tests/mpi/test_store_mpi.py)."""
 
 import multiprocessing
 import os
 import pickle
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
 import h5py
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 from hpcdl import _store, store
 from hpcdl.errors import CorruptDataError
-from conftest import agree, collective, outcome
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def make_tree(root, files=120, classes=("cat", "dog", "zebra"), seed=0, max_size=6000):
-    """Random small files in class sub-directories (some nested, some empty);
-    returns {relative path: bytes}."""
-    rng = np.random.default_rng(seed)
-    content = {}
-    for i in range(files):
-        cls = classes[i % len(classes)]
-        sub = "nested/" if i % 7 == 0 else ""
-        rel = f"{cls}/{sub}{i:05d}.jpg"
-        size = 0 if i % 11 == 0 else int(rng.integers(1, max_size))
-        content[rel] = rng.bytes(size)
-    content["README.txt"] = b"top-level file, no class"
-    content["dog/\u00e9t\u00e9 \u6f22\u5b57.jpg"] = b"unicode name"
-    for rel, data in content.items():
-        path = os.path.join(root, rel)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as fh:
-            fh.write(data)
-    return content
+from conftest import ROOT
+from helpers.store import check_round_trip, make_tree
 
 
 def hpcdl_cli(*args, **kwargs):
@@ -71,23 +46,6 @@ def test_crc32c_known_vectors_and_software_matches_hardware():
         assert store.crc32c(data) == _store.crc32c_software(data), n
         cut = n // 3
         assert store.crc32c(data[cut:], store.crc32c(data[:cut])) == store.crc32c(data)
-
-
-# --------------------------------------------------------------------------- round trip
-
-def check_round_trip(st, content):
-    packed = {k: v for k, v in content.items()}
-    assert len(st) == len(packed)
-    assert list(st.names) == sorted(packed, key=lambda n: n.encode())
-    classes = sorted({n.split("/")[0] for n in packed if "/" in n})
-    assert st.classes == classes
-    assert st.label_map == {c: i for i, c in enumerate(classes)}
-    for i, name in enumerate(st.names):
-        assert st[i] == packed[name], name
-        assert st.size(i) == len(packed[name])
-        expected_label = st.label_map[name.split("/")[0]] if "/" in name else -1
-        assert st.labels[i] == expected_label, name
-        assert st.index_of(name) == i
 
 
 def test_round_trip_every_byte_name_and_label(tree, tmp_path):
@@ -574,69 +532,3 @@ def test_cli_pack_under_mpiexec(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "with 2 rank(s)" in proc.stdout
     check_round_trip(store.Store(tmp_path / "dst"), content)
-
-
-# --------------------------------------------------------------------------- MPI
-
-@pytest.fixture
-def shared_tree(comm):
-    """A source tree made by rank 0 in a directory every rank sees."""
-    base = collective(comm, lambda: tempfile.mkdtemp(prefix="hpcdl-store-") if comm.Get_rank() == 0 else None)
-    base = comm.bcast(base, root=0)
-    content = collective(comm, lambda: make_tree(os.path.join(base, "src"), files=150)
-                         if comm.Get_rank() == 0 else None)
-    content = comm.bcast(content, root=0)
-    yield base, content
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        shutil.rmtree(base)
-
-
-@pytest.mark.mpi
-def test_mpi_pack_matches_single_rank(comm, shared_tree):
-    base, content = shared_tree
-    src = os.path.join(base, "src")
-    result = collective(comm, lambda: store.pack(src, os.path.join(base, "multi"), shards=6, comm=comm,
-                                                 progress=False))
-    agree(comm, result.samples == len(content) and result.shards == 6, result)
-    collective(comm, lambda: store.pack(src, os.path.join(base, "single"), shards=2,
-                                        comm=MPI.COMM_SELF, progress=False)
-               if comm.Get_rank() == 0 else None)
-    comm.Barrier()
-
-    def compare():
-        multi, single = store.Store(os.path.join(base, "multi")), store.Store(os.path.join(base, "single"))
-        assert list(multi.names) == list(single.names)
-        assert (multi.labels == single.labels).all()
-        mine = range(comm.Get_rank(), len(multi), comm.Get_size())
-        data, offsets = multi.read_many(list(mine))
-        for k, i in enumerate(mine):
-            assert data[offsets[k]:offsets[k + 1]].tobytes() == content[multi.names[i]]
-        check_round_trip(multi, content) if comm.Get_rank() == 0 else None
-        assert multi.verify().problems == []
-
-    collective(comm, compare)
-
-
-@pytest.mark.mpi
-def test_mpi_pack_errors_reach_every_rank(comm, shared_tree):
-    base, _ = shared_tree
-    src, dst = os.path.join(base, "src"), os.path.join(base, "dst")
-    collective(comm, lambda: store.pack(src, dst, comm=comm, progress=False))
-    _, err = outcome(store.pack, src, dst, comm=comm, progress=False)
-    agree(comm, isinstance(err, FileExistsError) and "already holds" in str(err), repr(err))
-    _, err = outcome(store.pack, os.path.join(base, "missing"), os.path.join(base, "x"), comm=comm,
-                     progress=False)
-    agree(comm, isinstance(err, FileNotFoundError), repr(err))
-
-
-@pytest.mark.mpi
-def test_mpi_pack_resumes_after_a_lost_manifest(comm, shared_tree):
-    base, content = shared_tree
-    src, dst = os.path.join(base, "src"), os.path.join(base, "dst")
-    collective(comm, lambda: store.pack(src, dst, shards=5, comm=comm, progress=False))
-    comm.Barrier()
-    collective(comm, lambda: os.remove(os.path.join(dst, store.MANIFEST)) if comm.Get_rank() == 0 else None)
-    result = collective(comm, lambda: store.pack(src, dst, shards=5, comm=comm, progress=False))
-    agree(comm, result.reused_shards == 5, result)
-    collective(comm, lambda: check_round_trip(store.Store(dst), content))

@@ -13,7 +13,8 @@ import shlex
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT
+
 PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
                                if f.endswith(".md"))
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}

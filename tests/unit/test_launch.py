@@ -8,9 +8,9 @@ import shutil
 import sys
 
 import pytest
-from conftest import finish_job, start_job
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import ROOT, finish_job, start_job
+
 BIN = os.path.dirname(sys.executable)
 # Each rank writes its own file: the ranks' stdout lines can interleave under a launcher.
 PROBE = ("import os, hpcdl; open(os.path.join(os.environ['PROBE_DIR'], str(hpcdl.rank())), 'w')"

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from hpcdl.prefetch import rank_stream
+from conftest import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANKS, FILES, BATCH, EPOCHS, SEED = 2, 52, 4, 2, 7
 
 

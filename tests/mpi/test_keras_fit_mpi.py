@@ -1,15 +1,9 @@
-"""hpcdl.tensorflow under Keras model.fit: DistributedOptimizer, the broadcast and metric-average callbacks.
-
-TensorFlow takes seconds to import: these tests share one process per rank.
-"""
+"""Keras model.fit under MPI: ranks' fits against one process's fit on the global batch."""
 
 import hashlib
 import io
 import os
-import re
 import shutil
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
@@ -22,24 +16,9 @@ import hpcdl.prefetch
 import hpcdl.store
 import hpcdl.tensorflow as hvd_tf
 from conftest import agree, collective, outcome
+from helpers.keras_fit import LOCAL_BATCH, LOSS, fit, global_data, make_model, max_difference, reference
 
 WORLD = MPI.COMM_WORLD
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(1)
-LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-STEPS, LOCAL_BATCH = 4, 6
-
-
-def make_model(seed=0, hidden=16):
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.Input((10,)), tf.keras.layers.Dense(hidden, activation="tanh"),
-                                tf.keras.layers.Dense(4)])
-
-
-def global_data(size, steps=STEPS, per_rank=LOCAL_BATCH, seed=7):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal((steps * per_rank * size, 10)).astype(np.float32)
-    return x, rng.integers(0, 4, len(x))
 
 
 def quarter(array, rank, size, per_rank=LOCAL_BATCH):
@@ -48,97 +27,9 @@ def quarter(array, rank, size, per_rank=LOCAL_BATCH):
     return array.reshape(steps, size, per_rank, *array.shape[1:])[:, rank].reshape(-1, *array.shape[1:])
 
 
-def fit(model, optimizer, x, y, batch_size, callbacks=(), as_dataset=False, epochs=1, run_eagerly=False):
-    model.compile(optimizer=optimizer, loss=LOSS, metrics=["accuracy"], run_eagerly=run_eagerly)
-    if as_dataset:
-        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
-        return model.fit(data, epochs=epochs, verbose=0, shuffle=False, callbacks=list(callbacks))
-    return model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, shuffle=False, callbacks=list(callbacks))
-
-
-def reference(size):
-    """One process, plain SGD, fit on the global batches."""
-    model = make_model()
-    x, y = global_data(size)
-    fit(model, tf.keras.optimizers.SGD(0.5), x, y, LOCAL_BATCH * size)
-    return model
-
-
 def digest(model):
     return hashlib.sha1(b"".join(v.numpy().tobytes() for v in model.variables)).hexdigest()
 
-
-def max_difference(a, b):
-    return max(float(np.max(np.abs(v.numpy() - w.numpy()))) for v, w in zip(a.variables, b.variables))
-
-
-# ---------------------------------------------------------------- single process
-
-def test_wrapper_is_a_subclass_made_from_the_config():
-    schedule = tf.keras.optimizers.schedules.ExponentialDecay(0.5, decay_steps=10, decay_rate=0.5)
-    opt = hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(schedule, momentum=0.25), comm=MPI.COMM_SELF)
-    assert isinstance(opt, tf.keras.optimizers.SGD) and type(opt).__name__ == "DistributedSGD"
-    assert opt.momentum == 0.25 and isinstance(opt._learning_rate, tf.keras.optimizers.schedules.ExponentialDecay)
-
-
-def test_wrapper_rejects_what_it_cannot_wrap():
-    _, not_keras = outcome(hvd_tf.DistributedOptimizer, object())
-    built = tf.keras.optimizers.SGD(0.1)
-    built.build([tf.keras.Variable(np.zeros(3, np.float32))])
-    _, was_built = outcome(hvd_tf.DistributedOptimizer, built)
-    _, twice = outcome(hvd_tf.DistributedOptimizer, hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)))
-    assert isinstance(not_keras, TypeError) and "keras.optimizers.Optimizer" in str(not_keras)
-    assert isinstance(was_built, ValueError) and "before it is built" in str(was_built)
-    assert isinstance(twice, ValueError) and "already" in str(twice)
-
-
-@pytest.mark.parametrize("as_dataset,run_eagerly", [(False, False), (True, False), (False, True)])
-def test_single_process_fit_equals_plain_fit(as_dataset, run_eagerly):
-    x, y = global_data(1)
-    got = make_model()
-    fit(got, hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), comm=MPI.COMM_SELF), x, y, LOCAL_BATCH,
-        as_dataset=as_dataset, run_eagerly=run_eagerly)
-    assert max_difference(got, reference(1)) < 1e-6
-
-
-def test_loss_scaling_wraps_the_reduction_not_the_other_way_round():
-    """The LossScaleOptimizer's finiteness check must see the reduced gradients (the same on every rank)."""
-    x, y = global_data(1)
-    right = make_model()
-    opt = hvd_tf.DistributedOptimizer(tf.keras.optimizers.LossScaleOptimizer(tf.keras.optimizers.SGD(0.5)),
-                                      comm=MPI.COMM_SELF)
-    fit(right, opt, x, y, LOCAL_BATCH, callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0, comm=MPI.COMM_SELF)])
-    assert max_difference(right, reference(1)) < 1e-5
-    wrong = make_model()
-    wrapped = tf.keras.optimizers.LossScaleOptimizer(
-        hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), comm=MPI.COMM_SELF))
-    with pytest.raises(ValueError, match=r"DistributedOptimizer\(LossScaleOptimizer\(opt\)\)"):
-        fit(wrong, wrapped, x, y, LOCAL_BATCH,
-            callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0, comm=MPI.COMM_SELF)])
-
-
-def test_xla_compiled_fit_is_refused_with_a_clear_error():
-    model = make_model()
-    model.compile(optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), comm=MPI.COMM_SELF),
-                  loss=LOSS, jit_compile=True)
-    x, y = global_data(1)
-    with pytest.raises(ValueError, match="jit_compile=False"):
-        model.fit(x, y, batch_size=LOCAL_BATCH, verbose=0)
-
-
-def test_keras_fit_example_learns_the_digits(tmp_path):
-    """examples/train_keras_fit.py in one process: pack, prefetch through tf.data, model.fit, report."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": root, "TMPDIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, os.path.join(root, "examples", "train_keras_fit.py"), "--epochs", "3",
-                          "--compression", "int8"], capture_output=True, text=True, env=env, timeout=300)
-    assert run.returncode == 0, run.stderr[-3000:]
-    accuracies = [float(a) for a in re.findall(r"test acc (\d\.\d+)", run.stdout)]
-    assert len(accuracies) == 3 and accuracies[-1] > 0.6, run.stdout
-    assert len(re.findall(r"epoch +\d+ .* stall \d+\.\d+ s \(", run.stdout)) == 3, run.stdout
-
-
-# ---------------------------------------------------------------- under MPI
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("as_dataset", [False, True])

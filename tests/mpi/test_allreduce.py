@@ -1,5 +1,9 @@
 """Ring allreduce, broadcast and barrier under MPI (run with 3, 4 and 5 ranks).
 
+A test that takes `comm` runs over COMM_SELF, COMM_WORLD and a Dup() of it
+(`multi_rank`: the last two); the others exercise the world itself (its
+report tree, stalls, sub-communicators split from it).
+
 Every result is checked against a float64 reference and for bitwise equality
 across ranks; ranks agree on the verdict before asserting (tests/conftest.py).
 """
@@ -17,7 +21,7 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl
-from conftest import agree, collective, outcome
+from conftest import agree, collective, multi_rank, outcome
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -70,23 +74,23 @@ def check_allreduce(comm, count, dtype, op):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_allreduce_sum_all_counts_and_dtypes(dtype):
+def test_allreduce_sum_all_counts_and_dtypes(comm, dtype):
     problems = []
     for count in COUNTS:
-        ok, detail = check_allreduce(WORLD, count, dtype, "sum")
+        ok, detail = check_allreduce(comm, count, dtype, "sum")
         if not ok:
             problems.append(f"count {count}: {detail}")
-    agree(WORLD, not problems, problems)
+    agree(comm, not problems, problems)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
-def test_allreduce_average(dtype):
+def test_allreduce_average(comm, dtype):
     problems = []
     for count in (1, 7, 4097):
-        ok, detail = check_allreduce(WORLD, count, dtype, "average")
+        ok, detail = check_allreduce(comm, count, dtype, "average")
         if not ok:
             problems.append(f"count {count}: {detail}")
-    agree(WORLD, not problems, problems)
+    agree(comm, not problems, problems)
 
 
 @pytest.mark.parametrize("sub_size", [2, 3])
@@ -137,25 +141,25 @@ def test_two_rank_half_precision_matches_numpy_bitwise():
     agree(WORLD, ok, detail)
 
 
-def test_bfloat16_uint16_view_equals_ml_dtypes():
-    a = contribution(WORLD.Get_rank(), 999, "bfloat16")
+def test_bfloat16_uint16_view_equals_ml_dtypes(comm):
+    a = contribution(comm.Get_rank(), 999, "bfloat16")
     b = a.copy().view(np.uint16)
-    hpcdl.allreduce(a)
-    hpcdl.allreduce(b, dtype="bfloat16")
-    agree(WORLD, a.view(np.uint16).tobytes() == b.tobytes(), "uint16 view result differs")
+    hpcdl.allreduce(a, comm=comm)
+    hpcdl.allreduce(b, dtype="bfloat16", comm=comm)
+    agree(comm, a.view(np.uint16).tobytes() == b.tobytes(), "uint16 view result differs")
 
 
-def test_named_ops_submitted_in_different_orders():
+def test_named_ops_submitted_in_different_orders(comm):
     """Autograd hooks fire in any order: named ops still pair up correctly."""
-    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    rank, size = comm.Get_rank(), comm.Get_size()
     names = [f"grad.{i}" for i in range(12)]
     order = np.random.default_rng(rank).permutation(len(names))
     arrays = {n: np.full(100 + i, float(rank + i), dtype=np.float32) for i, n in enumerate(names)}
-    handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i]) for i in order]
-    collective(WORLD, lambda: [h.wait() for h in handles])
+    handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i], comm=comm) for i in order]
+    collective(comm, lambda: [h.wait() for h in handles])
     bad = [n for i, n in enumerate(names)
            if not np.all(arrays[n] == sum(r + i for r in range(size)))]
-    agree(WORLD, not bad, f"wrong results for {bad}")
+    agree(comm, not bad, f"wrong results for {bad}")
 
 
 def test_ops_agreed_while_a_ring_runs():
@@ -178,11 +182,11 @@ def test_ops_agreed_while_a_ring_runs():
           f"wrong results for {bad}, big ring right: {big_ok}, mismatch raised: {mismatch!r}")
 
 
-def test_async_handle_done_and_wait_return_buffer():
+def test_async_handle_done_and_wait_return_buffer(comm):
     a = np.ones(10_000, dtype=np.float64)
-    h = hpcdl.allreduce_async(a, name="handle-test")
-    out = collective(WORLD, h.wait)
-    agree(WORLD, out is a and h.done() and np.all(a == WORLD.Get_size()))
+    h = hpcdl.allreduce_async(a, name="handle-test", comm=comm)
+    out = collective(comm, h.wait)
+    agree(comm, out is a and h.done() and np.all(a == comm.Get_size()))
 
 
 def test_deferred_allreduce_moves_data_only_after_mark_ready():
@@ -203,93 +207,98 @@ def test_deferred_allreduce_moves_data_only_after_mark_ready():
     agree(WORLD, ok, t)
 
 
-def test_deferred_mismatch_raises_on_every_rank_without_mark_ready():
+@multi_rank
+def test_deferred_mismatch_raises_on_every_rank_without_mark_ready(comm):
     """The check runs at submission: a disagreement surfaces before any data is ready."""
-    rank = WORLD.Get_rank()
+    rank = comm.Get_rank()
     handle = hpcdl.allreduce_async(np.zeros(10 + (rank == 0), dtype=np.float32), name="deferred.mismatch",
-                                   deferred=True)
+                                   deferred=True, comm=comm)
     deadline = time.monotonic() + 60
     finished, err = False, None
     while not finished and err is None and time.monotonic() < deadline:
         finished, err = outcome(handle.done)  # done() raises the error it sees
         time.sleep(0.01)
-    agree(WORLD, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), repr(err))
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), repr(err))
 
 
-def test_name_already_in_flight_is_refused():
+@multi_rank
+def test_name_already_in_flight_is_refused(comm):
     """Rank 0 submits "dup" twice before the others submit it once: the second is refused."""
-    rank = WORLD.Get_rank()
+    rank = comm.Get_rank()
     a = np.ones(4, dtype=np.float32)
     err = None
     if rank == 0:
-        handle = hpcdl.allreduce_async(a, name="dup")
-        _, err = outcome(hpcdl.allreduce_async, np.ones(4, dtype=np.float32), name="dup")
-        WORLD.barrier()
+        handle = hpcdl.allreduce_async(a, name="dup", comm=comm)
+        _, err = outcome(hpcdl.allreduce_async, np.ones(4, dtype=np.float32), name="dup", comm=comm)
+        comm.barrier()
     else:
-        WORLD.barrier()
-        handle = hpcdl.allreduce_async(a, name="dup")
-    collective(WORLD, handle.wait)
+        comm.barrier()
+        handle = hpcdl.allreduce_async(a, name="dup", comm=comm)
+    collective(comm, handle.wait)
     ok = rank != 0 or (isinstance(err, ValueError) and "already in flight" in str(err))
-    agree(WORLD, ok and np.all(a == WORLD.Get_size()), repr(err))
+    agree(comm, ok and np.all(a == comm.Get_size()), repr(err))
 
 
-def test_same_name_reused_step_after_step():
+def test_same_name_reused_step_after_step(comm):
     """A training loop reuses each name as soon as the last op under it finished."""
     a = np.ones(257, dtype=np.float32)
     for step in range(100):
         a[:] = step
-        collective(WORLD, hpcdl.allreduce, a, name="reused.every.step")
-        if not np.all(a == step * WORLD.Get_size()):
+        collective(comm, lambda: hpcdl.allreduce(a, name="reused.every.step", comm=comm))
+        if not np.all(a == step * comm.Get_size()):
             break
-    agree(WORLD, np.all(a == step * WORLD.Get_size()) and step == 99, f"step {step}: {a[:3]}")
+    agree(comm, np.all(a == step * comm.Get_size()) and step == 99, f"step {step}: {a[:3]}")
 
 
-def test_stats_count_ring_bytes_exactly():
+def test_stats_count_ring_bytes_exactly(comm):
     """Each element crosses 2(p-1) links in a ring: the sum of bytes over ranks says so."""
-    size = WORLD.Get_size()
+    size = comm.Get_size()
     hpcdl.stats(reset=True)
     n = 100_003
-    hpcdl.allreduce(np.ones(n, dtype=np.float32))
+    hpcdl.allreduce(np.ones(n, dtype=np.float32), comm=comm)
     row = hpcdl.stats()["allreduce"]["none"]
-    total_sent = WORLD.allreduce(row["bytes_sent"])
-    total_received = WORLD.allreduce(row["bytes_received"])
+    total_sent = comm.allreduce(row["bytes_sent"])
+    total_received = comm.allreduce(row["bytes_received"])
     expected = 2 * (size - 1) * n * 4
-    agree(WORLD, row["ops"] == 1 and total_sent == expected and total_received == expected
+    agree(comm, row["ops"] == 1 and total_sent == expected and total_received == expected
           and row["dense_bytes"] == row["bytes_sent"], f"{row}, total {total_sent} vs {expected}")
 
 
-def test_mismatched_count_raises_on_every_rank():
-    rank = WORLD.Get_rank()
-    n = 1000 + (2 if rank == WORLD.Get_size() - 1 else 0)
+@multi_rank
+def test_mismatched_count_raises_on_every_rank(comm):
+    rank = comm.Get_rank()
+    n = 1000 + (2 if rank == comm.Get_size() - 1 else 0)
     a = np.ones(n, dtype=np.float32)
     before = a.copy()
-    _, err = outcome(hpcdl.allreduce, a, name="mismatched.count")
+    _, err = outcome(hpcdl.allreduce, a, name="mismatched.count", comm=comm)
     message = str(err)
     ok = (isinstance(err, hpcdl.MismatchError) and "mismatched.count" in message and "count differs" in message
-          and f"rank {WORLD.Get_size() - 1}" in message and np.array_equal(a, before))
-    agree(WORLD, ok, repr(err))
+          and f"rank {comm.Get_size() - 1}" in message and np.array_equal(a, before))
+    agree(comm, ok, repr(err))
     # The engine keeps working afterwards.
-    ok2, detail = check_allreduce(WORLD, 100, "float32", "sum")
-    agree(WORLD, ok2, detail)
+    ok2, detail = check_allreduce(comm, 100, "float32", "sum")
+    agree(comm, ok2, detail)
 
 
-def test_mismatched_dtype_and_op_raise_on_every_rank():
-    rank = WORLD.Get_rank()
+@multi_rank
+def test_mismatched_dtype_and_op_raise_on_every_rank(comm):
+    rank = comm.Get_rank()
     a = np.ones(64, dtype=np.float64 if rank == 0 else np.float32)
-    _, err = outcome(hpcdl.allreduce, a, name="mismatched.dtype")
+    _, err = outcome(hpcdl.allreduce, a, name="mismatched.dtype", comm=comm)
     ok = isinstance(err, hpcdl.MismatchError) and "dtype differs" in str(err) and "float64 on rank 0" in str(err)
     b = np.ones(64, dtype=np.float32)
-    _, err2 = outcome(hpcdl.allreduce, b, op="average" if rank == 1 else "sum", name="mismatched.op")
+    _, err2 = outcome(hpcdl.allreduce, b, op="average" if rank == 1 else "sum", name="mismatched.op", comm=comm)
     ok2 = isinstance(err2, hpcdl.MismatchError) and "op differs" in str(err2)
-    agree(WORLD, ok and ok2, f"{err!r} / {err2!r}")
+    agree(comm, ok and ok2, f"{err!r} / {err2!r}")
 
 
-def test_unnamed_allreduce_against_broadcast_is_a_mismatch():
-    rank = WORLD.Get_rank()
+@multi_rank
+def test_unnamed_allreduce_against_broadcast_is_a_mismatch(comm):
+    rank = comm.Get_rank()
     a = np.ones(8, dtype=np.float32)
     call = hpcdl.broadcast if rank == 0 else hpcdl.allreduce
-    _, err = outcome(call, a)
-    agree(WORLD, isinstance(err, hpcdl.MismatchError) and "operation differs" in str(err), repr(err))
+    _, err = outcome(call, a, comm=comm)
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "operation differs" in str(err), repr(err))
 
 
 def test_stall_warning_names_the_missing_rank():
@@ -418,47 +427,49 @@ def test_stall_error_fails_waiting_ranks_instead_of_hanging():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_broadcast_from_every_root(dtype):
-    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+def test_broadcast_from_every_root(comm, dtype):
+    rank, size = comm.Get_rank(), comm.Get_size()
     problems = []
     for root in range(size):
         expected = contribution(root, 3001, dtype)
         a = expected.copy() if rank == root else np.zeros(3001, dtype=np_dtype(dtype))
-        hpcdl.broadcast(a, root=root)
+        hpcdl.broadcast(a, root=root, comm=comm)
         if a.tobytes() != expected.tobytes():
             problems.append(f"root {root}")
-    agree(WORLD, not problems, problems)
+    agree(comm, not problems, problems)
 
 
-def test_broadcast_root_disagreement_and_bad_root():
-    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+@multi_rank
+def test_broadcast_root_disagreement_and_bad_root(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
     a = np.zeros(10, dtype=np.float32)
-    _, err = outcome(hpcdl.broadcast, a, root=0 if rank else 1, name="bcast.roots")
-    _, err2 = outcome(hpcdl.broadcast, a, root=size)
-    agree(WORLD, isinstance(err, hpcdl.MismatchError) and "root differs" in str(err)
+    _, err = outcome(hpcdl.broadcast, a, root=0 if rank else 1, name="bcast.roots", comm=comm)
+    _, err2 = outcome(hpcdl.broadcast, a, root=size, comm=comm)
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "root differs" in str(err)
           and isinstance(err2, ValueError) and "root" in str(err2), f"{err!r} / {err2!r}")
 
 
-def test_barrier_waits_for_everyone():
-    rank = WORLD.Get_rank()
+@multi_rank
+def test_barrier_waits_for_everyone(comm):
+    rank = comm.Get_rank()
     if rank == 0:
         time.sleep(0.5)
     t_enter = MPI.Wtime()
-    hpcdl.barrier()
+    hpcdl.barrier(comm=comm)
     waited = MPI.Wtime() - t_enter
     # rank 0 was late by 0.5 s: everyone else must have waited for it
-    agree(WORLD, rank == 0 or waited > 0.3, f"barrier returned after {waited:.3f} s")
+    agree(comm, rank == 0 or waited > 0.3, f"barrier returned after {waited:.3f} s")
 
 
-def test_large_message_default_chunks():
-    ok, detail = check_allreduce(WORLD, 3 * (1 << 20) + 17, "float32", "sum")
-    agree(WORLD, ok, detail)
+def test_large_message_default_chunks(comm):
+    ok, detail = check_allreduce(comm, 3 * (1 << 20) + 17, "float32", "sum")
+    agree(comm, ok, detail)
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])
-def test_integer_sums_wrap_like_numpy(dtype):
+def test_integer_sums_wrap_like_numpy(comm, dtype):
     """Integer sums that overflow wrap modulo 2^bits (as MPI_SUM does), not undefined behaviour."""
-    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    rank, size = comm.Get_rank(), comm.Get_size()
     info = np.iinfo(dtype)
     base = np.array([info.max, info.max - 7, info.min, info.min + 3, 1, -1], dtype)
     data = base - np.array(rank % 2, dtype) * np.array([0, 0, 0, 0, 0, 1], dtype)
@@ -466,8 +477,8 @@ def test_integer_sums_wrap_like_numpy(dtype):
         expected = np.zeros_like(base)
         for r in range(size):
             expected += base - np.array(r % 2, dtype) * np.array([0, 0, 0, 0, 0, 1], dtype)  # numpy wraps
-    hpcdl.allreduce(data, name=f"wrap.{dtype}")
-    agree(WORLD, np.array_equal(data, expected), f"{data} vs {expected}")
+    hpcdl.allreduce(data, name=f"wrap.{dtype}", comm=comm)
+    agree(comm, np.array_equal(data, expected), f"{data} vs {expected}")
 
 
 def test_unnamed_ops_from_two_threads_never_pair_across_threads():
@@ -501,48 +512,49 @@ def test_unnamed_ops_from_two_threads_never_pair_across_threads():
     agree(WORLD, ok and np.all(ones == 1) and np.all(hundreds == 100), f"{errors!r}, {ones[0]}, {hundreds[0]}")
 
 
-def test_unnamed_ops_from_two_threads_in_the_same_order_are_right():
+def test_unnamed_ops_from_two_threads_in_the_same_order_are_right(comm):
     """Two threads taking turns the same way on every rank: each gets its own sum."""
-    size = WORLD.Get_size()
+    size = comm.Get_size()
     ones, hundreds = np.ones(64, np.float32), np.full(64, 100.0, np.float32)
     results = {}
 
     def reduce(array, key):
-        results[key] = outcome(hpcdl.allreduce, array)
+        results[key] = outcome(hpcdl.allreduce, array, comm=comm)
 
     for array, key in ((ones, "ones"), (hundreds, "hundreds"), (ones, "ones-again")):
         t = threading.Thread(target=reduce, args=(array, key), name=f"reduce-{key}")
         t.start()
         t.join(120)
     errors = [err for _, err in results.values() if err is not None]
-    agree(WORLD, not errors and np.all(ones == size * size) and np.all(hundreds == 100 * size),
+    agree(comm, not errors and np.all(ones == size * size) and np.all(hundreds == 100 * size),
           f"{errors!r}, {ones[0]}, {hundreds[0]}")
 
 
-def test_handles_polled_with_done_release_their_buffers():
+def test_handles_polled_with_done_release_their_buffers(comm):
     """Handles polled with done() and never waited for: once finished, dropping
     them and the arrays frees the arrays (hpcdl keeps nothing of them)."""
     arrays = [np.ones(1 << 16, np.float32) for _ in range(64)]
     refs = [weakref.ref(a) for a in arrays]
-    handles = [hpcdl.allreduce_async(a, name=f"polled.{i}") for i, a in enumerate(arrays)]
+    handles = [hpcdl.allreduce_async(a, name=f"polled.{i}", comm=comm) for i, a in enumerate(arrays)]
     deadline = time.monotonic() + 60
     while not all(h.done() for h in handles) and time.monotonic() < deadline:
         time.sleep(0.01)
     finished = all(h.done() for h in handles)
-    right = all(np.all(a == WORLD.Get_size()) for a in arrays)
+    right = all(np.all(a == comm.Get_size()) for a in arrays)
     del arrays, handles
     gc.collect()
     alive = sum(r() is not None for r in refs)
-    agree(WORLD, finished and right and alive == 0, f"finished {finished}, right {right}, {alive} arrays alive")
+    agree(comm, finished and right and alive == 0, f"finished {finished}, right {right}, {alive} arrays alive")
 
 
-def test_done_raises_the_error_of_a_failed_operation():
+@multi_rank
+def test_done_raises_the_error_of_a_failed_operation(comm):
     """A mismatch seen through done() is raised there, on every rank."""
-    rank, size = WORLD.Get_rank(), WORLD.Get_size()
-    handle = hpcdl.allreduce_async(np.ones(10 + (rank == size - 1), np.float32), name="polled.mismatch")
+    rank, size = comm.Get_rank(), comm.Get_size()
+    handle = hpcdl.allreduce_async(np.ones(10 + (rank == size - 1), np.float32), name="polled.mismatch", comm=comm)
     deadline = time.monotonic() + 60
     finished, err = False, None
     while not finished and err is None and time.monotonic() < deadline:
         finished, err = outcome(handle.done)
         time.sleep(0.01)
-    agree(WORLD, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), f"{finished} {err!r}")
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), f"{finished} {err!r}")

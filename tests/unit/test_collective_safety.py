@@ -1,6 +1,7 @@
 """Every MPI test is collective-safe: a check that fails on one rank must not leave the
 other ranks waiting in the next collective. So in code an MPI test runs (the test, the
-helpers and fixtures it reaches in its module), a bare `assert`, `pytest.raises`,
+helpers and fixtures it reaches in its module and in the tests/helpers modules it imports
+from), a bare `assert`, `pytest.raises`,
 `pytest.fail` or `pytest.skip` is refused: verdicts go through `agree(comm, ok, detail)`,
 and code that may raise runs inside `collective(comm, fn)` or `outcome(fn)` (conftest.py),
 which catch on every rank and agree before anything is asserted."""
@@ -10,7 +11,7 @@ import pathlib
 
 import pytest
 
-TESTS = pathlib.Path(__file__).parent
+TESTS = pathlib.Path(__file__).parents[1]  # tests/: unit/, mpi/ and helpers/
 GUARDS = {"collective", "outcome"}  # run their function argument with every rank's exception caught
 LOCAL_FAILS = {"pytest.raises", "pytest.fail", "pytest.skip", "pytest.xfail"}
 
@@ -24,17 +25,31 @@ def _is_fixture(func):
     return any("fixture" in ast.unparse(d) for d in func.decorator_list)
 
 
-def unsafe_checks(source, filename="<test>"):
-    """(line, function, what) of every one-rank failure in code an MPI test of this module runs."""
+def read_helper(module):
+    """Source of a tests/helpers module named as imported (`helpers.store`)."""
+    return (TESTS / (module.replace(".", "/") + ".py")).read_text()
+
+
+def unsafe_checks(source, filename="<test>", read_helper=read_helper):
+    """(line, function, what) of every one-rank failure in code an MPI test of this module runs;
+    a function of an imported helpers module is named `module.function`, its line is in that module."""
     tree = ast.parse(source, filename)
     module_mpi = any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
                      and _marked_mpi(n.value.elts if isinstance(n.value, (ast.List, ast.Tuple)) else [n.value])
                      for n in tree.body)
-    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    trees = {None: tree}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("helpers."):
+            trees[node.module] = ast.parse(read_helper(node.module), node.module)
+    functions, label = {}, {}
+    for module, t in reversed(trees.items()):  # the test module's own names win
+        for n in t.body:
+            if isinstance(n, ast.FunctionDef):
+                functions[n.name], label[id(n)] = n, n.name if module is None else f"{module}.{n.name}"
     todo = [f for name, f in functions.items() if name.startswith("test")
             and (module_mpi or _marked_mpi(f.decorator_list))]
     guarded = set()  # nested functions and lambdas handed to collective()/outcome()
-    for node in ast.walk(tree):
+    for node in (n for t in trees.values() for n in ast.walk(t)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in GUARDS:
             for arg in node.args:
                 guarded.add(arg.id if isinstance(arg, ast.Name) else id(arg))
@@ -53,9 +68,9 @@ def unsafe_checks(source, filename="<test>"):
                 if key in guarded:
                     continue
             if isinstance(node, ast.Assert):
-                found.append((node.lineno, func.name, "assert"))
+                found.append((node.lineno, label[id(func)], "assert"))
             elif isinstance(node, ast.Call) and ast.unparse(node.func) in LOCAL_FAILS:
-                found.append((node.lineno, func.name, ast.unparse(node.func)))
+                found.append((node.lineno, label[id(func)], ast.unparse(node.func)))
             elif isinstance(node, ast.Name):
                 reached.append(node.id)
             stack.extend(ast.iter_child_nodes(node))
@@ -67,10 +82,13 @@ def unsafe_checks(source, filename="<test>"):
 
 
 def test_mpi_tests_decide_together():
+    paths = sorted(TESTS.glob("*/test_*.py"))
+    # the scan must see both folders, or it would pass by looking nowhere
+    assert {p.parent.name for p in paths} >= {"unit", "mpi"} and len(paths) >= 30, paths
     problems = []
-    for path in sorted(TESTS.glob("test_*.py")):
+    for path in paths:
         for line, func, what in unsafe_checks(path.read_text(), str(path)):
-            problems.append(f"{path.name}:{line} in {func}: {what} on one rank; use agree()/collective()")
+            problems.append(f"{path.relative_to(TESTS)}:{line} in {func}: {what} on one rank; use agree()/collective()")
     assert not problems, "\n".join(problems)
 
 
@@ -100,3 +118,9 @@ def test_single_process():
 def test_module_marks_count(mark):
     source = f"import pytest\n{mark}\ndef test_b():\n    assert 1\n"
     assert unsafe_checks(source) == [(4, "test_b", "assert")]
+
+
+def test_the_scan_follows_imports_from_helper_modules():
+    helper = "def shared(x):\n    assert x\ndef unused():\n    assert False\n"
+    source = "import pytest\nfrom helpers.cases import shared\n@pytest.mark.mpi\ndef test_c(comm):\n    shared(comm)\n"
+    assert unsafe_checks(source, read_helper={"helpers.cases": helper}.get) == [(2, "helpers.cases.shared", "assert")]
