@@ -1,12 +1,15 @@
 // Planning (include/hpcdl/placement.hpp): one rank's placement and the peer
 // sources of every sample; the prefetcher's use of them is Prefetcher::plan().
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "hpcdl/placement.hpp"
+#include "hpcdl/prefetcher.hpp"
 
 namespace hpcdl {
 
@@ -229,6 +232,62 @@ Status make_plan(const StreamSpec& spec, std::uint64_t from, std::uint64_t self,
       out->sources.rank[k] = static_cast<std::int32_t>(q);
     }
   });
+  return Status::OK();
+}
+
+Status Prefetcher::plan() {
+  const StreamSpec& spec = cfg_.spec;
+  std::vector<std::uint64_t> sizes(spec.samples);
+  for (std::uint64_t k = 0; k < spec.samples; ++k) sizes[k] = reader_->size(k);
+  const std::uint64_t caps[kCachedTiers] = {cfg_.ram_bytes, cfg_.disk_dir.empty() ? 0 : cfg_.disk_bytes};
+  Plan plan;
+  HPCDL_RETURN_NOT_OK(make_plan(spec, cfg_.start, cfg_.rank, sizes.data(), caps, cfg_.peer_ram_bytes,
+                                cfg_.peer_disk_bytes, &plan));  // validates the spec: the one check
+  L_ = spec.local_batch();
+  end_ = spec.length();
+  stream_ = std::move(plan.stream);
+  placement_ = std::move(plan.placement);
+  sources_ = std::move(plan.sources);
+  // Each cached sample is filled from its source peer when it has one, else from the store.
+  fill_source_.assign(spec.samples, -1);
+  for (int t = 0; t < kCachedTiers; ++t)
+    for (std::uint64_t k : placement_.lists[t]) {
+      if (!sources_.rank.empty())
+        fill_source_[k] = sources_.for_read(k, global_key(spec, placement_.first[k], cfg_.rank));
+      if (fill_source_[k] < 0) store_fills_[t].push_back(k);
+      else peer_fills_list_.push_back(k);
+    }
+  std::sort(peer_fills_list_.begin(), peer_fills_list_.end(),
+            [&](std::uint64_t a, std::uint64_t b) { return placement_.first[a] < placement_.first[b]; });
+  const std::uint64_t batches = stream_.size() / L_;
+  batch_bytes_.assign(batches, 0);
+  batch_offsets_.assign(batches * (L_ + 1), 0);
+  for (std::uint64_t b = 0; b < batches; ++b) {
+    std::uint64_t* offs = batch_offsets_.data() + b * (L_ + 1);
+    for (std::uint64_t j = 0; j < L_; ++j) offs[j + 1] = offs[j] + sizes[stream_[b * L_ + j]];
+    batch_bytes_[b] = offs[L_];
+  }
+  batch_ring_.assign(batches, 0);
+  batch_alloc_end_.assign(batches, 0);
+  batch_done_.assign(batches, 0);
+  batch_error_.assign(batches, Status::OK());
+  next_consume_ = first_batch();
+  next_claim_ = 0;
+  for (int t = 0; t < kCachedTiers; ++t) {
+    stats_.tier_used[t] = placement_.used[t];
+    stats_.tier_samples[t] = placement_.lists[t].size();
+    slots_[t].reset(new std::atomic<std::uint8_t>[spec.samples]);
+    for (std::uint64_t k = 0; k < spec.samples; ++k) slots_[t][k] = kEmpty;
+  }
+  if (placement_.used[kTierRam] > 0) {
+    ram_.reset(static_cast<char*>(std::malloc(placement_.used[kTierRam])));
+    if (!ram_) {
+      warn("RAM tier: cannot allocate " + std::to_string(placement_.used[kTierRam]) +
+           " bytes; its samples come from the next tiers");
+      disable_tier(kTierRam);
+    }
+  }
+  if (placement_.used[kTierDisk] > 0) open_disk();
   return Status::OK();
 }
 

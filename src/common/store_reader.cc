@@ -122,8 +122,8 @@ Status StoreReader::read_many(const std::uint64_t* idx, std::size_t n, void* dst
   return first_error;
 }
 
-Status StoreReader::verify_shard(std::size_t shard, std::vector<std::uint64_t>* bad, std::vector<std::string>* reasons,
-                                 std::uint64_t* bytes_read) const {
+Status StoreReader::verify_shard(std::size_t shard, std::vector<std::uint64_t>* bad,
+                                 std::vector<std::string>* reasons, std::uint64_t* bytes_read) const {
   if (shard >= shards_.size()) return Status::Invalid("shard index out of range");
   const Shard& sh = shards_[shard];
   *bytes_read = 0;
