@@ -18,9 +18,10 @@
 // warns once and sends the affected samples to the store.
 //
 // Implementation in src/_prefetch/, one concern a file: prefetcher.cc (set-up,
-// threads, shutdown, stats), plan.cc (placement, peer sources, the run's
-// batches), tiers.cc (RAM arena, disk tier, store fills, serving peers),
-// peer_fill.cc (fetches from peers), staging.cc (staging ring, consumer).
+// threads, shutdown), plan.cc (placement, peer sources, the run's batches),
+// tiers.cc (RAM arena, disk tier, store fills, serving peers), peer_fill.cc
+// (fetches from peers), staging.cc (staging ring, consumer), stats.cc
+// (counters, warnings).
 #pragma once
 
 #include <mpi.h>
@@ -123,7 +124,6 @@ class Prefetcher {
   Status plan();
   void start_threads();
   void stop();
-  void warn(std::string message);
 
   // ---------------------------------------------------------------- tiers (tiers.cc)
   void disable_tier(int tier);
@@ -176,9 +176,13 @@ class Prefetcher {
   bool claim(std::uint64_t* t);
   void release_locked(std::uint64_t b);
   void staging_loop();
-  void count(Source s, std::uint64_t size, double t0, const char* name);
   // Stages sample k, read at global key `at`, into dst.
   Status fetch(std::uint64_t k, std::uint64_t at, char* dst, char* scratch);
+
+  // ---------------------------------------------------------------- stats (stats.cc)
+  // A sample delivered from source s: its counters and trace event.
+  void count(Source s, std::uint64_t size, double t0, const char* name);
+  void warn(std::string message);
 
   struct FreeDeleter {
     void operator()(char* p) const { std::free(p); }

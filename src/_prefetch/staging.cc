@@ -64,12 +64,6 @@ void Prefetcher::staging_loop() {
   }
 }
 
-void Prefetcher::count(Source s, std::uint64_t size, double t0, const char* name) {
-  ++hits_[s];
-  bytes_[s] += size;
-  Timeline::instance().record(name, "prefetch", t0, now_us(), 1);
-}
-
 Status Prefetcher::fetch(std::uint64_t k, std::uint64_t at, char* dst, char* scratch) {
   const double t0 = now_us();
   const std::uint64_t size = reader_->size(k);
