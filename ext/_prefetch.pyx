@@ -189,9 +189,6 @@ cdef class _Staging:
         view.suboffsets = NULL
         view.internal = NULL
 
-    def __releasebuffer__(self, Py_buffer* view):
-        pass
-
 
 cdef class Core:
     """One rank's running prefetcher. staging: the uint8 numpy array of the
