@@ -227,8 +227,6 @@ class Prefetcher:
                             ("disk_bytes", disk_bytes), ("threads", threads), ("staging_bytes", staging_bytes)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if batch_size == 0:
-            raise ValueError("batch_size must be positive")
         self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
 
         def validate():
@@ -254,13 +252,11 @@ class Prefetcher:
         else:
             peer_ram = peer_disk = []
         self._position = position
-        required = _prefetch.required_staging(n, self.batch_size, self.ranks, self.rank, self.num_epochs, self.seed,
-                                              self.drop_last, self.store.sizes) if self.num_epochs else 1
-        self._staging = np.empty(max(int(staging_bytes), required), dtype=np.uint8)
         cfg = {"samples": n, "global_batch": self.batch_size, "ranks": self.ranks, "epochs": self.num_epochs,
                "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank, "start": position,
                "ram_bytes": int(ram_bytes), "disk_bytes": disk_bytes,
-               "disk_dir": os.fspath(disk_dir) if disk_dir else "", "threads": max(int(threads), 1),
+               "disk_dir": os.fspath(disk_dir) if disk_dir else "", "staging_bytes": int(staging_bytes),
+               "threads": max(int(threads), 1),
                "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
                "peer_ram_bytes": peer_ram, "peer_disk_bytes": peer_disk, "peer_timeout": float(peer_timeout),
                "serve_delay": float(_serve_delay), "peer_message_bytes": int(_peer_message_bytes)}
@@ -271,8 +267,8 @@ class Prefetcher:
             self._trace = None
         if self._trace:
             _prefetch.timeline_enable(True)
-        self._core = _prefetch.Core(self.store.shard_infos, cfg, self._staging,
-                                    comm if self.ranks > 1 else None)
+        self._core = _prefetch.Core(self.store.shard_infos, cfg, comm if self.ranks > 1 else None)
+        self._staging = self._core.staging
         self._started = time.monotonic()
         self._final_stats = None
         self._emit_warnings()

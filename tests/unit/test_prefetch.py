@@ -375,6 +375,20 @@ def test_corrupt_sample_fails_only_its_batch(tmp_path, ram):
         assert ids == stream[b].tolist() and data == [st.read(i) for i in ids]
 
 
+def test_staging_ring_is_three_of_the_largest_batches_and_outlives_close(st):
+    stream = prefetch.rank_stream(len(st), 8, 1, 0, 2, 7).astype(np.int64)
+    largest = int(st.sizes[stream].reshape(-1, 8).sum(axis=1).max())
+    with Prefetcher(st, 8, 2, 7, ram_bytes=0, staging_bytes=0) as pf:
+        assert pf.stats()["staging_bytes"] == 3 * largest  # raised to three of the largest local batches
+    with Prefetcher(st, 8, 2, 7, ram_bytes=0, staging_bytes=10 * largest) as pf:
+        assert pf.stats()["staging_bytes"] == 10 * largest
+    pf = Prefetcher(st, 8, 2, 7, ram_bytes=0)  # 64 MiB: a mapping of its own, unmapped when freed
+    batch = next(iter(pf))
+    pf.close()
+    del pf  # the batch's view keeps the core's ring alive
+    assert batch.samples() and [bytes(s) for s in batch.samples()] == [st.read(int(i)) for i in batch.indices]
+
+
 def test_break_mid_epoch_joins_threads_and_removes_files(st, tmp_path):
     before = threads_now()
     pf = Prefetcher(st, 8, 5, 1, ram_bytes=20000, disk_dir=str(tmp_path), disk_bytes=40000, threads=3,
