@@ -1,26 +1,15 @@
-"""HDF5-aggregated small-file store: pack a directory tree of small files into a
-few HDF5 shards, then read samples by index with plain positioned reads.
-
-Format (version 1, see docs/store.md): DST/manifest.h5 lists the shards
-DST/shard-KKKKK-of-NNNNN.h5; each shard holds one contiguous uint8 data set
-``data`` with the sample bytes back to back, and per sample ``offsets``,
-``sizes``, ``crc32c``, ``labels`` and ``names``. Samples are ordered by their
-relative path (UTF-8 bytes), so the index -> name mapping does not depend on
-the number of ranks that packed them.
-
-Reading never calls HDF5 after open: the C++ reader (include/hpcdl/store_reader.hpp)
-preads at the data set's file offset, checks the CRC32C and releases the GIL.
+"""Packing a directory tree of small files into a store, on any number of ranks:
+rank 0 lists and plans, each rank writes its shards, rank 0 writes the manifest.
+Samples are ordered by their relative path (UTF-8 bytes), so the index -> name
+mapping does not depend on the number of ranks that packed them.
 """
 
-import bisect
 import errno
 import hashlib
 import os
 import socket
 import stat
-import sys
 import time
-import warnings
 from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,104 +18,26 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _store
-from hpcdl.errors import CorruptDataError, HpcdlError
+from hpcdl._agree import call_on_every_rank
+from hpcdl.errors import CorruptDataError
+from hpcdl.store.manifest import (_SHARD_PREFIX, _TMP_SUFFIX, FORMAT, FORMAT_VERSION, MANIFEST, _create_checked,
+                                  _fsync_path, _read_checked, shard_name, write_manifest)
+from hpcdl.store.progress import _bar, _Progress
+from hpcdl.store.reader import DEFAULT_THREADS, Store
 
-
-class StoreWarning(UserWarning):
-    """A store opens but lacks a safeguard (e.g. packed by an older hpcdl without index checksums)."""
-
-
-FORMAT = "hpcdl-store"
-FORMAT_VERSION = 2
-_FIRST_CHECKED_VERSION = 2  # stores packed before it carry no index checksums
-MANIFEST = "manifest.h5"
 DEFAULT_SHARD_BYTES = 1 << 30
-DEFAULT_THREADS = 8
-_SHARD_PREFIX = "shard-"
-_TMP_SUFFIX = ".tmp"
 _LOCK = ".hpcdl-pack.lock"
 _WRITE_BLOCK = 16 << 20     # bytes gathered before one HDF5 write
 _READ_WINDOW = 256          # files in flight per packing rank
-_PROGRESS_TAG = 4242
+
 
 PackResult = namedtuple("PackResult", "samples bytes shards skipped reused_shards seconds")
 PackResult.__doc__ = """What pack() did: skipped is a list of (path, reason) of files left out."""
-
-VerifyReport = namedtuple("VerifyReport", "samples bytes_read seconds problems damaged")
-VerifyReport.__doc__ = """Result of Store.verify(): problems is a list of (index, name, reason) of bad
-samples in readable shards; damaged a list of (shard path, first sample, samples, reason) of shards
-that could not be opened (each reported once, all its samples lost)."""
-
-
-def crc32c(data, crc=0):
-    """CRC32C of a bytes-like object (the checksum the store keeps per sample)."""
-    return _store.crc32c(data, crc)
-
-
-def _index_crc(values):
-    """CRC32C of an index data set's contents: numbers as their little-endian
-    bytes; strings as their UTF-8 bytes after the list of their lengths (so a
-    byte moved between two names changes it)."""
-    values = np.asarray(values)
-    if values.dtype.kind in "OSU":
-        parts = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values.ravel()]
-        lengths = np.array([len(p) for p in parts], dtype="<u8")
-        return _store.crc32c(b"".join(parts), _store.crc32c(lengths.tobytes()))
-    return _store.crc32c(np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")).tobytes())
-
-
-def _create_checked(f, name, values, dtype=None):
-    """Write an index data set with the CRC32C of its contents as its attribute `crc32c`."""
-    if dtype is not None and h5py.check_string_dtype(dtype):
-        values = np.array(list(values), dtype=object)
-    f.create_dataset(name, data=values, dtype=dtype).attrs["crc32c"] = np.uint32(_index_crc(values))
-
-
-def _read_checked(f, name, where, checked=True):
-    """An index data set's contents after checking them against its `crc32c`
-    attribute (checked=False: a store packed before index checksums).
-    Strings come back as UTF-8 bytes."""
-    values = f[name][:]
-    if checked:
-        stored = f[name].attrs.get("crc32c")
-        computed = _index_crc(values)
-        if stored is None or int(stored) != computed:
-            found = "no checksum" if stored is None else f"stored crc32c 0x{int(stored):08x}, read 0x{computed:08x}"
-            raise CorruptDataError(f"index data set '{name}' of {where} is damaged ({found})")
-    return values
-
-
-def shard_name(index, count):
-    return f"{_SHARD_PREFIX}{index:05d}-of-{count:05d}.h5"
-
-
-def _log(rank, message):
-    print(f"[hpcdl rank {rank}] {message}", file=sys.stderr, flush=True)
 
 
 def _display(rel):
     """A relative path (bytes) for messages, even when it is not valid UTF-8."""
     return rel.decode("utf-8", "backslashreplace")
-
-
-def _agree(comm, fn, *args):
-    """Run fn on every rank; if any rank raised, raise on every rank (never a hang)."""
-    try:
-        result, error = fn(*args), None
-    except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
-        result, error = None, exc
-    errors = comm.allgather(None if error is None else (type(error), str(error)))
-    if error is not None:
-        raise error
-    for rank, info in enumerate(errors):
-        if info is not None:
-            kind, message = info
-            try:
-                exc = kind(f"[hpcdl rank {rank}] {message}")
-            except Exception:  # noqa: BLE001 - a type that takes other arguments
-                exc = HpcdlError(f"[hpcdl rank {rank}] {kind.__name__}: {message}")
-            raise exc
-    return result
 
 
 # --------------------------------------------------------------------------- listing
@@ -365,14 +276,6 @@ def _reuse_shard(path, plan):
         return None
 
 
-def _fsync_path(path, directory=False):
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_shard(src, dst, plan, pool, progress):
     """Write one shard under a temporary name, then rename it into place."""
     name = shard_name(plan["index"], plan["count"])
@@ -431,100 +334,6 @@ def _write_shard(src, dst, plan, pool, progress):
             "skipped": skipped}
 
 
-def _write_manifest(src, dst, label_names, summaries, skipped_listing, pack_seconds):
-    summaries = sorted(summaries, key=lambda s: s["index"])
-    counts = np.array([s["samples"] for s in summaries], dtype=np.uint64)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.uint64)
-    skipped = list(skipped_listing) + [x for s in summaries for x in s["skipped"]]
-    text = h5py.string_dtype("utf-8")
-    path = os.path.join(dst, MANIFEST)
-    tmp = os.path.join(dst, "." + MANIFEST + _TMP_SUFFIX)
-    with h5py.File(tmp, "w") as f:
-        n = len(summaries)
-        _create_checked(f, "shard_files", [shard_name(s["index"], n) for s in summaries], text)
-        _create_checked(f, "shard_first_sample", first)
-        _create_checked(f, "shard_num_samples", counts)
-        _create_checked(f, "shard_data_bytes", np.array([s["bytes"] for s in summaries], dtype=np.uint64))
-        _create_checked(f, "label_names", label_names, text)
-        _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
-        _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
-        f.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION,
-                        "num_samples": int(counts.sum()),
-                        "total_bytes": int(sum(s["bytes"] for s in summaries)),
-                        "num_shards": n, "checksum": "crc32c", "source": os.path.abspath(src),
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        "pack_seconds": pack_seconds})
-    _fsync_path(tmp)
-    os.replace(tmp, path)
-    _fsync_path(dst, directory=True)
-    return skipped
-
-
-def _bar(enabled, **kwargs):
-    from tqdm import tqdm
-
-    return tqdm(disable=not enabled, mininterval=0.5, **kwargs)
-
-
-class _Progress:
-    """Packing progress of every rank on one tqdm bar on rank 0 (files/s, MB/s).
-
-    Other ranks send (files, bytes) increments at most twice a second on their
-    own communicator; rank 0 collects them whenever it reports its own work.
-    """
-
-    def __init__(self, comm, total_files, total_bytes, enabled):
-        self.comm, self.rank = comm, comm.Get_rank()
-        self.files = self.bytes = 0
-        self.unsent = [0, 0]
-        self.last_send = time.monotonic()
-        self.requests = []
-        self.start = time.monotonic()
-        self.total_files = total_files
-        self.finished_ranks = 0
-        self.bar = _bar(enabled and self.rank == 0, total=total_bytes, unit="B", unit_scale=True,
-                        desc="[hpcdl rank 0] packing") if self.rank == 0 else None
-
-    def advance(self, files, nbytes):
-        if self.rank == 0:
-            self._show(files, nbytes)
-            self._collect(block=False)
-            return
-        self.unsent[0] += files
-        self.unsent[1] += nbytes
-        if time.monotonic() - self.last_send > 0.5:
-            self._send(done=False)
-
-    def _send(self, done):
-        self.requests.append(self.comm.isend((self.unsent[0], self.unsent[1], done), 0, _PROGRESS_TAG))
-        self.unsent = [0, 0]
-        self.last_send = time.monotonic()
-
-    def _show(self, files, nbytes):
-        self.files += files
-        self.bytes += nbytes
-        self.bar.update(nbytes)
-        rate = self.files / max(time.monotonic() - self.start, 1e-9)
-        self.bar.set_postfix_str(f"{self.files}/{self.total_files} files, {rate:.0f} files/s", refresh=False)
-
-    def _collect(self, block):
-        """Show the reports that arrived; with block, wait until every rank said done."""
-        nranks = self.comm.Get_size()
-        while (block and self.finished_ranks < nranks - 1) or self.comm.iprobe(MPI.ANY_SOURCE, _PROGRESS_TAG):
-            files, nbytes, done = self.comm.recv(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG)
-            self._show(files, nbytes)
-            self.finished_ranks += done
-
-    def finish(self):
-        """Collective: rank 0 waits for every rank's last report."""
-        if self.rank == 0:
-            self._collect(block=True)
-            self.bar.close()
-        else:
-            self._send(done=True)
-            MPI.Request.Waitall(self.requests)
-
-
 def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, force=False,
          progress=True, threads=DEFAULT_THREADS):
     """Pack every regular file under ``src_dir`` into an hpcdl store in directory ``dst``.
@@ -567,7 +376,7 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
         return label_names, plans, skipped, sum(f[1] for f in files)
 
     try:
-        planned = _agree(comm, plan_on_rank0)
+        planned = call_on_every_rank(comm, plan_on_rank0)
         label_names, plans, skipped_listing, total_bytes = comm.bcast(planned, root=0)
         mine = [p for p in plans if p["index"] % nranks == rank]
         total_files = sum(len(p["files"]) for p in plans)
@@ -592,14 +401,14 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
                 raise error
             return summaries
 
-        summaries = _agree(comm, reraise_local)
+        summaries = call_on_every_rank(comm, reraise_local)
         gathered = comm.gather(summaries, root=0)
 
         def manifest_on_rank0():
             if rank != 0:
                 return None
             every = [s for part in gathered for s in part]
-            skipped = _write_manifest(src_dir, dst, label_names, every, skipped_listing,
+            skipped = write_manifest(src_dir, dst, label_names, every, skipped_listing,
                                       time.monotonic() - started)
             Store(dst).close()  # no success reported over a store that does not open (index checked)
             return PackResult(samples=sum(s["samples"] for s in every), bytes=sum(s["bytes"] for s in every),
@@ -607,274 +416,8 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
                               reused_shards=sum(s["reused"] for s in every),
                               seconds=time.monotonic() - started)
 
-        result = _agree(comm, manifest_on_rank0)
+        result = call_on_every_rank(comm, manifest_on_rank0)
         return comm.bcast(result, root=0)
     finally:
         for lock in locks:
             lock.release()
-
-
-# --------------------------------------------------------------------------- reading
-
-class _Names:
-    """Sample names (relative paths) as a read-only sequence, kept as one UTF-8
-    blob plus offsets rather than a Python string per sample."""
-
-    def __init__(self, blob, offsets):
-        self._blob, self._offsets = blob, offsets
-
-    def __len__(self):
-        return len(self._offsets) - 1
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        n = len(self)
-        i = int(i)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"name index {i} out of range [0, {n})")
-        return self._blob[self._offsets[i]:self._offsets[i + 1]].decode("utf-8")
-
-    def raw(self, i):
-        return self._blob[self._offsets[i]:self._offsets[i + 1]]
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-    def __repr__(self):
-        return f"<hpcdl store names: {len(self)}>"
-
-
-class _Raw:
-    """A sequence view of names as UTF-8 bytes over [lo, hi), for bisect."""
-
-    def __init__(self, names, lo, hi):
-        self.names, self.lo, self.hi = names, lo, hi
-
-    def __len__(self):
-        return self.hi - self.lo
-
-    def __getitem__(self, k):
-        return self.names.raw(self.lo + k)
-
-
-def _manifest_path(path):
-    path = os.fspath(path)
-    return os.path.join(path, MANIFEST) if os.path.isdir(path) else path
-
-
-class Store:
-    """A packed store, opened once: ``len(store)``, ``store[i]`` (bytes),
-    ``read_many(indices)``, ``names``, ``labels``, ``label_map``, ``verify()``,
-    ``index_of(name)``.
-
-    Opening reads the manifest and each shard's index with h5py, then closes
-    them: reads go through the C++ reader (pread, checksum checked, GIL
-    released). A Store may be opened before DataLoader workers fork; its
-    thread pool is remade in each child. threads: read_many() parallelism.
-    allow_damaged: open even when some shards cannot be read (their samples
-    raise CorruptDataError); verify() reports them.
-    """
-
-    def __init__(self, path, threads=DEFAULT_THREADS, verify_checksums=True, allow_damaged=False):
-        self.path = _manifest_path(path)
-        self.root = os.path.dirname(os.path.abspath(self.path))
-        self._args = (path, threads, verify_checksums, allow_damaged)
-        if not os.path.exists(self.path):
-            raise FileNotFoundError(f"no hpcdl store at '{path}' (missing {MANIFEST}: not packed, "
-                                    "or the packing did not finish)")
-        try:
-            with h5py.File(self.path, "r", locking=False) as m:
-                if m.attrs.get("format") != FORMAT:
-                    raise CorruptDataError(f"'{self.path}' is not an hpcdl store manifest")
-                version = int(m.attrs["format_version"])
-                if version > FORMAT_VERSION:
-                    raise HpcdlError(f"store '{self.path}' has format version {version}; this hpcdl "
-                                     f"reads up to {FORMAT_VERSION}: upgrade hpcdl")
-                self._checked = version >= _FIRST_CHECKED_VERSION
-
-                def read(name):
-                    return _read_checked(m, name, f"manifest '{self.path}'", self._checked)
-
-                def text(name):
-                    return [v.decode("utf-8") for v in read(name)]
-
-                shard_files = text("shard_files")
-                first = read("shard_first_sample").astype(np.int64)
-                counts = read("shard_num_samples").astype(np.int64)
-                self.shard_data_bytes = read("shard_data_bytes").astype(np.int64)
-                self.classes = text("label_names")
-                self.skipped = list(zip(text("skipped_names"), text("skipped_reasons")))
-                self.attrs = dict(m.attrs)
-        except (OSError, KeyError, ValueError) as exc:
-            raise CorruptDataError(f"cannot read the manifest '{self.path}': {exc}") from None
-        if not self._checked:
-            warnings.warn(f"store '{self.root}' was packed by an older hpcdl (format version {version}) "
-                          "without index checksums: damaged labels, names or offsets cannot be detected; "
-                          "re-pack it", StoreWarning, stacklevel=2)
-        self.shard_paths = [os.path.join(self.root, f) for f in shard_files]
-        self.shard_first = first
-        self.shard_counts = counts
-        infos, labels, name_parts, self.damaged = [], [], [], []
-        for k, path_k in enumerate(self.shard_paths):
-            try:
-                info, shard_labels, shard_names = self._open_shard(path_k, int(counts[k]), self._checked)
-            except (OSError, KeyError, ValueError, CorruptDataError) as exc:
-                last = int(first[k] + counts[k]) - 1
-                reason = (f"shard '{path_k}' cannot be used ({exc}); samples {first[k]}..{last} "
-                          "are lost: the file is truncated or damaged, re-pack the store")
-                if not allow_damaged:
-                    raise CorruptDataError(reason) from None
-                self.damaged.append((k, reason))
-                info = {"path": path_k, "damaged": reason, "count": int(counts[k])}
-                shard_labels = np.full(int(counts[k]), -1, dtype=np.int32)
-                shard_names = [b""] * int(counts[k])
-            infos.append(info)
-            labels.append(shard_labels)
-            name_parts.extend(shard_names)
-        self.labels = np.concatenate(labels) if labels else np.zeros(0, np.int32)
-        lengths = np.fromiter((len(n) for n in name_parts), dtype=np.int64, count=len(name_parts))
-        self.names = _Names(b"".join(name_parts), np.concatenate([[0], np.cumsum(lengths)]))
-        del name_parts
-        self.shard_infos = infos  # kept: the prefetcher opens its own reader over the same shards
-        self._reader = _store.Reader(infos, threads, verify_checksums)
-        self.sizes = np.concatenate([i["sizes"] if "sizes" in i else np.zeros(i["count"], np.uint64)
-                                     for i in infos]) if infos else np.zeros(0, np.uint64)
-
-    @staticmethod
-    def _open_shard(path, expected, checked):
-        def read(name):
-            return _read_checked(f, name, "the shard", checked)
-
-        with h5py.File(path, "r", locking=False) as f:
-            if not f.attrs.get("complete") or int(f.attrs["num_samples"]) != expected:
-                raise CorruptDataError(f"it holds {f.attrs.get('num_samples')} samples, "
-                                       f"the manifest says {expected}")
-            data = f["data"]
-            if data.chunks is not None or data.compression or data.dtype != np.uint8 or data.ndim != 1:
-                raise CorruptDataError("its data set is not a contiguous, unfiltered 1-D uint8 array")
-            offset = data.id.get_offset()  # None when the data set is empty (never allocated)
-            info = {"path": path, "data_offset": 0 if offset is None else offset,
-                    "data_bytes": data.shape[0], "offsets": read("offsets"),
-                    "sizes": read("sizes"), "crc32c": read("crc32c")}
-            return info, read("labels").astype(np.int32), list(read("names"))
-
-    def __reduce__(self):
-        return Store, self._args
-
-    def __len__(self):
-        return len(self._reader)
-
-    def _index(self, i):
-        i = int(i)
-        n = len(self._reader)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"sample index {i} out of range [0, {n})")
-        return i
-
-    def _named(self, exc):
-        """Add the sample's name to a reader error."""
-        sample = getattr(exc, "sample", None)
-        if sample is not None and sample < len(self.names) and self.names.raw(sample):
-            exc.args = (f"{exc.args[0]}; name '{self.names[sample]}'",) + exc.args[1:]
-        return exc
-
-    def __getitem__(self, i):
-        """Sample i as bytes (a copy); see read_into() and read_many() for zero-copy reads."""
-        return self.read(i)
-
-    def read(self, i):
-        i = self._index(i)
-        try:
-            return self._reader.read(i)
-        except (CorruptDataError, OSError) as exc:
-            raise self._named(exc) from None
-
-    def read_into(self, i, buffer):
-        """Read sample i into the start of a writable buffer (numpy uint8, bytearray); returns its size."""
-        i = self._index(i)
-        try:
-            return self._reader.read_into(i, buffer)
-        except (CorruptDataError, OSError) as exc:
-            raise self._named(exc) from None
-
-    def size(self, i):
-        return int(self.sizes[self._index(i)])
-
-    def read_many(self, indices, out=None):
-        """Read many samples at once on the reader's threads into one uint8 buffer.
-
-        Returns (data, offsets): sample k is data[offsets[k]:offsets[k + 1]].
-        out: an optional preallocated uint8 array of at least the total size.
-        """
-        idx = np.asarray(indices, dtype=np.int64).ravel()
-        n = len(self._reader)
-        if idx.size and (idx.min() < -n or idx.max() >= n):
-            bad = idx[(idx < -n) | (idx >= n)][0]
-            raise IndexError(f"sample index {bad} out of range [0, {n})")
-        idx = np.where(idx < 0, idx + n, idx).astype(np.uint64)
-        offsets = np.zeros(idx.size + 1, dtype=np.uint64)
-        np.cumsum(self.sizes[idx], out=offsets[1:])
-        total = int(offsets[-1])
-        if out is None:
-            out = np.empty(total, dtype=np.uint8)
-        elif out.nbytes < total:
-            raise ValueError(f"out holds {out.nbytes} bytes, the samples need {total}")
-        try:
-            self._reader.read_many(idx, out, offsets[:-1])
-        except (CorruptDataError, OSError) as exc:
-            raise self._named(exc) from None
-        return out[:total], offsets
-
-    @property
-    def label_map(self):
-        """Class name -> label (ImageFolder's class_to_idx). Files at the top level have label -1."""
-        return {c: i for i, c in enumerate(self.classes)}
-
-    def index_of(self, name):
-        """Index of the sample with this relative path; KeyError when absent."""
-        key = os.fsencode(name) if not isinstance(name, bytes) else name
-        for k in range(len(self.shard_paths)):
-            lo, hi = int(self.shard_first[k]), int(self.shard_first[k] + self.shard_counts[k])
-            raw = _Raw(self.names, lo, hi)
-            if hi > lo and raw[0] <= key <= raw[hi - lo - 1]:
-                j = bisect.bisect_left(raw, key)
-                if j < hi - lo and raw[j] == key:
-                    return lo + j
-        raise KeyError(f"no sample named {name!r} in the store")
-
-    def verify(self, progress=False):
-        """Read every sample front to back and check its CRC32C. Returns a
-        VerifyReport; report.problems lists (index, name, reason) and
-        report.damaged the shards that could not be opened; both empty when all is well."""
-        bar = _bar(progress, total=int(self.sizes.sum()), unit="B", unit_scale=True, desc="verify")
-        started = time.monotonic()
-        problems, bytes_read = [], 0
-        damaged = [(self.shard_paths[k], int(self.shard_first[k]), int(self.shard_counts[k]), reason)
-                   for k, reason in self.damaged]
-        for k in range(len(self.shard_paths)):
-            if "damaged" in self.shard_infos[k]:
-                continue
-            bad, reasons, nbytes = self._reader.verify_shard(k)
-            problems.extend((i, self.names[i], r) for i, r in zip(bad, reasons))
-            bytes_read += nbytes
-            bar.update(int(self.sizes[self.shard_first[k]:self.shard_first[k] + self.shard_counts[k]].sum()))
-        bar.close()
-        return VerifyReport(samples=len(self), bytes_read=bytes_read,
-                            seconds=time.monotonic() - started, problems=problems, damaged=damaged)
-
-    def close(self):
-        self._reader = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __repr__(self):
-        return f"<hpcdl.store.Store '{self.root}': {len(self)} samples in {len(self.shard_paths)} shards>"
