@@ -12,18 +12,15 @@ through hpcdl._core's whole-array hooks, on the calling thread.
 """
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import parse_codec  # noqa: E402  (one codec syntax for both benchmarks)
-
-from hpcdl import _core  # noqa: E402
-from hpcdl.measure import rate, show  # noqa: E402
+from allreduce import parse_codec  # bench/ is a script's sys.path[0]: one codec syntax for both benchmarks
+from hpcdl import _core
+from hpcdl.measure import rate, show
 
 
 def time_median(fn, repeats):

@@ -23,7 +23,7 @@ from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.timeline cimport CTimeline, CTraceEvent
 
 import threading
-import warnings
+from hpcdl._warn import warn as _warn
 
 DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
 
@@ -158,8 +158,8 @@ cdef class Handle:
         while not finished:
             with nogil:
                 finished = op.wait_for(slice_s)
-            for notice in op.take_notices():
-                warnings.warn(notice.decode("utf-8", "replace"), StallWarning, stacklevel=2)
+            for notice in op.take_notices():  # through hpcdl's one warning channel (the rank in front)
+                _warn(notice.decode("utf-8", "replace").removeprefix("hpcdl: "), StallWarning)  # a compiled frame: 1 names wait()'s caller
             if not finished:
                 PyErr_CheckSignals()
                 waited += slice_s

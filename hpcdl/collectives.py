@@ -14,6 +14,8 @@ from mpi4py import MPI
 from hpcdl import _core
 from hpcdl.compression import canonical as _codec_text
 
+DTYPES = tuple(_core.DTYPES)  # the element types the core reduces and broadcasts, by numpy name
+
 
 # Engine tunables: type, lower and upper bound, environment variable. The
 # last two are read by the engine thread itself (C++) and only checked here.

@@ -111,7 +111,7 @@ def test_models_with_different_shapes_raise_on_every_rank(with_broadcast):
 
 @pytest.mark.mpi(min_size=2)
 def test_fit_reading_through_the_prefetcher_equals_single_process_fit():
-    """hpcdl.prefetch.tf_dataset over the whole run + steps_per_epoch: 2 epochs, each rank its share of each
+    """hpcdl.tensorflow.tf_dataset over the whole run + steps_per_epoch: 2 epochs, each rank its share of each
     global batch; the same SGD steps as one process on the global batches the ranks were fed."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     x, y = global_data(size, steps=3)
@@ -135,7 +135,7 @@ def test_fit_reading_through_the_prefetcher_equals_single_process_fit():
         model = make_model(seed=rank)
         with hpcdl.prefetch.Prefetcher(hpcdl.store.Store(os.path.join(root, "store")),
                                        batch_size=LOCAL_BATCH * size, epochs=2, seed=5, comm=WORLD) as pf:
-            dataset = hpcdl.prefetch.tf_dataset(pf, transform=decode, output_signature=(
+            dataset = hvd_tf.tf_dataset(pf, transform=decode, output_signature=(
                 tf.TensorSpec([10], tf.float32), tf.TensorSpec([], tf.int32))).batch(pf.local_batch)
             model.compile(optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), name="prefetched"),
                           loss=LOSS)

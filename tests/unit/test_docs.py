@@ -89,7 +89,7 @@ for argv in argvs:
                         parser.error("unrecognized arguments: " + " ".join(extra))
                     raise Parsed()
                 args.bench_args = extra
-                importlib.import_module("hpcdl.bench." + args.bench).main(cli._bench_argv(args))
+                cli.load_bench(args.bench).main(cli._bench_argv(args))
             else:
                 sys.argv = [target] + argv
                 if kind == "path":

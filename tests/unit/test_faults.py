@@ -108,6 +108,25 @@ def test_rank_that_raises_ends_the_job(tmp_path):
     assert "[hpcdl rank 1] uncaught RuntimeError: aborting the job" in out, out
 
 
+def test_abort_on_uncaught_exception_can_be_switched_off(tmp_path):
+    """Off (the function on every rank): the raising rank prints its traceback and exits without
+    MPI_Abort; its engine leaves at exit (or the launcher ends the job), so the job still ends."""
+    rc, out = run_job(tmp_path, 3, """
+        hpcdl.abort_on_uncaught_exception(False)
+        if RANK == 1:
+            time.sleep(0.5)
+            raise RuntimeError("boom on rank 1")
+        hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
+    """)
+    assert rc != 0, out
+    assert "RuntimeError: boom on rank 1" in out, out
+    assert "aborting the job" not in out, out
+    code = "import sys, hpcdl; print('default hook:', sys.excepthook is sys.__excepthook__)"
+    env = dict(os.environ, HPCDL_ABORT_ON_EXCEPTION="0")
+    rc, out, _ = finish_job(start_job([MPIEXEC, "-n", "2", sys.executable, "-c", code], env=env), BOUND_S)
+    assert rc == 0 and out.count("default hook: True") == 2, out
+
+
 def test_rank_killed_with_sigkill_ends_the_job(tmp_path):
     """No code runs on a SIGKILLed rank, nor, once the launcher (MPICH's hydra)
     ends the job, on the others: hydra's report is what names it. Its PID line

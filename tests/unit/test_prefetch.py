@@ -440,12 +440,14 @@ def test_torch_dataset_in_stream_order(st):
     import torch
     from torch.utils.data import DataLoader
 
+    from hpcdl.torch import TorchDataset
+
     expected = prefetch.rank_stream(len(st), 8, 1, 0, 2, 4)
     with Prefetcher(st, 8, 2, 4, ram_bytes=10**6) as pf:
-        ds = prefetch.TorchDataset(pf, transform=lambda v: torch.tensor(len(v)), epochs=1)
+        ds = TorchDataset(pf, transform=lambda v: torch.tensor(len(v)), epochs=1)
         assert len(ds) == len(expected) // 2
         first = [(int(x), int(y)) for x, y in DataLoader(ds, batch_size=None, num_workers=0)]
-        loader = DataLoader(prefetch.TorchDataset(pf, transform=lambda v: torch.tensor(v[:4].sum(), dtype=torch.int64)),
+        loader = DataLoader(TorchDataset(pf, transform=lambda v: torch.tensor(v[:4].sum(), dtype=torch.int64)),
                             batch_size=pf.local_batch)
         second = torch.cat([x for x, _ in loader]).tolist()
     assert first == [(len(st.read(int(i))), int(st.labels[i])) for i in expected[:len(first)]]
@@ -455,9 +457,11 @@ def test_torch_dataset_in_stream_order(st):
 def test_tf_dataset_in_stream_order(st):
     import tensorflow as tf
 
+    from hpcdl.tensorflow import tf_dataset
+
     expected = prefetch.rank_stream(len(st), 8, 1, 0, 1, 6)
     with Prefetcher(st, 8, 1, 6, ram_bytes=0) as pf:
-        ds = prefetch.tf_dataset(pf)
+        ds = tf_dataset(pf)
         got = [(bytes(x.numpy()), int(y)) for x, y in ds]
     assert got == [(st.read(int(i)), int(st.labels[i])) for i in expected]
     assert isinstance(ds, tf.data.Dataset)

@@ -162,7 +162,7 @@ def test_bad_entries_are_skipped_and_reported(tree, tmp_path):
 
 def test_file_vanishing_between_listing_and_reading_is_skipped(tree, tmp_path, monkeypatch):
     src, content = tree
-    real_list = store._list_source
+    real_list = store.packing._list_source
 
     def list_then_delete(*args):
         files, skipped = real_list(*args)
@@ -171,7 +171,7 @@ def test_file_vanishing_between_listing_and_reading_is_skipped(tree, tmp_path, m
             fh.write(b"grown")
         return files, skipped
 
-    monkeypatch.setattr(store, "_list_source", list_then_delete)
+    monkeypatch.setattr(store.packing, "_list_source", list_then_delete)
     result = store.pack(src, tmp_path / "dst", shards=2, progress=False)
     reasons = dict(result.skipped)
     assert sorted(reasons) == ["cat/00003.jpg", "dog/00001.jpg"], reasons

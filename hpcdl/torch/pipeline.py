@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl._signature import check_same_on_all_ranks
+from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
 from hpcdl.pipeline import (BACKWARD, FORWARD, Link, PipelineError, balanced_split, data_tag,
                             max_micro_batches, pipeline_grid, stage_actions)
 
@@ -179,7 +179,7 @@ class Pipeline:
         """hpcdl.torch.DistributedOptimizer averaging this stage's gradients over its
         replicas (data_comm); its allreduce starts during the last micro-batch's
         backward. kwargs (compression=, bucket_bytes=...) go to DistributedOptimizer."""
-        from hpcdl.torch import DistributedOptimizer
+        from hpcdl.torch.optimizer import DistributedOptimizer
         return DistributedOptimizer(optimizer, self.named_parameters(), comm=self.data_comm,
                                     backward_passes_per_step=self.micro_batches,
                                     name=f"pipeline.stage{self.stage}", **kwargs)
@@ -210,7 +210,6 @@ class Pipeline:
     def load_full_state_dict(self, state):
         """Load the whole model's state_dict given on stage 0 (others pass None): each
         stage receives and loads its part. Collective; an error on any stage raises on all."""
-        from hpcdl.store import _agree
         parts = None
         if self.stage == 0:
             parts = [collections.OrderedDict() for _ in range(self.stages)]
@@ -218,7 +217,7 @@ class Pipeline:
             for key, value in state.items():
                 parts[owner.get(key.split(".", 1)[0], 0)][key] = value
         mine = self.pipeline_comm.scatter(parts, root=0)
-        _agree(self.pipeline_comm, self.module.load_state_dict, mine)
+        call_on_every_rank(self.pipeline_comm, self.module.load_state_dict, mine)
 
     def close(self):
         """Free the pipeline's private communicator (collective over the pipeline); the

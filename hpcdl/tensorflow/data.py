@@ -1,9 +1,8 @@
-"""TensorFlow adapter for the prefetcher: a tf.data.Dataset in exactly the
-prefetcher's stream order.
+"""The prefetcher as a tf.data.Dataset, in exactly the prefetcher's stream order.
 
-    ds = hpcdl.prefetch.tf_dataset(pf, transform=decode,
-                                   output_signature=(tf.TensorSpec([32, 32, 3], tf.uint8),
-                                                     tf.TensorSpec([], tf.int32)))
+    ds = hpcdl.tensorflow.tf_dataset(pf, transform=decode,
+                                     output_signature=(tf.TensorSpec([32, 32, 3], tf.uint8),
+                                                       tf.TensorSpec([], tf.int32)))
     model.fit(ds.batch(pf.local_batch), epochs=...)
 """
 

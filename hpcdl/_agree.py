@@ -1,16 +1,41 @@
-"""Check that every rank describes the same model before any collective on it.
+"""Ranks agree before they go on: the one place for both ways hpcdl's Python side does it.
 
-The framework adapters call this at construction: a model that differs across
-ranks (a parameter on some ranks only, another shape or dtype, another order)
-raises MismatchError on every rank with the first differences named, instead
-of hanging or reducing unrelated bytes.
+call_on_every_rank: a step that may fail on some ranks (rank 0 plans, each rank
+validates) raises on every rank, never leaving the others waiting in the next
+collective. check_same_on_all_ranks: every rank describes the same model or
+settings before any collective on them (the adapters at construction, the
+prefetcher's settings); a difference (a parameter on some ranks only, another
+shape, dtype or order) raises MismatchError on every rank with the first
+differences named, instead of hanging or reducing unrelated bytes.
 """
 
 import hashlib
 
-from hpcdl.errors import MismatchError
+from hpcdl.errors import HpcdlError, MismatchError
 
 _MAX_LISTED = 5
+
+
+def call_on_every_rank(comm, fn, *args):
+    """fn(*args) on every rank; if any rank raised, raise on every rank (the
+    raising rank's own exception, the others its type and message with its rank).
+    Collective over comm: one allgather of None or (type, message)."""
+    try:
+        result, error = fn(*args), None
+    except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
+        result, error = None, exc
+    errors = comm.allgather(None if error is None else (type(error), str(error)))
+    if error is not None:
+        raise error
+    for rank, info in enumerate(errors):
+        if info is not None:
+            kind, message = info
+            try:
+                exc = kind(f"[hpcdl rank {rank}] {message}")
+            except Exception:  # noqa: BLE001 - a type that takes other arguments
+                exc = HpcdlError(f"[hpcdl rank {rank}] {kind.__name__}: {message}")
+            raise exc
+    return result
 
 
 def check_same_on_all_ranks(comm, entries, what, settings=None):

@@ -1,6 +1,6 @@
-"""TensorFlow adapter: data-parallel training with hpcdl's allreduce.
+"""TensorFlow gradients reduced over the ranks: DistributedGradientTape and broadcast_variables.
 
-    import hpcdl, hpcdl.tensorflow as hvd_tf
+    import hpcdl.tensorflow as hvd_tf
     hvd_tf.broadcast_variables(model.variables, root=0)   # once, after the model is built
     with tf.GradientTape() as tape:
         loss = loss_fn(y, model(x))
@@ -8,17 +8,14 @@
     grads = tape.gradient(loss, model.trainable_variables)  # averaged over all ranks
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
-Keras model.fit: compile with ``DistributedOptimizer(optimizer)`` and pass
-``BroadcastGlobalVariablesCallback(0)`` and ``MetricAverageCallback()``.
-
 Eager and tf.function: gradients reach the core as numpy arrays. Eagerly the
 allreduce is a direct call (hpcdl's own exceptions surface); inside a
 tf.function it runs through ``tf.numpy_function``, a stateful op of the graph
 (so the function cannot be XLA-compiled with ``jit_compile=True``, and an hpcdl
 error arrives as a ``tf.errors`` exception carrying hpcdl's message).
 
-Nothing is compiled against TensorFlow; ``import tensorflow`` below is an
-absolute import and binds the real TensorFlow, not this module.
+Nothing is compiled against TensorFlow; ``import tensorflow`` binds the real
+TensorFlow (absolute import), not the package hpcdl.tensorflow.
 """
 
 import numpy as np
@@ -27,11 +24,9 @@ from mpi4py import MPI
 from tensorflow.python.ops import control_flow_util  # XLA context check (no public API)
 
 import hpcdl
-from hpcdl._signature import check_same_on_all_ranks
+from hpcdl._agree import check_same_on_all_ranks
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "broadcast_variables",
-           "BroadcastGlobalVariablesCallback", "MetricAverageCallback"]
-
+__all__ = ["DistributedGradientTape", "broadcast_variables"]
 
 def _core_view(array):
     """A C-contiguous array for the core and its dtype argument (bfloat16 travels as uint16 bits)."""
@@ -143,53 +138,6 @@ class DistributedGradientTape:
         return self._reduce.allreduce(tensors)
 
 
-class _DistributedOptimizerMixin:
-    """Keras 3 optimizer whose apply() first averages the gradients over all ranks.
-
-    Keras routes every update through apply(): apply_gradients() and
-    model.fit's train_step call it, eagerly or inside the train function's
-    tf.function. Reducing there, before Keras filters empty gradients, unscales
-    a loss-scaled step, accumulates or clips, keeps the step identical to a
-    single process on the global batch.
-    """
-
-    def apply(self, grads, trainable_variables=None):
-        sources = self._trainable_variables if trainable_variables is None and self.built else trainable_variables
-        if sources is not None:
-            grads = self._hpcdl_allreduce.reduce_gradients(list(grads), list(sources))
-        return super().apply(grads, trainable_variables)
-
-
-def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, name="keras"):
-    """A copy of a Keras optimizer whose updates use gradients reduced over all ranks (for model.fit).
-
-        model.compile(optimizer=hpcdl.tensorflow.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=...)
-        model.fit(dataset, callbacks=[hpcdl.tensorflow.BroadcastGlobalVariablesCallback(0),
-                                      hpcdl.tensorflow.MetricAverageCallback()])
-
-    Returns an instance of a subclass of the optimizer's class (``DistributedSGD``
-    for ``SGD``) made from its config, so isinstance and learning-rate schedules
-    work as before. Wrap the optimizer before it is built (before training).
-    Under a mixed_float16 policy wrap the LossScaleOptimizer (Keras adds one
-    around the DistributedOptimizer otherwise, and its finiteness check would
-    see each rank's own gradients): DistributedOptimizer(LossScaleOptimizer(opt)).
-    The gradient path is DistributedGradientTape's: one fused allreduce per
-    dtype named "{name}.{dtype}", compression a codec from hpcdl.compression,
-    op "average" or "sum", shapes checked across ranks on the first step.
-    """
-    if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not {type(optimizer).__name__}")
-    if isinstance(optimizer, _DistributedOptimizerMixin):
-        raise ValueError("the optimizer is already a hpcdl DistributedOptimizer")
-    if optimizer.built:
-        raise ValueError("wrap the optimizer before it is built: its variables would not be carried over")
-    cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedOptimizerMixin, type(optimizer)), {})
-    distributed = cls.from_config(optimizer.get_config())
-    distributed._hpcdl_allreduce = _GradientAllreduce(compression, op, comm, name,
-                                                      "the gradients of DistributedOptimizer")
-    return distributed
-
-
 def broadcast_variables(variables, root=0, comm=None):
     """Assign rank ``root``'s values to every rank's variables (eagerly; call it outside tf.function).
 
@@ -206,7 +154,7 @@ def broadcast_variables(variables, root=0, comm=None):
         if value.dtype.name in ("bool", "uint8", "int8", "uint32", "uint64", "int16"):
             comm.Bcast(value.view(np.uint8), root=root)  # no reduction dtype: the raw bytes through MPI
             continue
-        if value.dtype.name in ("int32", "int64", "float16", "float32", "float64", "bfloat16"):
+        if value.dtype.name in hpcdl.DTYPES:
             buffer, core_dtype = _core_view(value)
             pending.append(hpcdl.broadcast_async(buffer, root=root, comm=comm, name=f"tf.broadcast.{i}",
                                                  dtype=core_dtype))
@@ -217,59 +165,3 @@ def broadcast_variables(variables, root=0, comm=None):
         handle.wait()
     for variable, value in zip(variables, values):
         variable.assign(value)
-
-
-class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
-    """Keras callback: every rank starts from rank ``root``'s weights and optimizer state.
-
-    Broadcasts the model's variables when training begins, and the model's and
-    the optimizer's variables after the first batch (Keras creates optimizer
-    state lazily, on the first update). Gradients are averaged by
-    DistributedOptimizer (model.fit), or by DistributedGradientTape in a custom
-    train_step (see docs/frameworks.md).
-    """
-
-    def __init__(self, root=0, comm=None):
-        super().__init__()
-        self.root = root
-        self.comm = comm
-        self._after_first_batch = False
-
-    def on_train_begin(self, logs=None):
-        optimizer = self.model.optimizer
-        if (isinstance(optimizer, tf.keras.optimizers.LossScaleOptimizer)
-                and isinstance(optimizer.inner_optimizer, _DistributedOptimizerMixin)):
-            # its finiteness check would run on each rank's own gradients: ranks could disagree on the step
-            raise ValueError("a LossScaleOptimizer (Keras adds one for mixed_float16) wraps hpcdl's "
-                             "DistributedOptimizer: wrap it instead, DistributedOptimizer(LossScaleOptimizer(opt))")
-        broadcast_variables(self.model.variables, root=self.root, comm=self.comm)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._after_first_batch:
-            return
-        self._after_first_batch = True
-        optimizer_variables = list(getattr(self.model.optimizer, "variables", []) or [])
-        broadcast_variables(list(self.model.variables) + optimizer_variables, root=self.root, comm=self.comm)
-
-
-class MetricAverageCallback(tf.keras.callbacks.Callback):
-    """Keras callback: the epoch's logs (loss, metrics, val_*) become their average over the ranks.
-
-    Put it before callbacks that read the logs (ModelCheckpoint, EarlyStopping,
-    ...): Keras passes one logs dict to the callbacks in order, and its History
-    and progress bar come last. One allreduce of the numeric values per epoch;
-    ranks whose logs name other metrics raise MismatchError on every rank.
-    """
-
-    def __init__(self, comm=None):
-        super().__init__()
-        self.comm = MPI.COMM_WORLD if comm is None else comm
-
-    def on_epoch_end(self, epoch, logs=None):
-        logs = {} if logs is None else logs
-        names = sorted(k for k, v in logs.items() if isinstance(v, (int, float, np.number)))
-        check_same_on_all_ranks(self.comm, [(k, (), "float64") for k in names], "the metrics to average")
-        values = np.array([logs[k] for k in names], dtype=np.float64)
-        if names:
-            hpcdl.allreduce(values, op="average", comm=self.comm, name="keras.metrics")
-        logs.update(zip(names, values.tolist()))

@@ -1,19 +1,12 @@
-"""PyTorch adapter: data-parallel training with hpcdl's allreduce.
-
-    import hpcdl, hpcdl.torch
-    opt = hpcdl.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                           model.named_parameters())
-    hpcdl.torch.broadcast_parameters(model.state_dict(), root_rank=0)
-    hpcdl.torch.broadcast_optimizer_state(opt, root_rank=0)
-    ... loss.backward(); opt.step()
+"""PyTorch gradients averaged over the ranks: DistributedOptimizer, the broadcasts and a DDP hook.
 
 Nothing here is compiled against torch: tensors become numpy views
 (``Tensor.numpy()`` shares memory with a CPU tensor) and go through hpcdl's one
 buffer intake. CUDA gradients are copied into host buffers (pinned when CUDA is
 available) and back, since the core reduces host memory.
 
-This module is named ``hpcdl.torch``; ``import torch`` below is an absolute
-import and binds the real PyTorch.
+``import torch`` below is an absolute import and binds the real PyTorch, not
+the package hpcdl.torch.
 """
 
 import threading
@@ -23,14 +16,13 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
-from hpcdl._signature import check_same_on_all_ranks
+from hpcdl._agree import check_same_on_all_ranks
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "ddp_comm_hook"]
 
 DEFAULT_BUCKET_BYTES = 4 << 20
-_REDUCIBLE = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-              torch.bfloat16: "bfloat16"}
-_BROADCASTABLE = {**_REDUCIBLE, torch.int32: "int32", torch.int64: "int64"}
+_BROADCASTABLE = {getattr(torch, name): name for name in hpcdl.DTYPES}  # the core's types, torch's names
+_REDUCIBLE = {t: name for t, name in _BROADCASTABLE.items() if t.is_floating_point}  # gradients
 
 
 def _numpy_view(tensor):
@@ -378,5 +370,3 @@ def ddp_comm_hook(state, bucket):
         _ddp_waiter["pool"] = ThreadPoolExecutor(1, thread_name_prefix="hpcdl-ddp")
     _ddp_waiter["pool"].submit(finish)
     return future
-
-from hpcdl.torch_pipeline import Pipeline, PipelineError, PipeSplit  # noqa: E402,F401 - hpcdl.torch.Pipeline

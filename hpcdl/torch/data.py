@@ -1,7 +1,7 @@
-"""PyTorch adapter for the prefetcher: an IterableDataset yielding decoded
-samples in exactly the prefetcher's stream order.
+"""The prefetcher as a PyTorch IterableDataset yielding decoded samples in
+exactly the prefetcher's stream order.
 
-    ds = hpcdl.prefetch.TorchDataset(pf, transform=decode)     # decode(bytes view) -> tensor
+    ds = hpcdl.torch.TorchDataset(pf, transform=decode)        # decode(bytes view) -> tensor
     loader = torch.utils.data.DataLoader(ds, batch_size=pf.local_batch, num_workers=0)
 
 num_workers=0 is right: the prefetcher already reads on its own threads (GIL
