@@ -125,7 +125,7 @@ def drive(args):
         writer = csv.DictWriter(fh, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    from hpcdl.bench import save_figure
+    from hpcdl.measure import save_figure
 
     title = f"Agreement: {args.ops} named ops per step, {args.steps} steps, one host"
     save_figure(stem + ".png", lambda plt: draw(plt, rows, title))

@@ -498,7 +498,7 @@ def main(argv=None):
             "stream_MBps": stream, "mpi": MPI.Get_library_version().splitlines()[0],
             "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(), "cpus": os.cpu_count()}
     write_atomic(stem + ".json", lambda f: json.dump(meta, f, indent=1))
-    from hpcdl.bench import save_figure
+    from hpcdl.measure import save_figure
 
     title = f"allreduce busbw, {comm.size} ranks ({args.tag})"
     plotted = save_figure(stem + ".png", lambda plt: draw(plt, summary, names, args.sizes, stream, title))

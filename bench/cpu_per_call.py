@@ -15,7 +15,6 @@ one line per system.
 """
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -23,10 +22,8 @@ import time
 import numpy as np
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from allreduce import parse_codec, rank_input  # noqa: E402  (same codecs and data as the bandwidth benchmark)
-
-import hpcdl  # noqa: E402
+import hpcdl
+from allreduce import parse_codec, rank_input  # bench/ is a script's sys.path[0]: allreduce.py's codecs, data
 
 
 def main(argv=None):

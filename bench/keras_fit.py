@@ -20,7 +20,6 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -28,11 +27,10 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's hpcdl
 import hpcdl  # noqa: E402
 import hpcdl.compression  # noqa: E402
 import hpcdl.tensorflow  # noqa: E402
-from hpcdl.bench import save_figure  # noqa: E402
+from hpcdl.measure import save_figure  # noqa: E402
 
 WORLD = MPI.COMM_WORLD
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)

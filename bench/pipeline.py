@@ -29,8 +29,6 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # this checkout's hpcdl, not an installed one
 
 SCHEDULES = ("gpipe", "1f1b")
 RESULT = "RESULT "

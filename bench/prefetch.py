@@ -33,15 +33,13 @@ import time
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.realpath(__file__))
-# Where the hpcdl package lives: this checkout (bench/ beside hpcdl/), or
-# site-packages for an installed hpcdl (bench/ is hpcdl/bench/ there).
-ROOT = os.path.dirname(HERE) if os.path.isfile(os.path.join(os.path.dirname(HERE), "hpcdl", "__init__.py")) \
-    else os.path.dirname(os.path.dirname(HERE))
-SLOWFS = os.path.join(HERE, "slowfs.sh")
-sys.path.insert(0, ROOT)  # this checkout's hpcdl
+import hpcdl
+from hpcdl.measure import cell, ratio, show
 
-from hpcdl.measure import cell, ratio, show  # noqa: E402
+HERE = os.path.dirname(os.path.realpath(__file__))
+# The folder holding the hpcdl this process imported: the processes it starts import the same one.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(hpcdl.__file__)))
+SLOWFS = os.path.join(HERE, "slowfs.sh")
 
 
 def drop_cache(comm):
@@ -313,7 +311,7 @@ def driver(args):
         w = csv.DictWriter(fh, fieldnames=list(runs[0]))
         w.writeheader()
         w.writerows({key: cell(value) for key, value in r.items()} for r in runs)
-    from hpcdl.bench import save_figure
+    from hpcdl.measure import save_figure
 
     save_figure(os.path.join(out, f"{args.name}.png"), lambda plt: draw(plt, rows))
 

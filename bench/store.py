@@ -33,13 +33,12 @@ import time
 
 import numpy as np
 
+import hpcdl
 from hpcdl.measure import cell, rate, ratio, show
 
 HERE = os.path.dirname(os.path.realpath(__file__))
-# Where the hpcdl package lives: this checkout (bench/ beside hpcdl/), or
-# site-packages for an installed hpcdl (bench/ is hpcdl/bench/ there).
-ROOT = os.path.dirname(HERE) if os.path.isfile(os.path.join(os.path.dirname(HERE), "hpcdl", "__init__.py")) \
-    else os.path.dirname(os.path.dirname(HERE))
+# The folder holding the hpcdl this process imported: the processes it starts import the same one.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(hpcdl.__file__)))
 SLOWFS = os.path.join(HERE, "slowfs.sh")
 MODES = ("files", "vlen", "store", "store-batch")
 
@@ -163,7 +162,7 @@ def cold(args, cmd):
 def run_reads(args, data, mode, ranks, seed, samples, throttled=True, strace_out=None):
     from hpcdl.cli import mpiexec_path
 
-    cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "hpcdl.bench.store",
+    cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, os.path.abspath(__file__),
            "--worker", mode, "--data", data, "--samples", str(samples),
            "--seed", str(seed), "--threads", str(args.threads), "--batch", str(args.batch)]
     if strace_out:
@@ -305,7 +304,7 @@ def main(argv=None):
 
 
 def write_results(args, rows, scan):
-    from hpcdl.bench import save_figure
+    from hpcdl.measure import save_figure
 
     fields = ["mode", "ranks", "samples", "cold_samples_per_s", "cold_MB_per_s", "warm_samples_per_s",
               "warm_MB_per_s", "metadata_calls_per_10k", "throttle_MB_per_s", "fraction_of_throttle", "missing"]

@@ -31,13 +31,9 @@ import time
 import torch
 from mpi4py import MPI
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # this checkout's hpcdl, not an installed one
-
 import hpcdl
 import hpcdl.torch
-from hpcdl.bench import save_figure
-from hpcdl.measure import cell, rate, ratio, show
+from hpcdl.measure import cell, rate, ratio, save_figure, show
 
 WORLD = MPI.COMM_WORLD
 POWERSGD_START_ITER = 10  # PowerSGDState's warm-up: plain allreduce before this step (its default is 1000)

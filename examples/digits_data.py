@@ -4,8 +4,8 @@ stores, training samples read through hpcdl's clairvoyant prefetcher.
 prepare_stores() packs the digits (a fixed train/test split) unless --data
 names a store; make_prefetcher() stages the training samples for the whole
 run (RAM tier, optional node-local disk tier, peers' RAM, the store); the
-examples then read it with the framework adapters (hpcdl.prefetch.TorchDataset,
-hpcdl.prefetch.tf_dataset). The held-out set is small and read once per epoch,
+examples then read it with the framework adapters (hpcdl.torch.TorchDataset,
+hpcdl.tensorflow.tf_dataset). The held-out set is small and read once per epoch,
 directly from its store.
 """
 

@@ -8,7 +8,7 @@ averages the gradients inside Keras' compiled train step, BroadcastGlobalVariabl
 starts every rank from rank 0's weights, MetricAverageCallback makes the logged
 loss and accuracy the mean over the ranks. Training samples come from an hpcdl
 store (the digits are packed into one when --data is not given) through the
-clairvoyant prefetcher's tf.data adapter (hpcdl.prefetch.tf_dataset). Rank 0
+clairvoyant prefetcher's tf.data adapter (hpcdl.tensorflow.tf_dataset). Rank 0
 prints per epoch: loss, accuracy, samples/s, stall time and gradient bytes
 sent vs dense.
 """
@@ -75,7 +75,7 @@ def main():
 
     with make_prefetcher(train, args, comm) as prefetcher:
         # one dataset over the whole run; steps_per_epoch makes fit keep its iterator across epochs
-        dataset = hpcdl.prefetch.tf_dataset(
+        dataset = hpcdl.tensorflow.tf_dataset(
             prefetcher, transform=decode,
             output_signature=(tf.TensorSpec([features], tf.float32), tf.TensorSpec([], tf.int32)),
         ).batch(prefetcher.local_batch)

@@ -4,7 +4,7 @@
 
 Training samples come from an hpcdl store (the digits are packed into one when
 --data is not given) through the clairvoyant prefetcher and its tf.data
-adapter (hpcdl.prefetch.tf_dataset); the training step is a tf.function (or eager with --eager) whose gradients hpcdl.tensorflow's
+adapter (hpcdl.tensorflow.tf_dataset); the training step is a tf.function (or eager with --eager) whose gradients hpcdl.tensorflow's
 DistributedGradientTape averages. Rank 0 prints per epoch: loss, accuracy,
 samples/s, stall time and gradient bytes sent vs dense.
 """
@@ -62,7 +62,7 @@ def main():
     train_step = train_step if args.eager else tf.function(train_step)
     with make_prefetcher(train, args, comm) as prefetcher:
         # one epoch per pass over the dataset; the prefetcher stages the whole run ahead
-        dataset = hpcdl.prefetch.tf_dataset(
+        dataset = hpcdl.tensorflow.tf_dataset(
             prefetcher, transform=decode, epochs=1,
             output_signature=(tf.TensorSpec([features], tf.float32), tf.TensorSpec([], tf.int32)),
         ).batch(prefetcher.local_batch)

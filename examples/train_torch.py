@@ -4,7 +4,7 @@
 
 Training samples come from an hpcdl store (the digits are packed into one when
 --data is not given) through the clairvoyant prefetcher and its PyTorch
-adapter (hpcdl.prefetch.TorchDataset in a DataLoader); gradients are averaged
+adapter (hpcdl.torch.TorchDataset in a DataLoader); gradients are averaged
 by hpcdl.torch.DistributedOptimizer, overlapping the backward pass. Rank 0
 prints per epoch: loss, accuracy, samples/s, stall time and gradient bytes
 sent vs dense.
@@ -52,7 +52,7 @@ def main():
     with make_prefetcher(train, args, comm) as prefetcher:
         # one epoch per pass over the loader; the prefetcher stages the whole run ahead
         loader = torch.utils.data.DataLoader(
-            hpcdl.prefetch.TorchDataset(prefetcher, transform=lambda view: torch.from_numpy(decode(view)), epochs=1),
+            hpcdl.torch.TorchDataset(prefetcher, transform=lambda view: torch.from_numpy(decode(view)), epochs=1),
             batch_size=prefetcher.local_batch)
         log(f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
             f"{features} features, {classes} classes, compression {args.compression}, "

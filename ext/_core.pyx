@@ -4,7 +4,7 @@
 One extension holds every C++ source (src/*/*.cc), so each singleton of the
 core (the engine, the timeline) exists once per process. It is assembled from
 one .pxi file per topic, as mpi4py does; the Pythonic layers are
-hpcdl/collectives.py, hpcdl/store.py and hpcdl/prefetch.py.
+hpcdl/collectives.py, hpcdl/store/ and hpcdl/prefetch.py.
 """
 
 include "status.pxi"

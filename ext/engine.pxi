@@ -21,7 +21,8 @@ from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineStats, CO
 from libhpcdl.status cimport CStatus, check_status
 
 import threading
-import warnings
+
+from hpcdl._warn import warn as _warn
 
 # The ring's chunk size: default and bounds (include/hpcdl/ring.hpp; the engine checks them).
 DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
@@ -163,8 +164,8 @@ cdef class Handle:
         while not finished:
             with nogil:
                 finished = op.wait_for(slice_s)
-            for notice in op.take_notices():
-                warnings.warn(notice.decode("utf-8", "replace"), StallWarning, stacklevel=2)
+            for notice in op.take_notices():  # through hpcdl's one warning channel (the rank in front)
+                _warn(notice.decode("utf-8", "replace").removeprefix("hpcdl: "), StallWarning)  # a compiled frame: 1 names wait()'s caller
             if not finished:
                 PyErr_CheckSignals()
                 waited += slice_s

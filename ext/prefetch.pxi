@@ -1,11 +1,13 @@
 # The shuffle, streams, placement and the prefetcher (include/hpcdl/shuffle.hpp,
 # stream.hpp, placement.hpp, prefetcher.hpp). The Pythonic layer is hpcdl/prefetch.py.
+# A stream spec is checked by the core (StreamSpec::validate) once per call: here
+# where a function computes with it, else by make_plan (plan(), Prefetcher::create).
 
 import numpy as np
 
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy
-from libcpp.memory cimport unique_ptr
+from libcpp.memory cimport shared_ptr, unique_ptr
 from libcpp.string cimport string
 from libcpp.utility cimport move, pair
 from libcpp.vector cimport vector
@@ -22,11 +24,11 @@ SOURCES = ("ram", "disk", "peer", "store")
 
 
 cdef CStreamSpec _spec(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
-                       bint drop_last) except *:
+                       bint drop_last):
+    """The spec as given: validated by the core function it is passed to."""
     cdef CStreamSpec spec
     spec.samples, spec.global_batch, spec.ranks = samples, global_batch, ranks
     spec.epochs, spec.seed, spec.drop_last = epochs, seed, drop_last
-    check_status(spec.validate())
     return spec
 
 
@@ -49,6 +51,7 @@ def stream_layout(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint6
                   bint drop_last):
     """(local batch, batches per epoch, reads per epoch per rank) after validating the spec."""
     cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
+    check_status(spec.validate())
     return spec.local_batch(), spec.batches_per_epoch(), spec.per_epoch()
 
 
@@ -64,6 +67,7 @@ def rank_stream(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_
                 uint64_t seed, bint drop_last, uint64_t start=0):
     """Rank `rank`'s reads from stream position `start` to the end of the run (uint64 array)."""
     cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
+    check_status(spec.validate())
     if rank >= ranks:
         raise ValueError(f"rank {rank} out of range [0, {ranks})")
     cdef vector[uint64_t] v
@@ -147,39 +151,46 @@ def peer_sources(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64
     return p["source_rank"], p["source_key"]
 
 
-def required_staging(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t rank, uint64_t epochs,
-                     uint64_t seed, bint drop_last, sizes):
-    """The smallest staging buffer (bytes): three of the rank's largest local batches."""
-    cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
-    cdef const uint64_t[::1] sz = np.ascontiguousarray(sizes, dtype=np.uint64)
-    cdef uint64_t out = 0
-    cdef CStatus st
-    with nogil:
-        st = CPrefetcher.required_staging(spec, rank, &sz[0], &out)
-    check_status(st)
-    return out
-
-
 def peer_message_pieces(uint64_t total, uint64_t max_message):
     """The byte ranges [(begin, end)] in which the peer tier sends a reply of `total` bytes."""
     cdef vector[pair[uint64_t, uint64_t]] ranges = CPeerService.pieces(total, max_message)
     return ranges
 
 
+cdef class _Staging:
+    """The core's staging ring as a writable byte buffer; it shares the
+    memory, so numpy views of it stay valid after the prefetcher is closed."""
+    cdef shared_ptr[char] memory
+    cdef Py_ssize_t size, one
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        view.buf = self.memory.get()
+        view.obj = self
+        view.len = self.size
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = b"B"
+        view.ndim = 1
+        view.shape = &self.size
+        view.strides = &self.one
+        view.suboffsets = NULL
+        view.internal = NULL
+
+
 cdef class PrefetchCore:
-    """One rank's running prefetcher. staging: a uint8 numpy array the core
-    fills; batches are (ring offset, bytes, sample ids, offsets) into it."""
+    """One rank's running prefetcher. staging: the uint8 numpy array of the
+    core's staging ring (its size: cfg's staging_bytes, raised to three of the
+    largest local batches); batches are (ring offset, bytes, sample ids, offsets) into it."""
     cdef unique_ptr[CPrefetcher] core
     cdef readonly object staging
-    cdef readonly uint64_t local_batch
 
-    def __cinit__(self, shards, dict cfg, staging, MPI.Comm comm=None):
+    def __cinit__(self, shards, dict cfg, MPI.Comm comm=None):
         cdef vector[CShardInfo] infos = shard_infos(shards)
         cdef unique_ptr[CStoreReader] reader
         cdef CPrefetchConfig c
         cdef CStatus st
-        cdef unsigned char[::1] ring = staging
         cdef MPI_Comm mpi_comm = MPI_COMM_NULL
+        cdef _Staging ring = _Staging()
         with nogil:
             st = CStoreReader.open(move(infos), &reader)
         check_status(st)
@@ -188,7 +199,7 @@ cdef class PrefetchCore:
         c.rank, c.start = cfg["rank"], cfg["start"]
         c.ram_bytes, c.disk_bytes = cfg["ram_bytes"], cfg["disk_bytes"]
         c.disk_dir = cfg["disk_dir"].encode() if cfg["disk_dir"] else b""
-        c.staging_bytes = ring.shape[0]
+        c.staging_bytes = cfg["staging_bytes"]
         c.staging_threads, c.ram_threads, c.disk_threads = cfg["threads"], cfg["ram_threads"], cfg["disk_threads"]
         for b in cfg["peer_ram_bytes"]:
             c.peer_ram_bytes.push_back(b)
@@ -199,11 +210,11 @@ cdef class PrefetchCore:
             c.peer_message_bytes = cfg["peer_message_bytes"]
         if comm is not None:
             mpi_comm = comm.ob_mpi
-        self.staging = staging
-        self.local_batch = c.spec.local_batch()
         with nogil:
-            st = CPrefetcher.create(move(reader), move(c), <char*>&ring[0], mpi_comm, &self.core)
+            st = CPrefetcher.create(move(reader), move(c), mpi_comm, &self.core)
         check_status(st)
+        ring.memory, ring.size, ring.one = self.core.get().staging(), self.core.get().staging_bytes(), 1
+        self.staging = np.frombuffer(ring, dtype=np.uint8)
 
     def first_batch(self):
         return self.core.get().first_batch() if self.core else 0

@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 from hpcdl import _core, compression
 from hpcdl._core import Handle, StallWarning
-from hpcdl.collectives import (allreduce, allreduce_async, barrier, broadcast, broadcast_async,
+from hpcdl.collectives import (DTYPES, allreduce, allreduce_async, barrier, broadcast, broadcast_async,
                                configure, stats)
 from hpcdl.errors import (CancelledError, CorruptDataError, HpcdlError, MismatchError, MPIError,
                           StallTimeoutError)
@@ -24,9 +24,9 @@ from hpcdl.errors import (CancelledError, CorruptDataError, HpcdlError, Mismatch
 __version__ = "0.1.0"
 
 __all__ = [
-    "allreduce", "allreduce_async", "broadcast", "broadcast_async", "barrier", "configure",
-    "stats", "compression", "init", "rank", "size", "local_rank", "local_size", "Handle", "StallWarning",
-    "HpcdlError", "MismatchError", "MPIError", "CancelledError", "CorruptDataError",
+    "allreduce", "allreduce_async", "broadcast", "broadcast_async", "barrier", "configure", "stats", "DTYPES",
+    "compression", "init", "rank", "size", "local_rank", "local_size", "abort_on_uncaught_exception", "Handle",
+    "StallWarning", "HpcdlError", "MismatchError", "MPIError", "CancelledError", "CorruptDataError",
     "StallTimeoutError",
 ]
 
@@ -79,17 +79,30 @@ def local_size():
     return _local_comm().Get_size()
 
 
-# Stop the engine thread before mpi4py finalizes MPI at exit; it tells the other
-# ranks that this one leaves, so that any operation of theirs waiting for it fails.
-atexit.register(_core.shutdown)
+def _at_exit():
+    """Interpreter exit, before mpi4py finalizes MPI (its own hook ran first at
+    registration, so it runs last): close the prefetchers (their threads make MPI
+    calls), stop the engine thread (it tells the other ranks that this one leaves,
+    so that any operation of theirs waiting for it fails), then write the timeline
+    (which holds both their events). Modules never imported have nothing to close."""
+    prefetch = sys.modules.get("hpcdl.prefetch")
+    if prefetch is not None:
+        prefetch.close_all()
+    _core.shutdown()
+    timeline = sys.modules.get("hpcdl.timeline")
+    if timeline is not None and timeline.enabled():
+        timeline.write()
 
 
-def _abort_job_on_uncaught_exception(kind, value, tb, previous=sys.excepthook):
+atexit.register(_at_exit)
+
+
+def _abort_job_on_uncaught_exception(kind, value, tb):
     """An exception no code caught ends the whole job (MPI_Abort), as ``python
     -m mpi4py`` does: otherwise this rank blocks in MPI_Finalize while the other
     ranks wait for it in their next collective, and the job hangs until its
-    time limit. Restore ``sys.excepthook = sys.__excepthook__`` to keep the old way."""
-    previous(kind, value, tb)
+    time limit."""
+    (_replaced_excepthook[0] if _replaced_excepthook else sys.__excepthook__)(kind, value, tb)  # the traceback
     comm = MPI.COMM_WORLD
     sys.stderr.write(f"[hpcdl rank {comm.Get_rank()}] uncaught {kind.__name__}: aborting the job (MPI_Abort) "
                      f"so that the other {comm.Get_size() - 1} ranks do not wait for this one\n")
@@ -98,8 +111,23 @@ def _abort_job_on_uncaught_exception(kind, value, tb, previous=sys.excepthook):
     comm.Abort(1)
 
 
-if MPI.COMM_WORLD.Get_size() > 1:
-    sys.excepthook = _abort_job_on_uncaught_exception
+_replaced_excepthook = []  # the hook abort_on_uncaught_exception(True) replaced
+
+
+def abort_on_uncaught_exception(enabled=True):
+    """Whether an uncaught exception on this rank ends the whole job with MPI_Abort
+    (docs/troubleshooting.md). On by default when COMM_WORLD has more than one
+    rank, unless HPCDL_ABORT_ON_EXCEPTION=0; False restores the hook it replaced."""
+    installed = sys.excepthook is _abort_job_on_uncaught_exception
+    if enabled and not installed:
+        _replaced_excepthook[:] = [sys.excepthook]
+        sys.excepthook = _abort_job_on_uncaught_exception
+    elif not enabled and installed:
+        sys.excepthook = _replaced_excepthook.pop() if _replaced_excepthook else sys.__excepthook__
+
+
+if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("HPCDL_ABORT_ON_EXCEPTION", "1") != "0":
+    abort_on_uncaught_exception(True)
 
 if os.environ.get("HPCDL_TIMELINE"):
     from hpcdl import timeline as _timeline

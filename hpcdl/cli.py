@@ -23,20 +23,6 @@ def _cmd_info(args):
     return 0
 
 
-def _parse_bytes(text, allow_zero=False):
-    """'512M', '2G', '1048576', '1e9' -> bytes (the one size parser of the CLI, the simulator and plugins)."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = units.get(text[-1:], 1)
-    try:
-        value = float(text[:-1] if text[-1:] in units else text) * scale
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
-    if value < 0 or (value == 0 and not allow_zero):
-        raise argparse.ArgumentTypeError("size must be positive" if not allow_zero else "size must not be negative")
-    return int(value)
-
-
 def _print_skipped(skipped, limit):
     for name, reason in skipped[:limit]:
         print(f"  skipped {name}: {reason}")
@@ -214,6 +200,28 @@ def mpiexec_path():
     return found
 
 
+def bench_dir():
+    """The benchmark scripts: shipped as hpcdl/bench/ (package data of an install), or
+    bench/ beside the hpcdl package of a checkout. They are scripts, never imported as
+    part of hpcdl: `hpcdl bench NAME` loads bench/NAME.py by its path and calls its main()."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    for folder in (os.path.join(package, "bench"), os.path.join(os.path.dirname(package), "bench")):
+        if os.path.isfile(os.path.join(folder, "allreduce.py")):
+            return folder
+    raise FileNotFoundError(f"no benchmark scripts in {package}/bench or beside {package}")
+
+
+def load_bench(name):
+    """bench/NAME.py as a module of its own (not hpcdl.*), run as `python bench/NAME.py` would."""
+    import importlib.util
+
+    path = os.path.join(bench_dir(), f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"hpcdl_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _bench_argv(args):
     """The bench script's arguments: small defaults, then --out, then what the user added."""
     n = args.ranks
@@ -226,8 +234,6 @@ def _bench_argv(args):
 
 
 def _cmd_bench(args):
-    import importlib
-
     if args.ranks < 1:
         print("hpcdl bench: error: -n must be at least 1", file=sys.stderr)
         return 2
@@ -254,8 +260,7 @@ def _cmd_bench(args):
                     print(f"hpcdl bench {args.bench}: error: run it as one process; it starts its own "
                           f"mpiexec -n {args.ranks} (-n N)", file=sys.stderr)
                 return 2
-    bench = importlib.import_module(f"hpcdl.bench.{args.bench}")
-    status = bench.main(_bench_argv(args)) or 0
+    status = load_bench(args.bench).main(_bench_argv(args)) or 0
     if args.bench == "prefetch" and status == 0 and not args.slowfs:
         print("the store was a plain temporary directory (no slow file system; --slowfs for it); the "
               "model rows predict the throttled file system of --iops/--bps")
@@ -264,6 +269,7 @@ def _cmd_bench(args):
 
 def _parser():
     from hpcdl import __version__
+    from hpcdl.units import size_type
 
     parser = argparse.ArgumentParser(prog="hpcdl", description="hpcdl: distributed DL training tools")
     parser.add_argument("--version", action="version", version=f"hpcdl {__version__}")
@@ -276,7 +282,7 @@ def _parser():
     p.add_argument("src", metavar="SRC", help="source directory")
     p.add_argument("dst", metavar="DST", help="destination directory (created)")
     p.add_argument("--shards", type=int, default=None, help="number of shards (default: by --shard-bytes)")
-    p.add_argument("--shard-bytes", type=_parse_bytes, default="1G",
+    p.add_argument("--shard-bytes", type=size_type(), default="1G",
                    help="target shard size when --shards is not given (default 1G)")
     p.add_argument("--force", action="store_true", help="replace an existing store at DST")
     p.add_argument("--threads", type=int, default=8, help="files read at once per rank (default 8)")
@@ -303,7 +309,7 @@ def _parser():
                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                epilog=f"defaults passed to bench/{name}.py: {' '.join(repr(a) if not a else a for a in defaults)}"
                                f"\nAny other option goes to bench/{name}.py and wins over these; its options: "
-                               f"python -m hpcdl.bench.{name} --help")
+                               f"python bench/{name}.py --help (bench/ of a checkout; installed: hpcdl/bench/)")
         b.add_argument("-n", dest="ranks", type=int, default=4, metavar="N", help="ranks (default 4)"
                        + ("; under mpiexec/srun: the ranks it was started with" if name == "allreduce" else ""))
         b.add_argument("--out", default="hpcdl-bench", help="directory for the CSV and PNG (default ./hpcdl-bench)")

@@ -15,10 +15,10 @@ from hpcdl import _core
 from hpcdl.compression import canonical as _codec_text
 
 # The element types allreduce and broadcast take, as the core defines them
-# (include/hpcdl/dtype.hpp): name -> item size in bytes; FLOAT_DTYPES those
-# that op="average" and the framework adapters' gradients may use.
-DTYPES = {name: size for name, (_, size, _) in _core.DTYPES.items()}
+# (include/hpcdl/dtype.hpp), by numpy name; FLOAT_DTYPES those that op="average" takes.
+DTYPES = tuple(_core.DTYPES)
 FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if is_float)
+
 
 # Engine tunables: type, lower and upper bound, environment variable. The
 # last two are read by the engine thread itself (C++) and only checked here.

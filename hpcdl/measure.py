@@ -1,5 +1,5 @@
 """Figures from measured values, the one place benchmarks turn amounts and
-seconds into rates.
+seconds into rates (and write their plots: save_figure).
 
 A figure that was not measured is ``None`` (written as an empty CSV cell and
 shown as ``missing``, with its reason beside it), never 0: a clock that read
@@ -7,6 +7,7 @@ no time, a phase that was skipped or a tool that saw nothing gives no rate.
 """
 
 import math
+import os
 
 MISSING = "missing"
 
@@ -35,3 +36,22 @@ def show(value, spec="", missing=MISSING):
 def cell(value):
     """A CSV cell: the unrounded value, empty when it was not measured."""
     return "" if value is None else value
+
+
+def save_figure(path, draw, dpi=110):
+    """Write the figure that draw(pyplot) returns to path (PNG, atomically) and return True; without
+    matplotlib, an optional dependency (hpcdl[bench]), say that the plot was skipped and return False."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"skipped the plot {path}: matplotlib is not installed (pip install 'hpcdl[bench]')")
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = draw(plt)
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    fig.savefig(tmp, dpi=dpi)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return True

@@ -1,7 +1,7 @@
 """Pipeline parallelism, the framework-neutral part: schedules, partitioning,
 the pipeline x data grid of ranks, and the point-to-point link between stages.
 
-The PyTorch stage runner is hpcdl.torch_pipeline (``hpcdl.torch.Pipeline``);
+The PyTorch stage runner is hpcdl.torch.pipeline (``hpcdl.torch.Pipeline``);
 docs/pipeline.md describes the design and its costs.
 
 The link uses mpi4py non-blocking point-to-point on a duplicate of the

@@ -18,25 +18,23 @@ the backing store. The C++ core (include/hpcdl/prefetcher.hpp) runs every
 thread with the GIL released.
 """
 
-import atexit
 import os
 import time
-import warnings
 import weakref
 
 import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _core, timeline
-from hpcdl.errors import MismatchError
-from hpcdl.store import Store, _agree
+from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
+from hpcdl._warn import warn
+from hpcdl.store import Store
 
 DEFAULT_RAM_BYTES = 1 << 30
 DEFAULT_STAGING_BYTES = 64 << 20
 TRACE_ENV = "HPCDL_TRACE"
 
-__all__ = ["Prefetcher", "Batch", "PrefetchWarning", "epoch_order", "rank_stream", "placement", "plan",
-           "TorchDataset", "tf_dataset"]
+__all__ = ["Prefetcher", "Batch", "PrefetchWarning", "epoch_order", "rank_stream", "placement", "plan"]
 
 
 class PrefetchWarning(UserWarning):
@@ -175,9 +173,8 @@ class _Epoch:
 _open = weakref.WeakSet()
 
 
-@atexit.register
-def _close_all():
-    """Interpreter exit: join every prefetcher's threads before MPI is finalized."""
+def close_all():
+    """Interpreter exit (hpcdl's exit hook): join every prefetcher's threads before MPI is finalized."""
     for pf in list(_open):
         pf.close(timeout=30.0)
 
@@ -226,8 +223,6 @@ class Prefetcher:
                             ("disk_bytes", disk_bytes), ("threads", threads), ("staging_bytes", staging_bytes)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-        if batch_size == 0:
-            raise ValueError("batch_size must be positive")
         self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
 
         def validate():
@@ -237,41 +232,34 @@ class Prefetcher:
                                        layout)
             return layout[0], layout[1], position
 
-        self.local_batch, self.steps_per_epoch, position = _agree(world, validate)
+        self.local_batch, self.steps_per_epoch, position = call_on_every_rank(world, validate)
         disk_bytes = int(disk_bytes) if disk_dir else 0
         if self.ranks > 1:
-            mine = (n, self.batch_size, self.num_epochs, self.seed, self.drop_last, position)
-            # one collective: the settings every rank must share, and each rank's tier capacities
-            every = world.allgather((mine, int(ram_bytes), disk_bytes))
-            if any(other != mine for other, _, _ in every):
-                bad = next(r for r, (other, _, _) in enumerate(every) if other != mine)
-                raise MismatchError(f"[hpcdl rank {self.rank}] prefetcher settings differ between ranks: "
-                                    f"(samples, batch_size, epochs, seed, drop_last, start position) "
-                                    f"{mine} here, {every[bad][0]} on rank {bad}")
-            peer_ram, peer_disk = _peer_capacities(self.ranks, [ram for _, ram, _ in every],
-                                                   [disk for _, _, disk in every])
+            check_same_on_all_ranks(world, [], "the prefetcher's settings",
+                                    {"samples": n, "batch_size": self.batch_size, "epochs": self.num_epochs,
+                                     "seed": self.seed, "drop_last": self.drop_last, "start position": position})
+            every = world.allgather((int(ram_bytes), disk_bytes))  # each rank's tier capacities
+            peer_ram, peer_disk = _peer_capacities(self.ranks, [ram for ram, _ in every], [disk for _, disk in every])
         else:
             peer_ram = peer_disk = []
         self._position = position
-        required = _core.required_staging(n, self.batch_size, self.ranks, self.rank, self.num_epochs, self.seed,
-                                              self.drop_last, self.store.sizes) if self.num_epochs else 1
-        self._staging = np.empty(max(int(staging_bytes), required), dtype=np.uint8)
         cfg = {"samples": n, "global_batch": self.batch_size, "ranks": self.ranks, "epochs": self.num_epochs,
                "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank, "start": position,
                "ram_bytes": int(ram_bytes), "disk_bytes": disk_bytes,
-               "disk_dir": os.fspath(disk_dir) if disk_dir else "", "threads": max(int(threads), 1),
+               "disk_dir": os.fspath(disk_dir) if disk_dir else "", "staging_bytes": int(staging_bytes),
+               "threads": max(int(threads), 1),
                "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
                "peer_ram_bytes": peer_ram, "peer_disk_bytes": peer_disk, "peer_timeout": float(peer_timeout),
                "serve_delay": float(_serve_delay), "peer_message_bytes": int(_peer_message_bytes)}
         self._trace = os.environ.get(TRACE_ENV)
         if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
-            warnings.warn(f"[hpcdl rank {self.rank}] {TRACE_ENV} is ignored while HPCDL_TIMELINE is set: "
-                          "the timeline has the prefetcher's events", PrefetchWarning, stacklevel=2)
+            warn(f"{TRACE_ENV} is ignored while HPCDL_TIMELINE is set: the timeline has the prefetcher's events",
+                 PrefetchWarning, stacklevel=2)
             self._trace = None
         if self._trace:
             _core.timeline_enable(True)
-        self._core = _core.PrefetchCore(self.store.shard_infos, cfg, self._staging,
-                                        comm if self.ranks > 1 else None)
+        self._core = _core.PrefetchCore(self.store.shard_infos, cfg, comm if self.ranks > 1 else None)
+        self._staging = self._core.staging
         self._started = time.monotonic()
         self._final_stats = None
         self._emit_warnings()
@@ -328,7 +316,7 @@ class Prefetcher:
     def _emit_warnings(self):
         if self._core is not None:
             for message in self._core.take_warnings():
-                warnings.warn(f"[hpcdl rank {self.rank}] {message}", PrefetchWarning, stacklevel=3)
+                warn(message, PrefetchWarning, stacklevel=3)
 
     def stats(self):
         """Per-source hits and bytes (ram, disk, peer, store), peer misses,
@@ -359,7 +347,7 @@ class Prefetcher:
             return
         _open.discard(self)
         for message in core.take_warnings():
-            warnings.warn(f"[hpcdl rank {self.rank}] {message}", PrefetchWarning, stacklevel=2)
+            warn(message, PrefetchWarning, stacklevel=2)
         try:
             self._final_stats = core.close(timeout)
         finally:
@@ -381,13 +369,3 @@ class Prefetcher:
         return (f"<hpcdl.prefetch.Prefetcher rank {self.rank}/{self.ranks}: {len(self.store)} samples, "
                 f"batch {self.batch_size}, {self.num_epochs} epochs, {state}>")
 
-
-def __getattr__(name):
-    # The framework adapters import torch / tensorflow only when asked for.
-    if name == "TorchDataset":
-        from hpcdl.prefetch_torch import TorchDataset
-        return TorchDataset
-    if name == "tf_dataset":
-        from hpcdl.prefetch_tf import tf_dataset
-        return tf_dataset
-    raise AttributeError(f"module 'hpcdl.prefetch' has no attribute {name!r}")

@@ -21,7 +21,7 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from hpcdl.cli import _parse_bytes
+from hpcdl.units import size_type
 
 __all__ = ["System", "predict", "main"]
 
@@ -134,8 +134,7 @@ def predict(sys):
             "sources": sources}
 
 
-def _size(text):
-    return _parse_bytes(str(text), allow_zero=True)
+_size = size_type(allow_zero=True)
 
 
 def main(argv=None):

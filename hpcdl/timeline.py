@@ -6,13 +6,12 @@ phases ("reduce_scatter", "allgather"); the prefetcher records its stalls and
 fetches. One process track per rank, one thread track per part (engine,
 prefetcher). Open the file in https://ui.perfetto.dev or chrome://tracing.
 
-At exit each rank writes ``path.rank<N>.part`` and rank 0 merges the parts it
+At exit (hpcdl's one exit hook) each rank writes ``path.rank<N>.part`` and rank 0 merges the parts it
 finds into ``path``. No MPI call happens at exit, so a rank that died early
 never makes the others hang: rank 0 waits a bounded time
 (``HPCDL_TIMELINE_WAIT_SECONDS``, default 30) for missing parts and notes them.
 """
 
-import atexit
 import glob
 import json
 import os
@@ -30,8 +29,6 @@ _state = {"path": None}
 def enable(path, comm=None):
     """Record from now on; the merged trace is written to ``path`` at exit."""
     comm = MPI.COMM_WORLD if comm is None else comm
-    if _state["path"] is None:
-        atexit.register(_write_at_exit)
     _state.update(path=os.path.abspath(path), rank=comm.Get_rank(), size=comm.Get_size())
     stale = _part(_state["path"], _state["rank"])  # left by an earlier run that died
     if os.path.exists(stale):
@@ -71,10 +68,12 @@ def _events(rank, raw):
     return events + spans(rank, raw)
 
 
-def _write_at_exit():
+def write():
+    """Write this rank's part, and on rank 0 merge the parts into the trace. At exit
+    (hpcdl's exit hook), after the prefetchers closed and the engine stopped: no
+    event is recorded after them."""
     path, rank, size = _state["path"], _state["rank"], _state["size"]
-    _core.shutdown()  # no event is recorded after this
-    part = _part(path, rank)  # prefetchers are closed by now: hpcdl.prefetch's atexit hook runs first
+    part = _part(path, rank)
     with open(part + ".tmp", "w") as f:
         json.dump(_events(rank, _core.timeline_take()), f)
     os.replace(part + ".tmp", part)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: single-process tests, then the MPI tests under 4 ranks
-# (and the ring's odd-size runs under 3 and 5 ranks). Sets itself up first.
+# The whole test suite: single-process tests (tests/unit), then the MPI tests (tests/mpi)
+# under 4 ranks (and the ring's odd-size runs under 3 and 5 ranks). Sets itself up first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh || exit 1
@@ -10,10 +10,10 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2
 # A hang becomes a failure: pytest-timeout per test, `timeout` per run.
 status=0
 run() { echo "+ $*"; "$@" || status=1; }
-run timeout 3000 python -m pytest -q -p no:cacheprovider -m "not mpi" "$@" tests
+run timeout 3000 python -m pytest -q -p no:cacheprovider -m "not mpi" "$@" tests/unit
 for n in 4 3 5; do
-  files=tests
-  [ "$n" != 4 ] && files="tests/test_allreduce.py tests/test_sparse_allreduce.py"
+  files=tests/mpi
+  [ "$n" != 4 ] && files="tests/mpi/test_allreduce.py tests/mpi/test_sparse_allreduce.py"
   run timeout 2400 mpiexec -n $n python -m pytest -q -p no:cacheprovider --with-mpi -m mpi "$@" $files
 done
 exit $status

@@ -11,6 +11,8 @@ import traceback
 import pytest
 from mpi4py import MPI
 
+# The repository (test modules sit one folder below tests/).
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher of this environment's MPI (the mpich wheel's, beside this Python).
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 
@@ -44,9 +46,25 @@ def outcome(fn, *args, **kwargs):
         return None, exc
 
 
-@pytest.fixture
-def comm():
-    return MPI.COMM_WORLD
+@pytest.fixture(params=["self", "world", "dup"])
+def comm(request):
+    """The communicator a test body runs over: COMM_SELF, COMM_WORLD and a Dup() of
+    COMM_WORLD (freed after the test), as mpi4py's suite runs its tests, so that hpcdl
+    is shown to work on any communicator, not only on the world. A test narrows the
+    list with one of the two marks below."""
+    if request.param == "dup":
+        dup = MPI.COMM_WORLD.Dup()
+        yield dup
+        dup.Free()
+    else:
+        yield MPI.COMM_SELF if request.param == "self" else MPI.COMM_WORLD
+
+
+# A test that needs more than one rank (a peer, a disagreement, a pipeline stage per
+# rank) runs over COMM_WORLD and its Dup(), not COMM_SELF.
+multi_rank = pytest.mark.parametrize("comm", ["world", "dup"], indirect=True)
+# A slow end-to-end test runs once, over COMM_WORLD.
+world_only = pytest.mark.parametrize("comm", ["world"], indirect=True)
 
 
 def start_job(argv, merge_stderr=True, **kwargs):

@@ -30,16 +30,17 @@ import sys
 import threading
 import time
 
+import hpcdl
+from hpcdl.cli import mpiexec_path
+from hpcdl.measure import ratio, show
+
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-SLOWFS = os.path.join(ROOT, "bench", "slowfs.sh")
+# The folder holding the hpcdl this process imported: the processes it starts import the same one.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(hpcdl.__file__)))
+SLOWFS = os.path.join(os.path.dirname(HERE), "slowfs.sh")
 LOCK = "/tmp/hpcdl-slowfs.lock"
 PLUGIN = "hpcdl.contrib.dlio.HpcdlDataLoader"
 VENV_BIN = os.path.dirname(sys.executable)   # dlio_benchmark of this Python's venv
-sys.path.insert(0, ROOT)  # this checkout's hpcdl
-
-from hpcdl.cli import mpiexec_path  # noqa: E402 - after the path above
-from hpcdl.measure import ratio, show  # noqa: E402
 
 # DLIO's V100 configs (dlio_benchmark/configs/workload/*_v100.yaml), scaled to this machine:
 # fewer files, smaller batches (compute per step scaled with the batch, so compute per sample
@@ -287,7 +288,7 @@ def main():
     ap.add_argument("--bps", type=int, default=50 << 20, help="read bytes/s of the slow FS")
     ap.add_argument("--drop-every", type=float, default=2.0, help="seconds between page-cache drops (0: never)")
     ap.add_argument("--ram", default="1G", help="hpcdl RAM tier per rank (HPCDL_DLIO_RAM)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"), help="results directory")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"), help="results directory")
     ap.add_argument("--replot", action="store_true", help="only rewrite dlio.md and dlio.png from dlio.csv")
     args = ap.parse_args()
     if args.replot:

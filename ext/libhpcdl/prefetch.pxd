@@ -1,6 +1,6 @@
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
 from libcpp cimport bool as cbool
-from libcpp.memory cimport unique_ptr
+from libcpp.memory cimport shared_ptr, unique_ptr
 from libcpp.string cimport string
 from libcpp.utility cimport pair
 from libcpp.vector cimport vector
@@ -78,14 +78,14 @@ cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
 
     cdef cppclass CPrefetcher "hpcdl::Prefetcher":
         @staticmethod
-        CStatus create(unique_ptr[CStoreReader] reader, CPrefetchConfig cfg, char* staging, MPI_Comm comm,
+        CStatus create(unique_ptr[CStoreReader] reader, CPrefetchConfig cfg, MPI_Comm comm,
                        unique_ptr[CPrefetcher]* out)
-        @staticmethod
-        CStatus required_staging(const CStreamSpec& spec, uint64_t rank, const uint64_t* sizes, uint64_t* out)
         CStatus close(double timeout_s)
         uint64_t first_batch()
         uint64_t end_batch()
         CStatus next_batch(CBatchView* out)
+        const shared_ptr[char]& staging()
+        uint64_t staging_bytes()
         CPrefetchStats stats()
         vector[string] take_warnings()
         const CPlacement& placement()

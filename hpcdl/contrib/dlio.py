@@ -29,7 +29,6 @@ prefetcher's stats (hits and bytes per tier, stall seconds).
 import json
 import os
 import sys
-from argparse import ArgumentTypeError
 
 try:
     from dlio_benchmark.common.enumerations import DataLoaderType, DatasetType
@@ -39,9 +38,10 @@ except ImportError as exc:  # the plugin is only meaningful inside DLIO
     raise ImportError("hpcdl.contrib.dlio needs DLIO: pip install --no-deps -r requirements-dlio.txt "
                       f"(scripts/bootstrap.sh does it) [{exc}]") from exc
 
-from hpcdl.cli import _parse_bytes
+from hpcdl._agree import call_on_every_rank
 from hpcdl.prefetch import DEFAULT_RAM_BYTES, Prefetcher
-from hpcdl.store import MANIFEST, Store, _agree, pack
+from hpcdl.store import MANIFEST, Store, pack
+from hpcdl.units import parse_bytes
 
 __all__ = ["HpcdlDataLoader", "evaluation_passes"]
 
@@ -51,8 +51,8 @@ def _env_bytes(name, default):
     if text is None:
         return default
     try:
-        return _parse_bytes(text)
-    except ArgumentTypeError as exc:
+        return parse_bytes(text)
+    except ValueError as exc:
         raise ValueError(f"{name}={text!r}: {exc}") from None
 
 
@@ -121,12 +121,12 @@ class HpcdlDataLoader(BaseDataLoader):
         self.delivered = [[] for _ in range(self.passes)]
         if not self.passes:
             return
-        path = _agree(comm, self._store_path)
+        path = call_on_every_rank(comm, self._store_path)
         if os.environ.get("HPCDL_DLIO_PACK") == "1":
             if not all(comm.allgather(os.path.exists(os.path.join(path, MANIFEST)))):
                 pack(os.path.join(self._args.data_folder, self.kind), path, comm=comm,
                      progress=comm.Get_rank() == 0)
-        store, tiers = _agree(comm, self._open, path)
+        store, tiers = call_on_every_rank(comm, self._open, path)
         # DLIO's batch_size is per rank; the prefetcher takes the global batch.
         self.prefetcher = Prefetcher(store, self.batch_size * comm.Get_size(), self.passes, self._args.seed,
                                      comm=comm, **tiers)

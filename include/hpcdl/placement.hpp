@@ -6,12 +6,11 @@
 // a faster tier ranks before every sample in a slower one. Each tier's list is
 // then sorted by first use (the order its fillers load it) and given
 // consecutive byte offsets in the tier's region. Static: no eviction.
+// Implementation: src/_prefetch/plan.cc.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <string>
 #include <vector>
 
 #include "hpcdl/status.hpp"
@@ -30,44 +29,8 @@ struct Placement {
   std::uint64_t used[kCachedTiers] = {0, 0};
 };
 
-inline Placement place(const std::vector<std::uint64_t>& stream, const std::uint64_t* sizes, std::uint64_t samples,
-                       const std::uint64_t capacity[kCachedTiers]) {
-  constexpr std::uint64_t kNever = std::numeric_limits<std::uint64_t>::max();
-  Placement p;
-  p.freq.assign(samples, 0);
-  p.first.assign(samples, kNever);
-  p.tier.assign(samples, kTierStore);
-  p.offset.assign(samples, 0);
-  std::vector<std::uint64_t> read;
-  for (std::uint64_t t = 0; t < stream.size(); ++t) {
-    const std::uint64_t k = stream[t];
-    if (p.freq[k]++ == 0) {
-      p.first[k] = t;
-      read.push_back(k);
-    }
-  }
-  std::sort(read.begin(), read.end(), [&](std::uint64_t a, std::uint64_t b) {
-    if (p.freq[a] != p.freq[b]) return p.freq[a] > p.freq[b];
-    return p.first[a] < p.first[b];  // first uses are distinct: a total order
-  });
-  int tier = 0;
-  for (std::uint64_t k : read) {
-    while (tier < kCachedTiers && p.used[tier] + sizes[k] > capacity[tier]) ++tier;
-    if (tier == kCachedTiers) break;
-    p.tier[k] = static_cast<std::uint8_t>(tier);
-    p.used[tier] += sizes[k];
-    p.lists[tier].push_back(k);
-  }
-  for (auto& list : p.lists) {
-    std::sort(list.begin(), list.end(), [&](std::uint64_t a, std::uint64_t b) { return p.first[a] < p.first[b]; });
-    std::uint64_t at = 0;
-    for (std::uint64_t k : list) {
-      p.offset[k] = at;
-      at += sizes[k];
-    }
-  }
-  return p;
-}
+Placement place(const std::vector<std::uint64_t>& stream, const std::uint64_t* sizes, std::uint64_t samples,
+                const std::uint64_t capacity[kCachedTiers]);
 
 // Peer sources: for each sample, the other rank that caches it (RAM or disk
 // tier) with the earliest first use, and that first use as a global key
@@ -97,64 +60,6 @@ struct Plan {
   PeerSources sources;  // empty without a peer tier
 };
 
-namespace plan_detail {
-
-// Where one rank's placement (place()) cuts its ranking, replayed in global
-// order. Ranking by (freq desc, first use asc) means: whole frequency classes
-// down to the class where RAM runs out (ram_class), then that class's samples
-// in first-use order until the first one that does not fit; the same for the
-// disk tier from there. Visiting a rank's first uses in global order visits
-// each class in first-use order, so the cut is decided sample by sample.
-struct Cut {
-  std::uint32_t ram_class = 0;   // 0: every sample the rank reads fits in RAM
-  std::uint64_t ram_left = 0;    // RAM room left when ram_class starts
-  bool ram_open = true;
-  std::uint32_t disk_class = 0;  // 0: the disk tier takes the rest
-  std::uint64_t disk_left = 0;
-  bool disk_open = true;
-
-  // Is the sample (first used here, read `freq` times by the rank) cached?
-  bool cache(std::uint32_t freq, std::uint64_t size) {
-    if (freq > ram_class) return true;
-    if (freq == ram_class && ram_open) {
-      if (size <= ram_left) {
-        ram_left -= size;
-        return true;
-      }
-      ram_open = false;  // the first sample that does not fit closes RAM
-    }
-    if (freq > disk_class) return true;
-    if (freq < disk_class || !disk_open) return false;
-    if (size <= disk_left) {
-      disk_left -= size;
-      return true;
-    }
-    disk_open = false;
-    return false;
-  }
-};
-
-// x / d by a multiply (Lemire et al. 2019, exact for 32-bit x): the planner's
-// inner loops map positions to ranks, and a hardware divide there costs more than the rest.
-struct Divider {
-  std::uint64_t d, m;
-  explicit Divider(std::uint64_t divisor) : d(divisor), m(divisor > 1 ? ~std::uint64_t{0} / divisor + 1 : 0) {}
-  std::uint64_t div(std::uint64_t x) const {
-    return d == 1 ? x : static_cast<std::uint64_t>((static_cast<unsigned __int128>(m) * x) >> 64);
-  }
-};
-
-// Walks classes from `from_class` down with `room` bytes: the class where it runs out and the room left then (0: none).
-inline std::uint32_t class_cut(const std::vector<std::uint64_t>& bytes, std::uint32_t from_class, std::uint64_t* room) {
-  for (std::uint32_t f = from_class; f > 0; --f) {
-    if (bytes[f] > *room) return f;
-    *room -= bytes[f];
-  }
-  return 0;
-}
-
-}  // namespace plan_detail
-
 // One rank's start-up plan (docs/prefetch.md, "Planning at scale"): the
 // global order of each remaining epoch is shuffled once, and every rank's use
 // of it is derived from it, so the cost does not grow with P:
@@ -164,7 +69,7 @@ inline std::uint32_t class_cut(const std::vector<std::uint64_t>& bytes, std::uin
 //      it; the entry of each rank's first use is marked with that frequency
 //      (E x M 16-bit words, M = global positions per epoch) and added to the
 //      rank's bytes per frequency class;
-//   3. in global order, each rank's cut (plan_detail::Cut) decides, at each
+//   3. in global order, each rank's cut (Cut, src/_prefetch/plan.cc) decides, at each
 //      first use, whether that rank caches the sample; the first other rank
 //      that does is the sample's source. When a rank with a disk tier cuts
 //      RAM inside a class, a walk before that one finds where, which tells
@@ -173,129 +78,8 @@ inline std::uint32_t class_cut(const std::vector<std::uint64_t>& bytes, std::uin
 // (F: the largest frequency). own_caps: this rank's RAM and disk bytes;
 // ram_capacity / disk_capacity: every rank's (empty: no peer tier, no sources;
 // disk_capacity may be empty: no disk tiers).
-inline Status make_plan(const StreamSpec& spec, std::uint64_t from, std::uint64_t self, const std::uint64_t* sizes,
-                        const std::uint64_t own_caps[kCachedTiers], const std::vector<std::uint64_t>& ram_capacity,
-                        const std::vector<std::uint64_t>& disk_capacity, Plan* out) {
-  HPCDL_RETURN_NOT_OK(spec.validate());
-  const std::uint64_t N = spec.samples, B = spec.global_batch, P = spec.ranks, L = spec.local_batch();
-  const std::uint64_t batches = spec.batches_per_epoch(), M = batches * B, S = spec.per_epoch();
-  if (self >= P) return Status::Invalid("rank " + std::to_string(self) + " out of range [0, " + std::to_string(P) + ")");
-  if (from % L != 0 || from > spec.length()) return Status::Invalid("resume position is not a batch start of the run");
-  if (N > std::numeric_limits<std::uint32_t>::max() || M > std::numeric_limits<std::uint32_t>::max())
-    return Status::Invalid("the planner supports up to 2^32-1 samples and positions per epoch");
-  const bool peers = !ram_capacity.empty();
-  if (peers && ram_capacity.size() != P) return Status::Invalid("ram_capacity needs one entry per rank");
-  if (!disk_capacity.empty() && disk_capacity.size() != P) return Status::Invalid("disk_capacity needs one entry per rank");
-  const std::uint64_t copies = (M + N - 1) / N;  // reads of one sample per epoch (padding repeats the first ones)
-  const std::uint64_t s0 = from / L, e0 = batches ? s0 / batches : spec.epochs;  // global steps done, first epoch
-  const std::uint64_t p0 = batches ? s0 % batches * B : 0;  // first position of epoch e0 still to read
-  const std::uint64_t epochs = spec.epochs > e0 ? spec.epochs - e0 : 0;
-  if (peers && epochs * copies > std::numeric_limits<std::uint16_t>::max())
-    return Status::Invalid("the planner supports up to 65535 reads of one sample by one rank");
-
-  // 1. shuffles: this rank's stream, each sample's position per epoch.
-  out->stream.assign(spec.length() - from, 0);
-  std::vector<std::uint32_t> order(N), pos(peers ? epochs * N : 0);  // pos[ei * N + k]: sample k's position
-  std::vector<std::uint64_t> part(S);
-  for (std::uint64_t ei = 0; ei < epochs; ++ei) {
-    epoch_order(N, spec.seed, e0 + ei, order.data());
-    spec.rank_epoch(order.data(), self, part.data());
-    for (std::uint64_t k = 0; k < S; ++k) {
-      const std::uint64_t t = (e0 + ei) * S + k;
-      if (t >= from) out->stream[t - from] = part[k];
-    }
-    if (peers)
-      for (std::uint64_t p = 0; p < N; ++p) pos[ei * N + order[p]] = static_cast<std::uint32_t>(p);
-  }
-  out->placement = place(out->stream, sizes, N, own_caps);
-  if (!peers) return Status::OK();
-
-  // 2. per sample: each reader's frequency, marked at its first use; bytes per rank and class.
-  std::vector<std::uint16_t> first_freq(epochs * M, 0);
-  std::vector<std::vector<std::uint64_t>> class_bytes(P);  // [rank][freq]
-  std::vector<std::uint32_t> count(P, 0);
-  const plan_detail::Divider by_local(L), by_ranks(P);
-  std::vector<std::uint64_t> read_at(epochs * copies), read_rank(epochs * copies);  // one sample's reads
-  for (std::uint64_t k = 0; k < N; ++k) {
-    std::size_t n_reads = 0;
-    for (std::uint64_t ei = 0; ei < epochs; ++ei)
-      for (std::uint64_t p = pos[ei * N + k]; p < M; p += N) {
-        if (ei == 0 && p < p0) continue;
-        const std::uint64_t t = by_local.div(p), q = t - by_ranks.div(t) * P, at = ei * M + p;
-        ++count[q];
-        __builtin_prefetch(first_freq.data() + at, 1);  // written below: the misses overlap
-        read_at[n_reads] = at;
-        read_rank[n_reads++] = q;
-      }
-    for (std::size_t i = 0; i < n_reads; ++i) {
-      const std::uint64_t q = read_rank[i];
-      if (count[q] == 0) continue;  // not the rank's first use
-      const std::uint32_t f = count[q];
-      count[q] = 0;
-      first_freq[read_at[i]] = static_cast<std::uint16_t>(f);
-      if (class_bytes[q].size() <= f) class_bytes[q].resize(f + 1, 0);
-      class_bytes[q][f] += sizes[k];
-    }
-  }
-
-  // 3. cuts, in global order of first uses.
-  std::vector<plan_detail::Cut> cuts(P);
-  std::vector<bool> has_tier(P, false);
-  bool ram_pass = false;
-  for (std::uint64_t q = 0; q < P; ++q) {
-    const std::uint64_t disk = disk_capacity.empty() ? 0 : disk_capacity[q];
-    has_tier[q] = q != self && ram_capacity[q] + disk > 0;
-    auto& c = cuts[q];
-    auto& bytes = class_bytes[q];
-    if (bytes.empty()) continue;
-    c.ram_left = ram_capacity[q];
-    c.ram_class = plan_detail::class_cut(bytes, static_cast<std::uint32_t>(bytes.size() - 1), &c.ram_left);
-    c.disk_class = c.ram_class;  // disk 0: closes with RAM (its closing sample has size > 0)
-    c.disk_left = disk;
-    ram_pass |= has_tier[q] && c.ram_class > 0 && disk > 0;
-  }
-  out->sources.rank.assign(N, -1);
-  out->sources.key.assign(N, PeerSources::kNone);
-  auto sweep = [&](auto&& visit) {
-    constexpr std::uint64_t kAhead = 16;  // prefetch distance for the per-sample lookups
-    for (std::uint64_t ei = 0; ei < epochs; ++ei) {
-      for (std::uint64_t k = 0; k < N; ++k) order[pos[ei * N + k]] = static_cast<std::uint32_t>(k);
-      const std::uint16_t* marks = first_freq.data() + ei * M;
-      for (std::uint64_t b = ei == 0 ? p0 / B : 0; b < batches; ++b) {
-        const std::uint64_t step = (e0 + ei) * batches + b - s0;
-        for (std::uint64_t q = 0; q < P; ++q) {
-          if (!has_tier[q]) continue;
-          for (std::uint64_t p = b * B + q * L, end = p + L; p < end; ++p) {
-            const std::uint64_t ahead = p + kAhead;
-            if (ahead < M && marks[ahead] != 0) __builtin_prefetch(sizes + order[ahead < N ? ahead : ahead % N]);
-            if (marks[p] != 0) visit(q, order[p < N ? p : p % N], marks[p], step * P + q);
-          }
-        }
-      }
-    }
-  };
-  if (ram_pass) {  // where RAM cuts its class decides whether disk starts in that class or a later one
-    std::vector<plan_detail::Cut> ram_only = cuts;
-    for (auto& c : ram_only) c.disk_open = false;
-    sweep([&](std::uint64_t q, std::uint64_t k, std::uint32_t f, std::uint64_t) { ram_only[q].cache(f, sizes[k]); });
-    for (std::uint64_t q = 0; q < P; ++q) {
-      auto& c = cuts[q];
-      if (!has_tier[q] || c.ram_class == 0 || c.disk_left == 0) continue;
-      const std::uint64_t rest = class_bytes[q][c.ram_class] - (c.ram_left - ram_only[q].ram_left);
-      if (rest > c.disk_left) continue;  // disk runs out in the RAM class too
-      c.disk_left -= rest;
-      c.disk_class = plan_detail::class_cut(class_bytes[q], c.ram_class - 1, &c.disk_left);
-    }
-  }
-  std::vector<std::uint64_t> found((N + 63) / 64, 0);  // samples with a source: a bitmap stays in cache
-  sweep([&](std::uint64_t q, std::uint64_t k, std::uint32_t f, std::uint64_t key) {
-    if (cuts[q].cache(f, sizes[k]) && !(found[k / 64] >> (k % 64) & 1)) {
-      found[k / 64] |= std::uint64_t{1} << (k % 64);
-      out->sources.key[k] = key;  // global order: the first cacher has the smallest key
-      out->sources.rank[k] = static_cast<std::int32_t>(q);
-    }
-  });
-  return Status::OK();
-}
+Status make_plan(const StreamSpec& spec, std::uint64_t from, std::uint64_t self, const std::uint64_t* sizes,
+                 const std::uint64_t own_caps[kCachedTiers], const std::vector<std::uint64_t>& ram_capacity,
+                 const std::vector<std::uint64_t>& disk_capacity, Plan* out);
 
 }  // namespace hpcdl

@@ -1,0 +1,88 @@
+"""Ranks agree before they go on: the one place for both ways hpcdl's Python side does it.
+
+call_on_every_rank: a step that may fail on some ranks (rank 0 plans, each rank
+validates) raises on every rank, never leaving the others waiting in the next
+collective. check_same_on_all_ranks: every rank describes the same model or
+settings before any collective on them (the adapters at construction, the
+prefetcher's settings); a difference (a parameter on some ranks only, another
+shape, dtype or order) raises MismatchError on every rank with the first
+differences named, instead of hanging or reducing unrelated bytes.
+"""
+
+import hashlib
+
+from hpcdl.errors import HpcdlError, MismatchError
+
+_MAX_LISTED = 5
+
+
+def call_on_every_rank(comm, fn, *args):
+    """fn(*args) on every rank; if any rank raised, raise on every rank (the
+    raising rank's own exception, the others its type and message with its rank).
+    Collective over comm: one allgather of None or (type, message)."""
+    try:
+        result, error = fn(*args), None
+    except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
+        result, error = None, exc
+    errors = comm.allgather(None if error is None else (type(error), str(error)))
+    if error is not None:
+        raise error
+    for rank, info in enumerate(errors):
+        if info is not None:
+            kind, message = info
+            try:
+                exc = kind(f"[hpcdl rank {rank}] {message}")
+            except Exception:  # noqa: BLE001 - a type that takes other arguments
+                exc = HpcdlError(f"[hpcdl rank {rank}] {kind.__name__}: {message}")
+            raise exc
+    return result
+
+
+def check_same_on_all_ranks(comm, entries, what, settings=None):
+    """Raise MismatchError on every rank unless all ranks pass equal ``entries``.
+
+    entries: a list of (name, shape, dtype) tuples; settings: a dict of options
+    that must agree too. Collective over ``comm``: one small allgather of a
+    digest, and a second one of the full lists only when the digests differ.
+    """
+    mine = ([(str(n), tuple(int(d) for d in s), str(t)) for n, s, t in entries], dict(settings or {}))
+    digest = hashlib.sha1(repr(mine).encode()).hexdigest()
+    if len(set(comm.allgather(digest))) == 1:
+        return
+    everyone = comm.allgather(mine)
+    raise MismatchError(f"{what} differ across ranks: " + "; ".join(_differences(everyone)))
+
+
+def _differences(everyone):
+    """Human-readable differences of every rank from rank 0 (the same text on every rank)."""
+    ref_entries, ref_settings = everyone[0]
+    ref = {name: (shape, dtype) for name, shape, dtype in ref_entries}
+    found = []
+    for rank, (entries, settings) in enumerate(everyone[1:], start=1):
+        have = {name: (shape, dtype) for name, shape, dtype in entries}
+        before = len(found)
+        for key in sorted(set(ref_settings) | set(settings)):
+            if ref_settings.get(key) != settings.get(key):
+                found.append(f"{key} is {ref_settings.get(key)!r} on rank 0 but {settings.get(key)!r} on rank {rank}")
+        missing = [n for n, _, _ in ref_entries if n not in have]
+        extra = [n for n, _, _ in entries if n not in ref]
+        if missing:
+            found.append(f"{_names(missing)} on rank 0 but not on rank {rank}")
+        if extra:
+            found.append(f"{_names(extra)} on rank {rank} but not on rank 0")
+        for name, (shape, dtype) in ref.items():
+            if name in have and have[name] != (shape, dtype):
+                other_shape, other_dtype = have[name]
+                found.append(f"'{name}' is {dtype}{list(shape)} on rank 0 but "
+                             f"{other_dtype}{list(other_shape)} on rank {rank}")
+        common_ref = [n for n, _, _ in ref_entries if n in have]
+        common = [n for n, _, _ in entries if n in ref]
+        if common_ref != common and len(found) == before:
+            found.append(f"the order differs on rank {rank} (rank 0: {_names(common_ref)}; "
+                         f"rank {rank}: {_names(common)})")
+    return found[:_MAX_LISTED] + ([f"... {len(found) - _MAX_LISTED} more"] if len(found) > _MAX_LISTED else [])
+
+
+def _names(names):
+    shown = ", ".join(f"'{n}'" for n in names[:_MAX_LISTED])
+    return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")

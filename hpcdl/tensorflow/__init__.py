@@ -1,0 +1,20 @@
+"""TensorFlow adapter: data-parallel training with hpcdl's allreduce.
+
+    import hpcdl, hpcdl.tensorflow as hvd_tf
+    hvd_tf.broadcast_variables(model.variables, root=0)   # once, after the model is built
+    tape = hvd_tf.DistributedGradientTape(tape)           # a custom training loop, or
+    model.compile(optimizer=hvd_tf.DistributedOptimizer(opt), ...)   # Keras model.fit with
+    model.fit(ds, callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0), hvd_tf.MetricAverageCallback()])
+    ds = hvd_tf.tf_dataset(prefetcher, ...)               # the prefetcher's stream as a tf.data.Dataset
+
+tape (DistributedGradientTape, broadcast_variables), keras (DistributedOptimizer,
+the callbacks) and data (tf_dataset) are its modules; hpcdl's core API never
+imports them.
+"""
+
+from hpcdl.tensorflow.data import tf_dataset
+from hpcdl.tensorflow.keras import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback
+from hpcdl.tensorflow.tape import DistributedGradientTape, broadcast_variables
+
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "broadcast_variables",
+           "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "tf_dataset"]

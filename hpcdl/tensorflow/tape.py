@@ -1,0 +1,167 @@
+"""TensorFlow gradients reduced over the ranks: DistributedGradientTape and broadcast_variables.
+
+    import hpcdl.tensorflow as hvd_tf
+    hvd_tf.broadcast_variables(model.variables, root=0)   # once, after the model is built
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x))
+    tape = hvd_tf.DistributedGradientTape(tape)
+    grads = tape.gradient(loss, model.trainable_variables)  # averaged over all ranks
+    optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+Eager and tf.function: gradients reach the core as numpy arrays. Eagerly the
+allreduce is a direct call (hpcdl's own exceptions surface); inside a
+tf.function it runs through ``tf.numpy_function``, a stateful op of the graph
+(so the function cannot be XLA-compiled with ``jit_compile=True``, and an hpcdl
+error arrives as a ``tf.errors`` exception carrying hpcdl's message).
+
+Nothing is compiled against TensorFlow; ``import tensorflow`` binds the real
+TensorFlow (absolute import), not the package hpcdl.tensorflow.
+"""
+
+import numpy as np
+import tensorflow as tf
+from mpi4py import MPI
+from tensorflow.python.ops import control_flow_util  # XLA context check (no public API)
+
+import hpcdl
+from hpcdl._agree import check_same_on_all_ranks
+
+__all__ = ["DistributedGradientTape", "broadcast_variables"]
+
+def _core_view(array):
+    """A C-contiguous array for the core and its dtype argument (bfloat16 travels as uint16 bits)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype.name == "bfloat16":
+        return array.view(np.uint16), "bfloat16"
+    return array, None
+
+
+class _GradientAllreduce:
+    """The gradient path shared by DistributedGradientTape and DistributedOptimizer.
+
+    Gradients of one dtype are fused into one buffer and reduced by one named
+    operation ("{name}.{dtype}"), so a compression codec keeps its error
+    feedback per dtype group. The gradients' shapes and dtypes are checked
+    across ranks the first time a set of them is seen (``what`` names them in
+    the MismatchError every rank raises when they differ).
+    """
+
+    def __init__(self, compression, op, comm, name, what):
+        self.compression = compression
+        self.op = op
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.name = name
+        self._what = what
+        self._verified = set()
+
+    def reduce_gradients(self, grads, sources):
+        """Reduced ``grads`` in their structure: None (no gradient) as zeros, IndexedSlices made dense."""
+        flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
+        dense = [tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
+                 for s, g in zip(flat_sources, flat_grads)]
+        return tf.nest.pack_sequence_as(grads, self.allreduce(dense))
+
+    def allreduce(self, tensors):
+        """Reduce a list of tensors over all ranks (eagerly or inside a tf.function)."""
+        if not tensors:
+            return []
+        if tf.executing_eagerly():
+            return [tf.convert_to_tensor(a) for a in self._reduce_arrays(*[t.numpy() for t in tensors])]
+        if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+            raise ValueError("hpcdl's allreduce cannot run inside an XLA-compiled function: use "
+                             "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) for Keras")
+        reduced = tf.numpy_function(self._reduce_arrays, tensors, [t.dtype for t in tensors], stateful=True,
+                                    name="hpcdl_allreduce")
+        for out, t in zip(reduced, tensors):
+            out.set_shape(t.shape)
+        return reduced
+
+    def _reduce_arrays(self, *arrays):
+        signature = tuple((a.shape, a.dtype.name) for a in arrays)
+        if signature not in self._verified:
+            check_same_on_all_ranks(self.comm, [(f"gradient.{i}", s, d) for i, (s, d) in enumerate(signature)],
+                                    self._what,
+                                    {"op": self.op, "name": self.name,
+                                     "compression": None if self.compression is None else repr(self.compression)})
+            self._verified.add(signature)
+        groups = {}
+        for i, a in enumerate(arrays):
+            groups.setdefault(a.dtype.name, []).append(i)
+        extra = {} if self.compression is None else {"compression": self.compression}
+        pending = []
+        for dtype_name, members in groups.items():
+            fused = np.concatenate([np.ravel(arrays[i]) for i in members])
+            buffer, core_dtype = _core_view(fused)
+            handle = hpcdl.allreduce_async(buffer, op=self.op, comm=self.comm, name=f"{self.name}.{dtype_name}",
+                                           dtype=core_dtype, **extra)
+            pending.append((handle, fused, members))
+        out = [None] * len(arrays)
+        for handle, fused, members in pending:
+            handle.wait()
+            offset = 0
+            for i in members:
+                n = arrays[i].size
+                out[i] = fused[offset:offset + n].reshape(arrays[i].shape)
+                offset += n
+        return out
+
+
+class DistributedGradientTape:
+    """Wraps a tf.GradientTape: gradient() returns gradients reduced over all ranks.
+
+    Gradients of one dtype are fused into one buffer and reduced by one named
+    operation ("{name}.{dtype}"), so a compression codec keeps its error
+    feedback per dtype group. A source with no gradient (None, the same on
+    every rank for the same model) is reduced as zeros and returned as the
+    reduced tensor; IndexedSlices are made dense first. DistributedOptimizer
+    (for Keras model.fit) reduces through the same path.
+
+    compression: a codec from hpcdl.compression (None: dense).
+    op: "average" (default) or "sum".
+    comm: mpi4py communicator (default COMM_WORLD).
+    The gradients' shapes and dtypes are checked across ranks the first time a
+    set of them is seen: a model that differs raises MismatchError on every rank.
+    """
+
+    def __init__(self, tape, compression=None, op="average", comm=None, name="tf"):
+        self._tape = tape
+        self._reduce = _GradientAllreduce(compression, op, comm, name, "the gradients of DistributedGradientTape")
+
+    def __getattr__(self, attr):  # watch(), stop_recording(), ... of the wrapped tape
+        return getattr(self._tape, attr)
+
+    def gradient(self, target, sources, output_gradients=None):
+        return self._reduce.reduce_gradients(self._tape.gradient(target, sources, output_gradients), sources)
+
+    def allreduce(self, tensors):
+        """Reduce a list of tensors over all ranks (eagerly or inside a tf.function)."""
+        return self._reduce.allreduce(tensors)
+
+
+def broadcast_variables(variables, root=0, comm=None):
+    """Assign rank ``root``'s values to every rank's variables (eagerly; call it outside tf.function).
+
+    Shapes and dtypes are checked across ranks first (MismatchError on every
+    rank when a variable is missing or differs).
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    variables = list(variables)
+    values = [np.array(v.numpy()) for v in variables]
+    check_same_on_all_ranks(comm, [(f"variable.{i}", a.shape, a.dtype.name) for i, a in enumerate(values)],
+                            "the variables to broadcast", {"root": int(root)})
+    pending = []
+    for i, value in enumerate(values):
+        if value.dtype.name in ("bool", "uint8", "int8", "uint32", "uint64", "int16"):
+            comm.Bcast(value.view(np.uint8), root=root)  # no reduction dtype: the raw bytes through MPI
+            continue
+        if value.dtype.name in hpcdl.DTYPES:
+            buffer, core_dtype = _core_view(value)
+            pending.append(hpcdl.broadcast_async(buffer, root=root, comm=comm, name=f"tf.broadcast.{i}",
+                                                 dtype=core_dtype))
+        else:
+            raise TypeError(f"variable {i} ({getattr(variables[i], 'path', variables[i].name)}) has dtype "
+                            f"{value.dtype}, which hpcdl does not broadcast")
+    for handle in pending:
+        handle.wait()
+    for variable, value in zip(variables, values):
+        variable.assign(value)

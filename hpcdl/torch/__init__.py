@@ -1,0 +1,22 @@
+"""PyTorch adapter: data-parallel training with hpcdl's allreduce, pipeline
+parallelism, and the prefetcher as a Dataset.
+
+    import hpcdl, hpcdl.torch
+    opt = hpcdl.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                           model.named_parameters())
+    hpcdl.torch.broadcast_parameters(model.state_dict(), root_rank=0)
+    hpcdl.torch.broadcast_optimizer_state(opt, root_rank=0)
+    ... loss.backward(); opt.step()
+
+optimizer (DistributedOptimizer, the broadcasts, ddp_comm_hook), pipeline
+(Pipeline, PipeSplit) and data (TorchDataset) are its modules; hpcdl's core API
+never imports them.
+"""
+
+from hpcdl.torch.data import TorchDataset
+from hpcdl.torch.optimizer import (DEFAULT_BUCKET_BYTES, DistributedOptimizer, broadcast_optimizer_state,
+                                   broadcast_parameters, ddp_comm_hook)
+from hpcdl.torch.pipeline import Pipeline, PipelineError, PipeSplit
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "ddp_comm_hook",
+           "DEFAULT_BUCKET_BYTES", "Pipeline", "PipeSplit", "PipelineError", "TorchDataset"]

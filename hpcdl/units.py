@@ -1,0 +1,30 @@
+"""Sizes as people write them: the one byte-size parser of the command line,
+the simulator, the DLIO plugin's environment variables and the benchmarks."""
+
+import argparse
+
+_UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_bytes(text, allow_zero=False):
+    """'512M', '2G', '4KiB', '1048576', '1e9' -> bytes (int; K, M, G, T are powers of 1024).
+    ValueError for text that is not a size, a negative size, or 0 unless allow_zero."""
+    text = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+    scale = _UNITS.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if text[-1:] in _UNITS else text) * scale
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 512M, 2G)") from None
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError("size must be positive" if not allow_zero else "size must not be negative")
+    return int(value)
+
+
+def size_type(allow_zero=False):
+    """parse_bytes as an argparse ``type=``: its message becomes the usage error."""
+    def size(text):
+        try:
+            return parse_bytes(text, allow_zero)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return size

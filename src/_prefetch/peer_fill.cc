@@ -1,0 +1,130 @@
+// The prefetcher's peer fills (include/hpcdl/prefetcher.hpp): samples from
+// the source peer's tiers over PeerService, a peer given up on after a
+// timeout or an MPI error.
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "hpcdl/prefetcher.hpp"
+#include "hpcdl/thread_setup.hpp"
+#include "hpcdl/timeline.hpp"
+
+namespace hpcdl {
+
+bool Prefetcher::fetch_peer(int peer, std::uint64_t k, char* dst) {
+  const std::uint64_t size = reader_->size(k);
+  if (size == 0) return false;
+  for (;;) {
+    if (peer_gone_[peer] || stopping_) return false;
+    PeerService::Ticket t;
+    if (!request_peer(peer, k, size, &t)) return false;
+    PeerService::Outcome o;
+    for (int backoff_us = 5;; backoff_us = std::min(backoff_us * 2, 500)) {
+      if (peer_gone_[peer]) {  // another thread gave up on it: no need to wait out this timeout too
+        peers_->abandon(t);
+        return false;
+      }
+      o = peers_->poll(t, dst);
+      if (o != PeerService::Outcome::kWaiting) break;
+      std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
+    }
+    if (o == PeerService::Outcome::kGot) return true;
+    count_outcome(peer, o, t.error);
+    if (o != PeerService::Outcome::kLater) return false;
+  }
+}
+
+bool Prefetcher::request_peer(int peer, std::uint64_t k, std::uint64_t size, PeerService::Ticket* t) {
+  const Status st = peers_->request(peer, k, size, t);
+  if (!st.ok()) count_outcome(peer, PeerService::Outcome::kError, st);
+  return st.ok();
+}
+
+void Prefetcher::count_outcome(int peer, PeerService::Outcome o, const Status& error) {
+  using O = PeerService::Outcome;
+  ++(o == O::kLater ? peer_waits_ : o == O::kTimeout ? peer_timeouts_ : o == O::kError ? peer_errors_ : peer_misses_);
+  if ((o == O::kTimeout || o == O::kError) && !peer_gone_[peer].exchange(true))
+    warn("peer tier: rank " + std::to_string(peer) +
+         (o == O::kTimeout ? " did not answer within " + std::to_string(cfg_.peer_timeout_s) + " s"
+                           : " cannot be reached (" + error.message() + ")") +
+         "; its samples come from the backing store for the rest of the run");
+}
+
+void Prefetcher::peer_fill_loop() {
+  name_this_thread("hpcdl-peerfill");
+  struct InFlight {
+    int tier;
+    std::uint64_t k;
+    PeerService::Ticket ticket;
+    std::vector<char> scratch;  // disk slots: the bytes before they are written
+    double t0;
+  };
+  std::vector<InFlight> flight;
+  std::size_t next = 0;
+  for (int idle_us = 5; !stopping_;) {
+    while (flight.size() < kPeerFillsInFlight && next < peer_fills_list_.size()) {
+      const std::uint64_t k = peer_fills_list_[next++];
+      const int tier = placement_.tier[k];
+      if (tier == kTierDisk && disk_failed_) continue;
+      std::uint8_t expected = kEmpty;
+      if (!slots_[tier][k].compare_exchange_strong(expected, kLoading)) continue;  // a staging thread took it
+      InFlight f{tier, k, {}, {}, now_us()};
+      if (tier == kTierDisk) f.scratch.resize(reader_->size(k));
+      char* dst = tier == kTierRam ? ram_.get() + placement_.offset[k] : f.scratch.data();
+      // Nothing to fetch, or a source given up on: the store.
+      if (reader_->size(k) == 0 || peer_gone_[fill_source_[k]] ||
+          !request_peer(fill_source_[k], k, reader_->size(k), &f.ticket)) {
+        finish_slot(tier, k, fill_from_store(tier, k, dst, f.t0));
+        continue;
+      }
+      flight.push_back(std::move(f));
+    }
+    if (flight.empty()) return;
+    bool progress = false;
+    for (std::size_t i = 0; i < flight.size();) {
+      InFlight& f = flight[i];
+      char* dst = f.tier == kTierRam ? ram_.get() + placement_.offset[f.k] : f.scratch.data();
+      const int source = fill_source_[f.k];
+      // A source given up on is not polled: its late answer is matched at shutdown.
+      const PeerService::Outcome o =
+          peer_gone_[source] ? PeerService::Outcome::kWaiting : peers_->poll(f.ticket, dst);
+      if (o == PeerService::Outcome::kWaiting && !peer_gone_[source]) {
+        ++i;
+        continue;
+      }
+      progress = true;
+      if (o == PeerService::Outcome::kLater) {  // the source is behind: ask again
+        count_outcome(source, o, f.ticket.error);
+        if (!peer_gone_[source] && request_peer(source, f.k, reader_->size(f.k), &f.ticket)) {
+          ++i;
+          continue;
+        }
+      }
+      bool ok;
+      if (o == PeerService::Outcome::kGot) {
+        ok = commit_slot(f.tier, f.k, dst, true, f.t0);
+      } else {
+        if (o == PeerService::Outcome::kWaiting) peers_->abandon(f.ticket);  // its source was given up on
+        else if (o != PeerService::Outcome::kLater) count_outcome(source, o, f.ticket.error);
+        ok = fill_from_store(f.tier, f.k, dst, f.t0);
+      }
+      finish_slot(f.tier, f.k, ok);
+      flight[i] = std::move(flight.back());
+      flight.pop_back();
+    }
+    if (progress) {
+      idle_us = 5;
+      continue;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(idle_us));
+    idle_us = std::min(idle_us * 2, 200);
+  }
+  for (InFlight& f : flight) {  // stopping: the answers are matched at shutdown
+    peers_->abandon(f.ticket);
+    finish_slot(f.tier, f.k, false);
+  }
+}
+
+}  // namespace hpcdl

@@ -1,0 +1,86 @@
+// Prefetcher (include/hpcdl/prefetcher.hpp): set-up, threads, shutdown.
+#include "hpcdl/prefetcher.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <utility>
+
+namespace hpcdl {
+
+Status Prefetcher::create(std::unique_ptr<StoreReader> reader, PrefetchConfig cfg, MPI_Comm comm,
+                          std::unique_ptr<Prefetcher>* out) {
+  if (cfg.spec.samples != reader->count())
+    return Status::Invalid("stream spec and store disagree on the number of samples");
+  std::unique_ptr<Prefetcher> p(new Prefetcher());
+  p->cfg_ = std::move(cfg);
+  p->reader_ = std::move(reader);
+  HPCDL_RETURN_NOT_OK(p->plan());
+  p->staging_bytes_ = p->staging_size();
+  p->staging_.reset(static_cast<char*>(std::malloc(p->staging_bytes_)), std::free);
+  if (!p->staging_)
+    return Status::Invalid("cannot allocate the staging buffer (" + std::to_string(p->staging_bytes_) + " bytes)");
+  p->stats_.staging_bytes = p->staging_bytes_;
+  if (!p->cfg_.peer_ram_bytes.empty() && p->end_ > p->cfg_.start) {
+    HPCDL_RETURN_NOT_OK(PeerService::create(
+        comm, [q = p.get()](std::uint64_t k, char* dst) { return q->serve_peer(k, dst); },
+        [q = p.get()](std::uint64_t k) { return q->reader_->size(k); }, p->cfg_.peer_timeout_s,
+        p->cfg_.serve_delay_s, p->cfg_.peer_message_bytes, &p->peers_));
+    p->peer_gone_.reset(new std::atomic<bool>[p->peers_->size()]);
+    for (int q = 0; q < p->peers_->size(); ++q) p->peer_gone_[q] = false;
+  }
+  p->start_threads();
+  *out = std::move(p);
+  return Status::OK();
+}
+
+Prefetcher::~Prefetcher() {
+  stop();
+  peers_.reset();  // its server reads the tiers: stop it before they go
+}
+
+Status Prefetcher::close(double timeout_s) {
+  stop();
+  Status st;
+  if (peers_) {
+    st = peers_->shutdown(timeout_s);  // after it, every request to this rank was answered
+    stats_.served_to_peers = peers_->served();
+    peers_.reset();
+  }
+  if (disk_fd_ >= 0) {
+    ::close(disk_fd_);  // the file was unlinked at creation: closing frees it
+    disk_fd_ = -1;
+  }
+  return st;
+}
+
+void Prefetcher::start_threads() {
+  if (next_claim_ + cfg_.start >= end_) return;
+  for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.staging_threads, 1); ++i)
+    threads_.emplace_back([this] { staging_loop(); });
+  if (ram_)
+    for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.ram_threads, 1); ++i)
+      threads_.emplace_back([this] { fill_loop(kTierRam); });
+  if (disk_fd_ >= 0)
+    for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.disk_threads, 1); ++i)
+      threads_.emplace_back([this] { fill_loop(kTierDisk); });
+  if (peers_ && !peer_fills_list_.empty()) threads_.emplace_back([this] { peer_fill_loop(); });
+}
+
+void Prefetcher::stop() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    stopping_ = true;
+  }
+  ready_cv_.notify_all();
+  space_cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> g(slot_mu_);
+  }
+  slot_cv_.notify_all();
+  for (auto& t : threads_) t.join();
+  threads_.clear();
+}
+
+}  // namespace hpcdl

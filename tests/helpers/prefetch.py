@@ -1,0 +1,40 @@
+"""Stores and fixtures shared by the single-process and MPI prefetcher tests."""
+
+import os
+import shutil
+import tempfile
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcdl import store
+
+
+def make_store(root, files=150, seed=0, max_size=3000, comm=None):
+    """A packed store of random files (sizes 0..max_size, a few classes); returns the Store.
+    Packing is collective over comm (default COMM_WORLD)."""
+    rng = np.random.default_rng(seed)
+    src = os.path.join(root, "src")
+    for i in range(files):
+        path = os.path.join(src, f"c{i % 3}", f"{i:05d}.bin")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as fh:
+            fh.write(rng.bytes(int(rng.integers(0, max_size)) if i % 17 else 0))
+    dst = os.path.join(root, "store")
+    store.pack(src, dst, progress=False, comm=comm)
+    return store.Store(dst)
+
+
+def store_made_by_rank0(comm, prefix, files, seed):
+    """For a module fixture of MPI tests: rank 0 makes a store in a new folder, every rank
+    opens it; removed after the module's tests (a generator: `yield from` it)."""
+    root = None
+    if comm.Get_rank() == 0:
+        root = tempfile.mkdtemp(prefix=prefix)
+        make_store(root, files=files, seed=seed, comm=MPI.COMM_SELF).close()
+    root = comm.bcast(root, root=0)
+    yield store.Store(os.path.join(root, "store"))
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+

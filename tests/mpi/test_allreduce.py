@@ -1,0 +1,560 @@
+"""Ring allreduce, broadcast and barrier under MPI (run with 3, 4 and 5 ranks).
+
+A test that takes `comm` runs over COMM_SELF, COMM_WORLD and a Dup() of it
+(`multi_rank`: the last two); the others exercise the world itself (its
+report tree, stalls, sub-communicators split from it).
+
+Every result is checked against a float64 reference and for bitwise equality
+across ranks; ranks agree on the verdict before asserting (tests/conftest.py).
+"""
+
+import gc
+import hashlib
+import threading
+import time
+import warnings
+import weakref
+
+import ml_dtypes
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import hpcdl
+from conftest import agree, collective, multi_rank, outcome
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WORLD = MPI.COMM_WORLD
+COUNTS = [0, 1, 2, 3, 5, 7, 64, 1000, 4097, 65537]
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+
+
+def np_dtype(name):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def contribution(rank, count, dtype):
+    """Rank r's data: deterministic, so any rank can compute every rank's input."""
+    rng = np.random.default_rng(1000 + rank)
+    if dtype.startswith("int"):
+        return rng.integers(-1000, 1000, count).astype(dtype)
+    return rng.standard_normal(count).astype(np_dtype(dtype))
+
+
+def digest(a):
+    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def tolerance(dtype, size, reference_abs):
+    eps = {"float32": 2.0 ** -23, "float64": 2.0 ** -52, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+    if dtype.startswith("int"):
+        return 0.0
+    # one rounding per hop, each bounded by eps times the running partial sum
+    return 2 * size * eps[dtype] * reference_abs + 1e-30
+
+
+def check_allreduce(comm, count, dtype, op):
+    size = comm.Get_size()
+    data = contribution(comm.Get_rank(), count, dtype)
+    inputs = [contribution(r, count, dtype).astype(np.float64) for r in range(size)]
+    reference = np.sum(inputs, axis=0) if count else np.zeros(0)
+    reference_abs = np.sum(np.abs(inputs), axis=0) if count else np.zeros(0)
+    if op == "average":
+        reference, reference_abs = reference / size, reference_abs / size
+    out = hpcdl.allreduce(data, op=op, comm=comm)
+    err = np.abs(data.astype(np.float64) - reference)
+    tol = tolerance(dtype, size, reference_abs)
+    ok = bool(np.all(err <= tol)) and out is data
+    digests = comm.allgather(digest(data))
+    same = len(set(digests)) == 1
+    detail = "" if ok and same else f"in place: {out is data}, max err {err.max() if count else 0}, " \
+        f"bitwise same: {same}"
+    return ok and same, detail
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_sum_all_counts_and_dtypes(comm, dtype):
+    problems = []
+    for count in COUNTS:
+        ok, detail = check_allreduce(comm, count, dtype, "sum")
+        if not ok:
+            problems.append(f"count {count}: {detail}")
+    agree(comm, not problems, problems)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_allreduce_average(comm, dtype):
+    problems = []
+    for count in (1, 7, 4097):
+        ok, detail = check_allreduce(comm, count, dtype, "average")
+        if not ok:
+            problems.append(f"count {count}: {detail}")
+    agree(comm, not problems, problems)
+
+
+@pytest.mark.parametrize("sub_size", [2, 3])
+def test_allreduce_on_sub_communicators(sub_size):
+    """Rings of 2 and 3 ranks inside the world, each group on its own communicator."""
+    rank = WORLD.Get_rank()
+    color = rank // sub_size
+    sub = WORLD.Split(color, rank)
+    problems = []
+    for dtype in ("float32", "float16", "int64"):
+        for count in (0, 1, sub.Get_size() - 1, 1001):
+            ok, detail = check_allreduce(sub, count, dtype, "sum")
+            if not ok:
+                problems.append(f"{dtype} count {count}: {detail}")
+    sub.Free()
+    agree(WORLD, not problems, problems)
+
+
+def test_many_chunks_and_tiny_chunks():
+    """Many pipeline chunks per segment, including empty chunks, stay exact."""
+    problems = []
+    try:
+        for chunk_bytes in (64, 4096, 1 << 16):
+            hpcdl.configure(chunk_bytes=chunk_bytes)
+            for count in (3, 33, 300_001):
+                ok, detail = check_allreduce(WORLD, count, "float32", "sum")
+                if not ok:
+                    problems.append(f"chunk {chunk_bytes} count {count}: {detail}")
+    finally:
+        hpcdl.configure(chunk_bytes=hpcdl._core.DEFAULT_CHUNK_BYTES)
+    agree(WORLD, not problems, problems)
+
+
+def test_two_rank_half_precision_matches_numpy_bitwise():
+    """With 2 ranks each element is one fp32 add rounded once: exactly numpy's result."""
+    rank = WORLD.Get_rank()
+    pair = WORLD.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    ok, detail = True, ""
+    if pair != MPI.COMM_NULL:
+        for dtype in ("float16", "bfloat16"):
+            a = contribution(pair.Get_rank(), 5001, dtype)
+            both = [contribution(r, 5001, dtype) for r in range(2)]
+            expected = (both[0].astype(np.float32) + both[1].astype(np.float32)).astype(np_dtype(dtype))
+            hpcdl.allreduce(a, comm=pair)
+            if a.tobytes() != expected.tobytes():
+                ok, detail = False, f"{dtype}: {np.count_nonzero(a != expected)} elements differ from numpy"
+        pair.Free()
+    agree(WORLD, ok, detail)
+
+
+def test_bfloat16_uint16_view_equals_ml_dtypes(comm):
+    a = contribution(comm.Get_rank(), 999, "bfloat16")
+    b = a.copy().view(np.uint16)
+    hpcdl.allreduce(a, comm=comm)
+    hpcdl.allreduce(b, dtype="bfloat16", comm=comm)
+    agree(comm, a.view(np.uint16).tobytes() == b.tobytes(), "uint16 view result differs")
+
+
+def test_named_ops_submitted_in_different_orders(comm):
+    """Autograd hooks fire in any order: named ops still pair up correctly."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    names = [f"grad.{i}" for i in range(12)]
+    order = np.random.default_rng(rank).permutation(len(names))
+    arrays = {n: np.full(100 + i, float(rank + i), dtype=np.float32) for i, n in enumerate(names)}
+    handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i], comm=comm) for i in order]
+    collective(comm, lambda: [h.wait() for h in handles])
+    bad = [n for i, n in enumerate(names)
+           if not np.all(arrays[n] == sum(r + i for r in range(size)))]
+    agree(comm, not bad, f"wrong results for {bad}")
+
+
+def test_ops_agreed_while_a_ring_runs():
+    """Operations submitted while a large ring moves its data are agreed during its
+    waits and run after it: right results in any submission order, and a mismatch
+    among them still fails on every rank."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    big = np.full(4 << 20, float(rank), dtype=np.float32)
+    first = hpcdl.allreduce_async(big, name="during.big")
+    names = [f"during.{i}" for i in range(8)]
+    order = np.random.default_rng(rank).permutation(len(names))
+    arrays = {n: np.full(1000 + i, float(rank * i), dtype=np.float64) for i, n in enumerate(names)}
+    handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i]) for i in order]
+    odd = np.ones(10 + (rank == size - 1), dtype=np.float32)
+    _, mismatch = outcome(hpcdl.allreduce_async(odd, name="during.odd").wait)
+    collective(WORLD, lambda: [h.wait() for h in [first, *handles]])
+    bad = [n for i, n in enumerate(names) if not np.all(arrays[n] == sum(r * i for r in range(size)))]
+    big_ok = bool(np.all(big == sum(range(size))))
+    agree(WORLD, not bad and big_ok and isinstance(mismatch, hpcdl.MismatchError),
+          f"wrong results for {bad}, big ring right: {big_ok}, mismatch raised: {mismatch!r}")
+
+
+def test_async_handle_done_and_wait_return_buffer(comm):
+    a = np.ones(10_000, dtype=np.float64)
+    h = hpcdl.allreduce_async(a, name="handle-test", comm=comm)
+    out = collective(comm, h.wait)
+    agree(comm, out is a and h.done() and np.all(a == comm.Get_size()))
+
+
+def test_deferred_allreduce_moves_data_only_after_mark_ready():
+    """Agreed at submission; each rank writes its buffer afterwards, at its own time,
+    and the reduction sees what was written before mark_ready()."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    a = np.zeros(4097, dtype=np.float32)
+    handle = hpcdl.allreduce_async(a, name="deferred.data", deferred=True)
+    time.sleep(0.05 * rank)
+    a[:] = contribution(rank, a.size, "float32")
+    handle.mark_ready()
+    collective(WORLD, handle.wait)
+    expected = sum(contribution(r, a.size, "float32").astype(np.float64) for r in range(size))
+    t = handle.timings()
+    ordered = t["submitted_us"] <= t["ready_us"] <= t["agreed_us"] or t["submitted_us"] <= t["agreed_us"] <= t["ready_us"]
+    ok = (np.allclose(a, expected, rtol=1e-5, atol=1e-4) and len(set(WORLD.allgather(digest(a)))) == 1
+          and ordered and t["ready_us"] <= t["started_us"] and t["ready_us"] - t["submitted_us"] >= 0.045e6 * rank)
+    agree(WORLD, ok, t)
+
+
+@multi_rank
+def test_deferred_mismatch_raises_on_every_rank_without_mark_ready(comm):
+    """The check runs at submission: a disagreement surfaces before any data is ready."""
+    rank = comm.Get_rank()
+    handle = hpcdl.allreduce_async(np.zeros(10 + (rank == 0), dtype=np.float32), name="deferred.mismatch",
+                                   deferred=True, comm=comm)
+    deadline = time.monotonic() + 60
+    finished, err = False, None
+    while not finished and err is None and time.monotonic() < deadline:
+        finished, err = outcome(handle.done)  # done() raises the error it sees
+        time.sleep(0.01)
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), repr(err))
+
+
+@multi_rank
+def test_name_already_in_flight_is_refused(comm):
+    """Rank 0 submits "dup" twice before the others submit it once: the second is refused."""
+    rank = comm.Get_rank()
+    a = np.ones(4, dtype=np.float32)
+    err = None
+    if rank == 0:
+        handle = hpcdl.allreduce_async(a, name="dup", comm=comm)
+        _, err = outcome(hpcdl.allreduce_async, np.ones(4, dtype=np.float32), name="dup", comm=comm)
+        comm.barrier()
+    else:
+        comm.barrier()
+        handle = hpcdl.allreduce_async(a, name="dup", comm=comm)
+    collective(comm, handle.wait)
+    ok = rank != 0 or (isinstance(err, ValueError) and "already in flight" in str(err))
+    agree(comm, ok and np.all(a == comm.Get_size()), repr(err))
+
+
+def test_same_name_reused_step_after_step(comm):
+    """A training loop reuses each name as soon as the last op under it finished."""
+    a = np.ones(257, dtype=np.float32)
+    for step in range(100):
+        a[:] = step
+        collective(comm, lambda: hpcdl.allreduce(a, name="reused.every.step", comm=comm))
+        if not np.all(a == step * comm.Get_size()):
+            break
+    agree(comm, np.all(a == step * comm.Get_size()) and step == 99, f"step {step}: {a[:3]}")
+
+
+def test_stats_count_ring_bytes_exactly(comm):
+    """Each element crosses 2(p-1) links in a ring: the sum of bytes over ranks says so."""
+    size = comm.Get_size()
+    hpcdl.stats(reset=True)
+    n = 100_003
+    hpcdl.allreduce(np.ones(n, dtype=np.float32), comm=comm)
+    row = hpcdl.stats()["allreduce"]["none"]
+    total_sent = comm.allreduce(row["bytes_sent"])
+    total_received = comm.allreduce(row["bytes_received"])
+    expected = 2 * (size - 1) * n * 4
+    agree(comm, row["ops"] == 1 and total_sent == expected and total_received == expected
+          and row["dense_bytes"] == row["bytes_sent"], f"{row}, total {total_sent} vs {expected}")
+
+
+@multi_rank
+def test_mismatched_count_raises_on_every_rank(comm):
+    rank = comm.Get_rank()
+    n = 1000 + (2 if rank == comm.Get_size() - 1 else 0)
+    a = np.ones(n, dtype=np.float32)
+    before = a.copy()
+    _, err = outcome(hpcdl.allreduce, a, name="mismatched.count", comm=comm)
+    message = str(err)
+    ok = (isinstance(err, hpcdl.MismatchError) and "mismatched.count" in message and "count differs" in message
+          and f"rank {comm.Get_size() - 1}" in message and np.array_equal(a, before))
+    agree(comm, ok, repr(err))
+    # The engine keeps working afterwards.
+    ok2, detail = check_allreduce(comm, 100, "float32", "sum")
+    agree(comm, ok2, detail)
+
+
+@multi_rank
+def test_mismatched_dtype_and_op_raise_on_every_rank(comm):
+    rank = comm.Get_rank()
+    a = np.ones(64, dtype=np.float64 if rank == 0 else np.float32)
+    _, err = outcome(hpcdl.allreduce, a, name="mismatched.dtype", comm=comm)
+    ok = isinstance(err, hpcdl.MismatchError) and "dtype differs" in str(err) and "float64 on rank 0" in str(err)
+    b = np.ones(64, dtype=np.float32)
+    _, err2 = outcome(hpcdl.allreduce, b, op="average" if rank == 1 else "sum", name="mismatched.op", comm=comm)
+    ok2 = isinstance(err2, hpcdl.MismatchError) and "op differs" in str(err2)
+    agree(comm, ok and ok2, f"{err!r} / {err2!r}")
+
+
+@multi_rank
+def test_unnamed_allreduce_against_broadcast_is_a_mismatch(comm):
+    rank = comm.Get_rank()
+    a = np.ones(8, dtype=np.float32)
+    call = hpcdl.broadcast if rank == 0 else hpcdl.allreduce
+    _, err = outcome(call, a, comm=comm)
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "operation differs" in str(err), repr(err))
+
+
+def test_stall_warning_names_the_missing_rank():
+    rank = WORLD.Get_rank()
+    hpcdl.configure(stall_warning_seconds=0.3)
+    try:
+        a = np.ones(16, dtype=np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == 0:
+                time.sleep(1.5)
+            collective(WORLD, hpcdl.allreduce, a, name="late.tensor")
+        stall = [str(w.message) for w in caught if issubclass(w.category, hpcdl.StallWarning)]
+        if rank == 0:
+            ok = not stall
+        else:
+            ok = bool(stall) and "late.tensor" in stall[0] and "rank 0" in stall[0]
+        agree(WORLD, ok and np.all(a == WORLD.Get_size()), stall)
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
+
+
+def report_tree_children_of_rank0(size):
+    """Rank 0's children in the binomial report tree: ranks 1, 2, 4, ... below size."""
+    return sum(1 for k in range(size.bit_length()) if (1 << k) < size)
+
+
+def run_named_step(names, arrays, step, seed):
+    """Every rank submits the named ops in its own order; True when all sums are right."""
+    order = np.random.default_rng(seed).permutation(len(names))
+    for i in order:
+        arrays[names[i]][:] = step + i
+    handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i]) for i in order]
+    for h in handles:
+        h.wait()
+    return all(np.all(arrays[n] == (step + i) * WORLD.Get_size()) for i, n in enumerate(names))
+
+
+def test_ops_seen_before_reach_rank0_once_per_tree_child():
+    """Steady state: rank 0 gets one merged report per op from each of its
+    children in the report tree (ceil(log2 P) of them), never a rank's own."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    names = [f"steady.{i}" for i in range(6)]
+    arrays = {n: np.zeros(33 + i, dtype=np.float32) for i, n in enumerate(names)}
+    first, _ = outcome(run_named_step, names, arrays, 0, rank)  # new names: full descriptions
+    WORLD.Barrier()
+    hpcdl.stats(reset=True)
+    steps = 5
+    results = [outcome(run_named_step, names, arrays, step, 100 * step + rank) for step in range(1, steps + 1)]
+    right = first is True and all(ok is True and err is None for ok, err in results)
+    counts = hpcdl.stats()["agreement"]
+    if rank == 0:
+        expected = steps * len(names) * report_tree_children_of_rank0(size)
+        ok = counts["descriptions_received"] == 0 and counts["entries_received"] == expected
+    else:
+        ok = counts["descriptions_received"] == 0 and counts["messages_sent"] > 0
+    agree(WORLD, right and ok, f"results right: {right}, {counts}")
+
+
+def test_mismatch_after_many_cached_steps_is_named_on_every_rank():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    names = ["cached.a", "cached.changes", "cached.b"]
+    arrays = {n: np.zeros(100, dtype=np.float32) for n in names}
+    cached_ok = all(outcome(run_named_step, names, arrays, step, rank)[0] is True for step in range(20))
+    if rank == size - 1:
+        arrays["cached.changes"] = np.zeros(101, dtype=np.float32)
+    # Reports held for stalls are released only after 900 s now: the changed
+    # description must complete its subtree's merged report (rank size - 1 is
+    # a leaf under an inner rank at P = 4 and 5), not wait for that release.
+    hpcdl.configure(stall_warning_seconds=3600)
+    try:
+        order = names[::-1] if rank % 2 else names
+        handles = [hpcdl.allreduce_async(arrays[n], name=n) for n in order]
+        errors = {h.name: outcome(h.wait, timeout=60)[1] for h in handles}
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
+    err = errors["cached.changes"]
+    named = (isinstance(err, hpcdl.MismatchError) and "'cached.changes'" in str(err) and "count differs" in str(err)
+             and f"101 on rank {size - 1}" in str(err))
+    others_ran = errors["cached.a"] is None and errors["cached.b"] is None
+    # The next step, back in agreement, runs.
+    arrays["cached.changes"] = np.zeros(100, dtype=np.float32)
+    after, after_err = outcome(run_named_step, names, arrays, 21, rank)
+    agree(WORLD, cached_ok and named and others_ran and after is True,
+          f"cached steps right: {cached_ok}, {errors}, after: {after} {after_err!r}")
+
+
+def test_stall_of_an_op_seen_before_names_the_missing_rank_inside_the_tree():
+    """The missing rank is an inner node of the report tree (rank 2 of 4 or 5,
+    whose subtree holds rank 3) or a leaf (rank 1 of 3): held reports go up."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    missing = size // 2
+    a = np.ones(16, dtype=np.float32)
+    warm = [outcome(collective, WORLD, hpcdl.allreduce, a, name="late.cached")[1] for _ in range(3)]
+    hpcdl.configure(stall_warning_seconds=0.3)
+    try:
+        a[:] = 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == missing:
+                time.sleep(1.5)
+            _, err = outcome(hpcdl.allreduce, a, name="late.cached")
+        stall = [str(w.message) for w in caught if issubclass(w.category, hpcdl.StallWarning)]
+        if rank == missing:
+            ok = not stall
+        else:
+            ok = bool(stall) and "late.cached" in stall[0] and f"for rank {missing}," in stall[0]
+        agree(WORLD, ok and err is None and all(e is None for e in warm) and np.all(a == size), (stall, err, warm))
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
+
+
+def test_stall_error_fails_waiting_ranks_instead_of_hanging():
+    rank = WORLD.Get_rank()
+    hpcdl.configure(stall_error_seconds=0.5)
+    try:
+        if rank != 0:
+            _, err = outcome(hpcdl.allreduce, np.ones(4, dtype=np.float32), name="never.on.rank0")
+            ok = isinstance(err, hpcdl.StallTimeoutError) and "rank 0" in str(err)
+        else:
+            err, ok = None, True
+        agree(WORLD, ok, repr(err))
+    finally:
+        hpcdl.configure(stall_error_seconds=0)
+    hpcdl.barrier()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_from_every_root(comm, dtype):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    problems = []
+    for root in range(size):
+        expected = contribution(root, 3001, dtype)
+        a = expected.copy() if rank == root else np.zeros(3001, dtype=np_dtype(dtype))
+        hpcdl.broadcast(a, root=root, comm=comm)
+        if a.tobytes() != expected.tobytes():
+            problems.append(f"root {root}")
+    agree(comm, not problems, problems)
+
+
+@multi_rank
+def test_broadcast_root_disagreement_and_bad_root(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    a = np.zeros(10, dtype=np.float32)
+    _, err = outcome(hpcdl.broadcast, a, root=0 if rank else 1, name="bcast.roots", comm=comm)
+    _, err2 = outcome(hpcdl.broadcast, a, root=size, comm=comm)
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "root differs" in str(err)
+          and isinstance(err2, ValueError) and "root" in str(err2), f"{err!r} / {err2!r}")
+
+
+@multi_rank
+def test_barrier_waits_for_everyone(comm):
+    rank = comm.Get_rank()
+    if rank == 0:
+        time.sleep(0.5)
+    t_enter = MPI.Wtime()
+    hpcdl.barrier(comm=comm)
+    waited = MPI.Wtime() - t_enter
+    # rank 0 was late by 0.5 s: everyone else must have waited for it
+    agree(comm, rank == 0 or waited > 0.3, f"barrier returned after {waited:.3f} s")
+
+
+def test_large_message_default_chunks(comm):
+    ok, detail = check_allreduce(comm, 3 * (1 << 20) + 17, "float32", "sum")
+    agree(comm, ok, detail)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_integer_sums_wrap_like_numpy(comm, dtype):
+    """Integer sums that overflow wrap modulo 2^bits (as MPI_SUM does), not undefined behaviour."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    info = np.iinfo(dtype)
+    base = np.array([info.max, info.max - 7, info.min, info.min + 3, 1, -1], dtype)
+    data = base - np.array(rank % 2, dtype) * np.array([0, 0, 0, 0, 0, 1], dtype)
+    with np.errstate(over="ignore"):
+        expected = np.zeros_like(base)
+        for r in range(size):
+            expected += base - np.array(r % 2, dtype) * np.array([0, 0, 0, 0, 0, 1], dtype)  # numpy wraps
+    hpcdl.allreduce(data, name=f"wrap.{dtype}", comm=comm)
+    agree(comm, np.array_equal(data, expected), f"{data} vs {expected}")
+
+
+def test_unnamed_ops_from_two_threads_never_pair_across_threads():
+    """Thread "reduce-ones" and thread "reduce-hundreds" submit unnamed allreduces
+    in opposite orders on rank 0 and the other ranks: submission order pairs
+    each thread's operation with the other thread's, which the submitting
+    thread's name turns into a MismatchError on every rank, never a sum of both."""
+    rank = WORLD.Get_rank()
+    ones, hundreds = np.ones(64, np.float32), np.full(64, 100.0, np.float32)
+    first_done = threading.Event()
+    results = {}
+
+    def reduce(array, goes_first, thread_name):
+        if not goes_first:
+            first_done.wait(30)
+        handle = hpcdl.allreduce_async(array)
+        if goes_first:
+            first_done.set()
+        results[thread_name] = outcome(handle.wait)
+
+    threads = [threading.Thread(target=reduce, args=(ones, rank == 0, "reduce-ones"), name="reduce-ones"),
+               threading.Thread(target=reduce, args=(hundreds, rank != 0, "reduce-hundreds"),
+                                name="reduce-hundreds")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    errors = {k: err for k, (_, err) in results.items()}
+    ok = (len(errors) == 2 and all(isinstance(e, hpcdl.MismatchError) and "submitting thread differs" in str(e)
+                                   for e in errors.values()))
+    agree(WORLD, ok and np.all(ones == 1) and np.all(hundreds == 100), f"{errors!r}, {ones[0]}, {hundreds[0]}")
+
+
+def test_unnamed_ops_from_two_threads_in_the_same_order_are_right(comm):
+    """Two threads taking turns the same way on every rank: each gets its own sum."""
+    size = comm.Get_size()
+    ones, hundreds = np.ones(64, np.float32), np.full(64, 100.0, np.float32)
+    results = {}
+
+    def reduce(array, key):
+        results[key] = outcome(hpcdl.allreduce, array, comm=comm)
+
+    for array, key in ((ones, "ones"), (hundreds, "hundreds"), (ones, "ones-again")):
+        t = threading.Thread(target=reduce, args=(array, key), name=f"reduce-{key}")
+        t.start()
+        t.join(120)
+    errors = [err for _, err in results.values() if err is not None]
+    agree(comm, not errors and np.all(ones == size * size) and np.all(hundreds == 100 * size),
+          f"{errors!r}, {ones[0]}, {hundreds[0]}")
+
+
+def test_handles_polled_with_done_release_their_buffers(comm):
+    """Handles polled with done() and never waited for: once finished, dropping
+    them and the arrays frees the arrays (hpcdl keeps nothing of them)."""
+    arrays = [np.ones(1 << 16, np.float32) for _ in range(64)]
+    refs = [weakref.ref(a) for a in arrays]
+    handles = [hpcdl.allreduce_async(a, name=f"polled.{i}", comm=comm) for i, a in enumerate(arrays)]
+    deadline = time.monotonic() + 60
+    while not all(h.done() for h in handles) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    finished = all(h.done() for h in handles)
+    right = all(np.all(a == comm.Get_size()) for a in arrays)
+    del arrays, handles
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    agree(comm, finished and right and alive == 0, f"finished {finished}, right {right}, {alive} arrays alive")
+
+
+@multi_rank
+def test_done_raises_the_error_of_a_failed_operation(comm):
+    """A mismatch seen through done() is raised there, on every rank."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    handle = hpcdl.allreduce_async(np.ones(10 + (rank == size - 1), np.float32), name="polled.mismatch", comm=comm)
+    deadline = time.monotonic() + 60
+    finished, err = False, None
+    while not finished and err is None and time.monotonic() < deadline:
+        finished, err = outcome(handle.done)
+        time.sleep(0.01)
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), f"{finished} {err!r}")

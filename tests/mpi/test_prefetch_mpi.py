@@ -1,0 +1,186 @@
+"""The prefetcher under 4 MPI ranks: every sample exactly once per epoch across
+ranks, peer fetches that deliver the right bytes, each sample read from the
+store once per job when every rank caches what it reads, a silent peer -> the
+store, mismatched settings -> an error on every rank. Collective-safe (conftest)."""
+
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcdl.errors import MismatchError
+from hpcdl.prefetch import Prefetcher
+from conftest import agree, collective, multi_rank, outcome, world_only
+from helpers.prefetch import store_made_by_rank0
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def shared_store():
+    yield from store_made_by_rank0(MPI.COMM_WORLD, "hpcdl-prefetch-mpi-", files=160, seed=8)
+
+
+def delivered(pf, st):
+    """(indices, all bytes right) over the rest of the run."""
+    ids, right = [], True
+    for batch in pf:
+        ids.append(batch.indices.copy())
+        right &= all(bytes(batch[j]) == st.read(int(i)) for j, i in enumerate(batch.indices))
+    return (np.concatenate(ids) if ids else np.zeros(0, np.uint64)), right
+
+
+@multi_rank
+def test_every_sample_once_per_epoch_across_ranks(comm, shared_store):
+    st, epochs, batch = shared_store, 3, 16
+
+    def run():
+        with Prefetcher(st, batch, epochs, 5, comm=comm, ram_bytes=0) as pf:
+            return delivered(pf, st)
+
+    (ids, right) = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    every = comm.allgather(ids)
+    steps = len(st) // batch
+    per_rank = steps * batch // comm.Get_size()
+    ok = True
+    for e in range(epochs):
+        seen = np.concatenate([x[e * per_rank:(e + 1) * per_rank] for x in every]).astype(np.int64)
+        counts = np.bincount(seen, minlength=len(st))
+        ok &= counts.max() == 1 and counts.sum() == steps * batch
+    agree(comm, ok, "a sample read twice (or missed) in an epoch")
+
+
+@multi_rank
+def test_peer_fetches_deliver_the_right_bytes(comm, shared_store):
+    st = shared_store
+    # Each rank's RAM holds about a third of the data: much of what a rank
+    # misses locally sits in a peer's RAM.
+    ram = int(st.sizes.sum()) // 3
+
+    def run():
+        with Prefetcher(st, 8, 4, 11, comm=comm, ram_bytes=ram, peer_timeout=10.0) as pf:
+            ids, right = delivered(pf, st)
+        return ids, right, pf.stats()  # final: counts every request answered
+
+    ids, right, stats = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    peer_hits = comm.allreduce(stats["hits"]["peer"])
+    peer_fills = comm.allreduce(stats["peer_fills"])
+    served = comm.allreduce(stats["served_to_peers"])
+    agree(comm, peer_hits > 0 and peer_fills > 0 and peer_hits + peer_fills == served,
+          f"peer hits {peer_hits}, peer fills {peer_fills}, served {served}")
+    agree(comm, sum(stats["hits"].values()) == len(ids), f"hits {stats['hits']} for {len(ids)} reads")
+
+
+@pytest.mark.parametrize("tiers", ["ram", "ram+disk"])
+@world_only
+def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tiers):
+    # Every rank caches all it reads (RAM, or a small RAM and a disk tier): a
+    # sample's first reader loads it from the store, every later reader from
+    # a peer that read it earlier, so the store serves each sample once.
+    st, total = shared_store, int(shared_store.sizes.sum())
+    disk_dir = tempfile.mkdtemp(prefix=f"hpcdl-prefetch-disk{comm.Get_rank()}-") if tiers == "ram+disk" else None
+    ram, disk = (total, 0) if tiers == "ram" else (total // 4, total)
+
+    def run():
+        with Prefetcher(st, 8, 3, 21, comm=comm, ram_bytes=ram, disk_dir=disk_dir, disk_bytes=disk,
+                        peer_timeout=30.0) as pf:
+            ids, right = delivered(pf, st)
+        return ids, right, pf.stats()
+
+    try:
+        ids, right, stats = collective(comm, run)
+    finally:
+        if disk_dir:
+            shutil.rmtree(disk_dir, ignore_errors=True)
+    agree(comm, right, "wrong bytes")
+    read = np.unique(np.concatenate(comm.allgather(ids)).astype(np.int64))
+    distinct = int((st.sizes[read] > 0).sum())  # an empty sample needs no read
+    store_reads = comm.allreduce(stats["store_reads"])
+    agree(comm, store_reads == distinct, f"{store_reads} store reads for {distinct} distinct non-empty samples")
+    peer_fills, served = comm.allreduce(stats["peer_fills"]), comm.allreduce(stats["served_to_peers"])
+    agree(comm, peer_fills > 0 and peer_fills == served, f"peer fills {peer_fills}, served {served}")
+    agree(comm, stats["hits"]["store"] == 0 and sum(stats["hits"].values()) == len(ids), repr(stats["hits"]))
+    if tiers == "ram+disk":
+        agree(comm, stats["hits"]["disk"] > 0, "no disk hits")
+        disk_fills = comm.allreduce(stats["disk_written"])
+        agree(comm, disk_fills > 0, "nothing written to the disk tiers")
+
+
+@world_only
+def test_a_silent_peer_means_reading_the_store(comm, shared_store):
+    st = shared_store
+    ram = int(st.sizes.sum()) // 3
+    slow = 1.0 if comm.Get_rank() == 1 else 0.0  # rank 1 stalls for a second before its first answer
+
+    def run():
+        with Prefetcher(st, 8, 2, 13, comm=comm, ram_bytes=ram, peer_timeout=0.05, _serve_delay=slow) as pf:
+            ids, right = delivered(pf, st)
+            return right, pf.stats()
+
+    right, stats = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    timeouts = comm.allreduce(stats["peer_timeouts"])
+    agree(comm, timeouts > 0, "no request timed out")
+
+
+@world_only
+def test_a_peer_that_stops_answering_costs_a_few_timeouts(comm, shared_store):
+    # Rank 1's server stops answering for longer than the whole run (it catches
+    # up before close(), which waits for every answer). Every other rank gives
+    # it up after its first timeouts and reads the store instead: at most one
+    # timeout per requesting thread (4 staging threads and the peer filler),
+    # however many samples rank 1 holds.
+    st = shared_store
+    ram = int(st.sizes.sum()) // 3
+    gone = 12.0 if comm.Get_rank() == 1 else 0.0
+
+    def run():
+        with Prefetcher(st, 8, 4, 17, comm=comm, ram_bytes=ram, threads=4, peer_timeout=0.5,
+                        _serve_delay=gone) as pf:
+            ids, right = delivered(pf, st)
+            return right, pf.stats()
+
+    right, stats = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    timeouts = comm.allgather((stats["peer_timeouts"], stats["peers_gone"]))
+    agree(comm, sum(t for t, _ in timeouts) > 0, "no request to rank 1 timed out")
+    # (a loaded machine may time out on a healthy peer too: the bound is per peer given up on)
+    agree(comm, all(t <= 5 * g and (g > 0) == (t > 0) for t, g in timeouts),
+          f"(timeouts, peers given up on) per rank {timeouts}: a gone peer cost more than one timeout per thread")
+
+
+@multi_rank
+def test_peer_replies_in_pieces_deliver_the_right_bytes(comm, shared_store):
+    # Replies cut into MPI messages of 7 bytes: the path a sample of 2 GiB or
+    # more takes with the default limit of 1 GiB per message.
+    st = shared_store
+    ram = int(st.sizes.sum()) // 3
+
+    def run():
+        with Prefetcher(st, 8, 2, 11, comm=comm, ram_bytes=ram, peer_timeout=30.0, _peer_message_bytes=7) as pf:
+            ids, right = delivered(pf, st)
+        return ids, right, pf.stats()
+
+    ids, right, stats = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    peer_hits, served = comm.allreduce(stats["hits"]["peer"]), comm.allreduce(stats["served_to_peers"])
+    peer_fills = comm.allreduce(stats["peer_fills"])
+    agree(comm, peer_hits + peer_fills > 0 and peer_hits + peer_fills == served,
+          f"peer hits {peer_hits}, peer fills {peer_fills}, served {served}")
+    agree(comm, stats["peer_timeouts"] == 0 and stats["peer_errors"] == 0, repr(stats))
+
+
+@multi_rank
+def test_mismatched_settings_raise_on_every_rank(comm, shared_store):
+    seed = 1 if comm.Get_rank() == 2 else 0
+    _, err = outcome(Prefetcher, shared_store, 8, 2, seed, comm=comm)
+    agree(comm, isinstance(err, MismatchError), repr(err))
+    batch = 6 if comm.Get_rank() == 0 else 8
+    _, err = outcome(Prefetcher, shared_store, batch, 2, 0, comm=comm)
+    agree(comm, err is not None, "no error for different batch sizes")
+    _, err = outcome(Prefetcher, shared_store, 10, 2, 0, comm=comm)  # 10 is not a multiple of 4 ranks
+    agree(comm, isinstance(err, ValueError) and "multiple" in str(err), repr(err))

@@ -1,0 +1,36 @@
+"""bench/train.py with tiny sizes under mpiexec -n 2: every system it was asked
+for is a CSV row, either measured (step time and accuracy > 0) or missing with
+the reason it did not run, never a zero. Hidden 512: 2.7 MB of gradients, more
+than DDP's 1 MiB first bucket, so PowerSGD would meet the two-bucket deadlock
+over gloo that the bench avoids."""
+
+import csv
+import os
+import sys
+
+from conftest import MPIEXEC, ROOT, finish_job, start_job
+
+SYSTEMS = {"ddp-gloo", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
+           "hpcdl-dense", "hpcdl-int8", "hpcdl-topk"}
+FIGURES = ("median_step_ms", "samples_per_s", "throughput_vs_ddp", "test_acc", "test_loss")
+
+
+def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
+    command = [MPIEXEC, "-n", "2", sys.executable, os.path.join(ROOT, "bench", "train.py"), "--hidden", "512",
+               "--layers", "2", "--batch", "8", "--steps", "2", "--rounds", "1", "--train-steps", "12",
+               "--out", str(tmp_path), "--tag", "tiny"]
+    code, output, _ = finish_job(start_job(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1")), 300)
+    assert code == 0, output[-3000:]
+    with open(tmp_path / "tiny.csv", newline="") as fh:
+        rows = {row["system"]: row for row in csv.DictReader(fh)}
+    assert set(rows) == SYSTEMS, output[-3000:]
+    for name, row in rows.items():
+        figures = [row[key] for key in FIGURES]
+        if row["note"]:
+            assert row["note"].startswith("did not run: ") and len(row["note"]) > len("did not run: "), row
+            assert figures == [""] * len(FIGURES), row
+        else:
+            assert all(float(value) > 0 for value in figures), row
+            assert int(row["steps_timed"]) == 2 and int(row["train_steps"]) == 12, row
+    assert rows["ddp-gloo"]["note"] == "" and float(rows["ddp-gloo"]["throughput_vs_ddp"]) == 1.0
+    assert os.path.getsize(tmp_path / "tiny.png") > 5000

@@ -1,0 +1,262 @@
+"""Faults across ranks: each test starts its own small mpiexec job and checks
+that it ends within a bound, with output that names the rank at fault.
+
+Single-process tests (not marked mpi): the job runs in its own session and is
+killed as a group if it outlives its bound, so a hang fails the test instead
+of hanging the run. Bounds are generous (a loaded CI machine must pass).
+"""
+
+import os
+import re
+import signal
+import sys
+import textwrap
+import time
+
+from conftest import MPIEXEC, finish_job, start_job
+
+BOUND_S = 120
+
+PRELUDE = """
+import os, signal, sys, time, warnings
+import numpy as np
+from mpi4py import MPI
+import hpcdl
+
+WORLD = MPI.COMM_WORLD
+RANK = WORLD.Get_rank()
+hpcdl.allreduce(np.ones(4, np.float32))  # every rank is up, the engine runs
+"""
+
+
+def start(tmp_path, ranks, body):
+    script = tmp_path / "job.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JOB_DIR=str(tmp_path))
+    for variable in ("HPCDL_STALL_ERROR_SECONDS", "HPCDL_STALL_WARNING_SECONDS"):
+        env.pop(variable, None)  # the defaults are what is tested
+    return start_job([MPIEXEC, "-n", str(ranks), sys.executable, str(script)], env=env)
+
+
+def finish(proc, bound=BOUND_S):
+    """(return code, output) once the job ended; fails the test if it outlives `bound`."""
+    code, out, _ = finish_job(proc, bound)
+    return code, out
+
+
+def run_job(tmp_path, ranks, body, bound=BOUND_S):
+    return finish(start(tmp_path, ranks, body), bound)
+
+
+def survivor_lines(out, survivors, left):
+    """Lines where a surviving rank names the rank that left, per survivor."""
+    found = {}
+    for r in survivors:
+        pattern = rf"\[hpcdl rank {r}\].*rank {left} of the communicator .*left"
+        found[r] = [line for line in out.splitlines() if re.search(pattern, line)]
+    return found
+
+
+def test_rank_that_exits_ends_the_job_and_survivors_name_it(tmp_path):
+    """Rank 1 calls sys.exit(1) while ranks 0 and 2 wait in an allreduce it never
+    submits: by default they fail naming it (rank 2 hears it through rank 0,
+    the coordinator), and their uncaught error ends the job."""
+    rc, out = run_job(tmp_path, 3, """
+        if RANK == 1:
+            time.sleep(0.5)
+            sys.exit(1)
+        hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
+        print(f"rank {RANK} finished the allreduce", flush=True)
+    """)
+    assert rc != 0, out
+    assert "finished the allreduce" not in out, out
+    found = survivor_lines(out, (0, 2), 1)
+    assert all(found.values()), out
+    assert "CancelledError" in out, out
+
+
+def test_rank_that_exits_inside_a_ring_ends_the_job(tmp_path):
+    """Rank 1 exits with a deferred allreduce never marked ready: ranks 0 and 2
+    already move that operation's data in the ring. They abandon the ring
+    (cancelling what it posted) and fail naming rank 1."""
+    rc, out = run_job(tmp_path, 3, """
+        a = np.ones(3 << 20, np.float32)  # several ring chunks of 4 MiB on 3 ranks
+        h = hpcdl.allreduce_async(a, name="big", deferred=True)
+        if RANK == 1:
+            time.sleep(1.0)  # the others are in the ring by now
+            sys.exit(1)
+        h.mark_ready()
+        h.wait()
+        print(f"rank {RANK} finished the allreduce", flush=True)
+    """)
+    assert rc != 0, out
+    assert "finished the allreduce" not in out, out
+    found = survivor_lines(out, (0, 2), 1)
+    assert all(found.values()), out
+
+
+def test_rank_that_raises_ends_the_job(tmp_path):
+    rc, out = run_job(tmp_path, 3, """
+        if RANK == 1:
+            time.sleep(0.5)
+            raise RuntimeError("boom on rank 1")
+        hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
+        print(f"rank {RANK} finished the allreduce", flush=True)
+    """)
+    assert rc != 0, out
+    assert "finished the allreduce" not in out, out
+    assert "[hpcdl rank 1] uncaught RuntimeError: aborting the job" in out, out
+
+
+def test_abort_on_uncaught_exception_can_be_switched_off(tmp_path):
+    """Off (the function on every rank): the raising rank prints its traceback and exits without
+    MPI_Abort; its engine leaves at exit (or the launcher ends the job), so the job still ends."""
+    rc, out = run_job(tmp_path, 3, """
+        hpcdl.abort_on_uncaught_exception(False)
+        if RANK == 1:
+            time.sleep(0.5)
+            raise RuntimeError("boom on rank 1")
+        hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
+    """)
+    assert rc != 0, out
+    assert "RuntimeError: boom on rank 1" in out, out
+    assert "aborting the job" not in out, out
+    code = "import sys, hpcdl; print('default hook:', sys.excepthook is sys.__excepthook__)"
+    env = dict(os.environ, HPCDL_ABORT_ON_EXCEPTION="0")
+    rc, out, _ = finish_job(start_job([MPIEXEC, "-n", "2", sys.executable, "-c", code], env=env), BOUND_S)
+    assert rc == 0 and out.count("default hook: True") == 2, out
+
+
+def test_rank_killed_with_sigkill_ends_the_job(tmp_path):
+    """No code runs on a SIGKILLed rank, nor, once the launcher (MPICH's hydra)
+    ends the job, on the others: hydra's report is what names it. Its PID line
+    names one of the job's processes, not always the killed one (a race in
+    hydra), so the check is the report of the signal."""
+    rc, out = run_job(tmp_path, 3, """
+        if RANK == 1:
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
+        print(f"rank {RANK} finished the allreduce", flush=True)
+    """)
+    assert rc != 0, out
+    assert "finished the allreduce" not in out, out
+    assert "BAD TERMINATION" in out and "Killed (signal 9)" in out, out
+
+
+def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
+    """Rank 1 frees a communicator while its operation "a" is in flight there and
+    rank 0 waits in "b" on it: rank 0 fails naming rank 1."""
+    rc, out = run_job(tmp_path, 2, """
+        sub = WORLD.Dup()
+        hpcdl.allreduce(np.ones(4, np.float32), comm=sub)  # hpcdl's channels on sub exist
+        if RANK == 1:
+            h = hpcdl.allreduce_async(np.ones(4, np.float32), comm=sub, name="a")
+            sub.Free()
+            time.sleep(600)  # the job must end without this rank's help
+        hpcdl.allreduce(np.ones(4, np.float32), comm=sub, name="b")
+        print(f"rank {RANK} finished the allreduce", flush=True)
+    """)
+    assert rc != 0, out
+    assert "finished the allreduce" not in out, out
+    assert survivor_lines(out, (0,), 1)[0], out
+    assert "freed the communicator" in out, out
+
+
+def test_first_operation_on_a_new_communicator_does_not_block_the_engine(tmp_path):
+    """Rank 0 submits its first operation on a new communicator while rank 1 still
+    waits for an operation both submitted before: the engine must run that one
+    (the communicator's set-up must not hold it). Then rank 1 submits its first
+    operation on another new communicator 2 s late: rank 0 gets a StallWarning
+    meanwhile, and both results are right."""
+    rc, out = run_job(tmp_path, 2, """
+        sub = WORLD.Split(0, RANK)
+        x, y = np.ones(1000, np.float32), np.full(10, 2.0, np.float32)
+        h = hpcdl.allreduce_async(x)
+        if RANK == 0:
+            hpcdl.allreduce(y, comm=sub)
+            h.wait()
+        else:
+            time.sleep(1.0)
+            h.wait()
+            hpcdl.allreduce(y, comm=sub)
+        print(f"rank {RANK} first: {bool(np.all(x == 2) and np.all(y == 4))}", flush=True)
+
+        late = WORLD.Dup()
+        hpcdl.configure(stall_warning_seconds=0.5)
+        z = np.ones(10, np.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if RANK == 1:
+                time.sleep(2.0)
+            hpcdl.allreduce(z, comm=late)
+        stalls = [str(w.message) for w in caught if issubclass(w.category, hpcdl.StallWarning)]
+        warned = any("first operation on this communicator" in s for s in stalls) if RANK == 0 else not stalls
+        print(f"rank {RANK} late: {bool(np.all(z == 2)) and warned} {stalls}", flush=True)
+    """)
+    assert rc == 0, out
+    for r in (0, 1):
+        assert f"rank {r} first: True" in out, out
+        assert f"rank {r} late: True" in out, out
+
+
+def test_ctrl_c_interrupts_a_rank_blocked_on_a_new_communicator(tmp_path):
+    """Rank 0 waits in its first operation on a communicator rank 1 never uses:
+    SIGINT (Ctrl-C) to rank 0 raises KeyboardInterrupt there, whose uncaught
+    exception ends the job."""
+    proc = start(tmp_path, 2, """
+        sub = WORLD.Dup()
+        if RANK == 1:
+            time.sleep(600)
+        with open(os.path.join(os.environ["JOB_DIR"], "rank0.pid"), "w") as f:
+            f.write(str(os.getpid()))
+        hpcdl.allreduce(np.ones(4, np.float32), comm=sub)
+        print("rank 0 finished the allreduce", flush=True)
+    """)
+    pid_file = tmp_path / "rank0.pid"
+    deadline = time.monotonic() + BOUND_S
+    while not pid_file.exists() or not pid_file.read_text():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    assert pid_file.exists(), finish(proc)[1]
+    time.sleep(1.0)  # rank 0 is inside allreduce now
+    os.kill(int(pid_file.read_text()), signal.SIGINT)
+    rc, out = finish(proc)
+    assert rc != 0, out
+    assert "finished the allreduce" not in out, out
+    assert "[hpcdl rank 0] uncaught KeyboardInterrupt" in out, out
+
+
+def test_abandoned_ring_returns_only_once_its_transfers_are_cancelled(tmp_path):
+    """Ranks 0 and 2 catch the error of a ring abandoned because rank 1 left, and
+    reuse the buffer. The ring returned only after cancelling (or completing)
+    what it had posted; a send MPI cannot cancel (rank 0's to the departed
+    rank 1, under MPICH) ends the job instead of leaving MPI the buffer.
+
+    Rank 1 leaves as at interpreter exit (its engine shuts down and tells the
+    others) but its process lives on: were it to end at once, the launcher
+    could kill ranks 0 and 2 before they decide, and what is checked here would
+    not be seen."""
+    rc, out = run_job(tmp_path, 3, """
+        a = np.ones(3 << 20, np.float32)
+        h = hpcdl.allreduce_async(a, name="big", deferred=True)
+        if RANK == 1:
+            time.sleep(1.0)
+            hpcdl._core.shutdown()  # what hpcdl's atexit hook runs
+            time.sleep(45.0)
+            sys.exit(1)
+        h.mark_ready()
+        try:
+            h.wait()
+        except hpcdl.CancelledError as exc:
+            a[:] = -1.0  # the caller's memory again
+            print(f"rank {RANK} caught: {exc}", flush=True)
+        time.sleep(1.0)
+        del a  # freed: MPI must not write here any more
+        time.sleep(1.0)
+    """)
+    assert rc != 0, out
+    caught = {r: f"rank {r} caught: hpcdl: rank 1 of the communicator" in out for r in (0, 2)}
+    cannot_cancel = "[hpcdl rank 0] ring allreduce: a transfer could not be cancelled" in out
+    assert caught[2] and (caught[0] or cannot_cancel), out
