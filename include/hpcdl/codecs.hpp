@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
 
@@ -66,6 +67,25 @@ inline bool codec_field(const std::string& args, const std::string& key, std::st
   return false;
 }
 
+// The first "key=value" field of args whose key is not one of `keys` (or that
+// has no '=', or repeats a key); empty when every field is known.
+inline std::string unknown_codec_field(const std::string& args, std::initializer_list<const char*> keys) {
+  std::string seen = ",";
+  std::size_t pos = 0;
+  while (pos <= args.size()) {
+    std::size_t end = args.find(',', pos);
+    if (end == std::string::npos) end = args.size();
+    const std::string item = args.substr(pos, end - pos);
+    const std::string key = item.substr(0, item.find('='));
+    bool known = key.size() < item.size() && seen.find("," + key + ",") == std::string::npos;
+    if (known) known = std::any_of(keys.begin(), keys.end(), [&](const char* k) { return key == k; });
+    if (!known) return item.empty() ? std::string("(empty)") : item;
+    seen += key + ",";
+    pos = end + 1;
+  }
+  return "";
+}
+
 inline bool parse_uint(const std::string& s, std::uint64_t* out) {
   if (s.empty() || s.find_first_not_of("0123456789") != std::string::npos || s.size() > 19) return false;
   *out = std::strtoull(s.c_str(), nullptr, 10);
@@ -96,6 +116,10 @@ inline Status parse_codec(const std::string& text, CodecSpec* out) {
   if (open == std::string::npos || text.back() != ')') return Status::Invalid("unknown compression '" + text + "'");
   const std::string name = text.substr(0, open), args = text.substr(open + 1, text.size() - open - 2);
   std::string v;
+  const std::string unknown =
+      name == "int8" ? detail::unknown_codec_field(args, {"block", "rounding", "seed"})
+                     : name == "topk" ? detail::unknown_codec_field(args, {"ratio", "algorithm"}) : "";
+  if (!unknown.empty()) return Status::Invalid("compression '" + text + "': unknown or repeated setting " + unknown);
   if (name == "int8") {
     std::uint64_t block = 0, seed = 0;
     if (!detail::codec_field(args, "block", &v) || !detail::parse_uint(v, &block) || block < 1 || block > (1u << 24))

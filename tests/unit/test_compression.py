@@ -242,7 +242,8 @@ def test_from_text_reads_what_str_writes():
     assert from_text("int8") == Int8() and from_text("topk") == TopK()
     assert from_text_list("none, fp16,int8(block=64,rounding=stochastic,seed=3),topk(ratio=0.5)") == \
         [NoCompression(), FP16(), Int8(64, "stochastic", 3), TopK(0.5)]
-    for bad in ("zip", "int8(block=0)", "topk(ratio=2)", "int8(block=64", "topk(ratio=0.1,algorithm=auto)"):
+    for bad in ("zip", "int8(block=0)", "topk(ratio=2)", "int8(block=64", "topk(ratio=0.1,algorithm=auto)",
+                "int8(block=64,blok=32)", "int8(block=64,block=32)", "topk(ratio=0.1,)", "int8()"):
         with pytest.raises(ValueError):
             from_text(bad)
 
