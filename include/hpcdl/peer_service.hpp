@@ -24,7 +24,7 @@
 // MPI calls on the duplicate return their errors (MPI_ERRORS_RETURN) and are
 // checked: a failed request is Outcome::kError with the ticket's Status; a
 // failed server stops answering and shutdown() returns its error.
-// Implementation: src/_prefetch/peer_service.cc.
+// Implementation: src/prefetch/peer_service.cc.
 #pragma once
 
 #include <mpi.h>

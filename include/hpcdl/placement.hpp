@@ -6,7 +6,7 @@
 // a faster tier ranks before every sample in a slower one. Each tier's list is
 // then sorted by first use (the order its fillers load it) and given
 // consecutive byte offsets in the tier's region. Static: no eviction.
-// Implementation: src/_prefetch/plan.cc.
+// Implementation: src/prefetch/plan.cc.
 #pragma once
 
 #include <cstdint>
@@ -69,7 +69,7 @@ struct Plan {
 //      it; the entry of each rank's first use is marked with that frequency
 //      (E x M 16-bit words, M = global positions per epoch) and added to the
 //      rank's bytes per frequency class;
-//   3. in global order, each rank's cut (Cut, src/_prefetch/plan.cc) decides, at each
+//   3. in global order, each rank's cut (Cut, src/prefetch/plan.cc) decides, at each
 //      first use, whether that rank caches the sample; the first other rank
 //      that does is the sample's source. When a rank with a disk tier cuts
 //      RAM inside a class, a walk before that one finds where, which tells

@@ -17,7 +17,7 @@
 // slots loaded that way. Disk trouble (missing directory, ENOSPC, I/O errors)
 // warns once and sends the affected samples to the store.
 //
-// Implementation in src/_prefetch/, one concern a file: prefetcher.cc (set-up,
+// Implementation in src/prefetch/, one concern a file: prefetcher.cc (set-up,
 // threads, shutdown), plan.cc (placement, peer sources, the run's batches),
 // tiers.cc (RAM arena, disk tier, store fills, serving peers), peer_fill.cc
 // (fetches from peers), staging.cc (staging ring, consumer), stats.cc

@@ -8,7 +8,7 @@
 // Thread-safe: read() and read_many() may be called from any number of
 // threads at once. The file descriptors survive fork() and pread ignores the
 // file position, so a forked child may keep using a reader.
-// Implementation: src/common/store_reader.cc.
+// Implementation: src/store/store_reader.cc.
 #pragma once
 
 #include <cstddef>
