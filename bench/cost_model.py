@@ -1,0 +1,487 @@
+"""A communication cost model of one gradient allreduce per step, per scheme,
+calibrated and validated on the emulated cluster, and its predictions to P = 1024.
+
+Schemes (SCHEMES): hpcdl's dense ring ("dense"), MPI_Allreduce ("mpi"), the
+compressed rings over 2-byte payloads ("fp16", "bf16") and blockwise Int8
+("int8"), and TopK 1% as the sparse allgather ("topk_allgather") or the split
+allreduce ("topk_split"). Alpha-beta form, per rank and call, for P ranks, N
+float32 values, k = ceil(r N) kept values (docs/scaling.md gives the formulas):
+
+    time = messages x alpha + bytes sent x beta + CPU, where the ring overlaps
+    link and CPU chunk by chunk and the other schemes run them one after the other;
+    CPU = codec seconds per float32 value (single-core kernel throughput) x the
+    values the scheme touches + net seconds per wire byte (the TCP stack), over
+    min(1, cores / P) of a core per rank.
+
+Subcommands (every figure that was not measured is an empty cell, never 0):
+
+    python bench/cost_model.py codecs --out bench/results         # CPU terms, one core
+    flock /tmp/hpcdl-netcluster.lock bench/netcluster.sh --hosts 2 --rate 100mbit run -- \\
+        mpiexec -n 2 bench/netns-exec.sh python bench/cost_model.py measure --out bench/results
+    python bench/cost_model.py validate --out bench/results       # fit on P = 2, table for P = 2, 4, 8
+    python bench/cost_model.py predict --out bench/results        # P = 2 .. 1024 at 10 and 100 Gbit/s
+"""
+
+import argparse
+import csv
+import hashlib
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+SCHEMES = ("dense", "mpi", "fp16", "bf16", "int8", "topk_allgather", "topk_split")
+RING_WIDTH = {"dense": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}  # wire bytes per value
+TOPK_RATIO = 0.01
+CHUNK_BYTES = 4 << 20           # hpcdl's default ring chunk (kDefaultChunkBytes)
+ALLGATHER_LONG_BYTES = 512 << 10  # MPICH: allgather by recursive doubling below this total, ring above
+CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc", "int8_dec",
+               "topk_select", "topk_sum")
+
+
+# ---- the model ----
+
+@dataclass(frozen=True)
+class Machine:
+    """alpha: seconds per message; beta: seconds per byte on a rank's link (one direction);
+    net: CPU seconds per byte sent or received (MPI over TCP); codec: CPU seconds per float32
+    value of each kernel on one core; cores: cores the P ranks share (None: one per rank)."""
+    alpha: float
+    beta: float
+    net: float
+    codec: dict
+    cores: float = None
+
+    def share(self, p):
+        return 1.0 if self.cores is None else min(1.0, self.cores / p)
+
+
+def topk_k(n, ratio=TOPK_RATIO):
+    return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
+
+
+def log2_rounds(p):
+    return math.ceil(math.log2(p)) if p > 1 else 0
+
+
+def traffic(scheme, p, n, ratio=TOPK_RATIO):
+    """(messages sent, bytes sent) per rank per call: the counts the model charges alpha and beta."""
+    if p < 2:
+        return 0, 0.0
+    if scheme in RING_WIDTH:
+        chunks = max(1, math.ceil(4.0 * math.ceil(n / p) / CHUNK_BYTES))
+        return 2 * (p - 1) * chunks, 2.0 * (p - 1) / p * n * RING_WIDTH[scheme]
+    if scheme == "mpi":  # MPICH, long messages: reduce-scatter by recursive halving + allgather by doubling
+        return 2 * log2_rounds(p), 2.0 * (p - 1) / p * 4.0 * n
+    k = topk_k(n, ratio)
+    if scheme == "topk_allgather":
+        total = 8.0 * k * p
+        return (p - 1 if total >= ALLGATHER_LONG_BYTES else log2_rounds(p)), (p - 1) * 8.0 * k
+    if scheme == "topk_split":  # docs/compression.md: balance, counts, pairs, 4 radix rounds, ties, result
+        bins = min(n, max(4 * p, k // 64))
+        volume = 2.0 * (p - 1) / p * (8.0 * k + 4.0 * bins + 4.0 * 1024) + 12.0 * (p - 1)
+        # 3 all-to-alls (counts, indices, values) and 2 allgathervs of the result: P - 1 messages
+        # each; 5 allreduces and 1 allgather of a few KiB: recursive doubling.
+        return 5 * (p - 1) + 6 * log2_rounds(p), volume
+    raise ValueError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+
+
+def cpu_seconds(scheme, p, n, m, ratio=TOPK_RATIO):
+    """CPU seconds per rank per call on a dedicated core: kernels + the TCP stack per wire byte."""
+    if p < 2:
+        return 0.0
+    c, part = m.codec, (p - 1) / p
+    wire = 2.0 * traffic(scheme, p, n, ratio)[1]  # sent + received
+    if scheme in ("dense", "mpi"):
+        kernels = part * n * c["add"]
+    elif scheme in ("fp16", "bf16", "int8"):  # each value encoded once, decoded in both phases
+        kernels = n * c[f"{scheme}_enc"] + 2.0 * part * n * c[f"{scheme}_dec"]
+    elif scheme == "topk_allgather":
+        kernels = n * (c["topk_select"] + c["topk_sum"])
+    else:  # split: select, clear the buffer and write the result (a sum-like pass)
+        kernels = n * (c["topk_select"] + c["topk_sum"])
+    return kernels + m.net * wire
+
+
+def predict_time(scheme, p, n, m, ratio=TOPK_RATIO):
+    """Seconds per call, slowest rank."""
+    if p < 2:
+        return 0.0
+    msgs, sent = traffic(scheme, p, n, ratio)
+    cpu = cpu_seconds(scheme, p, n, m, ratio) / m.share(p)
+    link = sent * m.beta
+    if scheme in RING_WIDTH:
+        # msgs units in 2(P-1) dependent steps: within a step the chunks pipeline link
+        # against CPU; each step boundary waits for one chunk of the faster of the two.
+        per_link, per_cpu = link / msgs, cpu / msgs
+        return msgs * (m.alpha + max(per_link, per_cpu)) + 2 * (p - 1) * min(per_link, per_cpu)
+    return msgs * m.alpha + link + cpu
+
+
+# ---- measurement helpers ----
+
+def load_average():
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except OSError:
+        return None
+
+
+def parse_size(text):
+    from hpcdl.cli import _parse_bytes  # the library's one byte-size parser
+    return _parse_bytes(text)
+
+
+def read_rows(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_rows(path, fields, rows):
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fields, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def num(text):
+    return None if text in ("", None) else float(text)
+
+
+# ---- codecs: CPU terms on one core ----
+
+def cmd_codecs(args):
+    """Thread CPU seconds per float32 value of each kernel, median of --repeats."""
+    import numpy as np
+    from hpcdl import _core
+    from hpcdl.compression import BF16, FP16, Int8, TopK
+    from hpcdl.measure import cell
+
+    n = parse_size(args.size) // 4
+    x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    y, out = x.copy(), np.empty_like(x)
+
+    def per_value(fn):
+        fn()  # page faults of fresh buffers
+        times = []
+        for _ in range(args.repeats):
+            t0 = time.thread_time()
+            fn()
+            times.append(time.thread_time() - t0)
+        t = statistics.median(times)
+        return t / n if t > 0 else None
+
+    terms = {"add": per_value(lambda: np.add(y, x, out=y))}
+    for name, codec in (("fp16", FP16()), ("bf16", BF16()), ("int8", Int8()), ("topk", TopK(TOPK_RATIO))):
+        canon = codec.canonical()
+        enc = np.empty(codec.encoded_size(n), dtype=np.uint8)
+        enc_t = per_value(lambda: _core.codec_encode_into(canon, x, enc))
+        dec_t = per_value(lambda: _core.codec_decode_into(canon, enc, out))
+        terms["topk_select" if name == "topk" else f"{name}_enc"] = enc_t
+        terms["topk_sum" if name == "topk" else f"{name}_dec"] = dec_t
+    load = load_average()
+    rows = [{"term": t, "seconds_per_value": cell(terms[t]),
+             "GBps_of_float32": cell(None if terms[t] is None else 4e-9 / terms[t]),
+             "values": n, "repeats": args.repeats, "load_avg": cell(load)} for t in CODEC_TERMS]
+    path = os.path.join(args.out, "cost-model-codecs.csv")
+    write_rows(path, list(rows[0]), rows)
+    for r in rows:
+        print(f"{r['term']:12} {r['GBps_of_float32'] and float(r['GBps_of_float32']) or 'missing':>8} GB/s")
+    print(f"wrote {path} (load average {load})")
+    return 0
+
+
+def load_codecs(out):
+    rows = read_rows(os.path.join(out, "cost-model-codecs.csv"))
+    terms = {r["term"]: num(r["seconds_per_value"]) for r in rows}
+    missing = [t for t in CODEC_TERMS if terms.get(t) is None]
+    if missing:
+        raise SystemExit(f"cost-model-codecs.csv lacks {', '.join(missing)}: rerun `cost_model.py codecs`")
+    return terms
+
+
+# ---- measure: under mpiexec on the emulated cluster ----
+
+MEASURE_FIELDS = ["ranks", "rate", "stream_MBps", "scheme", "bytes", "run", "calls", "time_median_s",
+                  "time_min_s", "cpu_per_rank_s", "bytes_sent_per_rank", "load_start", "load_end", "check"]
+
+
+def cmd_measure(args):
+    """Per size and run: every scheme interleaved call by call; the slowest rank's wall time,
+    the mean process CPU per rank, hpcdl.stats() bytes sent per rank. Results are checked
+    (dense against MPI within float32 rounding, lossy ones bitwise equal on all ranks)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    import hpcdl
+    from hpcdl.compression import BF16, FP16, Int8, TopK
+
+    comm = MPI.COMM_WORLD
+    mpi_comm = comm.Dup()
+    codecs = {"dense": None, "fp16": FP16(), "bf16": BF16(), "int8": Int8(),
+              "topk_allgather": TopK(TOPK_RATIO, "allgather"), "topk_split": TopK(TOPK_RATIO, "split")}
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    bad = [s for s in schemes if s not in SCHEMES]
+    if bad:
+        raise SystemExit(f"unknown scheme(s) {bad}; choose from {SCHEMES}")
+    rate = os.environ.get("HPCDL_NET_RATE", "")
+    stream = os.environ.get("HPCDL_BENCH_STREAM_MBPS", "")
+    rows = []
+
+    def call(scheme, work):
+        if scheme == "mpi":
+            mpi_comm.Allreduce(MPI.IN_PLACE, work, op=MPI.SUM)
+        else:
+            hpcdl.allreduce(work, op="sum", name=f"cost_model.{scheme}", compression=codecs[scheme])
+
+    def timed(scheme, work, source):
+        np.copyto(work, source)
+        comm.Barrier()
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        call(scheme, work)
+        return time.perf_counter() - t0, time.process_time() - cpu0
+
+    for run in range(args.runs):
+        for nbytes in [parse_size(s) for s in args.sizes.split(",")]:
+            n = nbytes // 4
+            source = np.random.default_rng(1000 + comm.rank).standard_normal(n).astype(np.float32)
+            work = np.empty_like(source)
+            load_start = comm.bcast(load_average(), root=0)
+            checks, sent = {}, {}
+            reference = source.copy()
+            mpi_comm.Allreduce(MPI.IN_PLACE, reference, op=MPI.SUM)
+            for scheme in schemes:  # the checked call, then a warm-up
+                hpcdl.compression.reset_state()
+                hpcdl.stats(reset=True)
+                timed(scheme, work, source)
+                if scheme == "dense":
+                    ok = bool(np.allclose(work, reference, rtol=1e-5, atol=1e-5 * comm.size))
+                else:
+                    digest = hashlib.sha1(work.tobytes()).hexdigest()
+                    ok = len(set(comm.allgather(digest))) == 1
+                checks[scheme] = comm.allreduce(ok, op=MPI.LAND)
+                timed(scheme, work, source)
+                stats = hpcdl.stats(reset=True).get("allreduce", {})
+                ops = sum(r["ops"] for r in stats.values())
+                sent[scheme] = (comm.allreduce(sum(r["bytes_sent"] for r in stats.values()) / ops) / comm.size
+                                if ops else None)
+            walls = {s: [] for s in schemes}
+            cpus = {s: [] for s in schemes}
+            for _ in range(args.calls):
+                for scheme in schemes:
+                    wall, cpu = timed(scheme, work, source)
+                    walls[scheme].append(comm.allreduce(wall, op=MPI.MAX))
+                    cpus[scheme].append(comm.allreduce(cpu) / comm.size)
+            load_end = comm.bcast(load_average(), root=0)
+            for scheme in schemes:
+                rows.append({"ranks": comm.size, "rate": rate, "stream_MBps": stream, "scheme": scheme,
+                             "bytes": nbytes, "run": run, "calls": args.calls,
+                             "time_median_s": statistics.median(walls[scheme]), "time_min_s": min(walls[scheme]),
+                             "cpu_per_rank_s": statistics.median(cpus[scheme]),
+                             "bytes_sent_per_rank": "" if sent[scheme] is None else sent[scheme],
+                             "load_start": load_start, "load_end": load_end,
+                             "check": "ok" if checks[scheme] else "WRONG"})
+                if comm.rank == 0:
+                    print(f"P={comm.size} {rate} run {run} {nbytes >> 10} KiB {scheme:15} "
+                          f"{1e3 * statistics.median(walls[scheme]):9.1f} ms  cpu {1e3 * statistics.median(cpus[scheme]):7.1f}"
+                          f" ms  {checks[scheme] and 'ok' or 'WRONG'}  load {load_start}->{load_end}", flush=True)
+    mpi_comm.Free()
+    if comm.rank == 0:
+        path = os.path.join(args.out, f"cost-model-measured-p{comm.size}.csv")
+        write_rows(path, MEASURE_FIELDS, rows)
+        print(f"wrote {path}")
+    return 0 if all(r["check"] == "ok" for r in rows) else 1
+
+
+# ---- validate: fit on P = 2, compare at every measured P ----
+
+def medians(rows):
+    """{(ranks, scheme, bytes): (median over runs of time, of CPU per rank, of bytes sent, rows)}."""
+    groups = {}
+    for r in rows:
+        if r["check"] != "ok":
+            continue
+        groups.setdefault((int(r["ranks"]), r["scheme"], int(r["bytes"])), []).append(r)
+    out = {}
+    for key, rs in groups.items():
+        sent = [num(r["bytes_sent_per_rank"]) for r in rs if num(r["bytes_sent_per_rank"]) is not None]
+        out[key] = (statistics.median(float(r["time_median_s"]) for r in rs),
+                    statistics.median(float(r["cpu_per_rank_s"]) for r in rs),
+                    statistics.median(sent) if sent else None, rs)
+    return out
+
+
+def fit(points, codec, cores, stream_beta):
+    """alpha, beta (and net CPU per wire byte from hpcdl dense's CPU) from P = 2 points:
+    least relative squared error over a log grid of alpha and a grid of beta around the
+    TCP stream's seconds per byte."""
+    dense = [(key, v) for key, v in points.items() if key[1] == "dense"]
+    per_byte = [(v[1] - (key[2] / 8) * codec["add"]) / (2 * traffic("dense", key[0], key[2] // 4)[1])
+                for key, v in dense if key[2] >= 1 << 20]
+    net = max(0.0, statistics.median(per_byte)) if per_byte else 0.0
+    best = None
+    for i in range(121):
+        alpha = 1e-6 * 10 ** (i / 30)  # 1 us .. 10 ms
+        for j in range(81):
+            beta = stream_beta * (0.8 + 0.005 * j)
+            m = Machine(alpha, beta, net, codec, cores)
+            err = sum((predict_time(s, p, b // 4, m) / v[0] - 1) ** 2 for (p, s, b), v in points.items())
+            if best is None or err < best[0]:
+                best = (err, m)
+    return best[1]
+
+
+VALIDATE_FIELDS = ["ranks", "scheme", "bytes", "runs", "measured_s", "predicted_s", "predicted_over_measured",
+                   "within_20pct", "bytes_sent_measured", "bytes_sent_model", "cpu_per_rank_s", "load_range",
+                   "rate", "stream_MBps", "note"]
+
+
+def cmd_validate(args):
+    from hpcdl.measure import cell, ratio
+    codec = load_codecs(args.out)
+    rows = []
+    for p in args.ranks:
+        path = os.path.join(args.out, f"cost-model-measured-p{p}.csv")
+        if os.path.exists(path):
+            rows += read_rows(path)
+    points = medians(rows)
+    calib = {k: v for k, v in points.items() if k[0] == 2}
+    if not calib:
+        raise SystemExit("no P = 2 measurement to calibrate on (cost-model-measured-p2.csv)")
+    streams = [num(r["stream_MBps"]) for r in rows if r["ranks"] == "2" and num(r["stream_MBps"])]
+    stream_beta = 1.0 / (1e6 * statistics.median(streams))
+    m = fit(calib, codec, args.cores, stream_beta)
+    out = []
+    for p in args.ranks:
+        for scheme in SCHEMES:
+            sizes = sorted({k[2] for k in points if k[0] == p and k[1] == scheme})
+            for b in sizes:
+                t, cpu, sent, rs = points[p, scheme, b]
+                pred = predict_time(scheme, p, b // 4, m)
+                q = ratio(pred, t)
+                loads = [num(r[f]) for r in rs for f in ("load_start", "load_end") if num(r[f]) is not None]
+                out.append({"ranks": p, "scheme": scheme, "bytes": b, "runs": len(rs), "measured_s": t,
+                            "predicted_s": pred, "predicted_over_measured": cell(q),
+                            "within_20pct": "" if q is None else ("yes" if abs(q - 1) <= 0.2 else "no"),
+                            "bytes_sent_measured": cell(sent),
+                            "bytes_sent_model": "" if scheme == "mpi" else traffic(scheme, p, b // 4)[1],
+                            "cpu_per_rank_s": cpu,
+                            "load_range": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",
+                            "rate": rs[0]["rate"], "stream_MBps": rs[0]["stream_MBps"],
+                            "note": "calibration point" if p == 2 else ""})
+        if not any(k[0] == p for k in points):
+            out.append({"ranks": p, "note": f"not measured: no cost-model-measured-p{p}.csv with a passing check"})
+    path = os.path.join(args.out, "cost-model-validation.csv")
+    write_rows(path, VALIDATE_FIELDS, out)
+    params = os.path.join(args.out, "cost-model-params.csv")
+    write_rows(params, ["parameter", "value", "unit", "source"], [
+        {"parameter": "alpha", "value": m.alpha, "unit": "s per message", "source": "fit, P = 2"},
+        {"parameter": "beta", "value": m.beta, "unit": "s per byte", "source": "fit, P = 2"},
+        {"parameter": "stream_beta", "value": stream_beta, "unit": "s per byte", "source": "TCP stream, P = 2"},
+        {"parameter": "net", "value": m.net, "unit": "CPU s per wire byte", "source": "hpcdl dense CPU, P = 2"},
+        {"parameter": "cores", "value": cell(args.cores), "unit": "cores shared by the ranks", "source": "machine"},
+    ] + [{"parameter": t, "value": codec[t], "unit": "CPU s per float32 value", "source": "codecs, one core"}
+         for t in CODEC_TERMS])
+    print(f"alpha {m.alpha * 1e6:.1f} us, beta {1 / m.beta / 1e6:.2f} MB/s (stream {1 / stream_beta / 1e6:.2f}), "
+          f"net CPU {m.net * 1e9:.3f} ns/byte, cores {args.cores}")
+    print(f"{'P':>3} {'scheme':15} {'size':>8} {'measured ms':>12} {'model ms':>9} {'model/meas':>10} load")
+    for r in out:
+        if r.get("scheme"):
+            print(f"{r['ranks']:>3} {r['scheme']:15} {r['bytes'] >> 10:>6}Ki {1e3 * r['measured_s']:12.1f} "
+                  f"{1e3 * r['predicted_s']:9.1f} {r['predicted_over_measured']:10.2f} {r['load_range']}")
+        else:
+            print(f"{r['ranks']:>3} {r['note']}")
+    print(f"wrote {path}, {params}")
+    return 0
+
+
+# ---- predict: P = 2 .. 1024 on real links ----
+
+def cmd_predict(args):
+    codec = load_codecs(args.out)
+    net = args.net_cpu_ns * 1e-9
+    n = parse_size(args.size) // 4
+    ranks = [2 ** i for i in range(1, 11)]
+    rows = []
+    for gbit, alpha_us in zip(args.gbits, args.alpha_us):
+        m = Machine(alpha_us * 1e-6, 8.0 / (gbit * 1e9 * args.efficiency), net, codec, None)
+        for p in ranks:
+            for scheme in args.schemes.split(","):
+                msgs, sent = traffic(scheme, p, n)
+                rows.append({"link_Gbit": gbit, "alpha_us": alpha_us, "ranks": p, "scheme": scheme, "bytes": 4 * n,
+                             "messages_per_rank": msgs, "bytes_sent_per_rank": sent,
+                             "cpu_per_rank_s": cpu_seconds(scheme, p, n, m), "predicted_s": predict_time(scheme, p, n, m)})
+    path = os.path.join(args.out, "cost-model-predict.csv")
+    write_rows(path, list(rows[0]), rows)
+    from hpcdl.bench import save_figure
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, len(args.gbits), figsize=(6 * len(args.gbits), 4.8), sharey=True)
+        axes = axes if len(args.gbits) > 1 else [axes]
+        for ax, gbit, alpha_us in zip(axes, args.gbits, args.alpha_us):
+            for scheme in args.schemes.split(","):
+                mine = [r for r in rows if r["link_Gbit"] == gbit and r["scheme"] == scheme]
+                ax.plot([r["ranks"] for r in mine], [1e3 * r["predicted_s"] for r in mine], marker="o", label=scheme)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("ranks P (one core each)")
+            ax.set_title(f"{gbit:g} Gbit/s links, alpha {alpha_us:g} us")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0].set_ylabel("predicted time per allreduce call (ms)")
+        axes[0].legend()
+        fig.suptitle(f"Cost model: one allreduce of {4 * n / 2**20:g} MiB float32 (TopK {TOPK_RATIO:.0%})")
+        fig.tight_layout()
+        return fig
+
+    plotted = save_figure(os.path.join(args.out, "cost-model-predict.png"), draw)
+    for gbit in args.gbits:
+        print(f"{gbit:g} Gbit/s, {4 * n / 2**20:g} MiB: ms per call")
+        schemes = args.schemes.split(",")
+        print(f"{'P':>5} " + " ".join(f"{s:>15}" for s in schemes))
+        for p in ranks:
+            cells = [next(r for r in rows if r["link_Gbit"] == gbit and r["ranks"] == p and r["scheme"] == s)
+                     for s in schemes]
+            print(f"{p:>5} " + " ".join(f"{1e3 * c['predicted_s']:15.2f}" for c in cells))
+    print(f"wrote {path}" + (", " + os.path.join(args.out, "cost-model-predict.png") if plotted else ""))
+    return 0
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("codecs", help="CPU seconds per value of each kernel, one core")
+    c.add_argument("--size", default="64MiB")
+    c.add_argument("--repeats", type=int, default=7)
+    m = sub.add_parser("measure", help="under mpiexec: time every scheme, interleaved")
+    m.add_argument("--sizes", default="64KiB,4MiB,16MiB")
+    m.add_argument("--schemes", default="dense,mpi,fp16,int8,topk_allgather,topk_split")
+    m.add_argument("--runs", type=int, default=3)
+    m.add_argument("--calls", type=int, default=3, help="timed calls per scheme, size and run")
+    v = sub.add_parser("validate", help="fit alpha/beta on P = 2; model against measurement")
+    v.add_argument("--ranks", type=lambda t: [int(x) for x in t.split(",")], default=[2, 4, 8])
+    v.add_argument("--cores", type=float, default=float(os.cpu_count()),
+                   help="cores the emulated hosts share (default: this machine's)")
+    r = sub.add_parser("predict", help="predictions for P = 2 .. 1024")
+    r.add_argument("--size", default="64MiB", help="float32 gradient bytes per call")
+    r.add_argument("--gbits", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 100.0])
+    r.add_argument("--alpha-us", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 3.0],
+                   help="seconds per message for each link, in us")
+    r.add_argument("--efficiency", type=float, default=0.95, help="goodput / line rate")
+    r.add_argument("--net-cpu-ns", type=float, default=0.0,
+                   help="CPU ns per wire byte (0: RDMA-like offload; see cost-model-params.csv for TCP)")
+    r.add_argument("--schemes", default=",".join(SCHEMES))
+    for q in (c, m, v, r):
+        q.add_argument("--out", default="bench/results")
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    return {"codecs": cmd_codecs, "measure": cmd_measure, "validate": cmd_validate, "predict": cmd_predict}[
+        args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
