@@ -47,12 +47,15 @@ CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc"
 class Machine:
     """alpha: seconds per message; beta: seconds per byte on a rank's link (one direction);
     net: CPU seconds per byte sent or received (MPI over TCP); codec: CPU seconds per float32
-    value of each kernel on one core; cores: cores the P ranks share (None: one per rank)."""
+    value of each kernel on one core; cores: cores the P ranks share (None: one per rank);
+    burst: bytes a rank's link sends at once before its rate applies (the emulated cluster's
+    token bucket, full when a call starts; 0 on a real link)."""
     alpha: float
     beta: float
     net: float
     codec: dict
     cores: float = None
+    burst: float = 0.0
 
     def share(self, p):
         return 1.0 if self.cores is None else min(1.0, self.cores / p)
@@ -111,7 +114,7 @@ def predict_time(scheme, p, n, m, ratio=TOPK_RATIO):
         return 0.0
     msgs, sent = traffic(scheme, p, n, ratio)
     cpu = cpu_seconds(scheme, p, n, m, ratio) / m.share(p)
-    link = sent * m.beta
+    link = max(0.0, sent - m.burst) * m.beta
     if scheme in RING_WIDTH:
         # msgs units in 2(P-1) dependent steps: within a step the chunks pipeline link
         # against CPU; each step boundary waits for one chunk of the faster of the two.
@@ -212,7 +215,8 @@ MEASURE_FIELDS = ["ranks", "rate", "stream_MBps", "scheme", "bytes", "run", "cal
 
 
 def cmd_measure(args):
-    """Per size and run: every scheme interleaved call by call; the slowest rank's wall time,
+    """Per size and run: every scheme interleaved call by call, each after --idle seconds
+    (so none inherits another's drained token bucket); the slowest rank's wall time,
     the mean process CPU per rank, hpcdl.stats() bytes sent per rank. Results are checked
     (dense against MPI within float32 rounding, lossy ones bitwise equal on all ranks)."""
     import numpy as np
@@ -241,6 +245,7 @@ def cmd_measure(args):
 
     def timed(scheme, work, source):
         np.copyto(work, source)
+        time.sleep(args.idle)  # the links' token buckets refill: every call starts with a full burst
         comm.Barrier()
         cpu0, t0 = time.process_time(), time.perf_counter()
         call(scheme, work)
@@ -316,23 +321,21 @@ def medians(rows):
     return out
 
 
-def fit(points, codec, cores, stream_beta):
-    """alpha, beta (and net CPU per wire byte from hpcdl dense's CPU) from P = 2 points:
-    least relative squared error over a log grid of alpha and a grid of beta around the
-    TCP stream's seconds per byte."""
-    dense = [(key, v) for key, v in points.items() if key[1] == "dense"]
+def fit(points, codec, cores, beta, burst):
+    """alpha and the net CPU per wire byte from P = 2 points; beta is the TCP stream's
+    seconds per byte, measured. net: hpcdl dense's CPU per rank less its adds, per byte
+    sent and received (1 MiB and up); alpha: least squared relative error over all points,
+    on a log grid from 1 us to 10 ms."""
+    dense = [(key, v) for key, v in points.items() if key[1] == "dense" and key[2] >= 1 << 20]
     per_byte = [(v[1] - (key[2] / 8) * codec["add"]) / (2 * traffic("dense", key[0], key[2] // 4)[1])
-                for key, v in dense if key[2] >= 1 << 20]
+                for key, v in dense]
     net = max(0.0, statistics.median(per_byte)) if per_byte else 0.0
     best = None
-    for i in range(121):
-        alpha = 1e-6 * 10 ** (i / 30)  # 1 us .. 10 ms
-        for j in range(81):
-            beta = stream_beta * (0.8 + 0.005 * j)
-            m = Machine(alpha, beta, net, codec, cores)
-            err = sum((predict_time(s, p, b // 4, m) / v[0] - 1) ** 2 for (p, s, b), v in points.items())
-            if best is None or err < best[0]:
-                best = (err, m)
+    for i in range(241):
+        m = Machine(1e-6 * 10 ** (i / 60), beta, net, codec, cores, burst)
+        err = sum((predict_time(s, p, b // 4, m) / v[0] - 1) ** 2 for (p, s, b), v in points.items())
+        if best is None or err < best[0]:
+            best = (err, m)
     return best[1]
 
 
@@ -355,7 +358,7 @@ def cmd_validate(args):
         raise SystemExit("no P = 2 measurement to calibrate on (cost-model-measured-p2.csv)")
     streams = [num(r["stream_MBps"]) for r in rows if r["ranks"] == "2" and num(r["stream_MBps"])]
     stream_beta = 1.0 / (1e6 * statistics.median(streams))
-    m = fit(calib, codec, args.cores, stream_beta)
+    m = fit(calib, codec, args.cores, stream_beta, args.burst)
     out = []
     for p in args.ranks:
         for scheme in SCHEMES:
@@ -381,13 +384,13 @@ def cmd_validate(args):
     params = os.path.join(args.out, "cost-model-params.csv")
     write_rows(params, ["parameter", "value", "unit", "source"], [
         {"parameter": "alpha", "value": m.alpha, "unit": "s per message", "source": "fit, P = 2"},
-        {"parameter": "beta", "value": m.beta, "unit": "s per byte", "source": "fit, P = 2"},
-        {"parameter": "stream_beta", "value": stream_beta, "unit": "s per byte", "source": "TCP stream, P = 2"},
+        {"parameter": "beta", "value": m.beta, "unit": "s per byte", "source": "TCP stream hn0 -> hn1, P = 2 runs"},
+        {"parameter": "burst", "value": m.burst, "unit": "bytes", "source": "netcluster.sh tbf burst"},
         {"parameter": "net", "value": m.net, "unit": "CPU s per wire byte", "source": "hpcdl dense CPU, P = 2"},
         {"parameter": "cores", "value": cell(args.cores), "unit": "cores shared by the ranks", "source": "machine"},
     ] + [{"parameter": t, "value": codec[t], "unit": "CPU s per float32 value", "source": "codecs, one core"}
          for t in CODEC_TERMS])
-    print(f"alpha {m.alpha * 1e6:.1f} us, beta {1 / m.beta / 1e6:.2f} MB/s (stream {1 / stream_beta / 1e6:.2f}), "
+    print(f"alpha {m.alpha * 1e6:.1f} us, beta {1 / m.beta / 1e6:.2f} MB/s (the stream), burst {m.burst:.0f} B, "
           f"net CPU {m.net * 1e9:.3f} ns/byte, cores {args.cores}")
     print(f"{'P':>3} {'scheme':15} {'size':>8} {'measured ms':>12} {'model ms':>9} {'model/meas':>10} load")
     for r in out:
@@ -462,10 +465,14 @@ def main(argv=None):
     m.add_argument("--schemes", default="dense,mpi,fp16,int8,topk_allgather,topk_split")
     m.add_argument("--runs", type=int, default=3)
     m.add_argument("--calls", type=int, default=3, help="timed calls per scheme, size and run")
+    m.add_argument("--idle", type=float, default=0.05, help="seconds of idle links before every call "
+                   "(>= burst / rate, 21 ms for netcluster.sh's 256 KB at 100 Mbit/s)")
     v = sub.add_parser("validate", help="fit alpha/beta on P = 2; model against measurement")
     v.add_argument("--ranks", type=lambda t: [int(x) for x in t.split(",")], default=[2, 4, 8])
     v.add_argument("--cores", type=float, default=float(os.cpu_count()),
                    help="cores the emulated hosts share (default: this machine's)")
+    v.add_argument("--burst", type=float, default=256e3, help="token bucket bytes per link "
+                   "(netcluster.sh's tbf burst 256kb)")
     r = sub.add_parser("predict", help="predictions for P = 2 .. 1024")
     r.add_argument("--size", default="64MiB", help="float32 gradient bytes per call")
     r.add_argument("--gbits", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 100.0])
