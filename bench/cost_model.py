@@ -5,19 +5,22 @@ Schemes (SCHEMES): hpcdl's dense ring ("dense"), MPI_Allreduce ("mpi"), the
 compressed rings over 2-byte payloads ("fp16", "bf16") and blockwise Int8
 ("int8"), and TopK 1% as the sparse allgather ("topk_allgather") or the split
 allreduce ("topk_split"). Alpha-beta form, per rank and call, for P ranks, N
-float32 values, k = ceil(r N) kept values (docs/scaling.md gives the formulas):
+float32 values, k = ceil(r N) kept values (docs/performance.md, "Cost model", gives
+the formulas):
 
-    time = messages x alpha + bytes sent x beta + CPU, where the ring overlaps
-    link and CPU chunk by chunk and the other schemes run them one after the other;
-    CPU = codec seconds per float32 value (single-core kernel throughput) x the
-    values the scheme touches + net seconds per wire byte (the TCP stack), over
-    min(1, cores / P) of a core per rank.
+    time = messages x alpha + transfer + compute, where
+    transfer = max(bytes sent x beta, net x (bytes sent + received) / share),
+    compute  = kappa x (single-core kernel seconds per value x the values the scheme
+               encodes, decodes, adds, selects or sums) / share;
+    the rings pipeline transfer and compute chunk by chunk, the other schemes run
+    them one after the other. share: the part of a core a rank gets (1 with a core
+    per rank; measured on the shared emulated cluster).
 
 Subcommands (every figure that was not measured is an empty cell, never 0):
 
     python bench/cost_model.py codecs --out bench/results         # CPU terms, one core
-    flock /tmp/hpcdl-netcluster.lock bench/netcluster.sh --hosts 2 --rate 100mbit run -- \\
-        mpiexec -n 2 bench/netns-exec.sh python bench/cost_model.py measure --out bench/results
+    HPCDL_NET_BURST=32kb flock /tmp/hpcdl-netcluster.lock bench/netcluster.sh --hosts 2 --rate 20mbit \\
+        run -- mpiexec -n 2 bench/netns-exec.sh python bench/cost_model.py measure --out bench/results
     python bench/cost_model.py validate --out bench/results       # fit on P = 2, table for P = 2, 4, 8
     python bench/cost_model.py predict --out bench/results        # P = 2 .. 1024 at 10 and 100 Gbit/s
 """
@@ -30,7 +33,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SCHEMES = ("dense", "mpi", "fp16", "bf16", "int8", "topk_allgather", "topk_split")
 RING_WIDTH = {"dense": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}  # wire bytes per value
@@ -46,18 +49,24 @@ CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc"
 @dataclass(frozen=True)
 class Machine:
     """alpha: seconds per message; beta: seconds per byte on a rank's link (one direction);
-    net: CPU seconds per byte sent or received (MPI over TCP); codec: CPU seconds per float32
-    value of each kernel on one core; cores: cores the P ranks share (None: one per rank);
-    burst: bytes a rank's link sends at once before its rate applies (the emulated cluster's
-    token bucket, full when a call starts; 0 on a real link)."""
+    codec: CPU seconds per float32 value of each kernel on one core (CODEC_TERMS); kappa: the
+    library's CPU per kernel CPU (error feedback's residual traffic, engine, Python); net: CPU
+    seconds per byte sent or received (the TCP stack; 0 with RDMA); cpu_share: the part of a
+    core each rank gets while all compute at once (measured), else min(1, cores / P) with
+    cores = None for a core per rank; burst: bytes a rank's link sends at once before its
+    rate applies (the emulated cluster's token bucket, full when a call starts; 0 on a real link)."""
     alpha: float
     beta: float
-    net: float
     codec: dict
+    kappa: float = 1.0
+    net: float = 0.0
+    cpu_share: float = None
     cores: float = None
     burst: float = 0.0
 
     def share(self, p):
+        if self.cpu_share is not None:
+            return self.cpu_share
         return 1.0 if self.cores is None else min(1.0, self.cores / p)
 
 
@@ -91,36 +100,42 @@ def traffic(scheme, p, n, ratio=TOPK_RATIO):
     raise ValueError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
 
 
-def cpu_seconds(scheme, p, n, m, ratio=TOPK_RATIO):
-    """CPU seconds per rank per call on a dedicated core: kernels + the TCP stack per wire byte."""
+def kernel_seconds(scheme, p, n, codec):
+    """CPU seconds per rank per call of the bare kernels on one core."""
     if p < 2:
         return 0.0
-    c, part = m.codec, (p - 1) / p
-    wire = 2.0 * traffic(scheme, p, n, ratio)[1]  # sent + received
+    part = (p - 1) / p
     if scheme in ("dense", "mpi"):
-        kernels = part * n * c["add"]
-    elif scheme in ("fp16", "bf16", "int8"):  # each value encoded once, decoded in both phases
-        kernels = n * c[f"{scheme}_enc"] + 2.0 * part * n * c[f"{scheme}_dec"]
-    elif scheme == "topk_allgather":
-        kernels = n * (c["topk_select"] + c["topk_sum"])
-    else:  # split: select, clear the buffer and write the result (a sum-like pass)
-        kernels = n * (c["topk_select"] + c["topk_sum"])
-    return kernels + m.net * wire
+        return part * n * codec["add"]
+    if scheme in ("fp16", "bf16", "int8"):  # each value encoded once, decoded in both phases
+        return n * codec[f"{scheme}_enc"] + 2.0 * part * n * codec[f"{scheme}_dec"]
+    if scheme in ("topk_allgather", "topk_split"):
+        # select, then the blocked sum (allgather) or clearing the candidates and writing the
+        # k results (split); both a pass over the buffer, priced as the top-k decode kernel.
+        return n * (codec["topk_select"] + codec["topk_sum"])
+    raise ValueError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+
+
+def cpu_seconds(scheme, p, n, m, ratio=TOPK_RATIO):
+    """CPU seconds per rank per call on a core of its own: kappa x kernels + the TCP stack."""
+    return m.kappa * kernel_seconds(scheme, p, n, m.codec) + m.net * 2.0 * traffic(scheme, p, n, ratio)[1]
 
 
 def predict_time(scheme, p, n, m, ratio=TOPK_RATIO):
-    """Seconds per call, slowest rank."""
+    """Seconds per call, slowest rank. The transfer goes at the slower of the link and the
+    TCP stack; the kernels either pipeline with it (the ring) or run before and after (the rest)."""
     if p < 2:
         return 0.0
     msgs, sent = traffic(scheme, p, n, ratio)
-    cpu = cpu_seconds(scheme, p, n, m, ratio) / m.share(p)
-    link = max(0.0, sent - m.burst) * m.beta
+    share = m.share(p)
+    compute = m.kappa * kernel_seconds(scheme, p, n, m.codec) / share
+    transfer = max(max(0.0, sent - m.burst) * m.beta, m.net * 2.0 * sent / share)
     if scheme in RING_WIDTH:
-        # msgs units in 2(P-1) dependent steps: within a step the chunks pipeline link
-        # against CPU; each step boundary waits for one chunk of the faster of the two.
-        per_link, per_cpu = link / msgs, cpu / msgs
+        # msgs units in 2(P-1) dependent steps: within a step the chunks pipeline the transfer
+        # against the kernels; each step boundary waits for one chunk of the faster of the two.
+        per_link, per_cpu = transfer / msgs, compute / msgs
         return msgs * (m.alpha + max(per_link, per_cpu)) + 2 * (p - 1) * min(per_link, per_cpu)
-    return msgs * m.alpha + link + cpu
+    return msgs * m.alpha + transfer + compute
 
 
 # ---- measurement helpers ----
@@ -210,8 +225,23 @@ def load_codecs(out):
 
 # ---- measure: under mpiexec on the emulated cluster ----
 
-MEASURE_FIELDS = ["ranks", "rate", "stream_MBps", "scheme", "bytes", "run", "calls", "time_median_s",
-                  "time_min_s", "cpu_per_rank_s", "bytes_sent_per_rank", "load_start", "load_end", "check"]
+MEASURE_FIELDS = ["ranks", "rate", "burst", "stream_MBps", "scheme", "bytes", "run", "calls", "time_median_s",
+                  "time_min_s", "cpu_per_rank_s", "bytes_sent_per_rank", "cpu_share", "load_start", "load_end",
+                  "check"]
+
+
+def cpu_share(comm, seconds=0.05):
+    """The part of a core a rank gets while every rank computes at once (a machine shared
+    with other jobs, or more ranks than cores): thread CPU time over wall time of a numpy
+    loop all ranks start together; the median over ranks."""
+    import numpy as np
+    a = np.ones(1 << 16, np.float32)
+    comm.Barrier()
+    cpu0, t0 = time.thread_time(), time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a *= 1.0000001
+    share = (time.thread_time() - cpu0) / (time.perf_counter() - t0)
+    return statistics.median(comm.allgather(min(1.0, share)))
 
 
 def cmd_measure(args):
@@ -257,6 +287,7 @@ def cmd_measure(args):
             source = np.random.default_rng(1000 + comm.rank).standard_normal(n).astype(np.float32)
             work = np.empty_like(source)
             load_start = comm.bcast(load_average(), root=0)
+            shares = [cpu_share(comm)]
             checks, sent = {}, {}
             reference = source.copy()
             mpi_comm.Allreduce(MPI.IN_PLACE, reference, op=MPI.SUM)
@@ -282,19 +313,23 @@ def cmd_measure(args):
                     wall, cpu = timed(scheme, work, source)
                     walls[scheme].append(comm.allreduce(wall, op=MPI.MAX))
                     cpus[scheme].append(comm.allreduce(cpu) / comm.size)
+                shares.append(cpu_share(comm))
             load_end = comm.bcast(load_average(), root=0)
             for scheme in schemes:
-                rows.append({"ranks": comm.size, "rate": rate, "stream_MBps": stream, "scheme": scheme,
+                rows.append({"ranks": comm.size, "rate": rate, "burst": os.environ.get("HPCDL_NET_BURST", ""),
+                             "stream_MBps": stream, "scheme": scheme,
                              "bytes": nbytes, "run": run, "calls": args.calls,
                              "time_median_s": statistics.median(walls[scheme]), "time_min_s": min(walls[scheme]),
                              "cpu_per_rank_s": statistics.median(cpus[scheme]),
                              "bytes_sent_per_rank": "" if sent[scheme] is None else sent[scheme],
+                             "cpu_share": statistics.median(shares),
                              "load_start": load_start, "load_end": load_end,
                              "check": "ok" if checks[scheme] else "WRONG"})
                 if comm.rank == 0:
                     print(f"P={comm.size} {rate} run {run} {nbytes >> 10} KiB {scheme:15} "
                           f"{1e3 * statistics.median(walls[scheme]):9.1f} ms  cpu {1e3 * statistics.median(cpus[scheme]):7.1f}"
-                          f" ms  {checks[scheme] and 'ok' or 'WRONG'}  load {load_start}->{load_end}", flush=True)
+                          f" ms  {checks[scheme] and 'ok' or 'WRONG'}  share {statistics.median(shares):.2f}"
+                          f"  load {load_start}->{load_end}", flush=True)
     mpi_comm.Free()
     if comm.rank == 0:
         path = os.path.join(args.out, f"cost-model-measured-p{comm.size}.csv")
@@ -306,7 +341,8 @@ def cmd_measure(args):
 # ---- validate: fit on P = 2, compare at every measured P ----
 
 def medians(rows):
-    """{(ranks, scheme, bytes): (median over runs of time, of CPU per rank, of bytes sent, rows)}."""
+    """{(ranks, scheme, bytes): (median over runs of time, of CPU per rank, of bytes sent, rows,
+    of the measured CPU share)}."""
     groups = {}
     for r in rows:
         if r["check"] != "ok":
@@ -315,32 +351,58 @@ def medians(rows):
     out = {}
     for key, rs in groups.items():
         sent = [num(r["bytes_sent_per_rank"]) for r in rs if num(r["bytes_sent_per_rank"]) is not None]
+        shares = [num(r["cpu_share"]) for r in rs if num(r["cpu_share"])]
         out[key] = (statistics.median(float(r["time_median_s"]) for r in rs),
                     statistics.median(float(r["cpu_per_rank_s"]) for r in rs),
-                    statistics.median(sent) if sent else None, rs)
+                    statistics.median(sent) if sent else None, rs,
+                    statistics.median(shares) if shares else None)
     return out
 
 
-def fit(points, codec, cores, beta, burst):
-    """alpha and the net CPU per wire byte from P = 2 points; beta is the TCP stream's
-    seconds per byte, measured. net: hpcdl dense's CPU per rank less its adds, per byte
-    sent and received (1 MiB and up); alpha: least squared relative error over all points,
-    on a log grid from 1 us to 10 ms."""
-    dense = [(key, v) for key, v in points.items() if key[1] == "dense" and key[2] >= 1 << 20]
-    per_byte = [(v[1] - (key[2] / 8) * codec["add"]) / (2 * traffic("dense", key[0], key[2] // 4)[1])
-                for key, v in dense]
-    net = max(0.0, statistics.median(per_byte)) if per_byte else 0.0
+def fit_cpu(points, codec):
+    """kappa and net from P = 2 points: the process CPU per rank that hpcdl's schemes used
+    (MPI_Allreduce spins while it waits, so not it) = kappa x kernels + net x wire bytes,
+    least squares on relative errors, both >= 0."""
+    rows = [(kernel_seconds(s, p, b // 4, codec), 2.0 * traffic(s, p, b // 4)[1], v[1])
+            for (p, s, b), v in points.items() if s != "mpi" and v[1] > 0]
+    if not rows:
+        return 1.0, 0.0
+
+    def solve(use_k, use_n):
+        # normal equations of sum ((k x + n w) / y - 1)^2 over the free parameters
+        xs = [[x / y for x, on in ((kern, use_k), (wire, use_n)) if on] for kern, wire, y in rows]
+        a = [[sum(r[i] * r[j] for r in xs) for j in range(len(xs[0]))] for i in range(len(xs[0]))]
+        rhs = [sum(r[i] for r in xs) for i in range(len(xs[0]))]
+        if len(a) == 1:
+            return [rhs[0] / a[0][0]]
+        det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
+        return [(rhs[0] * a[1][1] - rhs[1] * a[0][1]) / det, (a[0][0] * rhs[1] - a[1][0] * rhs[0]) / det]
+
+    kappa, net = solve(True, True)
+    if net < 0:
+        return solve(True, False)[0], 0.0
+    if kappa < 0:
+        return 0.0, solve(False, True)[0]
+    return kappa, net
+
+
+def fit(points, codec, beta, burst, kappa=1.0, net=0.0):
+    """alpha from P = 2 points {(P, scheme, bytes): (seconds, ..., measured CPU share)}, all
+    else given (beta: the TCP stream's seconds per byte, measured). Least squared relative
+    error on a log grid from 1 us to 10 ms."""
     best = None
     for i in range(241):
-        m = Machine(1e-6 * 10 ** (i / 60), beta, net, codec, cores, burst)
-        err = sum((predict_time(s, p, b // 4, m) / v[0] - 1) ** 2 for (p, s, b), v in points.items())
+        alpha = 1e-6 * 10 ** (i / 60)
+        m = Machine(alpha, beta, codec, kappa, net, burst=burst)
+        err = sum((predict_time(s, p, b // 4, replace(m, cpu_share=v[-1])) / v[0] - 1) ** 2
+                  for (p, s, b), v in points.items())
         if best is None or err < best[0]:
             best = (err, m)
     return best[1]
 
 
 VALIDATE_FIELDS = ["ranks", "scheme", "bytes", "runs", "measured_s", "predicted_s", "predicted_over_measured",
-                   "within_20pct", "bytes_sent_measured", "bytes_sent_model", "cpu_per_rank_s", "load_range",
+                   "within_20pct", "bytes_sent_measured", "bytes_sent_model", "cpu_per_rank_s", "cpu_model_s", "cpu_share", "load_range",
                    "rate", "stream_MBps", "note"]
 
 
@@ -358,14 +420,16 @@ def cmd_validate(args):
         raise SystemExit("no P = 2 measurement to calibrate on (cost-model-measured-p2.csv)")
     streams = [num(r["stream_MBps"]) for r in rows if r["ranks"] == "2" and num(r["stream_MBps"])]
     stream_beta = 1.0 / (1e6 * statistics.median(streams))
-    m = fit(calib, codec, args.cores, stream_beta, args.burst)
+    kappa, net = fit_cpu(calib, codec)
+    m = fit(calib, codec, stream_beta, args.burst, kappa, net)
     out = []
     for p in args.ranks:
         for scheme in SCHEMES:
             sizes = sorted({k[2] for k in points if k[0] == p and k[1] == scheme})
             for b in sizes:
-                t, cpu, sent, rs = points[p, scheme, b]
-                pred = predict_time(scheme, p, b // 4, m)
+                t, cpu, sent, rs, share = points[p, scheme, b]
+                mine = replace(m, cpu_share=share, cores=args.cores)
+                pred = predict_time(scheme, p, b // 4, mine)
                 q = ratio(pred, t)
                 loads = [num(r[f]) for r in rs for f in ("load_start", "load_end") if num(r[f]) is not None]
                 out.append({"ranks": p, "scheme": scheme, "bytes": b, "runs": len(rs), "measured_s": t,
@@ -373,7 +437,8 @@ def cmd_validate(args):
                             "within_20pct": "" if q is None else ("yes" if abs(q - 1) <= 0.2 else "no"),
                             "bytes_sent_measured": cell(sent),
                             "bytes_sent_model": "" if scheme == "mpi" else traffic(scheme, p, b // 4)[1],
-                            "cpu_per_rank_s": cpu,
+                            "cpu_per_rank_s": cpu, "cpu_model_s": cpu_seconds(scheme, p, b // 4, mine),
+                            "cpu_share": cell(share),
                             "load_range": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",
                             "rate": rs[0]["rate"], "stream_MBps": rs[0]["stream_MBps"],
                             "note": "calibration point" if p == 2 else ""})
@@ -386,12 +451,15 @@ def cmd_validate(args):
         {"parameter": "alpha", "value": m.alpha, "unit": "s per message", "source": "fit, P = 2"},
         {"parameter": "beta", "value": m.beta, "unit": "s per byte", "source": "TCP stream hn0 -> hn1, P = 2 runs"},
         {"parameter": "burst", "value": m.burst, "unit": "bytes", "source": "netcluster.sh tbf burst"},
-        {"parameter": "net", "value": m.net, "unit": "CPU s per wire byte", "source": "hpcdl dense CPU, P = 2"},
+        {"parameter": "kappa", "value": m.kappa, "unit": "library CPU / bare kernel CPU",
+         "source": "process CPU per rank, P = 2"},
+        {"parameter": "net", "value": m.net, "unit": "CPU s per byte sent or received",
+         "source": "process CPU per rank, P = 2"},
         {"parameter": "cores", "value": cell(args.cores), "unit": "cores shared by the ranks", "source": "machine"},
     ] + [{"parameter": t, "value": codec[t], "unit": "CPU s per float32 value", "source": "codecs, one core"}
          for t in CODEC_TERMS])
     print(f"alpha {m.alpha * 1e6:.1f} us, beta {1 / m.beta / 1e6:.2f} MB/s (the stream), burst {m.burst:.0f} B, "
-          f"net CPU {m.net * 1e9:.3f} ns/byte, cores {args.cores}")
+          f"kappa {m.kappa:.2f}, TCP CPU {m.net * 1e9:.2f} ns per wire byte")
     print(f"{'P':>3} {'scheme':15} {'size':>8} {'measured ms':>12} {'model ms':>9} {'model/meas':>10} load")
     for r in out:
         if r.get("scheme"):
@@ -407,16 +475,23 @@ def cmd_validate(args):
 
 def cmd_predict(args):
     codec = load_codecs(args.out)
-    net = args.net_cpu_ns * 1e-9
+    kappa = args.kappa
+    if kappa is None:  # the library's overhead over the bare kernels, as validate fitted it
+        path = os.path.join(args.out, "cost-model-params.csv")
+        fitted = {r["parameter"]: num(r["value"]) for r in read_rows(path)} if os.path.exists(path) else {}
+        kappa = fitted.get("kappa") or 1.0
+    if len(args.gbits) != len(args.alpha_us):
+        raise SystemExit("--gbits and --alpha-us need one value per link")
     n = parse_size(args.size) // 4
     ranks = [2 ** i for i in range(1, 11)]
     rows = []
     for gbit, alpha_us in zip(args.gbits, args.alpha_us):
-        m = Machine(alpha_us * 1e-6, 8.0 / (gbit * 1e9 * args.efficiency), net, codec, None)
+        m = Machine(alpha_us * 1e-6, 8.0 / (gbit * 1e9 * args.efficiency), codec, kappa, args.net_cpu_ns * 1e-9)
         for p in ranks:
             for scheme in args.schemes.split(","):
                 msgs, sent = traffic(scheme, p, n)
-                rows.append({"link_Gbit": gbit, "alpha_us": alpha_us, "ranks": p, "scheme": scheme, "bytes": 4 * n,
+                rows.append({"link_Gbit": gbit, "alpha_us": alpha_us, "kappa": kappa, "net_cpu_ns": args.net_cpu_ns,
+                             "ranks": p, "scheme": scheme, "bytes": 4 * n,
                              "messages_per_rank": msgs, "bytes_sent_per_rank": sent,
                              "cpu_per_rank_s": cpu_seconds(scheme, p, n, m), "predicted_s": predict_time(scheme, p, n, m)})
     path = os.path.join(args.out, "cost-model-predict.csv")
@@ -461,18 +536,19 @@ def main(argv=None):
     c.add_argument("--size", default="64MiB")
     c.add_argument("--repeats", type=int, default=7)
     m = sub.add_parser("measure", help="under mpiexec: time every scheme, interleaved")
-    m.add_argument("--sizes", default="64KiB,4MiB,16MiB")
+    m.add_argument("--sizes", default="1MiB,4MiB")
     m.add_argument("--schemes", default="dense,mpi,fp16,int8,topk_allgather,topk_split")
     m.add_argument("--runs", type=int, default=3)
     m.add_argument("--calls", type=int, default=3, help="timed calls per scheme, size and run")
     m.add_argument("--idle", type=float, default=0.05, help="seconds of idle links before every call "
-                   "(>= burst / rate, 21 ms for netcluster.sh's 256 KB at 100 Mbit/s)")
+                   "(>= burst / rate: 13 ms for a 32 KB bucket at 20 Mbit/s)")
     v = sub.add_parser("validate", help="fit alpha/beta on P = 2; model against measurement")
     v.add_argument("--ranks", type=lambda t: [int(x) for x in t.split(",")], default=[2, 4, 8])
     v.add_argument("--cores", type=float, default=float(os.cpu_count()),
-                   help="cores the emulated hosts share (default: this machine's)")
-    v.add_argument("--burst", type=float, default=256e3, help="token bucket bytes per link "
-                   "(netcluster.sh's tbf burst 256kb)")
+                   help="cores the emulated hosts share, for rows without a measured CPU share "
+                        "(default: this machine's)")
+    v.add_argument("--burst", type=float, default=32 << 10, help="token bucket bytes per link "
+                   "(tc's kb are KiB: HPCDL_NET_BURST=32kb as in the measure command gives the default)")
     r = sub.add_parser("predict", help="predictions for P = 2 .. 1024")
     r.add_argument("--size", default="64MiB", help="float32 gradient bytes per call")
     r.add_argument("--gbits", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 100.0])
@@ -481,6 +557,8 @@ def main(argv=None):
     r.add_argument("--efficiency", type=float, default=0.95, help="goodput / line rate")
     r.add_argument("--net-cpu-ns", type=float, default=0.0,
                    help="CPU ns per wire byte (0: RDMA-like offload; see cost-model-params.csv for TCP)")
+    r.add_argument("--kappa", type=float, default=None, help="library CPU / kernel CPU (default: the "
+                   "fitted value in <out>/cost-model-params.csv, else 1)")
     r.add_argument("--schemes", default=",".join(SCHEMES))
     for q in (c, m, v, r):
         q.add_argument("--out", default="bench/results")
