@@ -8,7 +8,7 @@ allreduce ("topk_split"). Alpha-beta form, per rank and call, for P ranks, N
 float32 values, k = ceil(r N) kept values (docs/performance.md, "Cost model", gives
 the formulas):
 
-    time = messages x alpha + transfer + compute, where
+    time = rounds x alpha + (messages - rounds) x overhead + transfer + compute, where
     transfer = max(bytes sent x beta, net x (bytes sent + received) / share),
     compute  = kappa x (single-core kernel seconds per value x the values the scheme
                encodes, decodes, adds, selects or sums) / share;
@@ -48,7 +48,8 @@ CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc"
 
 @dataclass(frozen=True)
 class Machine:
-    """alpha: seconds per message; beta: seconds per byte on a rank's link (one direction);
+    """alpha: seconds per round of messages; beta: seconds per byte on a rank's link (one
+    direction); overhead: seconds per further message of a round (an all-to-all's P - 2);
     codec: CPU seconds per float32 value of each kernel on one core (CODEC_TERMS); kappa: the
     library's CPU per kernel CPU (error feedback's residual traffic, engine, Python); net: CPU
     seconds per byte sent or received (the TCP stack; 0 with RDMA); cpu_share: the part of a
@@ -58,6 +59,7 @@ class Machine:
     alpha: float
     beta: float
     codec: dict
+    overhead: float = 0.0
     kappa: float = 1.0
     net: float = 0.0
     cpu_share: float = None
@@ -94,10 +96,18 @@ def traffic(scheme, p, n, ratio=TOPK_RATIO):
     if scheme == "topk_split":  # docs/compression.md: balance, counts, pairs, 4 radix rounds, ties, result
         bins = min(n, max(4 * p, k // 64))
         volume = 2.0 * (p - 1) / p * (8.0 * k + 4.0 * bins + 4.0 * 1024) + 12.0 * (p - 1)
-        # 3 all-to-alls (counts, indices, values) and 2 allgathervs of the result: P - 1 messages
-        # each; 5 allreduces and 1 allgather of a few KiB: recursive doubling.
-        return 5 * (p - 1) + 6 * log2_rounds(p), volume
+        # 3 all-to-alls (counts, indices, values): P - 1 messages each; 5 allreduces, 1 allgather
+        # and 2 allgathervs (the result, k pairs in all): recursive doubling, log2 P each.
+        return 3 * (p - 1) + 8 * log2_rounds(p), volume
     raise ValueError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+
+
+def latency_rounds(scheme, p, n, ratio=TOPK_RATIO):
+    """Rounds per call: messages that wait for an earlier one. An all-to-all's P - 1 messages
+    go out together (one round); the other messages are rounds of their own."""
+    if p < 2 or scheme != "topk_split":
+        return traffic(scheme, p, n, ratio)[0]
+    return 3 + 8 * log2_rounds(p)  # 3 all-to-alls, 5 allreduces, 1 allgather, 2 allgathervs
 
 
 def kernel_seconds(scheme, p, n, codec):
@@ -135,7 +145,8 @@ def predict_time(scheme, p, n, m, ratio=TOPK_RATIO):
         # against the kernels; each step boundary waits for one chunk of the faster of the two.
         per_link, per_cpu = transfer / msgs, compute / msgs
         return msgs * (m.alpha + max(per_link, per_cpu)) + 2 * (p - 1) * min(per_link, per_cpu)
-    return msgs * m.alpha + transfer + compute
+    rounds = latency_rounds(scheme, p, n, ratio)
+    return rounds * m.alpha + (msgs - rounds) * m.overhead + transfer + compute
 
 
 # ---- measurement helpers ----
@@ -226,8 +237,17 @@ def load_codecs(out):
 # ---- measure: under mpiexec on the emulated cluster ----
 
 MEASURE_FIELDS = ["ranks", "rate", "burst", "stream_MBps", "scheme", "bytes", "run", "calls", "time_median_s",
-                  "time_min_s", "cpu_per_rank_s", "bytes_sent_per_rank", "cpu_share", "load_start", "load_end",
+                  "time_min_s", "cpu_per_rank_s", "bytes_sent_per_rank", "link_bytes_per_rank", "cpu_share", "load_start", "load_end",
                   "check"]
+
+
+def link_bytes_sent():
+    """Bytes this rank's emulated host sent on eth0 (headers included), None outside netcluster.sh."""
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def cpu_share(comm, seconds=0.05):
@@ -247,7 +267,8 @@ def cpu_share(comm, seconds=0.05):
 def cmd_measure(args):
     """Per size and run: every scheme interleaved call by call, each after --idle seconds
     (so none inherits another's drained token bucket); the slowest rank's wall time,
-    the mean process CPU per rank, hpcdl.stats() bytes sent per rank. Results are checked
+    the mean process CPU per rank, hpcdl.stats() bytes sent per rank (hpcdl's schemes) and the
+    bytes eth0 sent per rank (every scheme, on the emulated cluster). Results are checked
     (dense against MPI within float32 rounding, lossy ones bitwise equal on all ranks)."""
     import numpy as np
     from mpi4py import MPI
@@ -277,9 +298,10 @@ def cmd_measure(args):
         np.copyto(work, source)
         time.sleep(args.idle)  # the links' token buckets refill: every call starts with a full burst
         comm.Barrier()
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        tx0, cpu0, t0 = link_bytes_sent(), time.process_time(), time.perf_counter()
         call(scheme, work)
-        return time.perf_counter() - t0, time.process_time() - cpu0
+        wall, cpu, tx = time.perf_counter() - t0, time.process_time() - cpu0, link_bytes_sent()
+        return wall, cpu, (None if tx is None or tx0 is None else tx - tx0)
 
     for run in range(args.runs):
         for nbytes in [parse_size(s) for s in args.sizes.split(",")]:
@@ -306,13 +328,15 @@ def cmd_measure(args):
                 ops = sum(r["ops"] for r in stats.values())
                 sent[scheme] = (comm.allreduce(sum(r["bytes_sent"] for r in stats.values()) / ops) / comm.size
                                 if ops else None)
-            walls = {s: [] for s in schemes}
-            cpus = {s: [] for s in schemes}
+            walls, cpus, links = ({s: [] for s in schemes} for _ in range(3))
             for _ in range(args.calls):
                 for scheme in schemes:
-                    wall, cpu = timed(scheme, work, source)
+                    wall, cpu, tx = timed(scheme, work, source)
                     walls[scheme].append(comm.allreduce(wall, op=MPI.MAX))
                     cpus[scheme].append(comm.allreduce(cpu) / comm.size)
+                    txs = comm.allgather(tx)
+                    if None not in txs:
+                        links[scheme].append(sum(txs) / comm.size)
                 shares.append(cpu_share(comm))
             load_end = comm.bcast(load_average(), root=0)
             for scheme in schemes:
@@ -322,6 +346,7 @@ def cmd_measure(args):
                              "time_median_s": statistics.median(walls[scheme]), "time_min_s": min(walls[scheme]),
                              "cpu_per_rank_s": statistics.median(cpus[scheme]),
                              "bytes_sent_per_rank": "" if sent[scheme] is None else sent[scheme],
+                             "link_bytes_per_rank": statistics.median(links[scheme]) if links[scheme] else "",
                              "cpu_share": statistics.median(shares),
                              "load_start": load_start, "load_end": load_end,
                              "check": "ok" if checks[scheme] else "WRONG"})
@@ -341,8 +366,8 @@ def cmd_measure(args):
 # ---- validate: fit on P = 2, compare at every measured P ----
 
 def medians(rows):
-    """{(ranks, scheme, bytes): (median over runs of time, of CPU per rank, of bytes sent, rows,
-    of the measured CPU share)}."""
+    """{(ranks, scheme, bytes): (median over runs of time, of CPU per rank, of hpcdl's bytes sent,
+    rows, of eth0's bytes sent, of the measured CPU share)}."""
     groups = {}
     for r in rows:
         if r["check"] != "ok":
@@ -351,49 +376,53 @@ def medians(rows):
     out = {}
     for key, rs in groups.items():
         sent = [num(r["bytes_sent_per_rank"]) for r in rs if num(r["bytes_sent_per_rank"]) is not None]
+        wire = [num(r.get("link_bytes_per_rank")) for r in rs if num(r.get("link_bytes_per_rank")) is not None]
         shares = [num(r["cpu_share"]) for r in rs if num(r["cpu_share"])]
         out[key] = (statistics.median(float(r["time_median_s"]) for r in rs),
                     statistics.median(float(r["cpu_per_rank_s"]) for r in rs),
                     statistics.median(sent) if sent else None, rs,
+                    statistics.median(wire) if wire else None,
                     statistics.median(shares) if shares else None)
     return out
 
 
 def fit_cpu(points, codec):
-    """kappa and net from P = 2 points: the process CPU per rank that hpcdl's schemes used
-    (MPI_Allreduce spins while it waits, so not it) = kappa x kernels + net x wire bytes,
-    least squares on relative errors, both >= 0."""
-    rows = [(kernel_seconds(s, p, b // 4, codec), 2.0 * traffic(s, p, b // 4)[1], v[1])
+    """kappa and poll from P = 2 points: the process CPU per rank that hpcdl's schemes used
+    (MPI_Allreduce spins while it waits, so not it) = kappa x kernels + poll x wall time
+    (the engine's polite wait wakes up while the link is busy), least squares on relative
+    errors, both >= 0. A TCP term per wire byte is not resolved on these links: bytes and
+    wall time are proportional there, and the fit gives the CPU to poll."""
+    rows = [(kernel_seconds(s, p, b // 4, codec), v[0], v[1])
             for (p, s, b), v in points.items() if s != "mpi" and v[1] > 0]
     if not rows:
         return 1.0, 0.0
 
-    def solve(use_k, use_n):
-        # normal equations of sum ((k x + n w) / y - 1)^2 over the free parameters
-        xs = [[x / y for x, on in ((kern, use_k), (wire, use_n)) if on] for kern, wire, y in rows]
-        a = [[sum(r[i] * r[j] for r in xs) for j in range(len(xs[0]))] for i in range(len(xs[0]))]
-        rhs = [sum(r[i] for r in xs) for i in range(len(xs[0]))]
-        if len(a) == 1:
+    def solve(cols):
+        # normal equations of sum ((sum_c x_c) / y - 1)^2 over the chosen columns
+        xs = [[r[c] / r[2] for c in cols] for r in rows]
+        a = [[sum(x[i] * x[j] for x in xs) for j in range(len(cols))] for i in range(len(cols))]
+        rhs = [sum(x[i] for x in xs) for i in range(len(cols))]
+        if len(cols) == 1:
             return [rhs[0] / a[0][0]]
         det = a[0][0] * a[1][1] - a[0][1] * a[1][0]
         return [(rhs[0] * a[1][1] - rhs[1] * a[0][1]) / det, (a[0][0] * rhs[1] - a[1][0] * rhs[0]) / det]
 
-    kappa, net = solve(True, True)
-    if net < 0:
-        return solve(True, False)[0], 0.0
+    kappa, poll = solve([0, 1])
+    if poll < 0:
+        return solve([0])[0], 0.0
     if kappa < 0:
-        return 0.0, solve(False, True)[0]
-    return kappa, net
+        return 0.0, solve([1])[0]
+    return kappa, poll
 
 
-def fit(points, codec, beta, burst, kappa=1.0, net=0.0):
+def fit(points, codec, beta, burst, kappa=1.0):
     """alpha from P = 2 points {(P, scheme, bytes): (seconds, ..., measured CPU share)}, all
     else given (beta: the TCP stream's seconds per byte, measured). Least squared relative
     error on a log grid from 1 us to 10 ms."""
     best = None
     for i in range(241):
         alpha = 1e-6 * 10 ** (i / 60)
-        m = Machine(alpha, beta, codec, kappa, net, burst=burst)
+        m = Machine(alpha, beta, codec, kappa=kappa, burst=burst)
         err = sum((predict_time(s, p, b // 4, replace(m, cpu_share=v[-1])) / v[0] - 1) ** 2
                   for (p, s, b), v in points.items())
         if best is None or err < best[0]:
@@ -402,7 +431,8 @@ def fit(points, codec, beta, burst, kappa=1.0, net=0.0):
 
 
 VALIDATE_FIELDS = ["ranks", "scheme", "bytes", "runs", "measured_s", "predicted_s", "predicted_over_measured",
-                   "within_20pct", "bytes_sent_measured", "bytes_sent_model", "cpu_per_rank_s", "cpu_model_s", "cpu_share", "load_range",
+                   "best_s", "predicted_over_best",
+                   "within_20pct", "bytes_sent_measured", "link_bytes_measured", "bytes_sent_model", "cpu_per_rank_s", "cpu_model_s", "cpu_share", "load_range",
                    "rate", "stream_MBps", "note"]
 
 
@@ -420,23 +450,25 @@ def cmd_validate(args):
         raise SystemExit("no P = 2 measurement to calibrate on (cost-model-measured-p2.csv)")
     streams = [num(r["stream_MBps"]) for r in rows if r["ranks"] == "2" and num(r["stream_MBps"])]
     stream_beta = 1.0 / (1e6 * statistics.median(streams))
-    kappa, net = fit_cpu(calib, codec)
-    m = fit(calib, codec, stream_beta, args.burst, kappa, net)
+    kappa, poll = fit_cpu(calib, codec)
+    m = fit(calib, codec, stream_beta, args.burst, kappa)
     out = []
     for p in args.ranks:
         for scheme in SCHEMES:
             sizes = sorted({k[2] for k in points if k[0] == p and k[1] == scheme})
             for b in sizes:
-                t, cpu, sent, rs, share = points[p, scheme, b]
+                t, cpu, sent, rs, wire, share = points[p, scheme, b]
                 mine = replace(m, cpu_share=share, cores=args.cores)
                 pred = predict_time(scheme, p, b // 4, mine)
                 q = ratio(pred, t)
+                best = statistics.median(float(r["time_min_s"]) for r in rs)
                 loads = [num(r[f]) for r in rs for f in ("load_start", "load_end") if num(r[f]) is not None]
                 out.append({"ranks": p, "scheme": scheme, "bytes": b, "runs": len(rs), "measured_s": t,
                             "predicted_s": pred, "predicted_over_measured": cell(q),
+                            "best_s": best, "predicted_over_best": cell(ratio(pred, best)),
                             "within_20pct": "" if q is None else ("yes" if abs(q - 1) <= 0.2 else "no"),
-                            "bytes_sent_measured": cell(sent),
-                            "bytes_sent_model": "" if scheme == "mpi" else traffic(scheme, p, b // 4)[1],
+                            "bytes_sent_measured": cell(sent), "link_bytes_measured": cell(wire),
+                            "bytes_sent_model": traffic(scheme, p, b // 4)[1],
                             "cpu_per_rank_s": cpu, "cpu_model_s": cpu_seconds(scheme, p, b // 4, mine),
                             "cpu_share": cell(share),
                             "load_range": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",
@@ -453,18 +485,20 @@ def cmd_validate(args):
         {"parameter": "burst", "value": m.burst, "unit": "bytes", "source": "netcluster.sh tbf burst"},
         {"parameter": "kappa", "value": m.kappa, "unit": "library CPU / bare kernel CPU",
          "source": "process CPU per rank, P = 2"},
-        {"parameter": "net", "value": m.net, "unit": "CPU s per byte sent or received",
+        {"parameter": "poll", "value": poll, "unit": "CPU s per wall s of a call (not charged)",
          "source": "process CPU per rank, P = 2"},
         {"parameter": "cores", "value": cell(args.cores), "unit": "cores shared by the ranks", "source": "machine"},
     ] + [{"parameter": t, "value": codec[t], "unit": "CPU s per float32 value", "source": "codecs, one core"}
          for t in CODEC_TERMS])
     print(f"alpha {m.alpha * 1e6:.1f} us, beta {1 / m.beta / 1e6:.2f} MB/s (the stream), burst {m.burst:.0f} B, "
-          f"kappa {m.kappa:.2f}, TCP CPU {m.net * 1e9:.2f} ns per wire byte")
-    print(f"{'P':>3} {'scheme':15} {'size':>8} {'measured ms':>12} {'model ms':>9} {'model/meas':>10} load")
+          f"kappa {m.kappa:.2f}, poll {poll:.3f} CPU s per wall s")
+    print(f"{'P':>3} {'scheme':15} {'size':>8} {'measured ms':>12} {'model ms':>9} {'model/meas':>10} "
+          f"{'model/best':>10} {'share':>5} load")
     for r in out:
         if r.get("scheme"):
             print(f"{r['ranks']:>3} {r['scheme']:15} {r['bytes'] >> 10:>6}Ki {1e3 * r['measured_s']:12.1f} "
-                  f"{1e3 * r['predicted_s']:9.1f} {r['predicted_over_measured']:10.2f} {r['load_range']}")
+                  f"{1e3 * r['predicted_s']:9.1f} {r['predicted_over_measured']:10.2f} "
+                  f"{r['predicted_over_best']:10.2f} {r['cpu_share']:5.2f} {r['load_range']}")
         else:
             print(f"{r['ranks']:>3} {r['note']}")
     print(f"wrote {path}, {params}")
@@ -486,13 +520,16 @@ def cmd_predict(args):
     ranks = [2 ** i for i in range(1, 11)]
     rows = []
     for gbit, alpha_us in zip(args.gbits, args.alpha_us):
-        m = Machine(alpha_us * 1e-6, 8.0 / (gbit * 1e9 * args.efficiency), codec, kappa, args.net_cpu_ns * 1e-9)
+        m = Machine(alpha_us * 1e-6, 8.0 / (gbit * 1e9 * args.efficiency), codec, args.overhead_us * 1e-6,
+                    kappa, args.net_cpu_ns * 1e-9)
         for p in ranks:
             for scheme in args.schemes.split(","):
                 msgs, sent = traffic(scheme, p, n)
-                rows.append({"link_Gbit": gbit, "alpha_us": alpha_us, "kappa": kappa, "net_cpu_ns": args.net_cpu_ns,
+                rows.append({"link_Gbit": gbit, "alpha_us": alpha_us, "overhead_us": args.overhead_us, "kappa": kappa,
+                             "net_cpu_ns": args.net_cpu_ns,
                              "ranks": p, "scheme": scheme, "bytes": 4 * n,
-                             "messages_per_rank": msgs, "bytes_sent_per_rank": sent,
+                             "messages_per_rank": msgs, "rounds": latency_rounds(scheme, p, n),
+                             "bytes_sent_per_rank": sent,
                              "cpu_per_rank_s": cpu_seconds(scheme, p, n, m), "predicted_s": predict_time(scheme, p, n, m)})
     path = os.path.join(args.out, "cost-model-predict.csv")
     write_rows(path, list(rows[0]), rows)
@@ -554,6 +591,8 @@ def main(argv=None):
     r.add_argument("--gbits", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 100.0])
     r.add_argument("--alpha-us", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 3.0],
                    help="seconds per message for each link, in us")
+    r.add_argument("--overhead-us", type=float, default=1.0, help="seconds per further message of a "
+                   "round (an all-to-all's), in us")
     r.add_argument("--efficiency", type=float, default=0.95, help="goodput / line rate")
     r.add_argument("--net-cpu-ns", type=float, default=0.0,
                    help="CPU ns per wire byte (0: RDMA-like offload; see cost-model-params.csv for TCP)")
