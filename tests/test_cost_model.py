@@ -121,8 +121,9 @@ def test_fit_recovers_the_cpu_terms_and_alpha_that_made_the_points():
             points[2, scheme, nbytes] = (t, cm.cpu_seconds(scheme, 2, n, truth) + poll * t, None, [], None, share)
     kappa, fitted_poll = cm.fit_cpu(points, CODEC)
     assert kappa == pytest.approx(truth.kappa) and fitted_poll == pytest.approx(poll)
-    fitted = cm.fit(points, CODEC, truth.beta, truth.burst, kappa)
+    fitted = cm.fit(points, CODEC, truth.beta * 0.9, truth.burst, kappa)  # the stream 10 % faster than the ring
     assert fitted.alpha == pytest.approx(truth.alpha, rel=0.04)  # grid step 10^(1/60) ~ 3.9 %
+    assert fitted.beta == pytest.approx(truth.beta, rel=0.012)  # grid step 1 % of the stream's rate
     # CPU that neither term explains never gives a negative one.
     flat = {key: (v[0], 1e-3, None, [], None, v[-1]) for key, v in points.items()}
     assert min(cm.fit_cpu(flat, CODEC)) >= 0
