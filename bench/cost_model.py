@@ -482,7 +482,7 @@ def cmd_validate(args):
     write_rows(path, VALIDATE_FIELDS, out)
     params = os.path.join(args.out, "cost-model-params.csv")
     write_rows(params, ["parameter", "value", "unit", "source"], [
-        {"parameter": "alpha", "value": m.alpha, "unit": "s per message", "source": "fit, P = 2"},
+        {"parameter": "alpha", "value": m.alpha, "unit": "s per round of messages", "source": "fit, P = 2"},
         {"parameter": "beta", "value": m.beta, "unit": "s per byte", "source": "fit, P = 2"},
         {"parameter": "stream_beta", "value": stream_beta, "unit": "s per byte",
          "source": "one TCP stream hn0 -> hn1 (netcluster.sh), P = 2 runs"},
@@ -536,7 +536,7 @@ def cmd_predict(args):
                              "messages_per_rank": msgs, "rounds": latency_rounds(scheme, p, n),
                              "bytes_sent_per_rank": sent,
                              "cpu_per_rank_s": cpu_seconds(scheme, p, n, m), "predicted_s": predict_time(scheme, p, n, m)})
-    path = os.path.join(args.out, "cost-model-predict.csv")
+    path = os.path.join(args.out, args.tag + ".csv")
     write_rows(path, list(rows[0]), rows)
     from hpcdl.bench import save_figure
 
@@ -548,17 +548,20 @@ def cmd_predict(args):
                 mine = [r for r in rows if r["link_Gbit"] == gbit and r["scheme"] == scheme]
                 ax.plot([r["ranks"] for r in mine], [1e3 * r["predicted_s"] for r in mine], marker="o", label=scheme)
             ax.set_xscale("log", base=2)
+            ax.set_xticks(ranks, [str(p) for p in ranks])
             ax.set_yscale("log")
             ax.set_xlabel("ranks P (one core each)")
             ax.set_title(f"{gbit:g} Gbit/s links, alpha {alpha_us:g} us")
             ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel("predicted time per allreduce call (ms)")
         axes[0].legend()
-        fig.suptitle(f"Cost model: one allreduce of {4 * n / 2**20:g} MiB float32 (TopK {TOPK_RATIO:.0%})")
+        fig.suptitle(f"Cost model: one allreduce of {4 * n / 2**20:g} MiB float32 per step (TopK {TOPK_RATIO:.0%}; "
+                     f"CPU = {kappa:.2f} x single-core kernels, one core per rank)")
         fig.tight_layout()
         return fig
 
-    plotted = save_figure(os.path.join(args.out, "cost-model-predict.png"), draw)
+    figure = os.path.join(args.out, args.tag + ".png")
+    plotted = save_figure(figure, draw)
     for gbit in args.gbits:
         print(f"{gbit:g} Gbit/s, {4 * n / 2**20:g} MiB: ms per call")
         schemes = args.schemes.split(",")
@@ -567,7 +570,7 @@ def cmd_predict(args):
             cells = [next(r for r in rows if r["link_Gbit"] == gbit and r["ranks"] == p and r["scheme"] == s)
                      for s in schemes]
             print(f"{p:>5} " + " ".join(f"{1e3 * c['predicted_s']:15.2f}" for c in cells))
-    print(f"wrote {path}" + (", " + os.path.join(args.out, "cost-model-predict.png") if plotted else ""))
+    print(f"wrote {path}" + (f", {figure}" if plotted else ""))
     return 0
 
 
@@ -594,7 +597,7 @@ def main(argv=None):
     r = sub.add_parser("predict", help="predictions for P = 2 .. 1024")
     r.add_argument("--size", default="64MiB", help="float32 gradient bytes per call")
     r.add_argument("--gbits", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 100.0])
-    r.add_argument("--alpha-us", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 3.0],
+    r.add_argument("--alpha-us", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 2.0],
                    help="seconds per message for each link, in us")
     r.add_argument("--overhead-us", type=float, default=1.0, help="seconds per further message of a "
                    "round (an all-to-all's), in us")
@@ -604,6 +607,7 @@ def main(argv=None):
     r.add_argument("--kappa", type=float, default=None, help="library CPU / kernel CPU (default: the "
                    "fitted value in <out>/cost-model-params.csv, else 1)")
     r.add_argument("--schemes", default=",".join(SCHEMES))
+    r.add_argument("--tag", default="cost-model-predict", help="file stem of <out>/<tag>.csv and .png")
     for q in (c, m, v, r):
         q.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
