@@ -189,7 +189,7 @@ def cmd_codecs(args):
     import numpy as np
     from hpcdl import _core
     from hpcdl.compression import BF16, FP16, Int8, TopK
-    from hpcdl.measure import cell
+    from hpcdl.measure import cell, rate, show
 
     n = parse_size(args.size) // 4
     x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
@@ -214,13 +214,14 @@ def cmd_codecs(args):
         terms["topk_select" if name == "topk" else f"{name}_enc"] = enc_t
         terms["topk_sum" if name == "topk" else f"{name}_dec"] = dec_t
     load = load_average()
-    rows = [{"term": t, "seconds_per_value": cell(terms[t]),
-             "GBps_of_float32": cell(None if terms[t] is None else 4e-9 / terms[t]),
-             "values": n, "repeats": args.repeats, "load_avg": cell(load)} for t in CODEC_TERMS]
+    rows = [{"term": t, "seconds_per_value": cell(terms[t]), "GBps_of_float32": cell(rate(4e-9, terms[t])),
+             "values": n, "repeats": args.repeats, "load_avg": cell(load),
+             "note": "" if terms[t] else "missing: the thread clock read no time (use a larger --size)"}
+            for t in CODEC_TERMS]
     path = os.path.join(args.out, "cost-model-codecs.csv")
     write_rows(path, list(rows[0]), rows)
-    for r in rows:
-        print(f"{r['term']:12} {r['GBps_of_float32'] and float(r['GBps_of_float32']) or 'missing':>8} GB/s")
+    for t in CODEC_TERMS:
+        print(f"{t:12} {show(rate(4e-9, terms[t]), '8.2f')} GB/s of float32 input")
     print(f"wrote {path} (load average {load})")
     return 0
 
@@ -237,7 +238,8 @@ def load_codecs(out):
 # ---- measure: under mpiexec on the emulated cluster ----
 
 MEASURE_FIELDS = ["ranks", "rate", "burst", "stream_MBps", "scheme", "bytes", "run", "calls", "time_median_s",
-                  "time_min_s", "cpu_per_rank_s", "bytes_sent_per_rank", "link_bytes_per_rank", "cpu_share", "load_start", "load_end",
+                  "time_min_s", "cpu_per_rank_s", "bytes_sent_per_rank", "link_bytes_per_rank", "cpu_share",
+                  "load_start", "load_end",
                   "check"]
 
 
@@ -352,7 +354,8 @@ def cmd_measure(args):
                              "check": "ok" if checks[scheme] else "WRONG"})
                 if comm.rank == 0:
                     print(f"P={comm.size} {rate} run {run} {nbytes >> 10} KiB {scheme:15} "
-                          f"{1e3 * statistics.median(walls[scheme]):9.1f} ms  cpu {1e3 * statistics.median(cpus[scheme]):7.1f}"
+                          f"{1e3 * statistics.median(walls[scheme]):9.1f} ms  "
+                          f"cpu {1e3 * statistics.median(cpus[scheme]):7.1f}"
                           f" ms  {checks[scheme] and 'ok' or 'WRONG'}  share {statistics.median(shares):.2f}"
                           f"  load {load_start}->{load_end}", flush=True)
     mpi_comm.Free()
@@ -434,7 +437,8 @@ def fit(points, codec, stream_beta, burst, kappa=1.0):
 
 VALIDATE_FIELDS = ["ranks", "scheme", "bytes", "runs", "measured_s", "predicted_s", "predicted_over_measured",
                    "best_s", "predicted_over_best",
-                   "within_20pct", "bytes_sent_measured", "link_bytes_measured", "bytes_sent_model", "cpu_per_rank_s", "cpu_model_s", "cpu_share", "load_range",
+                   "within_20pct", "bytes_sent_measured", "link_bytes_measured", "bytes_sent_model",
+                   "cpu_per_rank_s", "cpu_model_s", "cpu_share", "load_range",
                    "rate", "stream_MBps", "note"]
 
 
@@ -535,7 +539,8 @@ def cmd_predict(args):
                              "ranks": p, "scheme": scheme, "bytes": 4 * n,
                              "messages_per_rank": msgs, "rounds": latency_rounds(scheme, p, n),
                              "bytes_sent_per_rank": sent,
-                             "cpu_per_rank_s": cpu_seconds(scheme, p, n, m), "predicted_s": predict_time(scheme, p, n, m)})
+                             "cpu_per_rank_s": cpu_seconds(scheme, p, n, m),
+                             "predicted_s": predict_time(scheme, p, n, m)})
     path = os.path.join(args.out, args.tag + ".csv")
     write_rows(path, list(rows[0]), rows)
     from hpcdl.bench import save_figure
