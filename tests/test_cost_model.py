@@ -1,14 +1,17 @@
 """bench/cost_model.py's invariants, single process: the bytes and messages each
 scheme is charged per rank (dense ring 2(P-1)/P of the payload, the split's flat
 in P, the allgather's linear in P), the ring's pipeline bounds, that the fit
-recovers the alpha that made its points, and that `codecs` + `predict` write a
-full CSV and a PNG from this machine's kernels. No timings are asserted."""
+recovers the CPU terms, alpha and beta that made its points, that `codecs` +
+`predict` write a full CSV and a PNG from this machine's kernels, and that
+bench/netcluster.sh refuses bad --hosts/--rate before touching the network.
+No timings are asserted."""
 
 import csv
 import dataclasses
 import importlib.util
 import math
 import os
+import subprocess
 
 import pytest
 
@@ -150,3 +153,17 @@ def test_codecs_then_predict_write_every_cell_and_a_figure(tmp_path):
         for scheme in cm.SCHEMES:
             assert by[100.0, p, scheme] <= by[10.0, p, scheme]
     assert os.path.getsize(tmp_path / "cost-model-predict.png") > 10000
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--hosts", "1", "up"], "--hosts must be an integer in 2..254, got '1'"),
+    (["--hosts", "eight", "stream"], "--hosts must be an integer in 2..254, got 'eight'"),
+    (["--rate", "fast", "up"], "--rate must be a tc rate such as 100mbit or 1gbit, got 'fast'"),
+    (["--hosts"], "usage:"),
+    (["--hosts", "4", "sideways"], "usage:"),
+])
+def test_netcluster_refuses_bad_options_before_touching_the_network(argv, message):
+    """Options are checked before any namespace is made (so this runs without root)."""
+    done = subprocess.run(["bash", os.path.join(ROOT, "bench", "netcluster.sh"), *argv],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
