@@ -5,16 +5,21 @@
 # bucket (tc tbf) in both directions. Addresses are 10.77.0.(i+1)/24 and exist
 # only inside these namespaces, so no traffic leaves them.
 #
-#   bench/netcluster.sh up        create the namespaces (replaces a stale set)
-#   bench/netcluster.sh down      remove them
-#   bench/netcluster.sh stream    measure one TCP stream hn0 -> hn1 (MB/s)
-#   bench/netcluster.sh run -- CMD...
+#   bench/netcluster.sh [OPTIONS] up        create the namespaces (replaces a stale set)
+#   bench/netcluster.sh down                remove them (any host count)
+#   bench/netcluster.sh [OPTIONS] stream    measure one TCP stream hn0 -> hn1 (MB/s)
+#   bench/netcluster.sh [OPTIONS] run -- CMD...
 #                                 up, measure the stream, run CMD in the root
-#                                 namespace with HPCDL_BENCH_STREAM_MBPS set,
+#                                 namespace with HPCDL_BENCH_STREAM_MBPS,
+#                                 HPCDL_NET_HOSTS and HPCDL_NET_RATE set,
 #                                 down (always, also on error or Ctrl-C)
+# OPTIONS: --hosts N (default $HPCDL_NET_HOSTS, else 4), --rate RATE per host
+# link and direction, in tc's units (e.g. 100mbit, 1gbit; default
+# $HPCDL_NET_RATE, else 1gbit).
 #
 # CMD is typically `mpiexec -n 4 bench/netns-exec.sh python bench/allreduce.py`:
 # mpiexec stays here, bench/netns-exec.sh moves each rank into hn$PMI_RANK.
+#   bench/netcluster.sh --hosts 8 --rate 100mbit run -- mpiexec -n 8 bench/netns-exec.sh CMD
 # Needs root. Env: HPCDL_NET_HOSTS (4), HPCDL_NET_RATE (1gbit),
 # HPCDL_NET_BURST (256kb), HPCDL_NET_LATENCY (50ms).
 set -euo pipefail
@@ -22,6 +27,22 @@ cd "$(dirname "$0")/.."
 
 HOSTS=${HPCDL_NET_HOSTS:-4}
 RATE=${HPCDL_NET_RATE:-1gbit}
+usage() { echo "usage: $0 [--hosts N] [--rate RATE] up|down|stream|run -- CMD..." >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --hosts) [ $# -ge 2 ] || usage; HOSTS=$2; shift 2 ;;
+    --hosts=*) HOSTS=${1#--hosts=}; shift ;;
+    --rate) [ $# -ge 2 ] || usage; RATE=$2; shift 2 ;;
+    --rate=*) RATE=${1#--rate=}; shift ;;
+    *) break ;;
+  esac
+done
+# 2..254 hosts: addresses are 10.77.0.1..HOSTS; a rate is digits, an optional
+# fraction and a unit (tc checks the unit).
+[[ "$HOSTS" =~ ^[0-9]+$ ]] && [ "$HOSTS" -ge 2 ] && [ "$HOSTS" -le 254 ] \
+  || { echo "$0: --hosts must be an integer in 2..254, got '$HOSTS'" >&2; exit 2; }
+[[ "$RATE" =~ ^[0-9]+(\.[0-9]+)?[A-Za-z]+$ ]] \
+  || { echo "$0: --rate must be a tc rate such as 100mbit or 1gbit, got '$RATE'" >&2; exit 2; }
 BURST=${HPCDL_NET_BURST:-256kb}
 LATENCY=${HPCDL_NET_LATENCY:-50ms}
 BRIDGE_NS=hnbr
@@ -86,13 +107,13 @@ case "${1:-}" in
   run)
     shift
     [ "${1:-}" = "--" ] && shift
-    [ $# -gt 0 ] || { echo "usage: $0 run -- CMD..." >&2; exit 2; }
+    [ $# -gt 0 ] || usage
     trap 'down; log "down"' EXIT
     trap 'exit 130' INT TERM
     up
     rate=$(stream)
     log "TCP stream hn0 -> hn1: $rate MB/s"
-    HPCDL_BENCH_STREAM_MBPS=$rate "$@"
+    HPCDL_BENCH_STREAM_MBPS=$rate HPCDL_NET_HOSTS=$HOSTS HPCDL_NET_RATE=$RATE "$@"
     ;;
-  *) echo "usage: $0 up|down|stream|run -- CMD..." >&2; exit 2 ;;
+  *) usage ;;
 esac

@@ -192,8 +192,15 @@ def classify(words):
             i += 1
             while i < len(words) and words[i].startswith("-"):
                 i += 2 if words[i] in LAUNCHER_VALUE_OPTIONS else 1
-        elif w.endswith("bench/netcluster.sh") and words[i + 1:i + 3] == ["run", "--"]:
-            i += 3
+        elif w.endswith("bench/netcluster.sh"):
+            j = i + 1
+            while words[j:j + 1] in (["--hosts"], ["--rate"]):  # its options, before the subcommand
+                j += 2
+            if words[j:j + 2] == ["run", "--"]:
+                i = j + 2
+                continue
+            words = words[:i + 1] + words[j:]
+            break
         elif w.endswith("bench/netns-exec.sh"):
             i += 1
         else:
