@@ -302,7 +302,10 @@ def test_unnamed_allreduce_against_broadcast_is_a_mismatch(comm):
 
 
 def test_stall_warning_names_the_missing_rank():
+    """A stall on a communicator whose channels are set up names the late rank (a
+    stall in the set-up itself, the first operation on a communicator, cannot)."""
     rank = WORLD.Get_rank()
+    collective(WORLD, hpcdl.barrier)  # the channels exist whichever test ran before
     hpcdl.configure(stall_warning_seconds=0.3)
     try:
         a = np.ones(16, dtype=np.float32)
