@@ -6,6 +6,7 @@
     model.compile(optimizer=hvd_tf.DistributedOptimizer(opt), ...)   # Keras model.fit with
     model.fit(ds, callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0), hvd_tf.MetricAverageCallback()])
     ds = hvd_tf.tf_dataset(prefetcher, ...)               # the prefetcher's stream as a tf.data.Dataset
+    model = hvd_tf.load_model(path)                       # a model saved while training, optimizer re-wrapped
 
 tape (DistributedGradientTape, broadcast_variables), keras (DistributedOptimizer,
 the callbacks) and data (tf_dataset) are its modules; hpcdl's core API never
@@ -13,8 +14,9 @@ imports them.
 """
 
 from hpcdl.tensorflow.data import tf_dataset
-from hpcdl.tensorflow.keras import BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback
+from hpcdl.tensorflow.keras import (BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback,
+                                    load_model)
 from hpcdl.tensorflow.tape import DistributedGradientTape, broadcast_variables
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer", "broadcast_variables",
-           "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "tf_dataset"]
+           "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "load_model", "tf_dataset"]

@@ -15,7 +15,8 @@ import hpcdl
 from hpcdl._agree import check_same_on_all_ranks
 from hpcdl.tensorflow.tape import _GradientAllreduce, broadcast_variables
 
-__all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback"]
+__all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "load_model"]
+
 
 class _DistributedOptimizerMixin:
     """Keras 3 optimizer whose apply() first averages the gradients over all ranks.
@@ -62,6 +63,32 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
     distributed._hpcdl_allreduce = _GradientAllreduce(compression, op, comm, name,
                                                       "the gradients of DistributedOptimizer")
     return distributed
+
+
+def _keras_optimizer_classes(base=tf.keras.optimizers.Optimizer):
+    for cls in base.__subclasses__():
+        if not issubclass(cls, _DistributedOptimizerMixin):
+            yield cls
+            yield from _keras_optimizer_classes(cls)
+
+
+def load_model(filepath, compression=None, op="average", comm=None, name="keras", custom_objects=None, **kwargs):
+    """keras.models.load_model for a model saved while training with DistributedOptimizer.
+
+    The file names the optimizer class "Distributed<Class>", which only exists
+    in a process that wrapped such an optimizer: this rebuilds the saved optimizer
+    (its state included) wrapped again with the given settings, so training goes
+    on over the ranks. A model for inference alone loads anywhere with
+    keras.models.load_model(filepath, compile=False).
+    """
+    def rewrap(base):
+        return classmethod(lambda cls, config, custom_objects=None: DistributedOptimizer(
+            base.from_config(config), compression=compression, op=op, comm=comm, name=name))
+
+    rebuild = {f"Distributed{base.__name__}": type(f"Distributed{base.__name__}", (base,), {"from_config": rewrap(base)})
+               for base in set(_keras_optimizer_classes())}
+    rebuild.update(custom_objects or {})
+    return tf.keras.models.load_model(filepath, custom_objects=rebuild, **kwargs)
 
 
 class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):

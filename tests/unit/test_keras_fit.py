@@ -13,6 +13,7 @@ import pytest
 import tensorflow as tf
 from mpi4py import MPI
 
+import hpcdl
 import hpcdl.tensorflow as hvd_tf
 from conftest import ROOT, outcome
 from helpers.keras_fit import LOCAL_BATCH, LOSS, fit, global_data, make_model, max_difference, reference
@@ -34,6 +35,31 @@ def test_wrapper_rejects_what_it_cannot_wrap():
     assert isinstance(not_keras, TypeError) and "keras.optimizers.Optimizer" in str(not_keras)
     assert isinstance(was_built, ValueError) and "before it is built" in str(was_built)
     assert isinstance(twice, ValueError) and "already" in str(twice)
+
+
+def test_a_model_saved_while_training_loads_with_its_optimizer_wrapped_again(tmp_path):
+    """A .keras file names the optimizer "DistributedSGD": hvd_tf.load_model rebuilds it (state
+    included) wrapped with the settings given; inference loads anywhere without compiling."""
+    x, y = np.ones((8, 4), np.float32), np.ones((8, 2), np.float32)
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+    model.compile(optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                                                        comm=MPI.COMM_SELF), loss="mse")
+    model.fit(x, y, epochs=2, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    _, plain_load = outcome(tf.keras.models.load_model, path)
+    loaded = hvd_tf.load_model(path, compression=hpcdl.compression.FP16(), comm=MPI.COMM_SELF)
+    saved_state = [v.numpy() for v in model.optimizer.variables]
+    loaded_state = [v.numpy() for v in loaded.optimizer.variables]
+    loaded.fit(x, y, epochs=1, verbose=0)
+    inference = tf.keras.models.load_model(path, compile=False)
+    assert isinstance(plain_load, TypeError) and "DistributedSGD" in str(plain_load)
+    assert type(loaded.optimizer).__name__ == "DistributedSGD" and loaded.optimizer.momentum == 0.9
+    assert str(loaded.optimizer._hpcdl_allreduce.compression) == "fp16"
+    assert any(np.any(v != 0) for v in saved_state[1:]), "the momentum was never written"
+    assert all(np.array_equal(a, b) for a, b in zip(saved_state, loaded_state))
+    assert int(loaded.optimizer.iterations) == 3
+    assert np.array_equal(inference.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
 @pytest.mark.parametrize("as_dataset,run_eagerly", [(False, False), (True, False), (False, True)])
