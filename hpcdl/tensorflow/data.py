@@ -3,7 +3,11 @@
     ds = hpcdl.tensorflow.tf_dataset(pf, transform=decode,
                                      output_signature=(tf.TensorSpec([32, 32, 3], tf.uint8),
                                                        tf.TensorSpec([], tf.int32)))
-    model.fit(ds.batch(pf.local_batch), epochs=...)
+    model.fit(ds.batch(pf.local_batch), epochs=E, steps_per_epoch=pf.steps_per_epoch)
+
+The dataset covers the rest of the run: give fit steps_per_epoch, so every rank
+runs the same number of steps per epoch (each step is an allreduce) and fit keeps
+one iterator across epochs.
 """
 
 import numpy as np
