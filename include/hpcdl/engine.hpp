@@ -139,6 +139,7 @@ class Engine {
   std::vector<char> control_msg_;
   CommContext* executing_ = nullptr;  // the context whose operation moves data now
   bool executing_cancellable_ = false;  // that operation's requests can be cancelled (a ring)
+  double executing_stalled_s_ = 0;  // > 0: that ring was abandoned after this long without progress
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
   SplitScratch split_scratch_;

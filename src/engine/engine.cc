@@ -266,9 +266,20 @@ void Engine::loop() {
           if (ctx->set_up && ctx->control_error.ok())
             ctx->control_error = poll_control(*ctx, false, warn_s, error_s, &unused_busy);
       }
-      // A rank of the running operation left, and this wait stopped progressing.
       CommContext* running = executing_;
-      if (running == nullptr || running->gone.ok()) return true;
+      if (running == nullptr) return true;
+      // No transfer of the ring completed for stall_error_seconds: a neighbour
+      // that is stopped, or dead under a launcher that leaves the job running,
+      // looks just like this; end the wait rather than hang.
+      if (running->gone.ok() && error_s > 0 && waited_s >= error_s) {
+        executing_stalled_s_ = waited_s;
+        if (executing_cancellable_) return false;
+        abort_job("an MPI collective made no progress for " + std::to_string(static_cast<int>(waited_s)) +
+                  " s (stall_error_seconds); a rank may be stopped or dead, and such a request can be neither "
+                  "cancelled nor freed");
+      }
+      // A rank of the running operation left, and this wait stopped progressing.
+      if (running->gone.ok()) return true;
       const double stuck_s = std::min(waited_s, seconds_since(running->gone_at));
       if (stuck_s < (executing_cancellable_ ? kLeftRankRingGraceSeconds : kLeftRankCollectiveGraceSeconds))
         return true;

@@ -178,6 +178,14 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
   }
   // A barrier needs nothing more: it ran because every rank had entered it.
   executing_ = nullptr;
+  if (executing_stalled_s_ > 0) {
+    st = Status::Timeout("hpcdl: operation '" + op.name() + "' made no progress in its ring for " +
+                         std::to_string(static_cast<int>(executing_stalled_s_)) + " s (stall_error_seconds): rank " +
+                         std::to_string((ctx.rank + ctx.size - 1) % ctx.size) + " or rank " +
+                         std::to_string((ctx.rank + 1) % ctx.size) +
+                         " of the communicator, its neighbours, may be stopped or dead");
+    executing_stalled_s_ = 0;
+  }
   const double end_us = now_us();
   {
     std::lock_guard<std::mutex> g(op.mu_);

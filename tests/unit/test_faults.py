@@ -144,6 +144,30 @@ def test_rank_killed_with_sigkill_ends_the_job(tmp_path):
     assert "BAD TERMINATION" in out and "Killed (signal 9)" in out, out
 
 
+def test_a_stopped_rank_inside_a_ring_ends_the_job_after_stall_error_seconds(tmp_path):
+    """A rank that stops (SIGSTOP; likewise one killed under a launcher that leaves
+    the others running) sends nothing and never leaves: its neighbours' ring makes
+    no progress, and with stall_error_seconds set they fail naming both neighbours
+    instead of waiting for ever, and their uncaught error ends the job."""
+    rc, out = run_job(tmp_path, 3, """
+        hpcdl.configure(stall_error_seconds=3)
+        a = np.ones(3 << 20, np.float32)  # several ring chunks of 4 MiB on 3 ranks
+        h = hpcdl.allreduce_async(a, name="big", deferred=True)
+        if RANK == 1:
+            time.sleep(1.0)  # the others are in the ring by now
+            os.kill(os.getpid(), signal.SIGSTOP)
+        h.mark_ready()
+        h.wait()
+        print(f"rank {RANK} finished the allreduce", flush=True)
+    """)
+    assert rc != 0, out
+    assert "finished the allreduce" not in out, out
+    failed = [r for r in (0, 2) if f"[hpcdl rank {r}] uncaught StallTimeoutError" in out]
+    named = re.findall(r"operation 'big' made no progress in its ring for \d+ s \(stall_error_seconds\): "
+                       r"rank (\d) or rank (\d) of the communicator, its neighbours", out)
+    assert failed and named and all("1" in pair for pair in named), out
+
+
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
     """Rank 1 frees a communicator while its operation "a" is in flight there and
     rank 0 waits in "b" on it: rank 0 fails naming rank 1."""
