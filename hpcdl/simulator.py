@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from hpcdl.units import size_type
 
-__all__ = ["System", "predict", "main"]
+__all__ = ["System", "predict", "coalesced_reads", "main"]
 
 
 @dataclass
@@ -75,21 +75,30 @@ def _store_time(reads_all_ranks, sys):
     return max(reads_all_ranks * sys.sample_bytes / sys.store_bw, reads_all_ranks / sys.store_iops)
 
 
-def _coalesced_store_time(fills, sys):
-    """Seconds the store needs when each rank fills `fills` samples in spans.
-    A look-ahead window's samples are a random d of the file's, so the gap
-    before a sample (in samples) is geometric: a sample starts a new span when
-    its gap exceeds read_gap (probability (1-d)^(m+1), m = read_gap/sample),
-    else the gap is read through. Ranks of one node share the page cache: the
-    node reads the union of their spans once."""
-    N, s, P = sys.samples, sys.sample_bytes, sys.ranks
+def coalesced_reads(fills, sys):
+    """(reads, bytes) of one rank that fills `fills` samples from the store in
+    spans. A look-ahead window's samples are a random d of the file's, so the
+    gap before a sample (in samples) is geometric: a sample starts a new span
+    when its gap exceeds read_gap (probability (1-d)^(m+1), m = read_gap /
+    sample), else the gap is read through."""
+    N, s = sys.samples, sys.sample_bytes
     if fills <= 0:
-        return 0.0
+        return 0.0, 0.0
     d = min(min(sys.lookahead_bytes / s, fills) / N, 1.0) if sys.lookahead_bytes else min(1.0 / N, 1.0)
     m = int(sys.read_gap // s)
     gap = sum(k * s * d * (1.0 - d) ** k for k in range(1, m + 1))
     rank_bytes = fills * (s + gap)
-    rank_spans = max(fills * (1.0 - d) ** (m + 1) + rank_bytes / sys.read_bytes, 1.0)
+    return max(fills * (1.0 - d) ** (m + 1) + rank_bytes / sys.read_bytes, 1.0), rank_bytes
+
+
+def _coalesced_store_time(fills, sys):
+    """Seconds the store needs when each rank fills `fills` samples in spans
+    (coalesced_reads). Ranks of one node share the page cache: the node reads
+    the union of their spans once."""
+    N, s, P = sys.samples, sys.sample_bytes, sys.ranks
+    if fills <= 0:
+        return 0.0
+    rank_spans, rank_bytes = coalesced_reads(fills, sys)
     n = max(min(sys.node_ranks, P), 1)
     cover = min(rank_bytes / (N * s), 1.0)
     node_bytes = min(n * rank_bytes, N * s * (1.0 - (1.0 - cover) ** n))

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from hpcdl import prefetch, store
+from hpcdl import prefetch, simulator, store
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import Prefetcher
 from helpers.prefetch import make_store
@@ -144,3 +144,28 @@ def test_a_failed_span_read_falls_back_to_each_sample(tmp_path):
             assert isinstance(got[b], str) and f"sample {last} " in got[b] and "truncated" in got[b]
         else:
             assert got[b] == (row.tolist(), [expected[int(i)] for i in row])
+
+
+def test_the_simulators_span_count_matches_the_prefetcher(tmp_path):
+    # Equal sizes, as the model assumes: 400 samples of 1000 B, one rank reads them all in epoch 1.
+    src = tmp_path / "src" / "c0"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(400):
+        (src / f"{i:04d}.bin").write_bytes(rng.bytes(1000))
+    store.pack(str(tmp_path / "src"), str(tmp_path / "store"), progress=False)
+    st = store.Store(str(tmp_path / "store"))
+    kw = dict(read_bytes=1 << 20, read_gap=3000, lookahead_bytes=100 * 1000)
+    _, stats = run(st, epochs=1, ram_bytes=10**9, **kw)
+    system = simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH, compute=0.0,
+                              ram_bytes=10**9, **kw)
+    reads, nbytes = simulator.coalesced_reads(stats["store_reads"], system)
+    assert stats["store_reads"] == 400
+    assert 0.7 * reads <= stats["store_requests"] <= 1.3 * reads  # model: 400 * 0.75^4 = 127 spans
+    assert 0.8 * nbytes <= stats["store_bytes"] <= 1.2 * nbytes
+    # Without coalescing the model is one read per sample.
+    slow = simulator.predict(simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH,
+                                              compute=0.0, ram_bytes=10**9, store_iops=100))
+    fast = simulator.predict(simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH,
+                                              compute=0.0, ram_bytes=10**9, store_iops=100, **kw))
+    assert fast["prefetch"][0] < slow["prefetch"][0]
