@@ -94,14 +94,17 @@ def coalesced_reads(fills, sys):
 def _coalesced_store_time(fills, sys):
     """Seconds the store needs when each rank fills `fills` samples in spans
     (coalesced_reads). Ranks of one node share the page cache: the node reads
-    the union of their spans once."""
+    the union of their spans once. The samples the ranks fill are disjoint
+    with peers (each sample's first cacher fills it), else random; the gap
+    bytes read through fall anywhere."""
     N, s, P = sys.samples, sys.sample_bytes, sys.ranks
     if fills <= 0:
         return 0.0
     rank_spans, rank_bytes = coalesced_reads(fills, sys)
     n = max(min(sys.node_ranks, P), 1)
-    cover = min(rank_bytes / (N * s), 1.0)
-    node_bytes = min(n * rank_bytes, N * s * (1.0 - (1.0 - cover) ** n))
+    fill_share, gap_share = min(fills / N, 1.0), min((rank_bytes - fills * s) / (N * s), 1.0)
+    own = min(n * fill_share, 1.0) if sys.peers else 1.0 - (1.0 - fill_share) ** n
+    node_bytes = min(n * rank_bytes, N * s * (own + (1.0 - own) * (1.0 - (1.0 - gap_share) ** n)))
     device = node_bytes / (n * rank_bytes)  # the share of the ranks' bytes (and spans) that reaches the store
     return max(P * rank_bytes * device / sys.store_bw, P * rank_spans * device / sys.store_iops)
 
