@@ -4,7 +4,8 @@
 // Instead of one read per sample in first-use order, a filler takes the next
 // lookahead_bytes of them, sorts them by (shard, file offset) and reads each
 // run of neighbours as one span: samples whose gap is at most read_gap_bytes
-// merge, a span is at most read_bytes (a larger sample is a span alone). The
+// merge, a span is at most read_bytes (a larger sample is a span alone);
+// spans are read soonest-needed first. The
 // samples go to their RAM or disk slots, each checked against its CRC32C, so
 // a slow store pays one IOPS per span instead of one per sample. The consumer
 // is served from the tiers as before; a staging thread that needs one of these
@@ -12,6 +13,7 @@
 // instead of reading it alone, which would cost the IOPS the spans save.
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "hpcdl/prefetcher.hpp"
@@ -42,12 +44,14 @@ bool Prefetcher::take_window(std::vector<std::uint64_t>* window) {
 void Prefetcher::coalesced_fill_loop() {
   name_this_thread("hpcdl-fill-span");
   std::vector<std::uint64_t> window;
+  std::vector<std::tuple<std::uint64_t, std::size_t, std::size_t>> spans;  // (first use, begin, end) in window
   std::vector<char> buf;
   while (!stopping_ && take_window(&window)) {
     std::sort(window.begin(), window.end(), [&](std::uint64_t a, std::uint64_t b) {
       const auto sa = reader_->shard_of(a), sb = reader_->shard_of(b);
       return sa != sb ? sa < sb : reader_->file_offset(a) < reader_->file_offset(b);
     });
+    spans.clear();
     std::size_t begin = 0;
     while (begin < window.size()) {
       const std::uint64_t first = window[begin];
@@ -62,18 +66,20 @@ void Prefetcher::coalesced_fill_loop() {
           break;
         end = k_end;
       }
-      load_span(window.data() + begin, stop - begin, &buf);
+      std::uint64_t need = placement_.first[window[begin]];
+      for (std::size_t j = begin; j < stop; ++j) need = std::min(need, placement_.first[window[j]]);
+      spans.push_back({need, begin, stop});
       begin = stop;
     }
+    // The span holding the soonest-needed sample first: sorting by offset must not delay the consumer.
+    std::sort(spans.begin(), spans.end());
+    for (const auto& sp : spans) load_span(window.data() + std::get<1>(sp), std::get<2>(sp) - std::get<1>(sp), &buf);
   }
-  // Stopped with slots claimed: release them (their waiters see stopping_ too).
-  for (std::uint64_t k : window)
-    if (slots_[placement_.tier[k]][k].load() == kLoading) finish_slot(placement_.tier[k], k, false);
 }
 
 void Prefetcher::load_span(const std::uint64_t* idx, std::size_t n, std::vector<char>* buf) {
   const double t0 = now_us();
-  if (stopping_) {
+  if (stopping_) {  // claimed but not read: released (their waiters see stopping_ too)
     for (std::size_t j = 0; j < n; ++j) finish_slot(placement_.tier[idx[j]], idx[j], false);
     return;
   }
