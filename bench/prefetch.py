@@ -145,11 +145,21 @@ def worker(args):
             else:
                 train(x, batch.labels)
 
+        # Epoch 1 includes the start-up (planning, first reads) and starts cold: the
+        # fillers begin reading at construction, so the clock and the cache drop come first.
+        drop_cache(comm)
+        start = time.monotonic()
         with Prefetcher(st, args.batch, args.epochs, 1, comm=comm, ram_bytes=args.ram,
-                        disk_dir=args.disk_dir, disk_bytes=args.disk, threads=args.threads) as pf:
-            for epoch in pf.epochs():
-                drop_cache(comm)
+                        disk_dir=args.disk_dir, disk_bytes=args.disk, threads=args.threads,
+                        read_bytes=args.read_bytes, read_gap=args.read_gap, lookahead_bytes=args.lookahead) as pf:
+            startup = time.monotonic() - start
+            for e, epoch in enumerate(pf.epochs()):
+                if e:
+                    drop_cache(comm)
                 timed_epoch(epoch, step, times, stalls, steps_s)
+                if e == 0:
+                    times[0] += startup
+                    stalls[0] += startup
         stats = pf.stats()
     all_times, all_stalls, all_steps = comm.gather(times, root=0), comm.gather(stalls, root=0), comm.gather(steps_s, root=0)
     all_stats = comm.gather(stats, root=0)
@@ -158,7 +168,8 @@ def worker(args):
         steps_per_epoch = len(st) // args.batch
         step_s = float(np.median(all_steps)) / steps_per_epoch
         summary = {key: sum(s.get(key, 0) for s in all_stats) for key in
-                   ("store_reads", "peer_fills", "peer_waits", "peer_misses", "peer_timeouts", "served_to_peers")}
+                   ("store_reads", "store_requests", "store_bytes", "peer_fills", "peer_waits", "peer_misses",
+                    "peer_timeouts", "served_to_peers")}
         if args.worker == "hpcdl":
             summary["hits"] = {src: sum(s["hits"][src] for s in all_stats) for src in all_stats[0]["hits"]}
             print(f"[hpcdl rank 0] all ranks: {summary}", file=sys.stderr)
@@ -173,7 +184,8 @@ def run_mode(args, mode, variant, store_path, disk_dir, prefetch_factor):
            "--variant", variant, "--store", store_path, "--epochs", str(args.epochs), "--batch", str(args.batch),
            "--compute", str(args.compute), "--ram", str(args.ram), "--disk", str(args.disk),
            "--disk-dir", disk_dir if args.disk else "", "--threads", str(args.threads),
-           "--prefetch-factor", str(prefetch_factor), "--features", str(args.features), "--hidden", str(args.hidden)]
+           "--prefetch-factor", str(prefetch_factor), "--features", str(args.features), "--hidden", str(args.hidden),
+           "--read-bytes", str(args.read_bytes), "--read-gap", str(args.read_gap), "--lookahead", str(args.lookahead)]
     if args.slowfs:
         cmd = [SLOWFS, "run", args.slowfs] + cmd
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
@@ -192,7 +204,9 @@ def model_rows(args, variant, step_s):
 
     system = System(samples=args.files, sample_bytes=args.file_bytes, ranks=args.ranks, epochs=args.epochs,
                     batch=args.batch, compute=step_s, ram_bytes=args.ram, disk_bytes=args.disk,
-                    store_bw=args.bps, store_iops=args.iops, disk_bw=1e9, net_bw=2e9, peers=True)
+                    store_bw=args.bps, store_iops=args.iops, disk_bw=1e9, net_bw=2e9, peers=True,
+                    read_bytes=args.read_bytes, read_gap=args.read_gap, lookahead_bytes=args.lookahead,
+                    node_ranks=args.ranks)  # one node: the ranks share its page cache
     model = predict(system)
     rows = []
     for e in range(args.epochs):
@@ -256,7 +270,9 @@ def driver(args):
         for e, (t, s) in enumerate(zip(res["epoch_s"], res["stall_s"])):
             runs.append({"variant": variant, "loader": mode, "run": run, "epoch": e + 1, "epoch_s": t,
                          "stall_fraction": ratio(s, t), "step_s": res["step_s"],
-                         "prefetch_factor": factor, "store_reads": res["stats"].get("store_reads", "")})
+                         "prefetch_factor": factor, "store_reads": res["stats"].get("store_reads", ""),
+                         "store_requests": res["stats"].get("store_requests", ""),
+                         "store_bytes": res["stats"].get("store_bytes", "")})
             print(f"{variant:>8} {mode:>10} run {run} epoch {e + 1}: {t:7.2f} s, stall {show(ratio(s, t), '6.1%')}"
                   + (f" (prefetch_factor {factor})" if factor else ""), flush=True)
         if mode == "hpcdl":
@@ -338,6 +354,9 @@ def main(argv=None):
     ap.add_argument("--name", default="prefetch", help="results: OUT/NAME.csv, NAME-runs.csv, NAME.png")
     ap.add_argument("--features", type=int, default=4096, help="bytes of each sample the MLP reads")
     ap.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width")
+    ap.add_argument("--read-bytes", type=int, default=8 << 20, help="hpcdl: largest coalesced read (0: per sample)")
+    ap.add_argument("--read-gap", type=int, default=128 << 10, help="hpcdl: largest gap read through")
+    ap.add_argument("--lookahead", type=int, default=32 << 20, help="hpcdl: bytes of store fills sorted together")
     ap.add_argument("--slowfs", default="/tmp/hpcdl-slowfs", help="slow FS directory ('' for none)")
     ap.add_argument("--iops", type=int, default=300)
     ap.add_argument("--bps", type=int, default=50 << 20)

@@ -208,6 +208,8 @@ cdef class PrefetchCore:
         c.peer_timeout_s, c.serve_delay_s = cfg["peer_timeout"], cfg["serve_delay"]
         if cfg.get("peer_message_bytes"):
             c.peer_message_bytes = cfg["peer_message_bytes"]
+        c.read_bytes, c.read_gap_bytes = cfg["read_bytes"], cfg["read_gap_bytes"]
+        c.lookahead_bytes = cfg["lookahead_bytes"]
         if comm is not None:
             mpi_comm = comm.ob_mpi
         with nogil:
@@ -250,6 +252,7 @@ cdef class PrefetchCore:
             "bytes": {SOURCES[i]: s.bytes[i] for i in range(4)},
             "peer_misses": s.peer_misses, "peer_timeouts": s.peer_timeouts, "peer_waits": s.peer_waits,
             "peer_fills": s.peer_fills, "store_reads": s.store_reads,
+            "store_requests": s.store_requests, "store_bytes": s.store_bytes,
             "peer_errors": s.peer_errors, "peers_gone": s.peers_gone,
             "served_to_peers": s.served_to_peers, "ram_loaded": s.ram_loaded, "disk_written": s.disk_written,
             "batches": s.batches, "stall_seconds": s.stall_s, "staging_bytes": s.staging_bytes,

@@ -11,6 +11,10 @@ is a resource with its own bandwidth; sources work in parallel with compute.
 Peers: a rank's first use of a sample it caches comes from the store only if
 no other rank cached it in an earlier epoch (else from that source peer), and
 an uncached sample comes from a peer's RAM when some peer caches it.
+Coalesced fills (read_bytes > 0): a rank's store fills are read in spans; the
+spans, the gap bytes read through and the bytes the node's page cache shares
+follow from the density of a look-ahead window's samples in the file
+(_coalesced_store_time).
 
     python -m hpcdl.simulator --samples 1281167 --sample-bytes 110000 --ranks 1024 \
         --epochs 90 --batch 32768 --compute 0.25 --ram 25G --disk 300G \
@@ -23,7 +27,7 @@ from dataclasses import dataclass
 
 from hpcdl.units import size_type
 
-__all__ = ["System", "predict", "main"]
+__all__ = ["System", "predict", "coalesced_reads", "main"]
 
 
 @dataclass
@@ -44,6 +48,10 @@ class System:
     net_bw: float = 10e9          # per rank, peer transfers
     ram_bw: float = 10e9          # per rank memcpy into the staging buffer
     peers: bool = True
+    read_bytes: float = 0.0       # coalesced fills: the largest span (0: one read per sample)
+    read_gap: float = 0.0         # the largest gap read through
+    lookahead_bytes: float = 0.0  # store fills sorted together
+    node_ranks: int = 1           # ranks sharing one page cache (a node)
 
 
 def _binomial_pmf(n, p):
@@ -65,6 +73,40 @@ def _first_use_in_epoch(epochs, f, e):
 def _store_time(reads_all_ranks, sys):
     """Seconds the shared store needs for this many sample reads (bandwidth or IOPS bound)."""
     return max(reads_all_ranks * sys.sample_bytes / sys.store_bw, reads_all_ranks / sys.store_iops)
+
+
+def coalesced_reads(fills, sys):
+    """(reads, bytes) of one rank that fills `fills` samples from the store in
+    spans. A look-ahead window's samples are a random d of the file's, so the
+    gap before a sample (in samples) is geometric: a sample starts a new span
+    when its gap exceeds read_gap (probability (1-d)^(m+1), m = read_gap /
+    sample), else the gap is read through."""
+    N, s = sys.samples, sys.sample_bytes
+    if fills <= 0:
+        return 0.0, 0.0
+    d = min(min(sys.lookahead_bytes / s, fills) / N, 1.0) if sys.lookahead_bytes else min(1.0 / N, 1.0)
+    m = int(sys.read_gap // s)
+    gap = sum(k * s * d * (1.0 - d) ** k for k in range(1, m + 1))
+    rank_bytes = fills * (s + gap)
+    return max(fills * (1.0 - d) ** (m + 1) + rank_bytes / sys.read_bytes, 1.0), rank_bytes
+
+
+def _coalesced_store_time(fills, sys):
+    """Seconds the store needs when each rank fills `fills` samples in spans
+    (coalesced_reads). Ranks of one node share the page cache: the node reads
+    the union of their spans once. The samples the ranks fill are disjoint
+    with peers (each sample's first cacher fills it), else random; the gap
+    bytes read through fall anywhere."""
+    N, s, P = sys.samples, sys.sample_bytes, sys.ranks
+    if fills <= 0:
+        return 0.0
+    rank_spans, rank_bytes = coalesced_reads(fills, sys)
+    n = max(min(sys.node_ranks, P), 1)
+    fill_share, gap_share = min(fills / N, 1.0), min((rank_bytes - fills * s) / (N * s), 1.0)
+    own = min(n * fill_share, 1.0) if sys.peers else 1.0 - (1.0 - fill_share) ** n
+    node_bytes = min(n * rank_bytes, N * s * (own + (1.0 - own) * (1.0 - (1.0 - gap_share) ** n)))
+    device = node_bytes / (n * rank_bytes)  # the share of the ranks' bytes (and spans) that reaches the store
+    return max(P * rank_bytes * device / sys.store_bw, P * rank_spans * device / sys.store_iops)
 
 
 def predict(sys):
@@ -121,7 +163,10 @@ def predict(sys):
         peer = (hits[2] * coverage) if e > 1 else 0.0
         peer += first_uses - cold
         store = hits[2] * (1.0 - coverage if e > 1 else 1.0) + cold
-        t_store = _store_time(store * P, sys)
+        if sys.read_bytes > 0:  # the first uses are tier fills, read in spans
+            t_store = _coalesced_store_time(cold, sys) + _store_time((store - cold) * P, sys)
+        else:
+            t_store = _store_time(store * P, sys)
         disk_fills = sum(d * _first_use_in_epoch(E, f, e) for f, (_, d, _) in tier_of.items())
         t_disk = (hits[1] + disk_fills) * sys.sample_bytes / sys.disk_bw  # reads, plus writes of first uses
         t_peer = peer * sys.sample_bytes / sys.net_bw
@@ -152,10 +197,16 @@ def main(argv=None):
     ap.add_argument("--disk-bw", type=_size, default=2e9)
     ap.add_argument("--net-bw", type=_size, default=10e9)
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--read-bytes", type=_size, default=0, help="coalesced fills: largest span (0: per sample)")
+    ap.add_argument("--read-gap", type=_size, default=0)
+    ap.add_argument("--lookahead", type=_size, default=0)
+    ap.add_argument("--node-ranks", type=int, default=1, help="ranks sharing a page cache")
     a = ap.parse_args(argv)
     system = System(samples=a.samples, sample_bytes=a.sample_bytes, ranks=a.ranks, epochs=a.epochs, batch=a.batch,
                     compute=a.compute, ram_bytes=a.ram, disk_bytes=a.disk, store_bw=a.store_bw,
-                    store_iops=a.store_iops, disk_bw=a.disk_bw, net_bw=a.net_bw, peers=not a.no_peers)
+                    store_iops=a.store_iops, disk_bw=a.disk_bw, net_bw=a.net_bw, peers=not a.no_peers,
+                    read_bytes=a.read_bytes, read_gap=a.read_gap, lookahead_bytes=a.lookahead,
+                    node_ranks=a.node_ranks)
     out = predict(system)
     print(f"{'epoch':>5} {'naive s':>10} {'staging s':>10} {'prefetch s':>11} {'compute s':>10}  sources")
     for e in range(system.epochs):

@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -288,6 +289,8 @@ def main():
     ap.add_argument("--bps", type=int, default=50 << 20, help="read bytes/s of the slow FS")
     ap.add_argument("--drop-every", type=float, default=2.0, help="seconds between page-cache drops (0: never)")
     ap.add_argument("--ram", default="1G", help="hpcdl RAM tier per rank (HPCDL_DLIO_RAM)")
+    ap.add_argument("--disk", default="", help="hpcdl disk tier per rank (HPCDL_DLIO_DISK), in a temporary "
+                                               "folder on the unthrottled local disk; default: none")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"), help="results directory")
     ap.add_argument("--replot", action="store_true", help="only rewrite dlio.md and dlio.png from dlio.csv")
     args = ap.parse_args()
@@ -304,6 +307,8 @@ def main():
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3",
                PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""),
                HPCDL_DLIO_RAM=args.ram, HPCDL_DLIO_THREADS=str(args.read_threads))
+    if args.disk:
+        env.update(HPCDL_DLIO_DISK=args.disk, HPCDL_DLIO_DISK_DIR=tempfile.mkdtemp(prefix="hpcdl-dlio-disk-"))
     os.makedirs(args.out, exist_ok=True)
     log(f"load: {os.getloadavg()}; waiting for {LOCK}")
     rows = []
@@ -312,6 +317,8 @@ def main():
         for name in args.workloads:
             rows += bench_workload(name, args, env)
     log(f"load: {os.getloadavg()}")
+    if args.disk:
+        shutil.rmtree(env["HPCDL_DLIO_DISK_DIR"], ignore_errors=True)
     write_results(rows, args)
 
 

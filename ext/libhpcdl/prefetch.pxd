@@ -59,12 +59,14 @@ cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
         vector[uint64_t] peer_ram_bytes, peer_disk_bytes
         double peer_timeout_s, serve_delay_s
         uint64_t peer_message_bytes
+        uint64_t read_bytes, read_gap_bytes, lookahead_bytes
 
     cdef cppclass CPrefetchStats "hpcdl::PrefetchStats":
         uint64_t hits[4]
         uint64_t bytes[4]
         uint64_t peer_misses, peer_timeouts, peer_waits, served_to_peers, peer_fills, store_reads
         uint64_t peer_errors, peers_gone
+        uint64_t store_requests, store_bytes
         uint64_t ram_loaded, disk_written, batches
         uint64_t tier_used[2]
         uint64_t tier_samples[2]

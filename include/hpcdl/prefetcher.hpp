@@ -20,8 +20,8 @@
 // Implementation in src/prefetch/, one concern a file: prefetcher.cc (set-up,
 // threads, shutdown), plan.cc (placement, peer sources, the run's batches),
 // tiers.cc (RAM arena, disk tier, store fills, serving peers), peer_fill.cc
-// (fetches from peers), staging.cc (staging ring, consumer), stats.cc
-// (counters, warnings).
+// (fetches from peers), coalesce.cc (store fills in large sorted reads),
+// staging.cc (staging ring, consumer), stats.cc (counters, warnings).
 #pragma once
 
 #include <mpi.h>
@@ -56,6 +56,11 @@ struct PrefetchConfig {
   std::vector<std::uint64_t> peer_disk_bytes;  // per rank (empty: no disk tiers)
   double peer_timeout_s = 2.0, serve_delay_s = 0.0;
   std::uint64_t peer_message_bytes = PeerService::kMaxMessageBytes;  // the largest MPI message of a peer reply
+  // Coalesced store fills (coalesce.cc): the tiers' store fills are gathered
+  // lookahead_bytes at a time (in first-use order), sorted by file offset and
+  // read in spans of at most read_bytes, merging samples whose gap is at most
+  // read_gap_bytes. read_bytes = 0: one read per sample.
+  std::uint64_t read_bytes = 0, read_gap_bytes = 0, lookahead_bytes = 0;
 };
 
 enum Source { kFromRam = 0, kFromDisk = 1, kFromPeer = 2, kFromStore = 3, kSources = 4 };
@@ -65,7 +70,8 @@ struct PrefetchStats {
   std::uint64_t bytes[kSources] = {0, 0, 0, 0};
   std::uint64_t peer_misses = 0, peer_timeouts = 0, peer_waits = 0, served_to_peers = 0;
   std::uint64_t peer_errors = 0, peers_gone = 0;  // failed MPI requests; peers given up on (their samples: the store)
-  std::uint64_t peer_fills = 0, store_reads = 0;  // tier slots filled from a peer; every read of the backing store
+  std::uint64_t peer_fills = 0, store_reads = 0;  // tier slots filled from a peer; samples read from the backing store
+  std::uint64_t store_requests = 0, store_bytes = 0;  // the backing store's reads (a coalesced span is one) and bytes
   std::uint64_t ram_loaded = 0, disk_written = 0, batches = 0;
   std::uint64_t tier_used[kCachedTiers] = {0, 0}, tier_samples[kCachedTiers] = {0, 0};
   std::uint64_t staging_bytes = 0;
@@ -130,8 +136,11 @@ class Prefetcher {
   void open_disk();
   // Loads sample k into its slot of `tier` unless someone already did (or is
   // doing it: then waits); returns the slot's final state. scratch: a bounce
-  // buffer of the sample's size, for the disk tier.
-  std::uint8_t ensure_slot(int tier, std::uint64_t k, char* scratch);
+  // buffer of the sample's size, for the disk tier. may_load = false: only
+  // wait (a coalesced filler will load it in a span).
+  std::uint8_t ensure_slot(int tier, std::uint64_t k, char* scratch, bool may_load = true);
+  // Whether a staging thread may load sample k's slot itself: not when a coalesced filler will.
+  bool staging_may_load(std::uint64_t k) const { return cfg_.read_bytes == 0 || fill_source_[k] >= 0; }
   // Loads sample k for `tier` from its fill source (a peer, else the store)
   // into the arena (RAM) or `scratch` (disk), then commits it.
   bool load_slot(int tier, std::uint64_t k, char* scratch);
@@ -147,6 +156,17 @@ class Prefetcher {
   void warn_disk_read_once(const std::string& what);
   // A store filler of `tier`: loads its slots whose source is the store, in first-use order.
   void fill_loop(int tier);
+  // ---------------------------------------------------------------- coalesced fills (coalesce.cc)
+  // A store filler with coalescing on: takes the next lookahead_bytes of the
+  // store fill list (both tiers, first-use order), claims those slots, and
+  // loads them in spans, each one read of the store.
+  void coalesced_fill_loop();
+  // Claims the next window of store_fill_order_; false when none is left.
+  bool take_window(std::vector<std::uint64_t>* window);
+  // Loads one span (samples of one shard, sorted by file offset) into its
+  // slots; a failed read loads each of them alone (so its error is that sample's).
+  void load_span(const std::uint64_t* idx, std::size_t n, std::vector<char>* buf);
+
   // A peer asks for sample k: served from a loaded RAM or disk slot; "later"
   // while this rank will hold it but has not loaded it yet.
   PeerService::Serve serve_peer(std::uint64_t k, char* dst);
@@ -199,6 +219,9 @@ class Prefetcher {
   PeerSources sources_;                  // empty without a peer tier
   std::vector<std::int32_t> fill_source_;  // per cached sample: the peer to fill it from, -1 the store
   std::vector<std::uint64_t> store_fills_[kCachedTiers], peer_fills_list_;  // fill work, in first-use order
+  std::vector<std::uint64_t> store_fill_order_;  // both tiers' store fills in first-use order (coalescing)
+  std::mutex window_mu_;
+  std::uint64_t window_next_ = 0;
 
   // Tiers: per sample slot states; RAM arena; disk file (unlinked) and the CRCs written.
   std::unique_ptr<std::atomic<std::uint8_t>[]> slots_[kCachedTiers];
@@ -222,7 +245,7 @@ class Prefetcher {
 
   std::atomic<std::uint64_t> hits_[kSources] = {{0}, {0}, {0}, {0}}, bytes_[kSources] = {{0}, {0}, {0}, {0}};
   std::atomic<std::uint64_t> peer_misses_{0}, peer_timeouts_{0}, peer_waits_{0}, peer_errors_{0}, peer_fills_{0},
-      store_reads_{0};
+      store_reads_{0}, store_requests_{0}, store_bytes_{0};
   std::unique_ptr<std::atomic<bool>[]> peer_gone_;  // per rank, with the peer tier: given up on (no answer, MPI error)
   std::atomic<std::uint64_t> ram_loaded_{0}, disk_written_{0};
   PrefetchStats stats_;

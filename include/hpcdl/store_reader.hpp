@@ -61,6 +61,17 @@ class StoreReader {
   Status read_many(const std::uint64_t* idx, std::size_t n, void* dst, const std::uint64_t* dst_offsets,
                    ThreadPool* pool, std::uint64_t* failed = nullptr) const;
 
+  // Where sample i's bytes start in its shard file (coalesced reads sort and merge by it).
+  std::uint64_t file_offset(std::size_t i) const { return file_offset_[i]; }
+
+  // One pread of the span of samples idx[0..n) (one shard, sorted by file
+  // offset) into dst: sample idx[k] lands at dst + file_offset(idx[k]) -
+  // file_offset(idx[0]); gap bytes between them are read too. No checksum
+  // check here (verify() each sample). *span_bytes: the bytes read.
+  Status read_span(const std::uint64_t* idx, std::size_t n, char* dst, std::uint64_t* span_bytes) const;
+  // Checks sample i's bytes (read by read_span) against its stored CRC32C.
+  Status verify(std::size_t i, const void* bytes) const;
+
   // Scans one shard front to back in large reads and checks every sample's
   // CRC32C; appends the global index and reason of each bad sample. A shard
   // that could not be opened is one error (its reason), not one per sample.

@@ -257,8 +257,13 @@ Status Prefetcher::plan() {
       if (fill_source_[k] < 0) store_fills_[t].push_back(k);
       else peer_fills_list_.push_back(k);
     }
-  std::sort(peer_fills_list_.begin(), peer_fills_list_.end(),
-            [&](std::uint64_t a, std::uint64_t b) { return placement_.first[a] < placement_.first[b]; });
+  const auto by_first_use = [&](std::uint64_t a, std::uint64_t b) { return placement_.first[a] < placement_.first[b]; };
+  std::sort(peer_fills_list_.begin(), peer_fills_list_.end(), by_first_use);
+  if (cfg_.read_bytes > 0) {
+    store_fill_order_ = store_fills_[kTierRam];
+    store_fill_order_.insert(store_fill_order_.end(), store_fills_[kTierDisk].begin(), store_fills_[kTierDisk].end());
+    std::sort(store_fill_order_.begin(), store_fill_order_.end(), by_first_use);
+  }
   const std::uint64_t batches = stream_.size() / L_;
   batch_bytes_.assign(batches, 0);
   batch_offsets_.assign(batches * (L_ + 1), 0);

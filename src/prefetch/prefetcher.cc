@@ -59,12 +59,19 @@ void Prefetcher::start_threads() {
   if (next_claim_ + cfg_.start >= end_) return;
   for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.staging_threads, 1); ++i)
     threads_.emplace_back([this] { staging_loop(); });
-  if (ram_)
-    for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.ram_threads, 1); ++i)
-      threads_.emplace_back([this] { fill_loop(kTierRam); });
-  if (disk_fd_ >= 0)
-    for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.disk_threads, 1); ++i)
-      threads_.emplace_back([this] { fill_loop(kTierDisk); });
+  if (cfg_.read_bytes > 0) {  // coalesced: the tiers' fillers share one list of spans
+    const std::size_t fillers = (ram_ ? std::max<std::size_t>(cfg_.ram_threads, 1) : 0) +
+                                (disk_fd_ >= 0 ? std::max<std::size_t>(cfg_.disk_threads, 1) : 0);
+    for (std::size_t i = 0; i < fillers && !store_fill_order_.empty(); ++i)
+      threads_.emplace_back([this] { coalesced_fill_loop(); });
+  } else {
+    if (ram_)
+      for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.ram_threads, 1); ++i)
+        threads_.emplace_back([this] { fill_loop(kTierRam); });
+    if (disk_fd_ >= 0)
+      for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.disk_threads, 1); ++i)
+        threads_.emplace_back([this] { fill_loop(kTierDisk); });
+  }
   if (peers_ && !peer_fills_list_.empty()) threads_.emplace_back([this] { peer_fill_loop(); });
 }
 

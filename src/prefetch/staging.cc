@@ -68,12 +68,12 @@ Status Prefetcher::fetch(std::uint64_t k, std::uint64_t at, char* dst, char* scr
   const double t0 = now_us();
   const std::uint64_t size = reader_->size(k);
   const int tier = placement_.tier[k];
-  if (tier == kTierRam && ram_ && ensure_slot(kTierRam, k, nullptr) == kReady) {
+  if (tier == kTierRam && ram_ && ensure_slot(kTierRam, k, nullptr, staging_may_load(k)) == kReady) {
     std::memcpy(dst, ram_.get() + placement_.offset[k], size);
     count(kFromRam, size, t0, "fetch ram");
     return Status::OK();
   }
-  if (tier == kTierDisk && disk_fd_ >= 0 && ensure_slot(kTierDisk, k, scratch) == kReady) {
+  if (tier == kTierDisk && disk_fd_ >= 0 && ensure_slot(kTierDisk, k, scratch, staging_may_load(k)) == kReady) {
     if (read_disk(k, dst)) {
       count(kFromDisk, size, t0, "fetch disk");
       return Status::OK();

@@ -30,6 +30,8 @@ PrefetchStats Prefetcher::stats() {
   for (std::size_t q = 0; peer_gone_ && q < cfg_.peer_ram_bytes.size(); ++q) s.peers_gone += peer_gone_[q].load();
   s.peer_fills = peer_fills_;
   s.store_reads = store_reads_;
+  s.store_requests = store_requests_;
+  s.store_bytes = store_bytes_;
   s.ram_loaded = ram_loaded_;
   s.disk_written = disk_written_;
   if (peers_) s.served_to_peers = peers_->served();

@@ -49,12 +49,12 @@ void Prefetcher::open_disk() {
   disk_crc_.assign(cfg_.spec.samples, 0);
 }
 
-std::uint8_t Prefetcher::ensure_slot(int tier, std::uint64_t k, char* scratch) {
+std::uint8_t Prefetcher::ensure_slot(int tier, std::uint64_t k, char* scratch, bool may_load) {
   std::atomic<std::uint8_t>& slot = slots_[tier][k];
   for (;;) {
     std::uint8_t state = slot.load();
     if (state == kReady || state == kFailed) return state;
-    if (state == kEmpty && slot.compare_exchange_strong(state, kLoading)) {
+    if (state == kEmpty && may_load && slot.compare_exchange_strong(state, kLoading)) {
       const bool ok = load_slot(tier, k, scratch);
       finish_slot(tier, k, ok);
       return ok ? kReady : kFailed;
@@ -115,7 +115,10 @@ void Prefetcher::finish_slot(int tier, std::uint64_t k, bool ok) {
 }
 
 Status Prefetcher::read_store(std::uint64_t k, char* dst) {
-  store_reads_ += reader_->size(k) > 0;  // an empty sample costs no I/O
+  const std::uint64_t size = reader_->size(k);
+  store_reads_ += size > 0;  // an empty sample costs no I/O
+  store_requests_ += size > 0;
+  store_bytes_ += size;
   return reader_->read(k, dst);
 }
 

@@ -77,11 +77,30 @@ Status StoreReader::read(std::size_t i, void* dst) const {
   const Shard& sh = shards_[shard_of_[i]];
   if (!sh.damaged.empty()) return Status::Corrupt(where(i) + " is unreadable: " + sh.damaged);
   HPCDL_RETURN_NOT_OK(pread_all(sh, i, file_offset_[i], size_[i], dst));
-  if (verify_checksums_) {
-    const std::uint32_t got = crc32c(dst, size_[i]);
-    if (got != crc_[i]) return Status::Corrupt(checksum_message(i, got));
-  }
+  return verify(i, dst);
+}
+
+Status StoreReader::read_span(const std::uint64_t* idx, std::size_t n, char* dst, std::uint64_t* span_bytes) const {
+  *span_bytes = 0;
+  if (n == 0) return Status::OK();
+  for (std::size_t k = 0; k < n; ++k)
+    if (idx[k] >= size_.size() || shard_of_[idx[k]] != shard_of_[idx[0]] ||
+        (k > 0 && file_offset_[idx[k]] < file_offset_[idx[k - 1]]))
+      return Status::Invalid("read_span: samples must be valid, in one shard, sorted by file offset");
+  const Shard& sh = shards_[shard_of_[idx[0]]];
+  if (!sh.damaged.empty()) return Status::Corrupt(where(idx[0]) + " is unreadable: " + sh.damaged);
+  const std::uint64_t start = file_offset_[idx[0]];
+  std::uint64_t end = start;
+  for (std::size_t k = 0; k < n; ++k) end = std::max(end, file_offset_[idx[k]] + size_[idx[k]]);
+  HPCDL_RETURN_NOT_OK(pread_all(sh, idx[0], start, end - start, dst));
+  *span_bytes = end - start;
   return Status::OK();
+}
+
+Status StoreReader::verify(std::size_t i, const void* bytes) const {
+  if (!verify_checksums_) return Status::OK();
+  const std::uint32_t got = crc32c(bytes, size_[i]);
+  return got == crc_[i] ? Status::OK() : Status::Corrupt(checksum_message(i, got));
 }
 
 Status StoreReader::read_many(const std::uint64_t* idx, std::size_t n, void* dst, const std::uint64_t* dst_offsets,

@@ -75,9 +75,9 @@ def test_peer_fetches_deliver_the_right_bytes(comm, shared_store):
     agree(comm, sum(stats["hits"].values()) == len(ids), f"hits {stats['hits']} for {len(ids)} reads")
 
 
-@pytest.mark.parametrize("tiers", ["ram", "ram+disk"])
+@pytest.mark.parametrize("tiers,read_gap", [("ram", 0), ("ram", 1 << 20), ("ram+disk", 0)])
 @world_only
-def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tiers):
+def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tiers, read_gap):
     # Every rank caches all it reads (RAM, or a small RAM and a disk tier): a
     # sample's first reader loads it from the store, every later reader from
     # a peer that read it earlier, so the store serves each sample once.
@@ -87,7 +87,7 @@ def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tie
 
     def run():
         with Prefetcher(st, 8, 3, 21, comm=comm, ram_bytes=ram, disk_dir=disk_dir, disk_bytes=disk,
-                        peer_timeout=30.0) as pf:
+                        peer_timeout=30.0, read_gap=read_gap) as pf:
             ids, right = delivered(pf, st)
         return ids, right, pf.stats()
 
@@ -101,6 +101,11 @@ def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tie
     distinct = int((st.sizes[read] > 0).sum())  # an empty sample needs no read
     store_reads = comm.allreduce(stats["store_reads"])
     agree(comm, store_reads == distinct, f"{store_reads} store reads for {distinct} distinct non-empty samples")
+    # Coalesced fills: fewer read calls than samples; without gaps read through, each byte once per job.
+    requests, nbytes = comm.allreduce(stats["store_requests"]), comm.allreduce(stats["store_bytes"])
+    agree(comm, requests < store_reads, f"{requests} store requests for {store_reads} samples")
+    if read_gap == 0:
+        agree(comm, nbytes == int(st.sizes[read].sum()), f"{nbytes} bytes read for {int(st.sizes[read].sum())}")
     peer_fills, served = comm.allreduce(stats["peer_fills"]), comm.allreduce(stats["served_to_peers"])
     agree(comm, peer_fills > 0 and peer_fills == served, f"peer fills {peer_fills}, served {served}")
     agree(comm, stats["hits"]["store"] == 0 and sum(stats["hits"].values()) == len(ids), repr(stats["hits"]))

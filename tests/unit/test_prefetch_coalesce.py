@@ -1,0 +1,171 @@
+"""Coalesced store fills, single process: the tiers' store fills read in
+large spans sorted by file offset deliver exactly the bytes and labels of
+the one-read-per-sample path, in fewer, larger reads, within the tiers'
+capacities and the read size; a bad sample or a failed span fails only the
+batches that hold its samples, with the reader's error."""
+
+import os
+
+import numpy as np
+import pytest
+
+from hpcdl import prefetch, simulator, store
+from hpcdl.errors import CorruptDataError
+from hpcdl.prefetch import Prefetcher
+from helpers.prefetch import make_store
+
+BATCH, EPOCHS, SEED = 8, 3, 7
+
+
+@pytest.fixture(scope="module")
+def st(tmp_path_factory):
+    return make_store(str(tmp_path_factory.mktemp("coalesce")), files=300, seed=3)
+
+
+def run(st, tmp_path=None, epochs=EPOCHS, **kw):
+    """[(epoch, step, ids, [bytes], labels)] of the whole run, and the final stats."""
+    with Prefetcher(st, BATCH, epochs, SEED, disk_dir=str(tmp_path) if tmp_path else None, **kw) as pf:
+        got = [(b.epoch, b.step, b.indices.tolist(), [bytes(s) for s in b.samples()], b.labels.tolist())
+               for b in pf]
+        return got, pf.stats()
+
+
+def distinct_read(st, epochs):
+    ids = np.unique(prefetch.rank_stream(len(st), BATCH, 1, 0, epochs, SEED).astype(np.int64))
+    return ids[st.sizes[ids] > 0]
+
+
+@pytest.mark.parametrize("ram,disk", [
+    (10**9, 0),          # everything in RAM
+    (100000, 150000),    # RAM, disk and the store
+    (40000, 0),          # RAM and the store
+])
+@pytest.mark.parametrize("read_bytes,read_gap,lookahead", [
+    (8 << 20, 128 << 10, 32 << 20),  # the defaults: one span per window
+    (6000, 0, 20000),                # small spans, no gap read, short look-ahead
+    (1, 0, 1),                       # every sample its own span
+])
+def test_coalesced_batches_equal_the_per_sample_path(st, tmp_path, ram, disk, read_bytes, read_gap, lookahead):
+    per_sample, base = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk, read_bytes=0)
+    coalesced, stats = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk, read_bytes=read_bytes,
+                           read_gap=read_gap, lookahead_bytes=lookahead)
+    assert coalesced == per_sample  # every batch: positions, ids, bytes, labels
+    for _, _, ids, data, labels in coalesced[:: max(len(coalesced) // 20, 1)]:
+        assert data == [st.read(i) for i in ids] and labels == st.labels[ids].tolist()
+    assert stats["hits"] == base["hits"]
+    assert stats["ram_used"] <= ram and stats["disk_used"] <= disk
+    assert os.listdir(tmp_path) == []
+
+
+def test_first_epoch_reads_fewer_larger_spans_each_byte_once(st):
+    needed = distinct_read(st, 1)
+    _, one = run(st, epochs=1, ram_bytes=10**9, read_bytes=0)
+    assert one["store_requests"] == one["store_reads"] == len(needed)
+    # No gap read through: the spans cover exactly the samples needed, each byte once.
+    _, tight = run(st, epochs=1, ram_bytes=10**9, read_gap=0)
+    assert tight["store_reads"] == len(needed)
+    assert tight["store_bytes"] == one["store_bytes"] == int(st.sizes[needed].sum())
+    assert tight["store_requests"] < len(needed) / 2
+    # Gaps read through: one span per shard (the look-ahead holds everything), never beyond the shard's data.
+    shards = len({i["path"] for i in st.shard_infos})
+    _, wide = run(st, epochs=1, ram_bytes=10**9, read_gap=1 << 20, lookahead_bytes=1 << 30)
+    assert wide["store_requests"] == shards
+    assert tight["store_bytes"] <= wide["store_bytes"] <= int(st.sizes.sum())
+    assert wide["hits"]["ram"] == len(prefetch.rank_stream(len(st), BATCH, 1, 0, 1, SEED))
+
+
+def test_spans_respect_the_read_size(st):
+    limit = int(st.sizes.max()) * 2
+    _, stats = run(st, epochs=1, ram_bytes=10**9, read_bytes=limit, read_gap=1 << 20)
+    # Each span is at most `limit` bytes, so there are at least bytes/limit of them.
+    assert stats["store_requests"] >= -(-stats["store_bytes"] // limit)
+    assert stats["store_requests"] < stats["store_reads"]
+
+
+def test_later_epochs_read_nothing_more_when_everything_is_cached(st):
+    _, stats = run(st, ram_bytes=10**9)
+    assert stats["store_reads"] == len(distinct_read(st, EPOCHS))
+    assert stats["hits"]["store"] == 0
+
+
+def corrupt(st, victim):
+    info = next(i for i in st.shard_infos if "offsets" in i)
+    with open(info["path"], "r+b") as fh:
+        fh.seek(info["data_offset"] + int(info["offsets"][victim]))
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    return info["path"]
+
+
+def batches_or_errors(st, **kw):
+    """{global batch: ids or the error message} of a whole run, iterating on after failed batches."""
+    out = {}
+    with Prefetcher(st, 4, 2, SEED, **kw) as pf:
+        steps = pf.steps_per_epoch
+        for _ in range(2 * steps + 1):
+            try:
+                for b in pf:
+                    out[b.epoch * steps + b.step] = (b.indices.tolist(), [bytes(s) for s in b.samples()])
+                break
+            except CorruptDataError as exc:
+                epoch, step = pf.position
+                out[epoch * steps + step - 1] = str(exc)
+    return out
+
+
+def test_a_bad_sample_in_a_span_fails_only_its_batches(tmp_path):
+    st = make_store(str(tmp_path), files=60, seed=5)
+    victim = int(np.argmax(st.sizes))
+    shard = corrupt(st, victim)
+    stream = prefetch.rank_stream(len(st), 4, 1, 0, 2, SEED).reshape(-1, 4)
+    got = batches_or_errors(store.Store(st.root), ram_bytes=10**6, read_gap=1 << 20)
+    for b, row in enumerate(stream):
+        if victim in row.tolist():
+            assert isinstance(got[b], str) and f"sample {victim} " in got[b] and shard in got[b]
+            assert "checksum mismatch" in got[b]
+        else:
+            assert got[b] == (row.tolist(), [st.read(int(i)) for i in row])
+
+
+def test_a_failed_span_read_falls_back_to_each_sample(tmp_path):
+    st = make_store(str(tmp_path), files=60, seed=6)
+    info = next(i for i in st.shard_infos if "offsets" in i)
+    expected = {i: st.read(i) for i in range(len(st))}
+    last = int(np.argmax(np.asarray(info["offsets"]) + st.sizes))  # the sample whose bytes end last
+    cut = info["data_offset"] + int(info["offsets"][last]) + int(st.sizes[last]) // 2
+    # Truncated after the store was opened (HDF5 would not open it again): the
+    # span over the whole shard now fails; read alone, only `last` is lost.
+    os.truncate(info["path"], cut)
+    stream = prefetch.rank_stream(len(st), 4, 1, 0, 2, SEED).reshape(-1, 4)
+    got = batches_or_errors(st, ram_bytes=10**6, read_gap=1 << 20, lookahead_bytes=1 << 30)
+    for b, row in enumerate(stream):
+        if last in row.tolist():
+            assert isinstance(got[b], str) and f"sample {last} " in got[b] and "truncated" in got[b]
+        else:
+            assert got[b] == (row.tolist(), [expected[int(i)] for i in row])
+
+
+def test_the_simulators_span_count_matches_the_prefetcher(tmp_path):
+    # Equal sizes, as the model assumes: 400 samples of 1000 B, one rank reads them all in epoch 1.
+    src = tmp_path / "src" / "c0"
+    src.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(400):
+        (src / f"{i:04d}.bin").write_bytes(rng.bytes(1000))
+    store.pack(str(tmp_path / "src"), str(tmp_path / "store"), progress=False)
+    st = store.Store(str(tmp_path / "store"))
+    kw = dict(read_bytes=1 << 20, read_gap=3000, lookahead_bytes=100 * 1000)
+    _, stats = run(st, epochs=1, ram_bytes=10**9, **kw)
+    system = simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH, compute=0.0,
+                              ram_bytes=10**9, **kw)
+    reads, nbytes = simulator.coalesced_reads(stats["store_reads"], system)
+    assert stats["store_reads"] == 400
+    assert 0.7 * reads <= stats["store_requests"] <= 1.3 * reads  # model: 400 * 0.75^4 = 127 spans
+    assert 0.8 * nbytes <= stats["store_bytes"] <= 1.2 * nbytes
+    # Without coalescing the model is one read per sample.
+    slow = simulator.predict(simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH,
+                                              compute=0.0, ram_bytes=10**9, store_iops=100))
+    fast = simulator.predict(simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH,
+                                              compute=0.0, ram_bytes=10**9, store_iops=100, **kw))
+    assert fast["prefetch"][0] < slow["prefetch"][0]
