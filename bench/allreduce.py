@@ -327,7 +327,8 @@ def bandwidths(nbytes, seconds, ranks):
 # ---- output (rank 0) ----
 
 FIELDS = ["tag", "run", "system", "ranks", "bytes", "iters", "time_median_s", "time_min_s",
-          "algbw_MBps", "busbw_MBps", "busbw_best_MBps", "correct", "stream_MBps", "wire_bytes", "cpu_per_rank_s", "cpu_share", "load_average"]
+          "algbw_MBps", "busbw_MBps", "busbw_best_MBps", "correct", "stream_MBps", "wire_bytes",
+          "cpu_per_rank_s", "cpu_share", "load_average"]
 
 
 def write_atomic(path, write):
