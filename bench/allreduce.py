@@ -13,7 +13,11 @@ run, interleaved iteration by iteration so they meet the same conditions:
 
 Per size and system: median and min over iterations of the slowest rank's
 time, algbw = bytes / time and busbw = algbw * 2(p-1)/p (as nccl-tests
-reports), in MB/s (10^6 bytes/s). Each system's result is checked against the
+reports), in MB/s (10^6 bytes/s), and the process CPU time per rank and call
+(all threads: the engine's included; mean over ranks, median over iterations)
+with its share of the call's time (1.0 = one core busy for the whole call), so
+a run on the emulated cluster shows whether the CPU or the link binds; the
+load average at the start of each size is in the CSV too. Each system's result is checked against the
 exact sum once per size, so a fast wrong answer cannot win; a compressed
 system is lossy, so it is checked against the documented tolerance of its codec
 instead (docs/compression.md), and its wire bytes per call (hpcdl.stats) go
@@ -253,17 +257,28 @@ class Expected:
 
 
 def timed_call(comm, system, work, source):
+    """(wall seconds, process CPU seconds) of one call on this rank."""
     np.copyto(work, source)
     system.prepare()
     comm.Barrier()
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     system.run(work)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - cpu0
+
+
+def load_average():
+    """The 1-minute load average of the machine, None where /proc cannot tell."""
+    try:
+        with open("/proc/loadavg") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def measure_size(comm, systems, nbytes, args):
     """{system name: [per-iteration seconds, slowest rank]} or None for a wrong result,
-    and {system name: bytes sent per call, summed over ranks} where known."""
+    {system name: bytes sent per call, summed over ranks} where known, and
+    {system name: [per-iteration process CPU seconds, mean over ranks]}."""
     count = nbytes // np.dtype(DTYPE).itemsize
     source = rank_input(count, comm.rank, args.data)
     work = np.empty_like(source)
@@ -281,7 +296,7 @@ def measure_size(comm, systems, nbytes, args):
             results[system.name] = None
             continue
         for _ in range(args.warmup):
-            warm_s = max(warm_s, timed_call(comm, system, work, source))
+            warm_s = max(warm_s, timed_call(comm, system, work, source)[0])
         live.append(system)
     del expected
     if args.iters:
@@ -289,15 +304,18 @@ def measure_size(comm, systems, nbytes, args):
     else:
         slowest = comm.allreduce(warm_s, op=MPI.MAX)
         iters = int(min(args.max_iters, max(args.min_iters, args.budget / max(slowest, 1e-6))))
-    times = np.zeros((len(live), iters))
+    times, cpus = np.zeros((len(live), iters)), np.zeros((len(live), iters))
     for i in range(iters):  # interleaved: iteration i of every system, then i + 1
         for s, system in enumerate(live):
-            times[s, i] = timed_call(comm, system, work, source)
-    slowest_rank = np.empty_like(times)
+            times[s, i], cpus[s, i] = timed_call(comm, system, work, source)
+    slowest_rank, cpu_sum = np.empty_like(times), np.empty_like(cpus)
     comm.Allreduce(times, slowest_rank, op=MPI.MAX)
+    comm.Allreduce(cpus, cpu_sum, op=MPI.SUM)
+    cpu = {}
     for s, system in enumerate(live):
         results[system.name] = slowest_rank[s].tolist()
-    return results, wire
+        cpu[system.name] = (cpu_sum[s] / comm.size).tolist()
+    return results, wire, cpu
 
 
 def bandwidths(nbytes, seconds, ranks):
@@ -309,7 +327,8 @@ def bandwidths(nbytes, seconds, ranks):
 # ---- output (rank 0) ----
 
 FIELDS = ["tag", "run", "system", "ranks", "bytes", "iters", "time_median_s", "time_min_s",
-          "algbw_MBps", "busbw_MBps", "busbw_best_MBps", "correct", "stream_MBps", "wire_bytes"]
+          "algbw_MBps", "busbw_MBps", "busbw_best_MBps", "correct", "stream_MBps", "wire_bytes",
+          "cpu_per_rank_s", "cpu_share", "load_average"]
 
 
 def write_atomic(path, write):
@@ -373,7 +392,8 @@ def print_codec_table(rows, names, sizes):
     def median_of(name, nbytes, field):
         vals = [r[field] for r in rows if r["system"] == name and r["bytes"] == nbytes and r["correct"]]
         return statistics.median(vals) if vals else None
-    print(f"{'size':>6}  {'system':<24} {'time ms':>9} {'eff MB/s':>9} {'wire MB':>9} {'vs mpi':>7}")
+    print(f"{'size':>6}  {'system':<24} {'time ms':>9} {'eff MB/s':>9} {'wire MB':>9} {'vs mpi':>7} "
+          f"{'cpu/rank ms':>11} {'cpu share':>9}")
     for nbytes in sizes:
         t_mpi = median_of("mpi", nbytes, "time_median_s")
         for name in names:
@@ -385,7 +405,10 @@ def print_codec_table(rows, names, sizes):
             wire_mb = f"{w[0] / 1e6:9.2f}" if w and w[0] != "" else f"{'-':>9}"
             speedup = show(ratio(t_mpi, t), "7.2f", f"{'-':>7}")
             eff = show(rate(nbytes / 1e6, t), "9.1f", f"{'-':>9}")
-            print(f"{format_bytes(nbytes):>6}  {name:<24} {t * 1e3:9.1f} {eff} {wire_mb} {speedup}")
+            cpu = median_of(name, nbytes, "cpu_per_rank_s")
+            cpu_ms = show(None if cpu is None else cpu * 1e3, "11.1f", f"{'-':>11}")
+            share = show(ratio(cpu, t), "9.2f", f"{'-':>9}")
+            print(f"{format_bytes(nbytes):>6}  {name:<24} {t * 1e3:9.1f} {eff} {wire_mb} {speedup} {cpu_ms} {share}")
 
 
 def draw(plt, summary, names, sizes, stream, title):
@@ -466,16 +489,20 @@ def main(argv=None):
         progress = tqdm(total=args.runs * len(args.sizes), desc="[bench rank 0] allreduce", file=sys.stderr)
     for run in range(args.runs):
         for nbytes in args.sizes:
-            results, wire = measure_size(comm, systems, nbytes, args)
+            load = comm.bcast(load_average(), root=0)
+            results, wire, cpu = measure_size(comm, systems, nbytes, args)
             for name in names:
                 times = results[name]
                 row = {"tag": args.tag, "run": run, "system": name, "ranks": comm.size, "bytes": nbytes,
-                       "correct": times is not None, "stream_MBps": stream or "", "wire_bytes": wire.get(name, "")}
+                       "correct": times is not None, "stream_MBps": stream or "", "wire_bytes": wire.get(name, ""),
+                       "load_average": "" if load is None else load}
                 if times:
                     median, best = statistics.median(times), min(times)
                     row.update(iters=len(times), time_median_s=median, time_min_s=best)
                     row["algbw_MBps"], row["busbw_MBps"] = bandwidths(nbytes, median, comm.size)
                     row["busbw_best_MBps"] = bandwidths(nbytes, best, comm.size)[1]
+                    row["cpu_per_rank_s"] = statistics.median(cpu[name])
+                    row["cpu_share"] = ratio(row["cpu_per_rank_s"], median)
                 rows.append(row)
             if progress:  # kept current, so an aborted sweep leaves what it measured
                 write_csv(os.path.join(args.out, args.tag + ".csv"), rows)

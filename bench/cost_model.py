@@ -23,6 +23,7 @@ Subcommands (every figure that was not measured is an empty cell, never 0):
         run -- mpiexec -n 2 bench/netns-exec.sh python bench/cost_model.py measure --out bench/results
     python bench/cost_model.py validate --out bench/results       # fit on P = 2, table for P = 2, 4, 8
     python bench/cost_model.py predict --out bench/results        # P = 2 .. 1024 at 10 and 100 Gbit/s
+    python bench/cost_model.py compare bench/results/hosts8-50mbit.csv   # a bench/allreduce.py run
 """
 
 import argparse
@@ -512,6 +513,118 @@ def cmd_validate(args):
     return 0
 
 
+# ---- compare: the model at the points of a bench/allreduce.py run ----
+
+def allreduce_scheme(system, p):
+    """bench/allreduce.py's system name -> the model's scheme, None for one the model lacks."""
+    if system == "mpi":
+        return "mpi"
+    if system == "hpcdl":
+        return "dense"
+    inner = system[len("hpcdl["):-1] if system.startswith("hpcdl[") else ""
+    for name in ("fp16", "bf16", "int8"):
+        if inner.startswith(name):
+            return name
+    if inner.startswith("topk(ratio=0.01"):
+        if "algorithm=" in inner:
+            return "topk_" + inner.split("algorithm=")[1].rstrip(")")
+        return "topk_allgather" if p == 2 else "topk_split"  # what auto picks at 64 MiB (docs/compression.md)
+    return None
+
+
+COMPARE_FIELDS = ["ranks", "system", "scheme", "bytes", "runs", "stream_MBps", "cpu_share", "measured_s",
+                  "predicted_s", "predicted_over_measured", "within_20pct", "speedup_vs_mpi_measured",
+                  "speedup_vs_mpi_model", "cpu_per_rank_s", "cpu_model_s", "wire_bytes_per_rank",
+                  "bytes_sent_model"]
+
+
+def cmd_compare(args):
+    """Medians over runs of a bench/allreduce.py CSV against the model with the P = 2 fit
+    (cost-model-params.csv): beta scaled by the run's own TCP stream (the fit's 1/beta over
+    its stream), the CPU share of that P from cost-model-measured-p{P}.csv (same machine,
+    same ranks on the same cores) unless --share is given. Modelled CPU per rank: kappa x
+    kernels, plus the fitted poll x the modelled time for hpcdl's schemes."""
+    from hpcdl.measure import cell, ratio
+    codec = load_codecs(args.out)
+    fitted = {r["parameter"]: num(r["value"]) for r in read_rows(os.path.join(args.out, "cost-model-params.csv"))}
+    rows = [r for r in read_rows(args.csv) if r["correct"] == "True" and r["time_median_s"]]
+    if not rows:
+        raise SystemExit(f"{args.csv}: no correct measurement")
+    out = []
+    for key in sorted({(int(r["ranks"]), r["system"], int(r["bytes"])) for r in rows}):
+        p, system, b = key
+        scheme = allreduce_scheme(system, p)
+        mine = [r for r in rows if (int(r["ranks"]), r["system"], int(r["bytes"])) == key]
+        mpi = [r for r in rows if (int(r["ranks"]), r["system"], int(r["bytes"])) == (p, "mpi", b)]
+        stream = statistics.median(float(r["stream_MBps"]) for r in mine)
+        share = args.share
+        if share is None:
+            path = os.path.join(args.out, f"cost-model-measured-p{p}.csv")
+            shares = [num(r["cpu_share"]) for r in read_rows(path)] if os.path.exists(path) else []
+            share = statistics.median(v for v in shares if v) if any(shares) else None
+        m = Machine(fitted["alpha"], fitted["beta"] / fitted["stream_beta"] / (1e6 * stream), codec,
+                    kappa=fitted["kappa"], cpu_share=share, cores=fitted.get("cores"), burst=args.burst)
+        t = statistics.median(float(r["time_median_s"]) for r in mine)
+        t_mpi = statistics.median(float(r["time_median_s"]) for r in mpi) if mpi else None
+        cpu = [num(r.get("cpu_per_rank_s")) for r in mine if num(r.get("cpu_per_rank_s")) is not None]
+        wire = [num(r["wire_bytes"]) / p for r in mine if num(r["wire_bytes"]) is not None]
+        pred = predict_time(scheme, p, b // 4, m) if scheme else None
+        q = ratio(pred, t)
+        # hpcdl's engine also burns the fitted poll CPU per wall second while it waits (not charged
+        # to the time); MPI_Allreduce spins instead, which the model does not price.
+        cpu_model = None if pred is None else cpu_seconds(scheme, p, b // 4, m) + (
+            0.0 if scheme == "mpi" else (fitted.get("poll") or 0.0) * pred)
+        out.append({"ranks": p, "system": system, "scheme": scheme or "", "bytes": b, "runs": len(mine),
+                    "stream_MBps": stream, "cpu_share": cell(share), "measured_s": t, "predicted_s": cell(pred),
+                    "predicted_over_measured": cell(q),
+                    "within_20pct": "" if q is None else ("yes" if abs(q - 1) <= 0.2 else "no"),
+                    "speedup_vs_mpi_measured": cell(ratio(t_mpi, t)),
+                    "speedup_vs_mpi_model": cell(ratio(predict_time("mpi", p, b // 4, m), pred) if scheme else None),
+                    "cpu_per_rank_s": cell(statistics.median(cpu) if cpu else None),
+                    "cpu_model_s": cell(cpu_model),
+                    "wire_bytes_per_rank": cell(statistics.median(wire) if wire else None),
+                    "bytes_sent_model": cell(traffic(scheme, p, b // 4)[1] if scheme else None)})
+    stem = os.path.splitext(os.path.basename(args.csv))[0]
+    path = os.path.join(args.out, f"{stem}-model.csv")
+    write_rows(path, COMPARE_FIELDS, out)
+    from hpcdl.measure import save_figure
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(8, 4.8))
+        xs = range(len(out))
+        ax.bar([x - 0.2 for x in xs], [1e3 * r["measured_s"] for r in out], 0.4, label="measured (median of runs)")
+        ax.bar([x + 0.2 for x in xs], [1e3 * (r["predicted_s"] or 0) for r in out], 0.4, label="cost model")
+        ax.set_xticks(list(xs), [f"P={r['ranks']} {r['scheme'] or r['system']}" for r in out], rotation=30, ha="right")
+        ax.set_yscale("log")
+        ax.set_ylabel("time per call, slowest rank (ms)")
+        ax.set_title(f"{stem}: {out[0]['bytes'] / 2**20:g} MiB float32, stream {out[0]['stream_MBps']:.2f} MB/s")
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        return fig
+
+    figure = os.path.join(args.out, f"{stem}-model.png")
+    plotted = save_figure(figure, draw)
+    print(f"{'P':>3} {'system':62} {'measured ms':>11} {'model ms':>9} {'model/meas':>10} {'x mpi':>6} "
+          f"{'model x mpi':>11} {'cpu ms':>7} {'model cpu':>9}")
+    for r in out:
+        print(f"{r['ranks']:>3} {r['system'] + ' (' + r['scheme'] + ')':62} {1e3 * r['measured_s']:11.1f} "
+              + " ".join(f"{v:>{w}}" for v, w in (
+                  (show_ms(r["predicted_s"]), 9), (show_num(r["predicted_over_measured"]), 10),
+                  (show_num(r["speedup_vs_mpi_measured"]), 6), (show_num(r["speedup_vs_mpi_model"]), 11),
+                  (show_ms(r["cpu_per_rank_s"]), 7), (show_ms(r["cpu_model_s"]), 9))))
+    print(f"wrote {path}" + (f", {figure}" if plotted else ""))
+    return 0
+
+
+def show_ms(value):
+    return "-" if value == "" else f"{1e3 * value:.1f}"
+
+
+def show_num(value):
+    return "-" if value == "" else f"{value:.2f}"
+
+
 # ---- predict: P = 2 .. 1024 on real links ----
 
 def cmd_predict(args):
@@ -611,11 +724,17 @@ def main(argv=None):
                    "fitted value in <out>/cost-model-params.csv, else 1)")
     r.add_argument("--schemes", default=",".join(SCHEMES))
     r.add_argument("--tag", default="cost-model-predict", help="file stem of <out>/<tag>.csv and .png")
-    for q in (c, m, v, r):
+    k = sub.add_parser("compare", help="the model at the points of a bench/allreduce.py CSV")
+    k.add_argument("csv", help="bench/allreduce.py's <out>/<tag>.csv, run under netcluster.sh")
+    k.add_argument("--share", type=float, default=None, help="CPU share per rank (default: the median "
+                   "measured at the same P in <out>/cost-model-measured-p<P>.csv)")
+    k.add_argument("--burst", type=float, default=32 << 10, help="token bucket bytes per link")
+    for q in (c, m, v, r, k):
         q.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    return {"codecs": cmd_codecs, "measure": cmd_measure, "validate": cmd_validate, "predict": cmd_predict}[
+    return {"codecs": cmd_codecs, "measure": cmd_measure, "validate": cmd_validate, "predict": cmd_predict,
+            "compare": cmd_compare}[
         args.command](args)
 
 
