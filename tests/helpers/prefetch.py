@@ -38,3 +38,13 @@ def store_made_by_rank0(comm, prefix, files, seed):
     if comm.Get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
 
+
+def corrupt_sample(st, victim):
+    """Flip one byte of sample `victim` on disk; returns its shard's path."""
+    info = next(i for i in st.shard_infos if "offsets" in i)
+    with open(info["path"], "r+b") as fh:
+        fh.seek(info["data_offset"] + int(info["offsets"][victim]))
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    return info["path"]

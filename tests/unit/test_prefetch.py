@@ -14,7 +14,7 @@ from hpcdl import _core, prefetch, store
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import PrefetchWarning, Prefetcher
 from conftest import ROOT
-from helpers.prefetch import make_store
+from helpers.prefetch import corrupt_sample, make_store
 
 MASK32 = 0xFFFFFFFF
 
@@ -47,13 +47,7 @@ def reference_order(n, seed, epoch):
 def corrupt_largest_sample(st):
     """Flip one byte of the store's largest sample on disk; returns its index and shard path."""
     victim = int(np.argmax(st.sizes))
-    info = next(i for i in st.shard_infos if "offsets" in i)
-    with open(info["path"], "r+b") as fh:
-        fh.seek(info["data_offset"] + int(info["offsets"][victim]))
-        byte = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-    return victim, info["path"]
+    return victim, corrupt_sample(st, victim)
 
 
 @pytest.fixture(scope="module")

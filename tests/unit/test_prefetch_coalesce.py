@@ -12,7 +12,7 @@ import pytest
 from hpcdl import prefetch, simulator, store
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import Prefetcher
-from helpers.prefetch import make_store
+from helpers.prefetch import corrupt_sample, make_store
 
 BATCH, EPOCHS, SEED = 8, 3, 7
 
@@ -88,16 +88,6 @@ def test_later_epochs_read_nothing_more_when_everything_is_cached(st):
     assert stats["hits"]["store"] == 0
 
 
-def corrupt(st, victim):
-    info = next(i for i in st.shard_infos if "offsets" in i)
-    with open(info["path"], "r+b") as fh:
-        fh.seek(info["data_offset"] + int(info["offsets"][victim]))
-        byte = fh.read(1)
-        fh.seek(-1, 1)
-        fh.write(bytes([byte[0] ^ 0xFF]))
-    return info["path"]
-
-
 def batches_or_errors(st, **kw):
     """{global batch: ids or the error message} of a whole run, iterating on after failed batches."""
     out = {}
@@ -117,7 +107,7 @@ def batches_or_errors(st, **kw):
 def test_a_bad_sample_in_a_span_fails_only_its_batches(tmp_path):
     st = make_store(str(tmp_path), files=60, seed=5)
     victim = int(np.argmax(st.sizes))
-    shard = corrupt(st, victim)
+    shard = corrupt_sample(st, victim)
     stream = prefetch.rank_stream(len(st), 4, 1, 0, 2, SEED).reshape(-1, 4)
     got = batches_or_errors(store.Store(st.root), ram_bytes=10**6, read_gap=1 << 20)
     for b, row in enumerate(stream):
