@@ -104,14 +104,20 @@ def evaluate(store, predict, comm=MPI.COMM_WORLD, batch_size=64):
     return correct, count
 
 
-def compression_codec(name, int8_block, topk_ratio):
-    """The hpcdl.compression codec for --compression (None: dense)."""
-    if name == "none":
-        return None
+def codec_text(text):
+    """--compression's type: the codec's canonical text, read by hpcdl's own parser (argparse
+    reports its ValueError as an invalid value)."""
     import hpcdl.compression as codecs
 
-    return {"fp16": lambda: codecs.FP16(), "bf16": lambda: codecs.BF16(),
-            "int8": lambda: codecs.Int8(block=int8_block), "topk": lambda: codecs.TopK(ratio=topk_ratio)}[name]()
+    return str(codecs.from_text(text))
+
+
+def compression_codec(text):
+    """The hpcdl.compression codec that --compression names (None: dense)."""
+    import hpcdl.compression as codecs
+
+    codec = codecs.from_text(text)
+    return codec if codec.canonical() else None
 
 
 def add_common_arguments(parser):
@@ -123,9 +129,9 @@ def add_common_arguments(parser):
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="the prefetcher's shuffle and the model's init")
-    parser.add_argument("--compression", choices=["none", "fp16", "bf16", "int8", "topk"], default="none")
-    parser.add_argument("--int8-block", type=int, default=256)
-    parser.add_argument("--topk-ratio", type=float, default=0.05)
+    parser.add_argument("--compression", type=codec_text, default="none",
+                        help="gradient codec as hpcdl.compression.from_text reads it: none, fp16, bf16, int8, "
+                             "topk, or with settings, e.g. 'int8(block=64)', 'topk(ratio=0.05)'")
     parser.add_argument("--ram-mib", type=int, default=256, help="prefetcher RAM tier per rank")
     parser.add_argument("--cache-dir", help="node-local directory for the prefetcher's disk tier "
                                             "(default: $HPCDL_SCRATCH if set, else no disk tier)")

@@ -68,7 +68,7 @@ def main():
                                  tf.keras.layers.Dense(classes)])
     optimizer = hpcdl.tensorflow.DistributedOptimizer(
         tf.keras.optimizers.SGD(args.lr, momentum=0.9),
-        compression=compression_codec(args.compression, args.int8_block, args.topk_ratio))
+        compression=compression_codec(args.compression))
     # jit_compile=False: the allreduce is a host call XLA cannot compile (Keras' "auto" turns XLA on with a GPU)
     model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"], jit_compile=False)

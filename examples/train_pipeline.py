@@ -31,8 +31,9 @@ def main():
     parser.add_argument("--layers", type=int, default=3, help="hidden Linear+ReLU blocks")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--compression", choices=["none", "fp16", "int8"], default="none",
-                        help="codec of the per-stage gradient allreduce over the replicas")
+    parser.add_argument("--compression", type=hpcdl.compression.from_text, default="none",
+                        help="codec of the per-stage gradient allreduce over the replicas, as "
+                             "hpcdl.compression.from_text reads it (none, fp16, bf16, int8, 'int8(block=64)', ...)")
     parser.add_argument("--save", default=None, help="path of a checkpoint of the whole model")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -54,7 +55,7 @@ def main():
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     replicas, replica = pipe.data_comm.Get_size(), pipe.data_comm.Get_rank()
     if replicas > 1:
-        codec = {"none": None, "fp16": hpcdl.compression.FP16(), "int8": hpcdl.compression.Int8()}[args.compression]
+        codec = args.compression if args.compression.canonical() else None
         optimizer = pipe.distributed_optimizer(optimizer, compression=codec)
 
     steps = len(x_all) // (args.batch * replicas)

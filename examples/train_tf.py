@@ -47,7 +47,7 @@ def main():
                                  tf.keras.layers.Dense(classes)])
     optimizer = tf.keras.optimizers.SGD(args.lr, momentum=0.9)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    codec = compression_codec(args.compression, args.int8_block, args.topk_ratio)
+    codec = compression_codec(args.compression)
     hpcdl.tensorflow.broadcast_variables(model.variables, root=0)
 
     def train_step(x, y):

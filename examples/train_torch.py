@@ -44,7 +44,7 @@ def main():
                                 torch.nn.Linear(args.hidden, classes))
     optimizer = hpcdl.torch.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model.named_parameters(),
-        compression=compression_codec(args.compression, args.int8_block, args.topk_ratio),
+        compression=compression_codec(args.compression),
         bucket_bytes=args.bucket_bytes)
     hpcdl.torch.broadcast_parameters(model.state_dict(), root_rank=0)
     hpcdl.torch.broadcast_optimizer_state(optimizer, root_rank=0)
