@@ -109,6 +109,8 @@ class Engine {
   void announce_leaving(CommContext& ctx, const std::string& why);
   // Another rank's leave notice (in control_msg_) arrived from `source`.
   Status take_leave_notice(CommContext& ctx, int source);
+  // Coordinator: sends the first leave notice on to the ranks still there, once its delay passed.
+  Status forward_leave_notice(CommContext& ctx);
   // Cancels and frees what a freed communicator held; false until its duplication completed.
   bool release_freed(CommContext& ctx);
   Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
@@ -124,6 +126,8 @@ class Engine {
   std::vector<std::shared_ptr<CommContext>> contexts_;
   std::thread thread_;
   bool running_ = false, stopped_ = false;
+  bool loop_done_ = false;  // under mu_: the thread's last act, so shutdown can bound its wait
+  int world_rank_ = -1;     // for messages when MPI cannot be called
   std::uint64_t wakeups_ = 0;  // wake() calls: an idle loop rechecks what is ready or freed
   double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;
 

@@ -282,14 +282,14 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
     if (error_s > 0 && waited >= error_s) {
       put_entry(id, PlanResult::kTimeout,
                 "hpcdl: operation '" + coord_names[id] + "' was never submitted by " + rank_list(missing) +
-                    " (gave up after " + std::to_string(static_cast<int>(waited)) + " s)");
+                    " (gave up after " + seconds_text(waited) + " s)");
       it = table.erase(it);
       continue;
     }
     if (warn_s > 0 && waited >= warn_s && waited - e.warned_at >= warn_s) {
       e.warned_at = waited;
       std::ostringstream os;
-      os << "hpcdl: operation '" << coord_names[id] << "' has waited " << static_cast<int>(waited)
+      os << "hpcdl: operation '" << coord_names[id] << "' has waited " << seconds_text(waited)
          << " s for " << rank_list(missing) << ", which have not submitted it (ready on "
          << e.ready_count << " of " << size << " ranks)";
       put_entry(id, PlanResult::kStall, os.str());
@@ -327,6 +327,7 @@ Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, d
     }
   }
   *busy = *busy || arrived || reported;
+  HPCDL_RETURN_NOT_OK(forward_leave_notice(ctx));
   if (!ctx.is_coordinator() && ctx.gone.ok()) {
     ctx.release_held(report_hold_seconds(warn_s, error_s));
     HPCDL_RETURN_NOT_OK(ctx.send_upward());

@@ -120,14 +120,14 @@ Status Engine::finish_setup(CommContext& ctx, double warn_s, double error_s) {
   if (error_s > 0 && waited >= error_s) {
     for (auto& kv : ctx.pending)
       kv.second->finish(Status::Timeout("hpcdl: operation '" + kv.first + "' waited " +
-                                        std::to_string(static_cast<int>(waited)) + " s" + what));
+                                        seconds_text(waited) + " s" + what));
     ctx.pending.clear();
     std::lock_guard<std::mutex> g(mu_);
     ctx.in_flight.clear();
   } else if (warn_s > 0 && waited >= warn_s && waited - ctx.setup_warned_at >= warn_s) {
     ctx.setup_warned_at = waited;
     for (auto& kv : ctx.pending)
-      kv.second->notify("hpcdl: operation '" + kv.first + "' has waited " + std::to_string(static_cast<int>(waited)) +
+      kv.second->notify("hpcdl: operation '" + kv.first + "' has waited " + seconds_text(waited) +
                         " s" + what);
   }
   return Status::OK();
@@ -135,6 +135,18 @@ Status Engine::finish_setup(CommContext& ctx, double warn_s, double error_s) {
 
 void Engine::announce_leaving(CommContext& ctx, const std::string& why) {
   if (!ctx.set_up || ctx.size < 2) return;
+  // Leave notices that have arrived name ranks already gone: they get no notice.
+  for (;;) {
+    int flag = 0, n = 0;
+    MPI_Status probe;
+    if (MPI_Iprobe(MPI_ANY_SOURCE, kTagLeave, ctx.ctl, &flag, &probe) != MPI_SUCCESS || !flag) break;
+    MPI_Get_count(&probe, MPI_BYTE, &n);
+    control_msg_.resize(static_cast<std::size_t>(n));
+    if (MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe.MPI_SOURCE, kTagLeave, ctx.ctl, MPI_STATUS_IGNORE) !=
+            MPI_SUCCESS ||
+        !take_leave_notice(ctx, probe.MPI_SOURCE).ok())
+      break;
+  }
   int world_rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   WireWriter w;
@@ -143,7 +155,7 @@ void Engine::announce_leaving(CommContext& ctx, const std::string& why) {
   w.put_string(why);
   // The coordinator tells every rank; anyone else tells the coordinator, which forwards it.
   for (int r = 0; r < ctx.size; ++r)
-    if (r != ctx.rank && (ctx.is_coordinator() || r == 0)) ctx.send(r, kTagLeave, w.buffer());
+    if (r != ctx.rank && (ctx.is_coordinator() || r == 0) && !ctx.has_left(r)) ctx.send(r, kTagLeave, w.buffer());
   // Small messages leave at once; a rank already gone must not hold this one up.
   const auto since = std::chrono::steady_clock::now();
   while (!ctx.outbox.empty() && seconds_since(since) < 1.0 && ctx.flush_outbox().ok())
@@ -169,16 +181,21 @@ void Engine::fail_pending(CommContext& ctx, const Status& st) {
   ctx.in_flight.clear();
 }
 
-// A leave notice from `source` (in control_msg_): the first one fails what
-// waits on ctx; the coordinator forwards it to every other rank.
+// A leave notice from `source` (in control_msg_): every one marks its rank as
+// left; the first fails what waits on ctx, and the coordinator forwards it
+// (forward_leave_notice).
 Status Engine::take_leave_notice(CommContext& ctx, int source) {
-  if (!ctx.gone.ok()) return Status::OK();
   WireReader r(control_msg_.data(), control_msg_.size());
   std::int32_t rank = -1, world_rank = -1;
   std::string why;
   r.get(&rank);
   r.get(&world_rank);
   r.get_string(&why);
+  if (rank >= 0 && rank < ctx.size) {
+    if (ctx.left.empty()) ctx.left.assign(static_cast<std::size_t>(ctx.size), 0);
+    ctx.left[static_cast<std::size_t>(rank)] = 1;
+  }
+  if (!ctx.gone.ok()) return Status::OK();
   ctx.gone = Status::Cancelled("hpcdl: rank " + std::to_string(rank) + " of the communicator (rank " +
                                std::to_string(world_rank) + " of COMM_WORLD) left: " + why +
                                "; operations on this communicator cannot complete");
@@ -188,10 +205,23 @@ Status Engine::take_leave_notice(CommContext& ctx, int source) {
   // Said here too: the caller may catch the error its operations get.
   if (!ctx.pending.empty() || executing_ == &ctx)
     std::fprintf(stderr, "[hpcdl rank %d] %s\n", ctx.rank, ctx.gone.message().c_str());
-  // First news of it at the coordinator: tell everyone else, once.
-  if (ctx.is_coordinator())
-    for (int r2 = 1; r2 < ctx.size; ++r2)
-      if (r2 != source) HPCDL_RETURN_NOT_OK(ctx.send(r2, kTagLeave, control_msg_));
+  // First news of it at the coordinator: everyone else is told, once, a little later.
+  if (ctx.is_coordinator()) {
+    ctx.leave_to_forward = control_msg_;
+    ctx.leave_source = source;
+    ctx.leave_forward_at = std::chrono::steady_clock::now() + kLeaveForwardDelay;
+  }
+  return Status::OK();
+}
+
+// The delay lets the notices of ranks leaving together arrive first: a rank already in
+// MPI_Finalize must get no message (see CommContext::left), and ranks that leave get none.
+Status Engine::forward_leave_notice(CommContext& ctx) {
+  if (ctx.leave_to_forward.empty() || std::chrono::steady_clock::now() < ctx.leave_forward_at) return Status::OK();
+  std::vector<char> notice = std::move(ctx.leave_to_forward);
+  ctx.leave_to_forward.clear();
+  for (int r = 1; r < ctx.size; ++r)
+    if (r != ctx.leave_source && !ctx.has_left(r)) HPCDL_RETURN_NOT_OK(ctx.send(r, kTagLeave, notice));
   return Status::OK();
 }
 

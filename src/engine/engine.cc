@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <string>
@@ -30,6 +32,10 @@ constexpr double kLeftRankCollectiveGraceSeconds = 30.0;
 // this long with no plan to run: plans the coordinator sent before a rank left
 // (it may be the one that left) are still on their way down the report tree.
 constexpr double kLeftRankPlanGraceSeconds = 5.0;
+// How long shutdown waits for the engine thread's last leave notices: an MPI_Isend
+// to a rank whose process ended just before the notice of its leaving arrived can
+// block in connect() for good, and a process must end rather than hang.
+constexpr auto kShutdownBound = std::chrono::seconds(30);
 
 }  // namespace
 
@@ -225,6 +231,7 @@ void Engine::publish_agreement_stats(CommContext& ctx) {
 
 void Engine::loop() {
   name_this_thread("hpcdl-engine");
+  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank_);
   request_short_slice(engine_slice_us());
   auto idle = std::chrono::microseconds(20);
   auto last_plan = std::chrono::steady_clock::now();
@@ -274,7 +281,7 @@ void Engine::loop() {
       if (running->gone.ok() && error_s > 0 && waited_s >= error_s) {
         executing_stalled_s_ = waited_s;
         if (executing_cancellable_) return false;
-        abort_job("an MPI collective made no progress for " + std::to_string(static_cast<int>(waited_s)) +
+        abort_job("an MPI collective made no progress for " + seconds_text(waited_s) +
                   " s (stall_error_seconds); a rank may be stopped or dead, and such a request can be neither "
                   "cancelled nor freed");
       }
@@ -353,18 +360,32 @@ void Engine::loop() {
     ctx->pending.clear();
     if (!ctx->freed) announce_leaving(*ctx, "its process exited (its engine shut down at interpreter exit)");
   }
-  std::lock_guard<std::mutex> g(mu_);
-  for (auto& ctx : contexts_) ctx->in_flight.clear();
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    for (auto& ctx : contexts_) ctx->in_flight.clear();
+    loop_done_ = true;
+  }
+  cv_.notify_all();
 }
 
 void Engine::shutdown() {
   {
-    std::lock_guard<std::mutex> g(mu_);
+    std::unique_lock<std::mutex> g(mu_);
     stopped_ = true;
     if (!running_) return;
     running_ = false;
+    cv_.notify_all();
+    if (!cv_.wait_for(g, kShutdownBound, [&] { return loop_done_; })) {
+      // The thread is inside MPI and cannot be stopped, nor can MPI_Finalize run beside it.
+      std::fprintf(stderr,
+                   "[hpcdl rank %d] exit: the engine could not tell the other ranks that this rank leaves within "
+                   "%lld s (MPI blocks sending to a rank whose process has already ended); ending this process "
+                   "with exit code 1 instead of hanging\n",
+                   world_rank_, static_cast<long long>(kShutdownBound.count()));
+      std::fflush(nullptr);
+      std::_Exit(1);
+    }
   }
-  cv_.notify_all();
   if (thread_.joinable()) thread_.join();
 }
 

@@ -29,10 +29,14 @@ hpcdl.allreduce(np.ones(4, np.float32))  # every rank is up, the engine runs
 """
 
 
-def start(tmp_path, ranks, body):
+# MPICH's TCP transport on loopback, as between nodes (no shared memory between ranks).
+TCP_LOOPBACK = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "lo"}
+
+
+def start(tmp_path, ranks, body, extra_env=None):
     script = tmp_path / "job.py"
     script.write_text(PRELUDE + textwrap.dedent(body))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", JOB_DIR=str(tmp_path))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JOB_DIR=str(tmp_path), **(extra_env or {}))
     for variable in ("HPCDL_STALL_ERROR_SECONDS", "HPCDL_STALL_WARNING_SECONDS"):
         env.pop(variable, None)  # the defaults are what is tested
     return start_job([MPIEXEC, "-n", str(ranks), sys.executable, str(script)], env=env)
@@ -44,8 +48,8 @@ def finish(proc, bound=BOUND_S):
     return code, out
 
 
-def run_job(tmp_path, ranks, body, bound=BOUND_S):
-    return finish(start(tmp_path, ranks, body), bound)
+def run_job(tmp_path, ranks, body, bound=BOUND_S, extra_env=None):
+    return finish(start(tmp_path, ranks, body, extra_env), bound)
 
 
 def survivor_lines(out, survivors, left):
@@ -132,6 +136,29 @@ def test_abort_on_uncaught_exception_can_be_switched_off(tmp_path):
     assert rc == 0 and answers == {0: "True", 1: "True"}, (answers, out)
 
 
+def test_the_last_rank_to_exit_sends_nothing_to_ranks_already_gone(tmp_path):
+    """Over TCP an MPI_Isend to a rank that has left (in MPI_Finalize or ended) can block in
+    connect() for good, so the last rank to leave must not send its leave notice there.
+    Ranks 1-3 leave first (their engines shut down as at interpreter exit, then they
+    finalize); rank 0, the coordinator, which tells every rank, leaves after them. It knows
+    from their own leave notices, so its exit is prompt and clean."""
+    rc, out = run_job(tmp_path, 4, """
+        if RANK != 0:
+            hpcdl._core.shutdown()  # what the atexit hook runs; then MPI_Finalize at exit
+            open(os.path.join(os.environ["JOB_DIR"], f"left.{RANK}"), "w").close()
+        else:
+            marks = [os.path.join(os.environ["JOB_DIR"], f"left.{r}") for r in (1, 2, 3)]
+            deadline = time.monotonic() + 90
+            while not all(map(os.path.exists, marks)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            time.sleep(1.0)  # they are in MPI_Finalize by now
+            print(f"rank 0: the others left: {all(map(os.path.exists, marks))}", flush=True)
+    """, extra_env=TCP_LOOPBACK)
+    assert rc == 0, out
+    assert "rank 0: the others left: True" in out, out
+    assert "could not tell the other ranks" not in out, out
+
+
 def test_rank_killed_with_sigkill_ends_the_job(tmp_path):
     """No code runs on a SIGKILLed rank, nor, once the launcher (MPICH's hydra)
     ends the job, on the others: hydra's report is what names it. Its PID line
@@ -168,7 +195,7 @@ def test_a_stopped_rank_inside_a_ring_ends_the_job_after_stall_error_seconds(tmp
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
     failed = [r for r in (0, 2) if f"[hpcdl rank {r}] uncaught StallTimeoutError" in out]
-    named = re.findall(r"operation 'big' made no progress in its ring for \d+ s \(stall_error_seconds\): "
+    named = re.findall(r"operation 'big' made no progress in its ring for [\d.]+ s \(stall_error_seconds\): "
                        r"rank (\d) or rank (\d) of the communicator, its neighbours", out)
     assert failed and named and all("1" in pair for pair in named), out
 
