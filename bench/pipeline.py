@@ -23,9 +23,11 @@ forward, backward and optimizer seconds on one micro-batch, in one process;
 the link's alpha and beta on 2 ranks; bench/pipeline_model.py) and
 the CSV gets the model's samples/s and bubble for hpcdl's schedules beside the
 measured ones (median of the rounds' predictions). The stages share
-min(P, cores, P x share) cores, share being the part of a core each of P
-ranks gets while all compute, measured each round (other users' jobs take
-the rest); --model-cores sets it. For
+min(P, cores, P x share) cores, share being the part of a core a rank gets
+(other users' jobs take the rest), measured two ways: by P ranks spinning
+together beside the run (predicted_*), and as the ranks got it while they
+had work during the run, CPU time over the time not spent waiting
+(predicted_*_run_share); --model-cores sets the cores instead. For
 `python bench/pipeline_model.py validate`.
 """
 
@@ -109,7 +111,7 @@ def worker_hpcdl(args):
     results = {}
     for schedule, pipe in pipes.items():
         opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
-        bubbles = []
+        bubbles, waited = [], []
 
         def step():
             opt.zero_grad()
@@ -117,10 +119,15 @@ def worker_hpcdl(args):
             opt.step()
             times = pipe.last_step_times()
             bubbles.append(times["waited_s"] / times["step_s"])
+            waited.append(times["waited_s"])
 
         if args.model:  # the model's inputs just before and after the timed runs, averaged: the load drifts
             before = pipeline_model.measure_inputs(comm, model, pipe.starts, x[:rows], y[:rows], args.micro_batches)
+        cpu, wall = time.process_time(), time.perf_counter()
         rates = timed_runs(args, step, comm.Barrier)
+        # the part of a core this rank got while it had work (not waiting for another stage)
+        run_share = comm.gather((time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall - sum(waited)),
+                                root=0)
         if args.model:
             after = pipeline_model.measure_inputs(comm, model, pipe.starts, x[:rows], y[:rows], args.micro_batches)
         stats = comm.gather(pipe.activation_stats(), root=0)
@@ -128,7 +135,7 @@ def worker_hpcdl(args):
         if comm.Get_rank() == 0:
             if args.model:
                 results[schedule + " model"] = dict(mean_inputs(before, after), system="model inputs",
-                                                    schedule=schedule)
+                                                    schedule=schedule, run_share=min(1.0, statistics.median(run_share)))
             results[schedule] = {"system": f"hpcdl {schedule}", "rates": rates,
                                  "bubble": statistics.mean(bubble),
                                  "peak_bytes": [s["peak_bytes"] for s in stats],
@@ -243,17 +250,19 @@ def drive(args):
     p, m = args.ranks, args.micro_batches
     env = dict(os.environ, OMP_NUM_THREADS="1")
     merged, predictions, inputs = {}, {}, []
-    model_cores = []
+    model_cores = {}
     for round_ in range(args.runs):  # systems interleaved, so machine noise hits them alike
         print(f"[bench] round {round_ + 1} of {args.runs}", file=sys.stderr, flush=True)
         for row in run_round(args, env):
             if row["system"] == "model inputs":
                 inputs.append(row)
-                # the cores the stages get: P ranks' measured share of a core each, at most a core per rank
-                cores = args.model_cores or min(p, os.cpu_count(), p * row["cpu_share"])
-                model_cores.append(cores)
-                out = pipeline_model.predict(row["schedule"], row, m, cores, args.batch, args.steps)
-                predictions.setdefault(f"hpcdl {row['schedule']}", []).append(out)
+                # the cores the stages get: P ranks' share of a core each (measured apart, by spinning
+                # together; and as the ranks got it during the run), at most a core per rank
+                for kind, share in (("", row["cpu_share"]), ("_run", row["run_share"])):
+                    cores = args.model_cores or min(p, os.cpu_count(), p * share)
+                    model_cores.setdefault(kind, []).append(cores)
+                    out = pipeline_model.predict(row["schedule"], row, m, cores, args.batch, args.steps)
+                    predictions.setdefault((f"hpcdl {row['schedule']}", kind), []).append(out)
                 continue
             into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": []})
             if "failure" in row:
@@ -277,16 +286,19 @@ def drive(args):
                   f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.tag)
-    cores = statistics.median(model_cores) if model_cores else None
+    cores = {kind: statistics.median(c) for kind, c in model_cores.items()}
     for r in rows:
-        if r["system"] in predictions:
-            r["predicted"] = statistics.median(x["samples_per_s"] for x in predictions[r["system"]])
-            r["predicted_bubble"] = statistics.median(x["bubble"] for x in predictions[r["system"]])
+        for kind in cores:
+            if (r["system"], kind) in predictions:
+                outs = predictions[(r["system"], kind)]
+                r["predicted" + kind] = statistics.median(x["samples_per_s"] for x in outs)
+                r["predicted_bubble" + kind] = statistics.median(x["bubble"] for x in outs)
     with open(base + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "runs_samples_per_s",
                     "vs_single_process", "measured_bubble", "theoretical_bubble", "predicted_samples_per_s",
-                    "predicted_bubble", "model_cores", "status", "conditions"])
+                    "predicted_bubble", "model_cores", "predicted_samples_per_s_run_share",
+                    "predicted_bubble_run_share", "model_cores_run_share", "status", "conditions"])
         for r in rows:
             rate = statistics.median(r["rates"]) if "rates" in r else None
             ranks = 1 if r["system"] == "single process" else p
@@ -294,9 +306,10 @@ def drive(args):
                         " ".join(f"{x:.2f}" for x in r.get("rates", [])),
                         f"{rate / single:.3f}" if rate and single else "",
                         f"{r['bubble']:.3f}" if "bubble" in r else "", f"{theory:.3f}" if ranks > 1 else "",
-                        f"{r['predicted']:.2f}" if "predicted" in r else "",
-                        f"{r['predicted_bubble']:.3f}" if "predicted" in r else "",
-                        f"{cores:.2f}" if "predicted" in r else "", r.get("failure", "ok"), conditions])
+                        *[cell for kind in ("", "_run") for cell in
+                          ((f"{r['predicted' + kind]:.2f}", f"{r['predicted_bubble' + kind]:.3f}", f"{cores[kind]:.2f}")
+                           if "predicted" + kind in r else ("", "", ""))],
+                        r.get("failure", "ok"), conditions])
     if inputs:
         write_model_inputs(base + "-model-inputs.csv", inputs)
     with open(base + "-memory.csv", "w", newline="") as f:
@@ -312,11 +325,12 @@ def drive(args):
         print(f"{r['system']:36} {rate or 0:10.1f} {(rate / single) if rate and single else 0:9.2f} "
               f"{r.get('bubble', float('nan')):7.3f} {theory:7.3f}  {r.get('failure', 'ok')}")
     for r in rows:
-        if "predicted" in r:
-            rate = statistics.median(r["rates"]) if "rates" in r else None
-            print(f"{r['system']}: model {r['predicted']:.1f} samples/s (predicted/measured "
-                  f"{r['predicted'] / rate if rate else float('nan'):.2f}), bubble {r['predicted_bubble']:.3f}, "
-                  f"{cores:.2f} cores (median of the rounds)")
+        for kind, what in (("", "share measured apart"), ("_run", "share the ranks got in the run")):
+            if "predicted" + kind in r:
+                rate = statistics.median(r["rates"]) if "rates" in r else None
+                print(f"{r['system']}: model {r['predicted' + kind]:.1f} samples/s (predicted/measured "
+                      f"{r['predicted' + kind] / rate if rate else float('nan'):.2f}), bubble "
+                      f"{r['predicted_bubble' + kind]:.3f}, {cores[kind]:.2f} cores ({what}, median of the rounds)")
     for r in rows:
         if "peak_bytes" in r:
             print(f"{r['system']}: peak activation MiB per stage "
@@ -330,12 +344,13 @@ def write_model_inputs(path, inputs):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["round", "schedule", "stage", "forward_s", "backward_s", "optimizer_s", "message_bytes_out", "alpha_s",
-                    "beta_s_per_byte", "cpu_share"])
+                    "beta_s_per_byte", "cpu_share", "run_share"])
         for i, x in enumerate(inputs):
             for s, (fw, bw, opt) in enumerate(zip(x["forward"], x["backward"], x["optimizer"])):
                 out = int(x["message_bytes"][s]) if s < len(x["message_bytes"]) else ""
                 w.writerow([i // len(SCHEDULES), x["schedule"], s, f"{fw:.6g}", f"{bw:.6g}", f"{opt:.6g}", out, f"{x['alpha']:.4g}",
-                            f"{x['beta']:.4g}", f"{x['cpu_share']:.3f}"])
+                            f"{x['beta']:.4g}", f"{x['cpu_share']:.3f}",
+                            f"{x['run_share']:.3f}"])
 
 
 def plot(rows, path, conditions, p, m, single):

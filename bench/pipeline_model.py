@@ -340,7 +340,8 @@ def bench_module(name):
 
 
 def cmd_validate(args):
-    """One table from bench/pipeline.py --model runs: measured vs predicted per hpcdl schedule."""
+    """One table from bench/pipeline.py --model runs: measured vs predicted per hpcdl schedule,
+    with the cores measured apart and as the ranks got them in the run."""
     from hpcdl.measure import cell, ratio
     rows = []
     for path in args.csv:
@@ -348,12 +349,18 @@ def cmd_validate(args):
             for r in csv.DictReader(f):
                 if not r.get("predicted_samples_per_s") or not r.get("median_samples_per_s"):
                     continue
-                measured, predicted = float(r["median_samples_per_s"]), float(r["predicted_samples_per_s"])
+                measured = float(r["median_samples_per_s"])
+                run = float(r["predicted_samples_per_s_run_share"]) if r.get("predicted_samples_per_s_run_share") else None
                 rows.append({"run": os.path.basename(path)[:-4], "system": r["system"], "stages": r["ranks"],
-                             "cores": r["model_cores"], "micro_batches": r["micro_batches"],
-                             "measured_samples_per_s": measured, "predicted_samples_per_s": predicted,
-                             "predicted_over_measured": cell(ratio(predicted, measured)),
-                             "measured_bubble": r["measured_bubble"], "predicted_bubble": r["predicted_bubble"],
+                             "micro_batches": r["micro_batches"], "measured_samples_per_s": measured,
+                             "measured_bubble": r["measured_bubble"],
+                             "cores": r["model_cores"], "predicted_samples_per_s": float(r["predicted_samples_per_s"]),
+                             "predicted_over_measured": cell(ratio(float(r["predicted_samples_per_s"]), measured)),
+                             "predicted_bubble": r["predicted_bubble"],
+                             "cores_run_share": r.get("model_cores_run_share", ""),
+                             "predicted_samples_per_s_run_share": cell(run),
+                             "predicted_over_measured_run_share": cell(ratio(run, measured)),
+                             "predicted_bubble_run_share": r.get("predicted_bubble_run_share", ""),
                              "conditions": r["conditions"]})
     if not rows:
         raise SystemExit("no rows with a prediction: run bench/pipeline.py with --model")
@@ -362,12 +369,16 @@ def cmd_validate(args):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"{'run':34} {'system':12} {'P':>2} {'C':>2} {'M':>3} {'measured':>9} {'predicted':>9} {'ratio':>6} "
-          f"{'bubble m/p':>11}")
+    print(f"{'run':30} {'system':11} {'P':>2} {'M':>3} {'measured':>9} {'cores':>5} {'predicted':>9} {'ratio':>6} "
+          f"{'cores':>5} {'pred(run)':>9} {'ratio':>6}  bubble measured/predicted/predicted(run)")
     for r in rows:
-        print(f"{r['run']:34} {r['system']:12} {r['stages']:>2} {r['cores']:>2} {r['micro_batches']:>3} "
-              f"{r['measured_samples_per_s']:9.1f} {r['predicted_samples_per_s']:9.1f} "
-              f"{r['predicted_over_measured']:6.2f} {float(r['measured_bubble']):5.3f}/{float(r['predicted_bubble']):5.3f}")
+        run = r["predicted_samples_per_s_run_share"]
+        print(f"{r['run']:30} {r['system']:11} {r['stages']:>2} {r['micro_batches']:>3} "
+              f"{r['measured_samples_per_s']:9.1f} {r['cores']:>5} {r['predicted_samples_per_s']:9.1f} "
+              f"{r['predicted_over_measured']:6.2f} {r['cores_run_share']:>5} "
+              f"{run if run == '' else format(run, '9.1f'):>9} "
+              f"{'' if run == '' else format(r['predicted_over_measured_run_share'], '6.2f'):>6}  "
+              f"{r['measured_bubble']}/{r['predicted_bubble']}/{r['predicted_bubble_run_share']}")
     print(f"wrote {path}")
 
 
