@@ -282,17 +282,20 @@ def link_times(comm, sizes=LINK_SIZES, repeats=20, busy_s=3e-3):
     return {"alpha": alpha, "beta": beta, "points": points}
 
 
-def measure_inputs(comm, model, starts, micro_batch, targets, micro_batches):
-    """The model's inputs, measured on the P ranks of comm (collective): each rank in turn
-    times its stage (stage_times) while the others sleep; then the part of a core each
-    rank gets while all compute (cost_model.cpu_share, median of 3); then the link
-    (link_times). Rank 0 returns the inputs' dict, the others None."""
+def measure_inputs(comm, model, starts, micro_batch, targets, micro_batches, cores=None):
+    """The model's inputs, measured on the P ranks of comm (collective): each rank times its
+    stage (stage_times), C = min(P, cores) ranks at once while the others sleep, so that
+    every core is busy as in the pipeline's steady state (cores sharing memory bandwidth
+    and caches run slower than one alone) yet no two stages share a core; then the part
+    of a core each rank gets while all compute (cost_model.cpu_share, median of 3); then
+    the link (link_times). Rank 0 returns the inputs' dict, the others None."""
     cpu_share = bench_module("cost_model").cpu_share
     rank, size = comm.Get_rank(), comm.Get_size()
+    at_once = max(1, min(size, cores or os.cpu_count()))
     mine = None
-    for s in range(size):
-        if s == rank:
-            mine = stage_times(model, starts, micro_batch, targets, micro_batches, only=s)
+    for group in range(0, size, at_once):
+        if group <= rank < group + at_once:
+            mine = stage_times(model, starts, micro_batch, targets, micro_batches, only=rank)
         idle_barrier(comm)
     share = statistics.median(cpu_share(comm, 0.3) for _ in range(3))
     link = link_times(comm) if size > 1 else {"alpha": 0.0, "beta": 0.0, "points": []}
@@ -302,6 +305,26 @@ def measure_inputs(comm, model, starts, micro_batch, targets, micro_batches):
     inputs = {key: [part[key][s] for s, part in enumerate(parts)] for key in ("forward", "backward", "optimizer")}
     return dict(inputs, message_bytes=parts[0]["message_bytes"], cpu_share=share, alpha=link["alpha"],
                 beta=link["beta"])
+
+
+def inputs_worker(args):
+    """Under mpiexec -n P: the model's inputs for the bench's MLP cut into P stages
+    (measure_inputs), printed by rank 0."""
+    import torch
+    from mpi4py import MPI
+
+    from hpcdl.pipeline import balanced_split
+    torch.set_num_threads(1)
+    comm = MPI.COMM_WORLD
+    bench = bench_module("pipeline")
+    model = bench.make_model(args.hidden, args.layers)
+    starts = balanced_split([sum(q.numel() for q in layer.parameters()) for layer in model], comm.Get_size())
+    rows = args.batch // args.micro_batches
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(rows, args.hidden, generator=g), torch.randint(0, 10, (rows,), generator=g)
+    out = measure_inputs(comm, model, starts, x, y, args.micro_batches)
+    if out is not None:
+        print(RESULT + json.dumps(out), flush=True)
 
 
 def link_worker():
@@ -314,15 +337,14 @@ def link_worker():
         print(RESULT + json.dumps(out), flush=True)
 
 
-def measure_link(mpiexec="mpiexec", timeout=300):
-    """alpha and beta of the link, measured in a child job of 2 ranks."""
+def run_worker(argv, timeout=600):
+    """The RESULT of a child job (argv: mpiexec ... this file SUBCOMMAND ...)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run([mpiexec, "-n", "2", sys.executable, os.path.abspath(__file__), "link"],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT):
             return json.loads(line[len(RESULT):])
-    raise RuntimeError(f"the link measurement gave no result (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    raise RuntimeError(f"{' '.join(argv[-8:])} gave no result (exit {done.returncode}): {done.stderr.strip()[-500:]}")
 
 
 # --------------------------------------------------------------------------- subcommands
@@ -383,18 +405,18 @@ def cmd_validate(args):
 
 
 def cmd_predict(args):
-    """P stages with a core each (cores = P), M = 4P, the bench's MLP: stage times measured
-    here, one process; the link measured on 2 ranks (or given)."""
+    """P stages with a core each (cores = P), M = 4P, the bench's MLP. Its inputs measured
+    by a child job of P ranks on this machine (measure_inputs: stage times with every core
+    busy, the link), or with --one-process: stage times one after another in this process
+    and the link as given (--alpha, --beta)."""
     import torch
 
     make_model = bench_module("pipeline").make_model
     from hpcdl.measure import cell, rate, ratio, save_figure
     from hpcdl.pipeline import balanced_split, bubble_fraction
     torch.set_num_threads(1)
-    if args.alpha is not None and args.beta is not None:
-        link = {"alpha": args.alpha, "beta": args.beta, "source": "given"}
-    else:
-        link = dict(measure_link(args.mpiexec), source="hpcdl.pipeline.Link, 2 ranks, measured")
+    if args.one_process and (args.alpha is None or args.beta is None):
+        raise SystemExit("--one-process needs --alpha and --beta")
     model = make_model(args.hidden, args.layers)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(args.batch, args.hidden, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
@@ -412,8 +434,18 @@ def cmd_predict(args):
         if args.batch % m:
             raise SystemExit(f"M = {m} micro-batches do not divide the batch of {args.batch}")
         starts = balanced_split([sum(q.numel() for q in layer.parameters()) for layer in model], p)
-        inputs = stage_times(model, starts, x[:args.batch // m], y[:args.batch // m], m, args.repeats)
-        inputs.update(alpha=link["alpha"], beta=link["beta"])
+        if args.one_process:
+            inputs = stage_times(model, starts, x[:args.batch // m], y[:args.batch // m], m, args.repeats)
+            source = "stage times one after another in one process; link given"
+        else:
+            inputs = run_worker([args.mpiexec, "-n", str(p), sys.executable, os.path.abspath(__file__), "inputs",
+                                 "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch",
+                                 str(args.batch), "--micro-batches", str(m)])
+            source = (f"stage times {min(p, os.cpu_count())} at once (every core busy), link measured, "
+                      f"{p} ranks")
+        if args.alpha is not None and args.beta is not None:
+            inputs.update(alpha=args.alpha, beta=args.beta)
+        link = {"alpha": inputs["alpha"], "beta": inputs["beta"], "source": source}
         for schedule in ("gpipe", "1f1b"):
             out = predict(schedule, inputs, m, p, args.batch, args.steps)
             rows.append({"system": f"hpcdl {schedule}", "stages": p, "cores": p, "micro_batches": m,
@@ -425,8 +457,8 @@ def cmd_predict(args):
                                                               zip(inputs["forward"], inputs["backward"])),
                          "alpha_s": link["alpha"], "beta_s_per_byte": link["beta"],
                          "conditions": f"hidden {args.hidden}, {args.layers} layers, batch {args.batch}, "
-                                       f"{args.steps} steps; stage times measured on 1 core of "
-                                       f"{os.cpu_count()} (load avg {os.getloadavg()[0]:.1f}); link: {link['source']}"})
+                                       f"{args.steps} steps; measured on {os.cpu_count()} cores (load avg "
+                                       f"{os.getloadavg()[0]:.1f}): {link['source']}"})
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.tag)
     with open(stem + ".csv", "w", newline="") as f:
@@ -438,8 +470,8 @@ def cmd_predict(args):
         print(f"{r['system']:12} {r['stages']:>2} {r['micro_batches']:>3} {r['micro_batch_rows']:>4} "
               f"{r['predicted_samples_per_s']:10.1f} {r['vs_single_process']:9.2f} {r['predicted_bubble']:7.3f} "
               f"{r['theoretical_bubble']:7.3f}")
-    print(f"single process {single_rate:.1f} samples/s (measured); alpha {link['alpha'] * 1e6:.1f} us, "
-          f"1/beta {1 / link['beta'] / 1e9 if link['beta'] else float('inf'):.2f} GB/s")
+    print(f"single process {single_rate:.1f} samples/s (measured); alpha {rows[-1]['alpha_s'] * 1e6:.1f} us, "
+          f"1/beta {1 / rows[-1]['beta_s_per_byte'] / 1e9 if rows[-1]['beta_s_per_byte'] else float('inf'):.2f} GB/s")
     save_figure(stem + ".png", lambda plt: draw_prediction(plt, rows, single_rate, rows[0]["conditions"]))
     print(f"wrote {stem}.csv {stem}.png")
 
@@ -474,6 +506,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("link", help="(under mpiexec -n 2) the link's alpha and beta, measured")
+    inp = sub.add_parser("inputs", help="(under mpiexec -n P) the model's inputs for the MLP in P stages")
+    inp.add_argument("--hidden", type=int, default=1024)
+    inp.add_argument("--layers", type=int, default=8)
+    inp.add_argument("--batch", type=int, default=256)
+    inp.add_argument("--micro-batches", type=int, required=True)
     v = sub.add_parser("validate", help="measured vs predicted from bench/pipeline.py --model CSVs")
     v.add_argument("csv", nargs="+")
     v.add_argument("--out", default="bench/results")
@@ -485,13 +522,16 @@ def main(argv=None):
     pr.add_argument("--micro-batches-per-stage", type=int, default=4, help="M = this x P")
     pr.add_argument("--steps", type=int, default=5, help="simulated steps (the bench's timed steps)")
     pr.add_argument("--repeats", type=int, default=3, help="steps timed per stage (medians)")
-    pr.add_argument("--alpha", type=float, help="link seconds per message (default: measured)")
-    pr.add_argument("--beta", type=float, help="link seconds per byte (default: measured)")
+    pr.add_argument("--alpha", type=float, help="link seconds per message (with --beta; default: measured)")
+    pr.add_argument("--beta", type=float, help="link seconds per byte (with --alpha; default: measured)")
+    pr.add_argument("--one-process", action="store_true",
+                    help="time the stages one after another in this process (needs --alpha, --beta)")
     pr.add_argument("--mpiexec", default="mpiexec")
     pr.add_argument("--out", default="bench/results")
     pr.add_argument("--tag", default="pipeline-model-predict")
     args = ap.parse_args(argv)
-    {"link": lambda a: link_worker(), "validate": cmd_validate, "predict": cmd_predict}[args.command](args)
+    {"link": lambda a: link_worker(), "inputs": inputs_worker, "validate": cmd_validate,
+     "predict": cmd_predict}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -95,8 +95,8 @@ def test_fit_link_recovers_alpha_and_beta():
 
 def test_predict_writes_csv_and_png(tmp_path):
     pytest.importorskip("matplotlib")
-    pm.main(["predict", "--stages", "2", "4", "--hidden", "32", "--layers", "4", "--batch", "32", "--repeats", "1",
-             "--steps", "1", "--alpha", "1e-5", "--beta", "1e-10", "--out", str(tmp_path), "--tag", "t"])
+    pm.main(["predict", "--one-process", "--stages", "2", "4", "--hidden", "32", "--layers", "4", "--batch", "32",
+             "--repeats", "1", "--steps", "1", "--alpha", "1e-5", "--beta", "1e-10", "--out", str(tmp_path), "--tag", "t"])
     with open(tmp_path / "t.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["system"], r["stages"], r["micro_batches"]) for r in rows] == [
