@@ -4,10 +4,11 @@ bench/pipeline.py runs, and its predictions for stages that each have a core.
 The model is a discrete-event simulation of the exact action order the stages
 run (hpcdl.pipeline.stage_actions, GPipe or 1F1B), step after step, given:
 
-- per stage, the seconds of one micro-batch's forward and backward and the
-  fixed cost of a step (zero_grad, the optimizer step, allocating the
-  gradients), measured in one process as the pipeline runs the stage
-  (stage_times, medians);
+- per stage, the CPU seconds of one micro-batch's forward and backward and
+  the fixed cost of a step (zero_grad, the optimizer step, allocating the
+  gradients), measured in the stage's own process as the pipeline runs it,
+  min(P, cores) stages at once so that every core is busy (stage_times,
+  medians);
 - the link: a message of n bytes arrives alpha + n x beta after its sender's
   action ends (measured through hpcdl.pipeline.Link from the send to the end
   of the receiver's wait, the receiver having waited while the sender
@@ -15,6 +16,8 @@ run (hpcdl.pipeline.stage_actions, GPipe or 1F1B), step after step, given:
 - C cores shared by the P stages: the stages that have work ready share them
   as a processor-sharing pool, each running at min(1, C / ready) speed
   (C = P: a core per stage; waiting stages poll with a sleep, using none).
+  On a machine shared with other jobs C = P x the part of a core each of P
+  ranks gets while all compute (measured), at most the cores.
 
 A forward needs its micro-batch's activation from the previous stage, a
 backward its gradient from the next; each stage runs its actions in order and
@@ -26,8 +29,9 @@ equal stages, free links and C = P it is (P-1)/(M+P-1) for both schedules
 
     python bench/pipeline.py --ranks 2 ... --model       # the validation: measured and predicted in one run
     python bench/pipeline_model.py validate bench/results/pipeline-model-*.csv --out bench/results
-    python bench/pipeline_model.py predict --stages 4 8 --out bench/results
-    mpiexec -n 2 python bench/pipeline_model.py link      # the link's alpha and beta (predict starts it)
+    python bench/pipeline_model.py predict --stages 2 4 8 --repeats 5 --out bench/results
+    mpiexec -n 4 python bench/pipeline_model.py inputs --micro-batches 16   # what predict starts per P
+    mpiexec -n 2 python bench/pipeline_model.py link      # the link's alpha and beta alone
 """
 
 import argparse
@@ -179,7 +183,9 @@ def fit_link(points):
 # --------------------------------------------------------------------------- the model's inputs, measured
 
 def stage_times(model, starts, micro_batch, targets, micro_batches, steps=3, only=None):
-    """Each stage's seconds, one thread, in this process, run as the pipeline runs it: per
+    """Each stage's CPU seconds (this thread's: the work, not the time other processes
+    held the core, which the model's cores account for), one thread, in this process,
+    run as the pipeline runs it: per
     step zero_grad, M forwards and backwards of one micro-batch (input requiring grad
     beyond stage 0; the last stage's with the loss / M; gradients accumulate), SGD step.
     forward, backward: medians over the micro-batches; optimizer: per step, the median of
@@ -199,25 +205,25 @@ def stage_times(model, starts, micro_batch, targets, micro_batches, steps=3, onl
         opt = torch.optim.SGD(params, lr=0.01) if params else None
         f_runs, b_runs, fixed = [], [], []
         for step in range(steps + 1 if only in (None, s) else 0):   # the first is a warm-up
-            start = time.perf_counter()
+            start = time.thread_time()
             if opt is not None:
                 opt.zero_grad()
-            per_step = time.perf_counter() - start
+            per_step = time.thread_time() - start
             f_step, b_step = [], []
             for _ in range(micro_batches):
                 inp = x.detach().requires_grad_(s > 0)
-                start = time.perf_counter()
+                start = time.thread_time()
                 out = module(inp)
                 if last:
                     out = F.cross_entropy(out, targets) / micro_batches
-                mid = time.perf_counter()
+                mid = time.thread_time()
                 out.backward(None if last else torch.ones_like(out))
                 f_step.append(mid - start)
-                b_step.append(time.perf_counter() - mid)
-            start = time.perf_counter()
+                b_step.append(time.thread_time() - mid)
+            start = time.thread_time()
             if opt is not None:
                 opt.step()
-            per_step += time.perf_counter() - start
+            per_step += time.thread_time() - start
             if step:
                 f_runs += f_step
                 b_runs += b_step
