@@ -343,14 +343,13 @@ def write_model_inputs(path, inputs):
     """The model's inputs of every round: per stage forward, backward, optimizer seconds; link."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["round", "schedule", "stage", "forward_s", "backward_s", "optimizer_s", "message_bytes_out", "alpha_s",
-                    "beta_s_per_byte", "cpu_share", "run_share"])
+        w.writerow(["round", "schedule", "stage", "forward_s", "backward_s", "optimizer_s", "message_bytes_out",
+                    "alpha_s", "beta_s_per_byte", "cpu_share", "run_share"])
         for i, x in enumerate(inputs):
             for s, (fw, bw, opt) in enumerate(zip(x["forward"], x["backward"], x["optimizer"])):
                 out = int(x["message_bytes"][s]) if s < len(x["message_bytes"]) else ""
-                w.writerow([i // len(SCHEDULES), x["schedule"], s, f"{fw:.6g}", f"{bw:.6g}", f"{opt:.6g}", out, f"{x['alpha']:.4g}",
-                            f"{x['beta']:.4g}", f"{x['cpu_share']:.3f}",
-                            f"{x['run_share']:.3f}"])
+                w.writerow([i // len(SCHEDULES), x["schedule"], s, f"{fw:.6g}", f"{bw:.6g}", f"{opt:.6g}", out,
+                            f"{x['alpha']:.4g}", f"{x['beta']:.4g}", f"{x['cpu_share']:.3f}", f"{x['run_share']:.3f}"])
 
 
 def plot(rows, path, conditions, p, m, single):
@@ -404,7 +403,7 @@ def main():
     parser.add_argument("--tag", default="pipeline")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
     parser.add_argument("--model", action="store_true",
-                        help="also measure the schedule model's inputs each round and predict (bench/pipeline_model.py)")
+                        help="also measure the schedule model's inputs and predict (bench/pipeline_model.py)")
     parser.add_argument("--model-cores", type=float, default=None,
                         help="cores the model's stages share (default: measured, min(P, cores, P x CPU share))")
     parser.add_argument("--worker", choices=["single", "hpcdl", "torch"], help=argparse.SUPPRESS)

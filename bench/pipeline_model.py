@@ -378,7 +378,8 @@ def cmd_validate(args):
                 if not r.get("predicted_samples_per_s") or not r.get("median_samples_per_s"):
                     continue
                 measured = float(r["median_samples_per_s"])
-                run = float(r["predicted_samples_per_s_run_share"]) if r.get("predicted_samples_per_s_run_share") else None
+                run = r.get("predicted_samples_per_s_run_share")
+                run = float(run) if run else None
                 rows.append({"run": os.path.basename(path)[:-4], "system": r["system"], "stages": r["ranks"],
                              "micro_batches": r["micro_batches"], "measured_samples_per_s": measured,
                              "measured_bubble": r["measured_bubble"],

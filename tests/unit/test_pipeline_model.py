@@ -96,7 +96,8 @@ def test_fit_link_recovers_alpha_and_beta():
 def test_predict_writes_csv_and_png(tmp_path):
     pytest.importorskip("matplotlib")
     pm.main(["predict", "--one-process", "--stages", "2", "4", "--hidden", "32", "--layers", "4", "--batch", "32",
-             "--repeats", "1", "--steps", "1", "--alpha", "1e-5", "--beta", "1e-10", "--out", str(tmp_path), "--tag", "t"])
+             "--repeats", "1", "--steps", "1", "--alpha", "1e-5", "--beta", "1e-10",
+             "--out", str(tmp_path), "--tag", "t"])
     with open(tmp_path / "t.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["system"], r["stages"], r["micro_batches"]) for r in rows] == [
@@ -104,7 +105,8 @@ def test_predict_writes_csv_and_png(tmp_path):
     for r in rows:
         assert float(r["predicted_samples_per_s"]) > 0
         assert 0 < float(r["predicted_bubble"]) < 1
-        assert float(r["theoretical_bubble"]) == pytest.approx(bubble_fraction(int(r["stages"]), int(r["micro_batches"])))
+        theory = bubble_fraction(int(r["stages"]), int(r["micro_batches"]))
+        assert float(r["theoretical_bubble"]) == pytest.approx(theory)
         assert len(r["stage_forward_backward_s"].split()) == int(r["stages"])
     assert (tmp_path / "t.png").stat().st_size > 0
 
