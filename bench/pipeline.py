@@ -16,6 +16,19 @@ bubble (the share of a step a stage waits for others, mean over stages)
 beside the theoretical (P-1)/(M+P-1), and the peak activation memory per stage
 (bytes of activations autograd saved, measured) of 1F1B and GPipe.
 Writes TAG.csv, TAG-memory.csv and TAG.png under --out; prints a table.
+
+--model: every round also measures the schedule model's inputs just before and
+just after hpcdl's run (averaged; each stage's
+forward, backward and optimizer seconds on one micro-batch, in one process;
+the link's alpha and beta on 2 ranks; bench/pipeline_model.py) and
+the CSV gets the model's samples/s and bubble for hpcdl's schedules beside the
+measured ones (median of the rounds' predictions). The stages share
+min(P, cores, P x share) cores, share being the part of a core a rank gets
+(other users' jobs take the rest), measured two ways: by P ranks spinning
+together beside the run (predicted_*), and as the ranks got it while they
+had work during the run, CPU time over the time not spent waiting
+(predicted_*_run_share); --model-cores sets the cores instead. For
+`python bench/pipeline_model.py validate`.
 """
 
 import argparse
@@ -29,6 +42,7 @@ import subprocess
 import sys
 import time
 
+import pipeline_model  # bench/pipeline_model.py, beside this script
 
 SCHEDULES = ("gpipe", "1f1b")
 RESULT = "RESULT "
@@ -90,12 +104,14 @@ def worker_hpcdl(args):
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     x, y = make_batch(args)
+    model = make_model(args.hidden, args.layers)   # the model's inputs time its stages (--model)
+    rows = args.batch // args.micro_batches
     pipes = {s: hpcdl.torch.Pipeline(make_model(args.hidden, args.layers), F.cross_entropy, args.micro_batches,
                                      schedule=s) for s in SCHEDULES}
     results = {}
     for schedule, pipe in pipes.items():
         opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
-        bubbles = []
+        bubbles, waited = [], []
 
         def step():
             opt.zero_grad()
@@ -103,11 +119,23 @@ def worker_hpcdl(args):
             opt.step()
             times = pipe.last_step_times()
             bubbles.append(times["waited_s"] / times["step_s"])
+            waited.append(times["waited_s"])
 
+        if args.model:  # the model's inputs just before and after the timed runs, averaged: the load drifts
+            before = pipeline_model.measure_inputs(comm, model, pipe.starts, x[:rows], y[:rows], args.micro_batches)
+        cpu, wall = time.process_time(), time.perf_counter()
         rates = timed_runs(args, step, comm.Barrier)
+        # the part of a core this rank got while it had work (not waiting for another stage)
+        run_share = comm.gather((time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall - sum(waited)),
+                                root=0)
+        if args.model:
+            after = pipeline_model.measure_inputs(comm, model, pipe.starts, x[:rows], y[:rows], args.micro_batches)
         stats = comm.gather(pipe.activation_stats(), root=0)
         bubble = comm.gather(statistics.median(bubbles[1:]), root=0)
         if comm.Get_rank() == 0:
+            if args.model:
+                results[schedule + " model"] = dict(mean_inputs(before, after), system="model inputs",
+                                                    schedule=schedule, run_share=min(1.0, statistics.median(run_share)))
             results[schedule] = {"system": f"hpcdl {schedule}", "rates": rates,
                                  "bubble": statistics.mean(bubble),
                                  "peak_bytes": [s["peak_bytes"] for s in stats],
@@ -161,6 +189,7 @@ def child_argv(args, worker, **extra):
             "--ranks", args.ranks, "--worker", worker]
     for key, value in extra.items():
         keep += [f"--{key}", value]
+    keep += ["--model"] if args.model and worker == "hpcdl" else []
     return [sys.executable, os.path.abspath(__file__)] + [str(a) for a in keep]
 
 
@@ -196,6 +225,12 @@ def free_port():
         return s.getsockname()[1]
 
 
+def mean_inputs(a, b):
+    """The element-wise mean of two measurements of the model's inputs."""
+    return {key: [(x + y) / 2 for x, y in zip(value, b[key])] if isinstance(value, list) else (value + b[key]) / 2
+            for key, value in a.items()}
+
+
 def run_round(args, env):
     """One timed run of every system, each in its own child: its result, or why none came."""
     p, rows = args.ranks, []
@@ -203,7 +238,7 @@ def run_round(args, env):
     rows += got or [{"system": "single process", "failure": why}]
     got, why = run_children([[args.mpiexec, "-n", str(p)] + child_argv(args, "hpcdl")], args.timeout, env)
     rows += got or [{"system": f"hpcdl {s}", "failure": why} for s in SCHEDULES]
-    for schedule in SCHEDULES:
+    for schedule in () if args.no_torch else SCHEDULES:
         tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         got, why = run_children([child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)],
                                 args.timeout, tenv)
@@ -214,10 +249,21 @@ def run_round(args, env):
 def drive(args):
     p, m = args.ranks, args.micro_batches
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    merged = {}
+    merged, predictions, inputs = {}, {}, []
+    model_cores = {}
     for round_ in range(args.runs):  # systems interleaved, so machine noise hits them alike
         print(f"[bench] round {round_ + 1} of {args.runs}", file=sys.stderr, flush=True)
         for row in run_round(args, env):
+            if row["system"] == "model inputs":
+                inputs.append(row)
+                # the cores the stages get: P ranks' share of a core each (measured apart, by spinning
+                # together; and as the ranks got it during the run), at most a core per rank
+                for kind, share in (("", row["cpu_share"]), ("_run", row["run_share"])):
+                    cores = args.model_cores or min(p, os.cpu_count(), p * share)
+                    model_cores.setdefault(kind, []).append(cores)
+                    out = pipeline_model.predict(row["schedule"], row, m, cores, args.batch, args.steps)
+                    predictions.setdefault((f"hpcdl {row['schedule']}", kind), []).append(out)
+                continue
             into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": []})
             if "failure" in row:
                 into["failure"] = row["failure"]
@@ -240,10 +286,19 @@ def drive(args):
                   f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.tag)
+    cores = {kind: statistics.median(c) for kind, c in model_cores.items()}
+    for r in rows:
+        for kind in cores:
+            if (r["system"], kind) in predictions:
+                outs = predictions[(r["system"], kind)]
+                r["predicted" + kind] = statistics.median(x["samples_per_s"] for x in outs)
+                r["predicted_bubble" + kind] = statistics.median(x["bubble"] for x in outs)
     with open(base + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "runs_samples_per_s",
-                    "vs_single_process", "measured_bubble", "theoretical_bubble", "status", "conditions"])
+                    "vs_single_process", "measured_bubble", "theoretical_bubble", "predicted_samples_per_s",
+                    "predicted_bubble", "model_cores", "predicted_samples_per_s_run_share",
+                    "predicted_bubble_run_share", "model_cores_run_share", "status", "conditions"])
         for r in rows:
             rate = statistics.median(r["rates"]) if "rates" in r else None
             ranks = 1 if r["system"] == "single process" else p
@@ -251,7 +306,12 @@ def drive(args):
                         " ".join(f"{x:.2f}" for x in r.get("rates", [])),
                         f"{rate / single:.3f}" if rate and single else "",
                         f"{r['bubble']:.3f}" if "bubble" in r else "", f"{theory:.3f}" if ranks > 1 else "",
+                        *[cell for kind in ("", "_run") for cell in
+                          ((f"{r['predicted' + kind]:.2f}", f"{r['predicted_bubble' + kind]:.3f}", f"{cores[kind]:.2f}")
+                           if "predicted" + kind in r else ("", "", ""))],
                         r.get("failure", "ok"), conditions])
+    if inputs:
+        write_model_inputs(base + "-model-inputs.csv", inputs)
     with open(base + "-memory.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["schedule", "stage", "micro_batches", "peak_activation_bytes", "peak_micro_batches_held"])
@@ -265,11 +325,31 @@ def drive(args):
         print(f"{r['system']:36} {rate or 0:10.1f} {(rate / single) if rate and single else 0:9.2f} "
               f"{r.get('bubble', float('nan')):7.3f} {theory:7.3f}  {r.get('failure', 'ok')}")
     for r in rows:
+        for kind, what in (("", "share measured apart"), ("_run", "share the ranks got in the run")):
+            if "predicted" + kind in r:
+                rate = statistics.median(r["rates"]) if "rates" in r else None
+                print(f"{r['system']}: model {r['predicted' + kind]:.1f} samples/s (predicted/measured "
+                      f"{r['predicted' + kind] / rate if rate else float('nan'):.2f}), bubble "
+                      f"{r['predicted_bubble' + kind]:.3f}, {cores[kind]:.2f} cores ({what}, median of the rounds)")
+    for r in rows:
         if "peak_bytes" in r:
             print(f"{r['system']}: peak activation MiB per stage "
                   f"{[round(b / 2**20, 2) for b in r['peak_bytes']]}, micro-batches held {r['peak_micro_batches']}")
     print(conditions)
     print(f"wrote {base}.csv {base}-memory.csv {base}.png")
+
+
+def write_model_inputs(path, inputs):
+    """The model's inputs of every round: per stage forward, backward, optimizer seconds; link."""
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["round", "schedule", "stage", "forward_s", "backward_s", "optimizer_s", "message_bytes_out",
+                    "alpha_s", "beta_s_per_byte", "cpu_share", "run_share"])
+        for i, x in enumerate(inputs):
+            for s, (fw, bw, opt) in enumerate(zip(x["forward"], x["backward"], x["optimizer"])):
+                out = int(x["message_bytes"][s]) if s < len(x["message_bytes"]) else ""
+                w.writerow([i // len(SCHEDULES), x["schedule"], s, f"{fw:.6g}", f"{bw:.6g}", f"{opt:.6g}", out,
+                            f"{x['alpha']:.4g}", f"{x['beta']:.4g}", f"{x['cpu_share']:.3f}", f"{x['run_share']:.3f}"])
 
 
 def plot(rows, path, conditions, p, m, single):
@@ -321,6 +401,11 @@ def main():
     parser.add_argument("--mpiexec", default="mpiexec")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="pipeline")
+    parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--model", action="store_true",
+                        help="also measure the schedule model's inputs and predict (bench/pipeline_model.py)")
+    parser.add_argument("--model-cores", type=float, default=None,
+                        help="cores the model's stages share (default: measured, min(P, cores, P x CPU share))")
     parser.add_argument("--worker", choices=["single", "hpcdl", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--schedule", choices=SCHEDULES, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
