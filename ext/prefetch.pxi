@@ -184,12 +184,11 @@ cdef class PrefetchCore:
     cdef unique_ptr[CPrefetcher] core
     cdef readonly object staging
 
-    def __cinit__(self, shards, dict cfg, MPI.Comm comm=None):
+    def __cinit__(self, shards, dict cfg):
         cdef vector[CShardInfo] infos = shard_infos(shards)
         cdef unique_ptr[CStoreReader] reader
         cdef CPrefetchConfig c
         cdef CStatus st
-        cdef MPI_Comm mpi_comm = MPI_COMM_NULL
         cdef _Staging ring = _Staging()
         with nogil:
             st = CStoreReader.open(move(infos), &reader)
@@ -210,13 +209,19 @@ cdef class PrefetchCore:
             c.peer_message_bytes = cfg["peer_message_bytes"]
         c.read_bytes, c.read_gap_bytes = cfg["read_bytes"], cfg["read_gap_bytes"]
         c.lookahead_bytes = cfg["lookahead_bytes"]
-        if comm is not None:
-            mpi_comm = comm.ob_mpi
         with nogil:
-            st = CPrefetcher.create(move(reader), move(c), mpi_comm, &self.core)
+            st = CPrefetcher.create(move(reader), move(c), &self.core)
         check_status(st)
         ring.memory, ring.size, ring.one = self.core.get().staging(), self.core.get().staging_bytes(), 1
         self.staging = np.frombuffer(ring, dtype=np.uint8)
+
+    def start(self, MPI.Comm comm=None):
+        """Starts the peer tier (collective over comm when there is one) and the threads."""
+        cdef CStatus st
+        cdef MPI_Comm mpi_comm = comm.ob_mpi if comm is not None else MPI_COMM_NULL
+        with nogil:
+            st = self.core.get().start(mpi_comm)
+        check_status(st)
 
     def first_batch(self):
         return self.core.get().first_batch() if self.core else 0

@@ -226,16 +226,21 @@ class Prefetcher:
                  read_gap=DEFAULT_READ_GAP, lookahead_bytes=DEFAULT_LOOKAHEAD_BYTES, _serve_delay=0.0,
                  _peer_message_bytes=0):
         self._core = None
-        self.store = store if isinstance(store, Store) else Store(store)
         self.comm = comm
         world = comm if comm is not None else MPI.COMM_SELF
         self.rank, self.ranks = world.Get_rank(), world.Get_size()
+
+        def open_store():  # what one rank alone can get wrong raises on every rank, naming it
+            for name, value in (("batch_size", batch_size), ("epochs", epochs), ("ram_bytes", ram_bytes),
+                                ("disk_bytes", disk_bytes), ("threads", threads), ("staging_bytes", staging_bytes),
+                                ("read_bytes", read_bytes), ("read_gap", read_gap),
+                                ("lookahead_bytes", lookahead_bytes)):
+                if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+                    raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+            return store if isinstance(store, Store) else Store(store)
+
+        self.store = call_on_every_rank(world, open_store)
         n = len(self.store)
-        for name, value in (("batch_size", batch_size), ("epochs", epochs), ("ram_bytes", ram_bytes),
-                            ("disk_bytes", disk_bytes), ("threads", threads), ("staging_bytes", staging_bytes),
-                            ("read_bytes", read_bytes), ("read_gap", read_gap), ("lookahead_bytes", lookahead_bytes)):
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
 
         def validate():
@@ -273,7 +278,11 @@ class Prefetcher:
             self._trace = None
         if self._trace:
             _core.timeline_enable(True)
-        self._core = _core.PrefetchCore(self.store.shard_infos, cfg, comm if self.ranks > 1 else None)
+        # Local set-up (plan, staging allocation) agreed on before the peer
+        # tier's collective MPI_Comm_dup, so that no rank waits there for one that failed.
+        core = call_on_every_rank(world, _core.PrefetchCore, self.store.shard_infos, cfg)
+        core.start(comm if self.ranks > 1 else None)
+        self._core = core
         self._staging = self._core.staging
         self._started = time.monotonic()
         self._final_stats = None

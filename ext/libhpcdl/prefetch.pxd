@@ -80,8 +80,8 @@ cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
 
     cdef cppclass CPrefetcher "hpcdl::Prefetcher":
         @staticmethod
-        CStatus create(unique_ptr[CStoreReader] reader, CPrefetchConfig cfg, MPI_Comm comm,
-                       unique_ptr[CPrefetcher]* out)
+        CStatus create(unique_ptr[CStoreReader] reader, CPrefetchConfig cfg, unique_ptr[CPrefetcher]* out)
+        CStatus start(MPI_Comm comm)
         CStatus close(double timeout_s)
         uint64_t first_batch()
         uint64_t end_batch()

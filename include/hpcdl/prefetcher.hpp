@@ -89,10 +89,13 @@ struct BatchView {
 
 class Prefetcher {
  public:
-  // Validates cfg (once: make_plan), plans, allocates the staging ring and
-  // starts the threads. Collective over comm when cfg has a peer tier.
-  static Status create(std::unique_ptr<StoreReader> reader, PrefetchConfig cfg, MPI_Comm comm,
-                       std::unique_ptr<Prefetcher>* out);
+  // Validates cfg (once: make_plan), plans and allocates the staging ring:
+  // local, no MPI call, so the ranks can agree it succeeded everywhere before
+  // start(), the collective part.
+  static Status create(std::unique_ptr<StoreReader> reader, PrefetchConfig cfg, std::unique_ptr<Prefetcher>* out);
+  // Starts the peer tier (MPI_Comm_dup of comm: collective when cfg has one)
+  // and the threads. Once, after create().
+  Status start(MPI_Comm comm);
   ~Prefetcher();
 
   // Stops every thread (joins them). Collective when the peer tier is on.

@@ -9,7 +9,7 @@
 
 namespace hpcdl {
 
-Status Prefetcher::create(std::unique_ptr<StoreReader> reader, PrefetchConfig cfg, MPI_Comm comm,
+Status Prefetcher::create(std::unique_ptr<StoreReader> reader, PrefetchConfig cfg,
                           std::unique_ptr<Prefetcher>* out) {
   if (cfg.spec.samples != reader->count())
     return Status::Invalid("stream spec and store disagree on the number of samples");
@@ -22,16 +22,20 @@ Status Prefetcher::create(std::unique_ptr<StoreReader> reader, PrefetchConfig cf
   if (!p->staging_)
     return Status::Invalid("cannot allocate the staging buffer (" + std::to_string(p->staging_bytes_) + " bytes)");
   p->stats_.staging_bytes = p->staging_bytes_;
-  if (!p->cfg_.peer_ram_bytes.empty() && p->end_ > p->cfg_.start) {
-    HPCDL_RETURN_NOT_OK(PeerService::create(
-        comm, [q = p.get()](std::uint64_t k, char* dst) { return q->serve_peer(k, dst); },
-        [q = p.get()](std::uint64_t k) { return q->reader_->size(k); }, p->cfg_.peer_timeout_s,
-        p->cfg_.serve_delay_s, p->cfg_.peer_message_bytes, &p->peers_));
-    p->peer_gone_.reset(new std::atomic<bool>[p->peers_->size()]);
-    for (int q = 0; q < p->peers_->size(); ++q) p->peer_gone_[q] = false;
-  }
-  p->start_threads();
   *out = std::move(p);
+  return Status::OK();
+}
+
+Status Prefetcher::start(MPI_Comm comm) {
+  if (!cfg_.peer_ram_bytes.empty() && end_ > cfg_.start) {
+    HPCDL_RETURN_NOT_OK(PeerService::create(
+        comm, [this](std::uint64_t k, char* dst) { return serve_peer(k, dst); },
+        [this](std::uint64_t k) { return reader_->size(k); }, cfg_.peer_timeout_s, cfg_.serve_delay_s,
+        cfg_.peer_message_bytes, &peers_));
+    peer_gone_.reset(new std::atomic<bool>[peers_->size()]);
+    for (int q = 0; q < peers_->size(); ++q) peer_gone_[q] = false;
+  }
+  start_threads();
   return Status::OK();
 }
 

@@ -189,3 +189,26 @@ def test_mismatched_settings_raise_on_every_rank(comm, shared_store):
     agree(comm, err is not None, "no error for different batch sizes")
     _, err = outcome(Prefetcher, shared_store, 10, 2, 0, comm=comm)  # 10 is not a multiple of 4 ranks
     agree(comm, isinstance(err, ValueError) and "multiple" in str(err), repr(err))
+
+
+@multi_rank
+def test_a_bad_argument_on_one_rank_raises_on_every_rank(comm, shared_store):
+    """One rank alone fails its local set-up (a store path that does not exist,
+    a negative size, a staging buffer that cannot be allocated): every rank
+    raises, the others naming it, instead of waiting in the peer tier's
+    collective MPI_Comm_dup for it."""
+    bad = comm.Get_size() - 1
+    mine = comm.Get_rank() == bad
+
+    def named(err):
+        return err is not None and (mine or f"[hpcdl rank {bad}]" in str(err))
+
+    _, err = outcome(Prefetcher, "/nonexistent/hpcdl-store" if mine else shared_store, 8, 1, 0, comm=comm)
+    agree(comm, named(err), repr(err))
+    _, err = outcome(Prefetcher, shared_store, 8, 1, 0, comm=comm, staging_bytes=-1 if mine else 0)
+    agree(comm, named(err) and "staging_bytes" in str(err), repr(err))
+    _, err = outcome(Prefetcher, shared_store, 8, 1, 0, comm=comm, staging_bytes=1 << 62 if mine else 0)
+    agree(comm, named(err) and "staging buffer" in str(err), repr(err))
+    with Prefetcher(shared_store, 8, 1, 0, comm=comm) as pf:  # the ranks still work together afterwards
+        ids, right = delivered(pf, shared_store)
+    agree(comm, right and len(ids) == len(shared_store) // 8 * 8 // comm.Get_size(), f"{len(ids)} samples")
