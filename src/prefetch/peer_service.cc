@@ -69,6 +69,9 @@ Status PeerService::create(MPI_Comm user, ServeFn serve, SizeFn size_of, double 
   return Status::OK();
 }
 
+// Without shutdown() (a core dropped without close(): the Python Prefetcher
+// never does so, its __del__ and the exit hook close it) comm_ is not freed:
+// MPI_Comm_free is collective, and other ranks may still send on it.
 PeerService::~PeerService() {
   if (server_.joinable()) {
     abandon_ = true;

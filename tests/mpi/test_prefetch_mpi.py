@@ -212,3 +212,20 @@ def test_a_bad_argument_on_one_rank_raises_on_every_rank(comm, shared_store):
     with Prefetcher(shared_store, 8, 1, 0, comm=comm) as pf:  # the ranks still work together afterwards
         ids, right = delivered(pf, shared_store)
     agree(comm, right and len(ids) == len(shared_store) // 8 * 8 // comm.Get_size(), f"{len(ids)} samples")
+
+
+@multi_rank
+def test_a_prefetcher_dropped_without_close_is_closed(comm, shared_store):
+    """Dropped on every rank without close(): its __del__ closes it (collective,
+    bounded by its timeout), which joins the threads and frees the peer tier's
+    communicator; the ranks go on with a new one."""
+    import gc
+    pf = Prefetcher(shared_store, 8, 1, 0, comm=comm)
+    core = pf._core
+    next(iter(pf))
+    del pf
+    gc.collect()
+    agree(comm, core.stats() is None, "the core is still open")
+    with Prefetcher(shared_store, 8, 1, 0, comm=comm) as pf:
+        ids, right = delivered(pf, shared_store)
+    agree(comm, right and len(ids) > 0, f"{len(ids)} samples")
