@@ -31,13 +31,6 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
 // How long the coordinator holds the first leave notice before forwarding it (CommContext::left).
 constexpr auto kLeaveForwardDelay = std::chrono::milliseconds(1000);
 
-// A wait in a message: tenths below 10 s (a 0.5 s stall limit is not "0 s"), whole seconds above.
-inline std::string seconds_text(double s) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, s < 10 ? "%.1f" : "%.0f", s);
-  return buf;
-}
-
 class CommContext {
  public:
   MPI_Comm ctl = MPI_COMM_NULL, data = MPI_COMM_NULL;
@@ -59,8 +52,8 @@ class CommContext {
   // Engine thread: a rank has left (process exit, freed communicator), and since when.
   Status gone;
   std::chrono::steady_clock::time_point gone_at;
-  // Engine thread: [rank] sent a leave notice. Nothing more is sent to such a rank: once
-  // its process has ended, an MPI_Isend to it can block in connect() for good (ofi/tcp).
+  // Engine thread: [rank] sent a leave notice. send() sends nothing more to such a rank:
+  // once it is in MPI_Finalize or ended, an MPI_Isend to it can block in connect() for good (ofi/tcp).
   std::vector<char> left;
   bool has_left(int r) const { return !left.empty() && left[static_cast<std::size_t>(r)]; }
   // Coordinator: the first leave notice, forwarded once kLeaveForwardDelay has passed to

@@ -102,7 +102,7 @@ inline void cancel_and_complete(std::vector<MPI_Request*> requests, double secon
       if (flag) break;
       if (std::chrono::steady_clock::now() > deadline)
         abort_job(std::string(who) + ": a transfer could not be cancelled within " +
-                  std::to_string(static_cast<int>(seconds)) + " s, and MPI would still use memory about to be freed");
+                  seconds_text(seconds) + ", and MPI would still use memory about to be freed");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }

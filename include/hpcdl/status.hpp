@@ -3,10 +3,18 @@
 // ever crosses into Python.
 #pragma once
 
+#include <cstdio>
 #include <string>
 #include <utility>
 
 namespace hpcdl {
+
+// A duration in a message: "0.3 s" (one decimal, so sub-second waits do not read "0 s").
+inline std::string seconds_text(double seconds) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1f s", seconds);
+  return text;
+}
 
 enum class StatusCode : int {
   kOk = 0,

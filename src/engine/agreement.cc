@@ -282,7 +282,7 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
     if (error_s > 0 && waited >= error_s) {
       put_entry(id, PlanResult::kTimeout,
                 "hpcdl: operation '" + coord_names[id] + "' was never submitted by " + rank_list(missing) +
-                    " (gave up after " + seconds_text(waited) + " s)");
+                    " (gave up after " + seconds_text(waited) + ")");
       it = table.erase(it);
       continue;
     }
@@ -290,7 +290,7 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
       e.warned_at = waited;
       std::ostringstream os;
       os << "hpcdl: operation '" << coord_names[id] << "' has waited " << seconds_text(waited)
-         << " s for " << rank_list(missing) << ", which have not submitted it (ready on "
+         << " for " << rank_list(missing) << ", which have not submitted it (ready on "
          << e.ready_count << " of " << size << " ranks)";
       put_entry(id, PlanResult::kStall, os.str());
     }

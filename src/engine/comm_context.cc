@@ -17,6 +17,7 @@
 namespace hpcdl {
 
 Status CommContext::send(int dest, int tag, std::vector<char> bytes) {
+  if (has_left(dest)) return Status::OK();  // see `left`: a message there could block for good
   auto out = std::make_unique<Outgoing>();
   out->bytes = std::move(bytes);
   int rc = MPI_Isend(out->bytes.data(), static_cast<int>(out->bytes.size()), MPI_BYTE, dest, tag, ctl, &out->req);
@@ -120,15 +121,14 @@ Status Engine::finish_setup(CommContext& ctx, double warn_s, double error_s) {
   if (error_s > 0 && waited >= error_s) {
     for (auto& kv : ctx.pending)
       kv.second->finish(Status::Timeout("hpcdl: operation '" + kv.first + "' waited " +
-                                        seconds_text(waited) + " s" + what));
+                                        seconds_text(waited) + what));
     ctx.pending.clear();
     std::lock_guard<std::mutex> g(mu_);
     ctx.in_flight.clear();
   } else if (warn_s > 0 && waited >= warn_s && waited - ctx.setup_warned_at >= warn_s) {
     ctx.setup_warned_at = waited;
     for (auto& kv : ctx.pending)
-      kv.second->notify("hpcdl: operation '" + kv.first + "' has waited " + seconds_text(waited) +
-                        " s" + what);
+      kv.second->notify("hpcdl: operation '" + kv.first + "' has waited " + seconds_text(waited) + what);
   }
   return Status::OK();
 }
@@ -155,7 +155,7 @@ void Engine::announce_leaving(CommContext& ctx, const std::string& why) {
   w.put_string(why);
   // The coordinator tells every rank; anyone else tells the coordinator, which forwards it.
   for (int r = 0; r < ctx.size; ++r)
-    if (r != ctx.rank && (ctx.is_coordinator() || r == 0) && !ctx.has_left(r)) ctx.send(r, kTagLeave, w.buffer());
+    if (r != ctx.rank && (ctx.is_coordinator() || r == 0)) ctx.send(r, kTagLeave, w.buffer());
   // Small messages leave at once; a rank already gone must not hold this one up.
   const auto since = std::chrono::steady_clock::now();
   while (!ctx.outbox.empty() && seconds_since(since) < 1.0 && ctx.flush_outbox().ok())
@@ -221,7 +221,7 @@ Status Engine::forward_leave_notice(CommContext& ctx) {
   std::vector<char> notice = std::move(ctx.leave_to_forward);
   ctx.leave_to_forward.clear();
   for (int r = 1; r < ctx.size; ++r)
-    if (r != ctx.leave_source && !ctx.has_left(r)) HPCDL_RETURN_NOT_OK(ctx.send(r, kTagLeave, notice));
+    if (r != ctx.leave_source) HPCDL_RETURN_NOT_OK(ctx.send(r, kTagLeave, notice));
   return Status::OK();
 }
 

@@ -282,7 +282,7 @@ void Engine::loop() {
         executing_stalled_s_ = waited_s;
         if (executing_cancellable_) return false;
         abort_job("an MPI collective made no progress for " + seconds_text(waited_s) +
-                  " s (stall_error_seconds); a rank may be stopped or dead, and such a request can be neither "
+                  " (stall_error_seconds); a rank may be stopped or dead, and such a request can be neither "
                   "cancelled nor freed");
       }
       // A rank of the running operation left, and this wait stopped progressing.

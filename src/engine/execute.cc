@@ -102,7 +102,7 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
     if (warn_s > 0 && waited - warned_at >= warn_s) {
       warned_at = waited;
       std::fprintf(stderr,
-                   "[hpcdl rank %d] deferred operation '%s' is agreed on every rank but has waited %s s for "
+                   "[hpcdl rank %d] deferred operation '%s' is agreed on every rank but has waited %s for "
                    "mark_ready() here; the other ranks wait in its ring\n",
                    ctx.rank, op.name().c_str(), seconds_text(waited).c_str());
     }
@@ -180,7 +180,7 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
   executing_ = nullptr;
   if (executing_stalled_s_ > 0) {
     st = Status::Timeout("hpcdl: operation '" + op.name() + "' made no progress in its ring for " +
-                         seconds_text(executing_stalled_s_) + " s (stall_error_seconds): rank " +
+                         seconds_text(executing_stalled_s_) + " (stall_error_seconds): rank " +
                          std::to_string((ctx.rank + ctx.size - 1) % ctx.size) + " or rank " +
                          std::to_string((ctx.rank + 1) % ctx.size) +
                          " of the communicator, its neighbours, may be stopped or dead");

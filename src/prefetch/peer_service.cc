@@ -175,7 +175,7 @@ Status PeerService::shutdown(double timeout_s) {
   if (!error.ok()) return error;
   if (!in_time)
     return Status::Timeout("peer tier shutdown: not every rank closed its prefetcher within " +
-                           std::to_string(timeout_s) + " s (close() is collective)");
+                           seconds_text(timeout_s) + " (close() is collective)");
   return freed;
 }
 
