@@ -189,3 +189,22 @@ def test_mismatched_settings_raise_on_every_rank(comm, shared_store):
     agree(comm, err is not None, "no error for different batch sizes")
     _, err = outcome(Prefetcher, shared_store, 10, 2, 0, comm=comm)  # 10 is not a multiple of 4 ranks
     agree(comm, isinstance(err, ValueError) and "multiple" in str(err), repr(err))
+
+
+@multi_rank
+def test_auto_read_settings_are_rank_0s_on_every_rank(comm, shared_store):
+    # Rank 0 measures the store and broadcasts its speed: every rank derives the
+    # same settings. A rank that asks for a size keeps it, without a hang.
+    st = shared_store
+    gap = 0 if comm.Get_rank() == 1 else "auto"
+
+    def run():
+        with Prefetcher(st, 8, 1, 3, comm=comm, ram_bytes=int(st.sizes.sum()), read_gap=gap) as pf:
+            ids, right = delivered(pf, st)
+        return right, pf.read_settings
+
+    right, chosen = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    everyone = comm.allgather({k: v for k, v in chosen.items() if k not in ("read_gap", "auto")})
+    agree(comm, all(c == everyone[0] for c in everyone), f"read settings differ: {everyone}")
+    agree(comm, (chosen["read_gap"] == 0) == (comm.Get_rank() == 1), f"read_gap {chosen['read_gap']}")
