@@ -208,7 +208,8 @@ def model_rows(args, variant, step_s, chosen):
                     batch=args.batch, compute=step_s, ram_bytes=args.ram, disk_bytes=args.disk,
                     store_bw=args.bps, store_iops=args.iops, disk_bw=1e9, net_bw=2e9, peers=True,
                     read_bytes=chosen["read_bytes"], read_gap=chosen["read_gap"],
-                    lookahead_bytes=chosen["lookahead_bytes"], node_ranks=args.ranks)  # one node: the ranks share its page cache
+                    lookahead_bytes=chosen["lookahead_bytes"],
+                    node_ranks=args.ranks)  # one node: the ranks share its page cache
     model = predict(system)
     rows = []
     for e in range(args.epochs):
