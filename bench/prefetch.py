@@ -171,6 +171,7 @@ def worker(args):
                    ("store_reads", "store_requests", "store_bytes", "peer_fills", "peer_waits", "peer_misses",
                     "peer_timeouts", "served_to_peers")}
         if args.worker == "hpcdl":
+            summary["read_settings"] = all_stats[0]["read_settings"]  # rank 0's, which every rank derives alike
             summary["hits"] = {src: sum(s["hits"][src] for s in all_stats) for src in all_stats[0]["hits"]}
             print(f"[hpcdl rank 0] all ranks: {summary}", file=sys.stderr)
         print(json.dumps({"epoch_s": [float(x) for x in epoch_max], "stall_s": [float(x) for x in stall_max],
@@ -199,13 +200,15 @@ def later_epochs(res):
     return float(np.median(res["epoch_s"][1:] or res["epoch_s"]))
 
 
-def model_rows(args, variant, step_s):
+def model_rows(args, variant, step_s, chosen):
+    """The simulator for this setting, reading the store as the hpcdl runs did (chosen: their read settings)."""
     from hpcdl.simulator import System, predict
 
     system = System(samples=args.files, sample_bytes=args.file_bytes, ranks=args.ranks, epochs=args.epochs,
                     batch=args.batch, compute=step_s, ram_bytes=args.ram, disk_bytes=args.disk,
                     store_bw=args.bps, store_iops=args.iops, disk_bw=1e9, net_bw=2e9, peers=True,
-                    read_bytes=args.read_bytes, read_gap=args.read_gap, lookahead_bytes=args.lookahead,
+                    read_bytes=chosen["read_bytes"], read_gap=chosen["read_gap"],
+                    lookahead_bytes=chosen["lookahead_bytes"],
                     node_ranks=args.ranks)  # one node: the ranks share its page cache
     model = predict(system)
     rows = []
@@ -272,11 +275,16 @@ def driver(args):
                          "stall_fraction": ratio(s, t), "step_s": res["step_s"],
                          "prefetch_factor": factor, "store_reads": res["stats"].get("store_reads", ""),
                          "store_requests": res["stats"].get("store_requests", ""),
-                         "store_bytes": res["stats"].get("store_bytes", "")})
+                         "store_bytes": res["stats"].get("store_bytes", ""),
+                         "read_settings": " ".join(f"{k}={v}" for k, v in res["stats"].get("read_settings", {}).items()
+                                                   if k != "auto")})
             print(f"{variant:>8} {mode:>10} run {run} epoch {e + 1}: {t:7.2f} s, stall {show(ratio(s, t), '6.1%')}"
                   + (f" (prefetch_factor {factor})" if factor else ""), flush=True)
         if mode == "hpcdl":
             print(f"{variant:>8}      hpcdl run {run}: {res['stats']}", flush=True)
+            chosen[variant] = res["stats"]["read_settings"]
+
+    chosen = {}
 
     try:
         best = factors[0]
@@ -307,7 +315,7 @@ def driver(args):
                              "stall_fraction": float(np.median(stalls)) if stalls else None,
                              "step_s": float(np.median([r["step_s"] for r in sel]))})
         step_s = float(np.median([r["step_s"] for r in runs if r["variant"] == variant and r["loader"] == "hpcdl"]))
-        rows += model_rows(args, variant, args.compute if variant == "emulated" else step_s)
+        rows += model_rows(args, variant, args.compute if variant == "emulated" else step_s, chosen[variant])
     print(f"medians of {args.runs} runs (load: {os.getloadavg()[0]:.1f}):")
     for r in rows:
         print(f"{r['variant']:>8} {r['loader']:>14} epoch {r['epoch']}: {r['epoch_s']:7.2f} s, "
@@ -354,9 +362,10 @@ def main(argv=None):
     ap.add_argument("--name", default="prefetch", help="results: OUT/NAME.csv, NAME-runs.csv, NAME.png")
     ap.add_argument("--features", type=int, default=4096, help="bytes of each sample the MLP reads")
     ap.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width")
-    ap.add_argument("--read-bytes", type=int, default=8 << 20, help="hpcdl: largest coalesced read (0: per sample)")
-    ap.add_argument("--read-gap", type=int, default=128 << 10, help="hpcdl: largest gap read through")
-    ap.add_argument("--lookahead", type=int, default=32 << 20, help="hpcdl: bytes of store fills sorted together")
+    ap.add_argument("--read-bytes", default="auto", help="hpcdl: largest coalesced read (0: per sample; auto: "
+                                                         "from the store's measured IOPS and bandwidth)")
+    ap.add_argument("--read-gap", default="auto", help="hpcdl: largest gap read through (a size or auto)")
+    ap.add_argument("--lookahead", default="auto", help="hpcdl: bytes of store fills sorted together (a size or auto)")
     ap.add_argument("--slowfs", default="/tmp/hpcdl-slowfs", help="slow FS directory ('' for none)")
     ap.add_argument("--iops", type=int, default=300)
     ap.add_argument("--bps", type=int, default=50 << 20)

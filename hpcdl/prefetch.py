@@ -3,7 +3,8 @@ sequence is a pure function of (N, B, P, rank, E, seed), so each rank knows
 before the first step what it will read, how often and when, and stages data
 ahead of use from the fastest tier that has it.
 
-    from hpcdl.store import Store
+    from hpcdl.store import Store, probe
+from hpcdl.units import AUTO, size_or_auto
     from hpcdl.prefetch import Prefetcher
 
     with Prefetcher(Store(path), batch_size=256, epochs=90, seed=1, comm=MPI.COMM_WORLD,
@@ -18,6 +19,7 @@ the backing store. The C++ core (include/hpcdl/prefetcher.hpp) runs every
 thread with the GIL released.
 """
 
+import logging
 import os
 import time
 import weakref
@@ -28,19 +30,58 @@ from mpi4py import MPI
 from hpcdl import _core, timeline
 from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
 from hpcdl._warn import warn
-from hpcdl.store import Store
+from hpcdl.store import Store, probe
+from hpcdl.units import AUTO, size_or_auto
 
 DEFAULT_RAM_BYTES = 1 << 30
 DEFAULT_STAGING_BYTES = 64 << 20
 # Coalesced store fills (docs/prefetch.md): the largest read, the largest gap
-# read through to merge two samples (worth it while gap / bandwidth < 1 / IOPS:
-# 128 KiB at 300 IOPS and 40 MB/s), and how far ahead the fill list is gathered.
-DEFAULT_READ_BYTES = 8 << 20
-DEFAULT_READ_GAP = 128 << 10
-DEFAULT_LOOKAHEAD_BYTES = 32 << 20
+# read through to merge two samples, how far ahead the fill list is gathered.
+# "auto": derived from the store's measured IOPS and bandwidth (hpcdl.store.probe);
+# the FALLBACK_ figures (300 IOPS, 40 MB/s) when the probe cannot read the store.
+DEFAULT_READ_BYTES = DEFAULT_READ_GAP = DEFAULT_LOOKAHEAD_BYTES = AUTO
+FALLBACK_IOPS, FALLBACK_BANDWIDTH = 300.0, 40e6
 TRACE_ENV = "HPCDL_TRACE"
 
+_log = logging.getLogger(__name__)
+
 __all__ = ["Prefetcher", "Batch", "PrefetchWarning", "epoch_order", "rank_stream", "placement", "plan"]
+
+
+def _read_settings(store, world, asked, staging_bytes, tier_bytes):
+    """The coalesced fills' settings: those asked for as sizes, the "auto" ones
+    derived from the store's IOPS and bandwidth, measured on rank 0 only (one
+    probe per job, not P concurrent ones on a shared file system) and
+    broadcast. Every rank joins the one bcast whatever it asked for, so ranks
+    that differ in "auto" cannot hang; the settings change only how the store
+    is read, never the bytes delivered, so ranks need not agree on them.
+    A probe that cannot read the store falls back to FALLBACK_IOPS/BANDWIDTH."""
+    def measured():
+        try:
+            return probe.measure(store.shard_paths) + ("probe",)
+        except OSError as exc:
+            warn(f"could not measure the store for read settings ({exc}); assuming {FALLBACK_IOPS:.0f} IOPS "
+                 f"and {FALLBACK_BANDWIDTH / 1e6:.0f} MB/s", PrefetchWarning, stacklevel=4)
+            return FALLBACK_IOPS, FALLBACK_BANDWIDTH, "fallback"
+
+    auto = any(v is None for v in asked.values())
+    speed = measured() if auto and world.Get_rank() == 0 else None
+    if world.Get_size() > 1:
+        speed = world.bcast(speed, root=0)
+    if auto and speed is None:  # rank 0 asked for sizes only: this rank measures for itself
+        speed = measured()
+    chosen = dict(asked)
+    if auto:
+        iops, bandwidth, how = speed
+        derived = probe.read_settings(iops, bandwidth, staging_bytes, tier_bytes)
+        chosen = {k: derived[k] if v is None else v for k, v in asked.items()}
+        chosen.update(store_iops=iops, store_bandwidth=bandwidth, measured_by=how)
+        if world.Get_rank() == 0:
+            _log.info("read settings from the store's %.0f IOPS and %.1f MB/s (%s): read_gap %d, read_bytes %d, "
+                      "lookahead_bytes %d", iops, bandwidth / 1e6, how, chosen["read_gap"], chosen["read_bytes"],
+                      chosen["lookahead_bytes"])
+    chosen["auto"] = sorted(k for k, v in asked.items() if v is None)
+    return chosen
 
 
 class PrefetchWarning(UserWarning):
@@ -212,7 +253,11 @@ class Prefetcher:
     read_bytes, read_gap, lookahead_bytes: the tiers' store fills are gathered
     lookahead_bytes at a time (in first-use order), sorted by file offset and
     read in spans of at most read_bytes, merging neighbours at most read_gap
-    bytes apart; read_bytes=0 reads one sample at a time.
+    bytes apart; read_bytes=0 reads one sample at a time. Each is a size (an
+    int or text such as "8M") or "auto" (the default): rank 0 measures the
+    store (~0.2 s) and every rank derives the setting from its IOPS and
+    bandwidth (hpcdl.store.probe.read_settings); pf.read_settings has what was
+    chosen and measured.
 
     A sample that cannot be read (checksum mismatch, I/O error) fails only the
     batch that holds it: that batch raises the reader's error (it names the
@@ -232,14 +277,14 @@ class Prefetcher:
 
         def open_store():  # what one rank alone can get wrong raises on every rank, naming it
             for name, value in (("batch_size", batch_size), ("epochs", epochs), ("ram_bytes", ram_bytes),
-                                ("disk_bytes", disk_bytes), ("threads", threads), ("staging_bytes", staging_bytes),
-                                ("read_bytes", read_bytes), ("read_gap", read_gap),
-                                ("lookahead_bytes", lookahead_bytes)):
+                                ("disk_bytes", disk_bytes), ("threads", threads), ("staging_bytes", staging_bytes)):
                 if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-            return store if isinstance(store, Store) else Store(store)
+            asked = {name: size_or_auto(value, name) for name, value in
+                     (("read_bytes", read_bytes), ("read_gap", read_gap), ("lookahead_bytes", lookahead_bytes))}
+            return (store if isinstance(store, Store) else Store(store)), asked
 
-        self.store = call_on_every_rank(world, open_store)
+        self.store, asked = call_on_every_rank(world, open_store)
         n = len(self.store)
         self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
 
@@ -261,6 +306,8 @@ class Prefetcher:
         else:
             peer_ram = peer_disk = []
         self._position = position
+        self.read_settings = _read_settings(self.store, world, asked, int(staging_bytes), int(ram_bytes) + disk_bytes)
+        read_bytes, read_gap, lookahead_bytes = (self.read_settings[k] for k in asked)
         cfg = {"samples": n, "global_batch": self.batch_size, "ranks": self.ranks, "epochs": self.num_epochs,
                "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank, "start": position,
                "ram_bytes": int(ram_bytes), "disk_bytes": disk_bytes,
@@ -347,10 +394,12 @@ class Prefetcher:
         timeouts, waits ("later" answers) and MPI errors (peer_errors), peers
         given up on (peers_gone), samples served to peers, tier
         slots filled from peers (peer_fills), every backing-store read
-        (store_reads), tier fill, and the consumer's stall time."""
+        (store_reads), tier fill, the consumer's stall time, and the read
+        settings (read_settings: chosen, and the store's measured speed)."""
         s = self._core.stats() if self._core is not None else dict(self._final_stats or {})
         if s:
             s["seconds"] = time.monotonic() - self._started
+            s["read_settings"] = dict(self.read_settings)
         return s
 
     def placement(self):

@@ -25,7 +25,8 @@ import argparse
 import math
 from dataclasses import dataclass
 
-from hpcdl.units import size_type
+from hpcdl.store.probe import read_settings
+from hpcdl.units import size_or_auto, size_type
 
 __all__ = ["System", "predict", "coalesced_reads", "main"]
 
@@ -197,16 +198,24 @@ def main(argv=None):
     ap.add_argument("--disk-bw", type=_size, default=2e9)
     ap.add_argument("--net-bw", type=_size, default=10e9)
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--read-bytes", type=_size, default=0, help="coalesced fills: largest span (0: per sample)")
-    ap.add_argument("--read-gap", type=_size, default=0)
-    ap.add_argument("--lookahead", type=_size, default=0)
+    ap.add_argument("--read-bytes", default="0", help="coalesced fills: largest span (0: per sample; auto: the "
+                                                       "prefetcher's rule for --store-iops and --store-bw)")
+    ap.add_argument("--read-gap", default="0", help="a size or auto")
+    ap.add_argument("--lookahead", default="0", help="a size or auto")
     ap.add_argument("--node-ranks", type=int, default=1, help="ranks sharing a page cache")
     a = ap.parse_args(argv)
+    try:
+        reads = {"read_bytes": size_or_auto(a.read_bytes, "--read-bytes"),
+                 "read_gap": size_or_auto(a.read_gap, "--read-gap"),
+                 "lookahead_bytes": size_or_auto(a.lookahead, "--lookahead")}
+    except ValueError as exc:
+        ap.error(str(exc))
+    derived = read_settings(a.store_iops, a.store_bw, tier_bytes=a.ram + a.disk)
+    reads = {k: derived[k] if v is None else v for k, v in reads.items()}
     system = System(samples=a.samples, sample_bytes=a.sample_bytes, ranks=a.ranks, epochs=a.epochs, batch=a.batch,
                     compute=a.compute, ram_bytes=a.ram, disk_bytes=a.disk, store_bw=a.store_bw,
                     store_iops=a.store_iops, disk_bw=a.disk_bw, net_bw=a.net_bw, peers=not a.no_peers,
-                    read_bytes=a.read_bytes, read_gap=a.read_gap, lookahead_bytes=a.lookahead,
-                    node_ranks=a.node_ranks)
+                    node_ranks=a.node_ranks, **reads)
     out = predict(system)
     print(f"{'epoch':>5} {'naive s':>10} {'staging s':>10} {'prefetch s':>11} {'compute s':>10}  sources")
     for e in range(system.epochs):

@@ -28,3 +28,24 @@ def size_type(allow_zero=False):
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
     return size
+
+
+AUTO = "auto"
+
+
+def size_or_auto(value, name):
+    """A setting that is a byte size or "auto": None for "auto", else the size
+    (a non-negative int, or text parse_bytes reads, 0 allowed). ValueError
+    naming the setting for anything else (a negative size, a bool, garbage)."""
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) and not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be a non-negative size or {AUTO!r}, got {value!r}")
+    if not isinstance(value, str):
+        if int(value) < 0:
+            raise ValueError(f"{name} must be a non-negative size or {AUTO!r}, got {value!r}")
+        return int(value)
+    try:
+        return parse_bytes(value, allow_zero=True)
+    except ValueError as exc:
+        raise ValueError(f"{name} must be a non-negative size or {AUTO!r}, got {value!r} ({exc})") from None

@@ -5,18 +5,21 @@ DLIO's own (summary.json: AU%, samples/s, MB/s); docs/dlio.md.
 
     sudo python bench/dlio/run.py                          # all workloads
     sudo python bench/dlio/run.py --workloads resnet50 --epochs 3
+    sudo python bench/dlio/run.py --workloads unet3d --runs 3 --name dlio-unet3d   # medians of 3
 
 Per workload: a loop-mounted ext4 (bench/slowfs.sh) throttled to --iops read
 IOPS and --bps read bytes/s; DLIO generates the data onto it; `hpcdl pack`
-packs it next to the files; then two DLIO runs with --ranks ranks, each under
-`slowfs.sh run` (page cache dropped first, reads throttled). During both runs
+packs it next to the files; then --runs rounds of two DLIO runs (the stock
+loader, then hpcdl) with --ranks ranks, each under `slowfs.sh run` (page
+cache dropped first, reads throttled); the table holds the medians. During both runs
 the page cache is dropped every --drop-every seconds: on a cluster the data
 set does not fit the nodes' memory (MLPerf Storage requires 5x), so no loader
 gets it from the page cache in a later epoch. Takes /tmp/hpcdl-slowfs.lock
 itself for the whole slow-FS part (do not wrap it in flock).
 
-Writes OUT/dlio.csv, dlio.md (the table) and dlio.png, and keeps DLIO's
-output folders and logs under OUT/dlio/ (OUT: --out, default bench/results).
+Writes OUT/NAME.csv (medians over the runs), NAME-runs.csv (every run),
+NAME.md (the table) and NAME.png, and keeps DLIO's output folders and logs
+under OUT/NAME/ (OUT: --out, default bench/results; NAME: --name, default dlio).
 """
 
 import argparse
@@ -47,13 +50,15 @@ VENV_BIN = os.path.dirname(sys.executable)   # dlio_benchmark of this Python's v
 # fewer files, smaller batches (compute per step scaled with the batch, so compute per sample
 # stays DLIO's), records shrunk by `record_scale` where a full record would not fit a few GB.
 # Everything is npz, one sample per file: the format DLIO's PyTorch reader reads natively.
+# "au": DLIO's pass threshold (metric.au) where MLPerf Storage's differs from DLIO's default 0.90
+# (cosmoflow: 0.70, as DLIO's own cosmoflow_a100/_h100 configs set; the _v100 config sets none).
 WORKLOADS = {
     "resnet50": {"config": "resnet50_v100", "files": 2048, "record": 114660, "stdev": 0, "record_scale": 1,
                  "batch": 32, "dlio_batch": 64, "dlio_compute": 0.195},
     "unet3d": {"config": "unet3d_v100", "files": 64, "record": 146600628, "stdev": 68341808, "record_scale": 32,
                "batch": 1, "dlio_batch": 4, "dlio_compute": 1.3604},
     "cosmoflow": {"config": "cosmoflow_v100", "files": 256, "record": 2828486, "stdev": 71311, "record_scale": 4,
-                  "batch": 4, "dlio_batch": 1, "dlio_compute": 0.00936},
+                  "batch": 4, "dlio_batch": 1, "dlio_compute": 0.00936, "au": 0.70},
 }
 
 
@@ -66,7 +71,7 @@ def workload_settings(name, args):
     record = int(w["record"] / w["record_scale"])
     compute = w["dlio_compute"] * w["batch"] / w["dlio_batch"] * args.compute_scale
     return {"record": record, "stdev": int(w["stdev"] / w["record_scale"]), "files": w["files"], "batch": w["batch"],
-            "compute": round(compute, 6), "config": w["config"]}
+            "compute": round(compute, 6), "config": w["config"], "au": w.get("au")}
 
 
 def dlio_command(args, name, s, data_folder, output, loader):
@@ -83,6 +88,8 @@ def dlio_command(args, name, s, data_folder, output, loader):
            "++workload.workflow.evaluation=False", "++workload.workflow.checkpoint=False",
            "++workload.workflow.profiling=False", f"++workload.output.folder={output}",
            f"hydra.run.dir={output}/hydra"]
+    if s["au"] is not None:
+        cmd.append(f"++workload.metric.au={s['au']}")
     if loader == "generate":
         cmd += ["++workload.workflow.generate_data=True", "++workload.workflow.train=False"]
     else:
@@ -174,7 +181,7 @@ def collect(output, loader, name, s, args, wall):
 def bench_workload(name, args, env):
     s = workload_settings(name, args)
     size_mb = s["files"] * (s["record"] + 3 * s["stdev"]) * 2.2 / 1e6 + 128
-    out_root = os.path.join(args.out, "dlio", name)
+    out_root = os.path.join(args.out, args.name, name)
     shutil.rmtree(out_root, ignore_errors=True)
     os.makedirs(out_root)
     rows = []
@@ -188,14 +195,16 @@ def bench_workload(name, args, env):
         run([sys.executable, "-m", "hpcdl", "pack", os.path.join(data, "train"), os.path.join(data, "train.hpcdl"),
              "-q"], os.path.join(out_root, "pack.log"), env)
         subprocess.run([SLOWFS, "throttle", args.slowfs, str(args.iops), str(args.bps)], check=True)
-        for loader in ("stock", "hpcdl"):
-            output = os.path.join(out_root, loader)
-            log(f"{name}: DLIO with the {loader} loader, {args.ranks} ranks, {args.epochs} epochs")
+        for loader, run_no in [(loader, r) for r in range(1, args.runs + 1) for loader in ("stock", "hpcdl")]:
+            output = os.path.join(out_root, f"{loader}-{run_no}")
+            log(f"{name}: DLIO with the {loader} loader, {args.ranks} ranks, {args.epochs} epochs, "
+                f"run {run_no}/{args.runs}")
             start, (ios, nbytes) = time.monotonic(), device_reads(args.slowfs)
             with CacheDropper(args.drop_every):
-                run(dlio_command(args, name, s, data, output, loader), os.path.join(out_root, f"{loader}.log"),
-                    env, throttled_dir=args.slowfs)
+                run(dlio_command(args, name, s, data, output, loader),
+                    os.path.join(out_root, f"{loader}-{run_no}.log"), env, throttled_dir=args.slowfs)
             row = collect(output, loader, name, s, args, time.monotonic() - start)
+            row["run"] = run_no
             ios_after, bytes_after = device_reads(args.slowfs)
             samples = args.epochs * (s["files"] // (s["batch"] * args.ranks)) * s["batch"] * args.ranks
             row["device_reads_per_sample"] = ratio(ios_after - ios, samples)
@@ -213,16 +222,49 @@ def figure(value, spec):
     return show(None if value in ("", None) else float(value), spec)
 
 
-def write_results(rows, args):
-    """dlio.csv (unless replotting), dlio.md and dlio.png."""
-    fields = ["workload", "loader", "ranks", "epochs", "files", "record_bytes", "batch_per_rank", "compute_s",
-              "au_per_epoch", "au_mean", "au_from_epoch2", "samples_per_s", "samples_per_s_per_epoch", "mb_per_s",
-              "dlio_verdict", "wall_s", "device_reads_per_sample", "device_mb_read", "hpcdl_hits"]
+FIELDS = ["workload", "loader", "ranks", "epochs", "files", "record_bytes", "batch_per_rank", "compute_s",
+          "au_per_epoch", "au_mean", "au_from_epoch2", "samples_per_s", "samples_per_s_per_epoch", "mb_per_s",
+          "dlio_verdict", "wall_s", "device_reads_per_sample", "device_mb_read", "hpcdl_hits"]
+MEDIAN_FIELDS = ("au_mean", "au_from_epoch2", "samples_per_s", "mb_per_s", "wall_s", "device_reads_per_sample",
+                 "device_mb_read")
+
+
+def median(values):
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def medians(runs):
+    """One row per (workload, loader): the medians over its runs (per-epoch columns epoch by epoch);
+    dlio_verdict counts DLIO's "success" verdicts, e.g. "success 2/3"."""
+    rows = []
+    for key in dict.fromkeys((r["workload"], r["loader"]) for r in runs):
+        sel = [r for r in runs if (r["workload"], r["loader"]) == key]
+        row = dict(sel[0])
+        for f in MEDIAN_FIELDS:
+            row[f] = median([None if r.get(f) in ("", None) else float(r[f]) for r in sel])
+        for f in ("au_per_epoch", "samples_per_s_per_epoch"):
+            per_run = [[float(x) for x in str(r[f]).split()] for r in sel]
+            row[f] = " ".join(f"{median(list(col)):.1f}" for col in zip(*per_run))
+        row["dlio_verdict"] = f"success {sum(r['dlio_verdict'] == 'success' for r in sel)}/{len(sel)}"
+        row["runs"] = len(sel)
+        rows.append(row)
+    return rows
+
+
+def write_results(runs, args):
+    """NAME.csv (medians) and NAME-runs.csv (unless replotting), NAME.md and NAME.png."""
+    rows = medians(runs)
     if not args.replot:
-        with open(os.path.join(args.out, "dlio.csv"), "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=fields)
-            w.writeheader()
-            w.writerows(rows)
+        for path, table, fields in ((f"{args.name}-runs.csv", runs, ["run"] + FIELDS),
+                                    (f"{args.name}.csv", rows, FIELDS + ["runs"])):
+            with open(os.path.join(args.out, path), "w", newline="") as fh:
+                w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
+                w.writeheader()
+                w.writerows(table)
     lines = ["| workload | loader | AU % per epoch | AU % mean (DLIO) | AU % epochs 2+ | samples/s | MB/s | "
              "DLIO verdict | hpcdl speedup | device reads/sample | MB read |", "|---" * 11 + "|"]
     stock = {r["workload"]: r for r in rows if r["loader"] == "stock"}
@@ -233,13 +275,13 @@ def write_results(rows, args):
                      f"{figure(r['au_from_epoch2'], '.1f')} | {figure(r['samples_per_s'], '.1f')} | "
                      f"{figure(r['mb_per_s'], '.1f')} | {r['dlio_verdict']} | {speedup} | "
                      f"{figure(r.get('device_reads_per_sample'), '.2f')} | {figure(r.get('device_mb_read'), '.1f')} |")
-    with open(os.path.join(args.out, "dlio.md"), "w") as fh:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(rows, args.out)
+    plot(rows, args.out, args.name)
 
 
-def plot(rows, out):
+def plot(rows, out, name):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -264,7 +306,7 @@ def plot(rows, out):
     axes[0].legend(fontsize=8, loc="upper left")
     fig.suptitle("DLIO workloads on the emulated slow file system (4 ranks, 2 cores)")
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "dlio.png"), dpi=120)
+    fig.savefig(os.path.join(out, f"{name}.png"), dpi=120)
 
 
 def _number(text):
@@ -292,10 +334,12 @@ def main():
     ap.add_argument("--disk", default="", help="hpcdl disk tier per rank (HPCDL_DLIO_DISK), in a temporary "
                                                "folder on the unthrottled local disk; default: none")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"), help="results directory")
-    ap.add_argument("--replot", action="store_true", help="only rewrite dlio.md and dlio.png from dlio.csv")
+    ap.add_argument("--runs", type=int, default=1, help="rounds of (stock, hpcdl) runs; the table: medians")
+    ap.add_argument("--name", default="dlio", help="results: OUT/NAME.csv, NAME-runs.csv, NAME.md, NAME.png")
+    ap.add_argument("--replot", action="store_true", help="only rewrite NAME.md and NAME.png from NAME-runs.csv")
     args = ap.parse_args()
     if args.replot:
-        with open(os.path.join(args.out, "dlio.csv")) as fh:
+        with open(os.path.join(args.out, f"{args.name}-runs.csv")) as fh:
             rows = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(fh)]
         write_results(rows, args)
         return

@@ -5,7 +5,8 @@ few HDF5 shards, then read samples by index with plain positioned reads.
     st = hpcdl.store.Store("train.hpcdl"); st[i], st.labels[i], st.read_many(ids)
 
 Modules: manifest (the on-disk format, docs/store.md), packing (pack()),
-reader (Store), progress (the bars of both).
+reader (Store), progress (the bars of both), probe (the store's measured speed
+and the prefetcher's read settings from it).
 """
 
 from hpcdl.store.manifest import FORMAT, FORMAT_VERSION, MANIFEST, crc32c, shard_name

@@ -229,3 +229,22 @@ def test_a_prefetcher_dropped_without_close_is_closed(comm, shared_store):
     with Prefetcher(shared_store, 8, 1, 0, comm=comm) as pf:
         ids, right = delivered(pf, shared_store)
     agree(comm, right and len(ids) > 0, f"{len(ids)} samples")
+
+
+@multi_rank
+def test_auto_read_settings_are_rank_0s_on_every_rank(comm, shared_store):
+    # Rank 0 measures the store and broadcasts its speed: every rank derives the
+    # same settings. A rank that asks for a size keeps it, without a hang.
+    st = shared_store
+    gap = 0 if comm.Get_rank() == 1 else "auto"
+
+    def run():
+        with Prefetcher(st, 8, 1, 3, comm=comm, ram_bytes=int(st.sizes.sum()), read_gap=gap) as pf:
+            ids, right = delivered(pf, st)
+        return right, pf.read_settings
+
+    right, chosen = collective(comm, run)
+    agree(comm, right, "wrong bytes")
+    everyone = comm.allgather({k: v for k, v in chosen.items() if k not in ("read_gap", "auto")})
+    agree(comm, all(c == everyone[0] for c in everyone), f"read settings differ: {everyone}")
+    agree(comm, (chosen["read_gap"] == 0) == (comm.Get_rank() == 1), f"read_gap {chosen['read_gap']}")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hpcdl import prefetch, simulator, store
+from hpcdl.store import probe
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import Prefetcher
 from helpers.prefetch import corrupt_sample, make_store
@@ -159,3 +160,67 @@ def test_the_simulators_span_count_matches_the_prefetcher(tmp_path):
     fast = simulator.predict(simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH,
                                               compute=0.0, ram_bytes=10**9, store_iops=100, **kw))
     assert fast["prefetch"][0] < slow["prefetch"][0]
+
+
+# ---------------------------------------------------------------- read settings from the store's speed
+
+@pytest.mark.parametrize("ram,disk", [(10**9, 0), (100000, 150000)])
+def test_auto_read_settings_deliver_the_per_sample_path(st, tmp_path, ram, disk):
+    per_sample, base = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk, read_bytes=0)
+    auto, stats = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk)  # read_* default to "auto"
+    assert auto == per_sample
+    chosen = stats["read_settings"]
+    assert chosen["auto"] == ["lookahead_bytes", "read_bytes", "read_gap"] and chosen["measured_by"] == "probe"
+    assert chosen["store_iops"] > 0 and chosen["store_bandwidth"] > 0
+    derived = probe.read_settings(chosen["store_iops"], chosen["store_bandwidth"], prefetch.DEFAULT_STAGING_BYTES,
+                                  ram + disk)
+    assert {k: chosen[k] for k in derived} == derived
+    assert stats["hits"] == base["hits"] and 0 < stats["store_requests"] < base["store_requests"]
+
+
+def test_explicit_read_settings_override_auto(st):
+    with Prefetcher(st, BATCH, 1, SEED, ram_bytes=10**9, read_gap="12K") as pf:
+        mixed = pf.read_settings
+    assert mixed["read_gap"] == 12 << 10 and mixed["auto"] == ["lookahead_bytes", "read_bytes"]
+    derived = probe.read_settings(mixed["store_iops"], mixed["store_bandwidth"], prefetch.DEFAULT_STAGING_BYTES, 10**9)
+    assert (mixed["read_bytes"], mixed["lookahead_bytes"]) == (derived["read_bytes"], derived["lookahead_bytes"])
+    with Prefetcher(st, BATCH, 1, SEED, ram_bytes=10**9, read_bytes=6000, read_gap=0, lookahead_bytes=20000) as pf:
+        explicit = pf.read_settings
+    assert explicit == {"read_bytes": 6000, "read_gap": 0, "lookahead_bytes": 20000, "auto": []}  # nothing measured
+
+
+@pytest.mark.parametrize("name,value", [("read_bytes", -1), ("read_gap", "garbage"), ("lookahead_bytes", "-3M"),
+                                        ("read_gap", True), ("read_bytes", 1.5), ("read_bytes", None)])
+def test_bad_read_settings_are_clear_errors(st, name, value):
+    with pytest.raises(ValueError, match=f"{name} must be a non-negative size or 'auto'"):
+        Prefetcher(st, BATCH, 1, SEED, **{name: value})
+
+
+def test_read_settings_rule():
+    MiB = 1 << 20
+    slow = probe.read_settings(300, 50 * MiB)
+    assert slow["read_gap"] == 50 * MiB // 300  # the gap that costs as much as one more request
+    assert slow["read_bytes"] == probe.SPAN_GAPS * slow["read_gap"]
+    assert slow["lookahead_bytes"] == probe.WINDOW_SPANS * slow["read_bytes"]
+    previous = None
+    for ratio_ in np.geomspace(1, 1e9, 40):  # bandwidth / IOPS from 1 byte to 1 GB
+        got = probe.read_settings(1000.0, 1000.0 * ratio_)
+        assert probe.MIN_GAP <= got["read_gap"] <= probe.MAX_GAP
+        assert probe.MIN_READ <= got["read_bytes"] <= probe.MAX_READ
+        assert got["read_bytes"] <= got["lookahead_bytes"] <= probe.MAX_LOOKAHEAD
+        if previous:  # monotone: a store whose requests cost more bytes gets larger reads
+            assert all(got[k] >= previous[k] for k in got)
+        previous = got
+    assert probe.read_settings(1e7, 1e10)["read_gap"] == probe.MIN_GAP  # a page-cache hit: clamped
+    # Bounded by memory: spans by the staging buffer, the window by the tiers.
+    small = probe.read_settings(300, 50 * MiB, staging_bytes=2 * MiB, tier_bytes=5 * MiB)
+    assert small["read_bytes"] == 2 * MiB and small["lookahead_bytes"] == 5 * MiB
+    with pytest.raises(ValueError):
+        probe.read_settings(0, 50 * MiB)
+
+
+def test_probe_measures_the_store_files(st):
+    iops, bandwidth = probe.measure(st.shard_paths)
+    assert 0 < iops <= probe.MAX_IOPS and 0 < bandwidth <= probe.MAX_BANDWIDTH
+    with pytest.raises(OSError):
+        probe.measure([])

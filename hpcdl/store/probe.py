@@ -1,0 +1,103 @@
+"""The backing store's speed, measured cheaply, and the one rule that turns
+it into the prefetcher's coalesced-fill read settings (docs/prefetch.md,
+"Read settings from the store's speed").
+
+    iops, bandwidth = measure(store.shard_paths)     # ~0.2 s, a few MB at most
+    read_settings(iops, bandwidth, staging_bytes, tier_bytes)
+"""
+
+import os
+import random
+import time
+
+PROBE_SECONDS = 0.2          # the whole probe's budget: 40% small reads, 60% the sequential read
+SMALL_READ = 4096            # one request's worth: its time is the per-request cost
+SMALL_READS = 64
+LARGE_READ = 16 << 20        # the sequential read the bandwidth is taken from, at most
+LARGE_CHUNK = 1 << 20
+# A page-cache hit reads in microseconds: the clamps keep what such a probe derives sane.
+MAX_IOPS, MAX_BANDWIDTH = 1e7, 1e11
+MIN_GAP, MAX_GAP = 4 << 10, 4 << 20
+MIN_READ, MAX_READ = 1 << 20, 64 << 20
+MAX_LOOKAHEAD = 1 << 30
+SPAN_GAPS = 16               # a span of 16 gaps: one request's cost is ~1/17 of the span's time
+WINDOW_SPANS = 8             # a look-ahead window of 8 spans: dense enough in the file for spans to merge
+
+__all__ = ["measure", "read_settings"]
+
+
+def _clamp(value, low, high):
+    return int(min(max(value, low), max(high, low)))
+
+
+def read_settings(iops, bandwidth, staging_bytes=64 << 20, tier_bytes=1 << 62):
+    """{read_gap, read_bytes, lookahead_bytes} for a store doing ``iops`` reads/s
+    at ``bandwidth`` bytes/s: the gap whose bytes take as long as one more
+    request (bandwidth / iops, within [4 KiB, 4 MiB]); spans SPAN_GAPS gaps
+    long within [1 MiB, 64 MiB] and the staging buffer (each filler holds one
+    span); a look-ahead of WINDOW_SPANS spans, at most the tiers' bytes (the
+    window's samples occupy their tier slots) and 1 GiB."""
+    if not (iops > 0 and bandwidth > 0):
+        raise ValueError(f"iops and bandwidth must be positive, got {iops!r} and {bandwidth!r}")
+    gap = _clamp(bandwidth / iops, MIN_GAP, MAX_GAP)
+    read_bytes = _clamp(SPAN_GAPS * gap, MIN_READ, min(MAX_READ, staging_bytes))
+    lookahead = _clamp(WINDOW_SPANS * read_bytes, read_bytes, min(MAX_LOOKAHEAD, tier_bytes))
+    return {"read_gap": gap, "read_bytes": read_bytes, "lookahead_bytes": lookahead}
+
+
+def _steady(amounts, times):
+    """amount per second over the later half of a run of reads: a store that
+    lets a burst through before it throttles (the cgroup throttle passes a
+    100 ms slice's worth at once, then waits ~90 ms) is measured after the
+    first burst, waits included (a mean, not a median: the waits are the rate)."""
+    half = len(times) // 2
+    return sum(amounts[half:]) / max(sum(times[half:]), 1e-9)
+
+
+def measure(paths, seconds=PROBE_SECONDS):
+    """(iops, bandwidth) of reading the files ``paths``, within about ``seconds``
+    and at most SMALL_READS x 4 KiB + LARGE_READ bytes: random 4 KiB reads with
+    read-ahead off give the IOPS, 1 MiB sequential reads from a random offset
+    the bandwidth (request costs included: what a long span gets), each as the
+    steady rate of the later half of its reads (_steady). Random offsets
+    make a page-cache hit unlikely; a hit reads as a very fast store (clamped
+    to MAX_IOPS, MAX_BANDWIDTH). OSError when no file can be read."""
+    files = [(p, os.path.getsize(p)) for p in paths]
+    files = [(p, size) for p, size in files if size > 0]
+    if not files:
+        raise OSError("no store file to measure (all empty)")
+    rng = random.Random()
+    start = time.monotonic()
+    times, fds = [], {}
+    try:
+        while len(times) < SMALL_READS and (len(times) < 4 or time.monotonic() < start + 0.4 * seconds):
+            path, size = rng.choice(files)
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY)
+                os.posix_fadvise(fds[path], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: one request each
+            offset = rng.randrange(max(size - SMALL_READ, 0) // 4096 + 1) * 4096
+            t0 = time.perf_counter()
+            os.pread(fds[path], SMALL_READ, offset)
+            times.append(time.perf_counter() - t0)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    iops = min(_steady([1] * len(times), times), MAX_IOPS)
+    path, size = max(files, key=lambda f: f[1])
+    offset = rng.randrange(max(size - LARGE_READ, 0) // 4096 + 1) * 4096
+    chunks = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        got = 0
+        while got < LARGE_READ and (len(chunks) < 2 or time.monotonic() < start + seconds):
+            t0 = time.perf_counter()
+            chunk = len(os.pread(fd, LARGE_CHUNK, offset + got))
+            if not chunk:
+                break
+            chunks.append((chunk, time.perf_counter() - t0))
+            got += chunk
+    finally:
+        os.close(fd)
+    bandwidth = min(_steady([n for n, _ in chunks], [t for _, t in chunks]), MAX_BANDWIDTH)
+    return iops, bandwidth
