@@ -149,6 +149,7 @@ class Engine {
   // Engine thread only: the control message being read, and working memory
   // of compressed allreduces, kept between operations.
   std::vector<char> control_msg_;
+  std::size_t transfers_in_flight_ = 0;  // taken from transfer_queue_, not finished
   CommContext* executing_ = nullptr;  // the context whose operation moves data now
   bool executing_cancellable_ = false;  // that operation's requests can be cancelled (a ring)
   double executing_stalled_s_ = 0;  // > 0: that ring was abandoned after this long without progress

@@ -173,6 +173,7 @@ bool Engine::drain_submissions() {
     std::lock_guard<std::mutex> g(mu_);
     batch.swap(queue_);
     for (auto& item : transfer_queue_) item.first->transfers.push_back(std::move(item.second));
+    transfers_in_flight_ += transfer_queue_.size();
     busy = !transfer_queue_.empty();
     transfer_queue_.clear();
   }
@@ -269,11 +270,13 @@ void Engine::loop() {
       if (now - last_agreed >= agree_every) {
         last_agreed = now;
         drain_submissions();
-        for (auto& ctx : contexts) progress_transfers(*ctx, &unused_busy);
         for (auto& ctx : contexts)
           if (ctx->set_up && ctx->control_error.ok())
             ctx->control_error = poll_control(*ctx, false, warn_s, error_s, &unused_busy);
       }
+      // Transfers move between a ring's polls too (a pipeline's while its data-parallel allreduce runs).
+      if (transfers_in_flight_ > 0)
+        for (auto& ctx : contexts) progress_transfers(*ctx, &unused_busy);
       CommContext* running = executing_;
       if (running == nullptr) return true;
       // No transfer of the ring completed for stall_error_seconds: a neighbour

@@ -106,6 +106,7 @@ void Engine::progress_transfers(CommContext& ctx, bool* busy) {
       if (!flag && t.request != MPI_REQUEST_NULL) cancel_and_complete({&t.request}, kCancelSeconds, "hpcdl");
       t.op->finish(std::move(st));
       it = ctx.transfers.erase(it);
+      --transfers_in_flight_;
       *busy = true;
     } else {
       ++it;
@@ -118,6 +119,7 @@ void Engine::cancel_transfers(CommContext& ctx, const Status& st) {
   for (auto& t : ctx.transfers) requests.push_back(&t.request);
   cancel_and_complete(requests, kCancelSeconds, "hpcdl");
   for (auto& t : ctx.transfers) t.op->finish(st);
+  transfers_in_flight_ -= ctx.transfers.size();
   ctx.transfers.clear();
 }
 
