@@ -62,7 +62,7 @@ cdef class Buffer:
     cdef readonly Py_ssize_t count
     cdef readonly object owner
 
-    def __cinit__(self, obj, dtype=None, bint writable=True):
+    def __cinit__(self, obj, dtype=None, bint writable=True, bint raw=False):
         self.held = False
         try:
             PyObject_GetBuffer(obj, &self.view, PyBUF_RECORDS_RO)
@@ -79,6 +79,9 @@ cdef class Buffer:
             raise ValueError(f"buffer is read-only; hpcdl reduces in place and needs a writable {type(obj).__name__}")
         if not PyBuffer_IsContiguous(&self.view, b"C"):
             raise ValueError("buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)")
+        if raw:  # point-to-point moves bytes: any element type, counted in bytes
+            self.dtype, self.count = "bytes", self.view.len
+            return
         fmt = self.view.format.decode() if self.view.format != NULL else "B"
         self.dtype = _resolve_dtype(obj, dtype, fmt, self.view.itemsize)
         self.count = self.view.len // self.view.itemsize if self.view.itemsize else 0
@@ -249,6 +252,26 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     req.deferred = deferred
     with nogil:
         st = CEngine.instance().submit(comm.ob_mpi, move(req), &op)
+    check_status(st)
+    cdef Handle h = Handle.__new__(Handle)
+    h.op = op
+    h.buffer = buf
+    h.name = op.get().name().decode()
+    if len(_inflight) >= _prune_at[0]:
+        _prune()
+    _inflight.add(h)
+    return h
+
+
+def transfer(bint send, Buffer buf not None, MPI.Comm comm not None, int peer, int tag):
+    """Send (or receive exactly buf.nbytes) raw bytes to (from) ``peer`` with
+    ``tag`` on ``comm``; the engine thread moves them. Returns a Handle."""
+    cdef shared_ptr[COperation] op
+    cdef CStatus st
+    cdef void* data = buf.ptr()
+    cdef uint64_t nbytes = buf.view.len
+    with nogil:
+        st = CEngine.instance().submit_transfer(comm.ob_mpi, send, data, nbytes, peer, tag, &op)
     check_status(st)
     cdef Handle h = Handle.__new__(Handle)
     h.op = op

@@ -4,19 +4,23 @@ the pipeline x data grid of ranks, and the point-to-point link between stages.
 The PyTorch stage runner is hpcdl.torch.pipeline (``hpcdl.torch.Pipeline``);
 docs/pipeline.md describes the design and its costs.
 
-The link uses mpi4py non-blocking point-to-point on a duplicate of the
-pipeline communicator, not hpcdl's engine: messages of one pipeline can never
-match anyone else's, and receives are posted ahead so that transfers overlap
-the stage's compute. Waiting polls with a backoff sleep (as the engine does),
-so ranks that share cores leave them to compute, and watches for an abort
-message: a stage that fails tells every other stage, which raise too, instead
-of waiting forever for a message that will not come.
+The link works on a private duplicate of the pipeline communicator, so
+messages of one pipeline can never match anyone else's. Activations and
+gradients go through hpcdl's engine (hpcdl._core.transfer): its thread posts
+and tests them, so a transfer advances while the stage computes (MPICH moves a
+message only inside an MPI call), and a receive fails unless it gets exactly
+the bytes it expects. The small layout messages and the abort channel stay on
+mpi4py. Waiting polls with a backoff sleep, so ranks that share cores leave
+them to compute, and watches for an abort message: a stage that fails tells
+every other stage, which raise too, instead of waiting forever for a message
+that will not come.
 """
 
 import time
 
 from mpi4py import MPI
 
+from hpcdl import _core
 from hpcdl.errors import HpcdlError
 
 __all__ = ["PipelineError", "SCHEDULES", "stage_actions", "bubble_fraction", "balanced_split", "pipeline_grid"]
@@ -128,11 +132,13 @@ class Link:
         self.waited_s = 0.0  # time blocked waiting for other stages (the bubble, measured)
 
     def recv(self, buffer, source, tag):
-        """Post a receive of raw bytes into ``buffer`` (a writable uint8 array)."""
-        return self.comm.Irecv([buffer, MPI.BYTE], source=source, tag=tag)
+        """Receive exactly len(buffer) raw bytes into ``buffer`` (a writable contiguous
+        array) from ``source``; returns the engine's handle (wait on it with wait())."""
+        return _core.transfer(False, _core.Buffer(buffer, None, True, True), self.comm, source, tag)
 
     def send(self, buffer, dest, tag):
-        return self.comm.Isend([buffer, MPI.BYTE], dest=dest, tag=tag)
+        """Send the raw bytes of ``buffer`` to ``dest``; keep ``buffer`` unchanged until done."""
+        return _core.transfer(True, _core.Buffer(buffer, None, False, True), self.comm, dest, tag)
 
     def send_object(self, obj, dest):
         return self.comm.isend(obj, dest=dest, tag=_HEADER_TAG)
@@ -142,11 +148,12 @@ class Link:
         return self._poll(request.test)
 
     def wait(self, request):
-        """Wait for a request from Irecv/Isend; returns its status. Raises PipelineError
-        as soon as another stage aborts."""
-        status = MPI.Status()
-        self._poll(lambda: (request.Test(status), None))
-        return status
+        """Wait for a request from send()/recv() (an engine handle) or send_object()
+        (mpi4py). Raises its error (a receive of the wrong size: MismatchError), or
+        PipelineError as soon as another stage aborts."""
+        if isinstance(request, MPI.Request):
+            return self._poll(lambda: (request.Test(), None))
+        return self._poll(lambda: (request.done(), None))
 
     def _poll(self, test):
         delay, start = 0.0, time.perf_counter()

@@ -66,6 +66,8 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         @staticmethod
         CEngine& instance()
         CStatus submit(MPI_Comm comm, COpRequest req, shared_ptr[COperation]* out)
+        CStatus submit_transfer(MPI_Comm comm, cbool send, void* data, uint64_t nbytes, int peer, int tag,
+                                shared_ptr[COperation]* out)
         void set_stall_limits(double warn_seconds, double error_seconds)
         vector[CEngineStats] stats()
         CAgreementStats agreement_stats()

@@ -23,6 +23,7 @@ import torch
 from mpi4py import MPI
 
 from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
+from hpcdl.errors import MismatchError
 from hpcdl.pipeline import (BACKWARD, FORWARD, Link, PipelineError, balanced_split, data_tag,
                             max_micro_batches, pipeline_grid, stage_actions)
 
@@ -280,7 +281,7 @@ class Pipeline:
                     total = loss if total is None else total + loss
             else:
                 self._backward(mb)
-            self._sends = [(r, b) for r, b in self._sends if not r.Test()]
+            self._sends = [(r, b) for r, b in self._sends if not r.done()]
         for request, _ in self._sends:
             self._link.wait(request)
         self._sends = []
@@ -348,12 +349,9 @@ class Pipeline:
         what = f"micro-batch {mb}'s {'activation' if kind == FORWARD else 'gradient'}"
         agreed = f"the {_describe(buffer.shape, buffer.dtype)} agreed at the first step"
         try:
-            status = self._link.wait(request)
-        except MPI.Exception as exc:
-            raise ValueError(f"{what} is larger than {agreed}: {exc}") from exc
-        count = status.Get_count(MPI.BYTE)
-        if count != buffer.numel() * buffer.element_size():
-            raise ValueError(f"{what} has {count} bytes, not {agreed}")
+            self._link.wait(request)
+        except MismatchError as exc:
+            raise ValueError(f"{what} is not {agreed}: {exc}") from exc
         return buffer.to(self._device())
 
     def _send(self, tensor, kind, mb, dest):

@@ -34,6 +34,7 @@ constexpr auto kLeaveForwardDelay = std::chrono::milliseconds(1000);
 class CommContext {
  public:
   MPI_Comm ctl = MPI_COMM_NULL, data = MPI_COMM_NULL;
+  MPI_Comm user = MPI_COMM_NULL;  // the caller's own: point-to-point transfers go on it
   int rank = 0, size = 1;
   std::uint64_t id = 0;              // never reused: keys error-feedback state
   std::uint64_t compressed_ops = 0;  // engine thread: keys stochastic rounding draws
@@ -93,6 +94,9 @@ class CommContext {
   std::map<std::string, std::uint32_t> ids;
   std::vector<std::string> names_by_id;
   std::map<std::string, std::string> last_reported;  // name -> serialized desc last sent
+
+  // Engine thread: point-to-point transfers not yet finished, in submission order.
+  std::vector<Transfer> transfers;
 
   // Coordinator side.
   struct Entry {

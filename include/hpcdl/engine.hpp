@@ -33,6 +33,7 @@
 #include "hpcdl/compressed_ring.hpp"
 #include "hpcdl/dtype.hpp"
 #include "hpcdl/operation.hpp"
+#include "hpcdl/p2p.hpp"
 #include "hpcdl/residual_store.hpp"
 #include "hpcdl/ring.hpp"
 #include "hpcdl/status.hpp"
@@ -62,6 +63,10 @@ class Engine {
   static Engine& instance();
 
   Status submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out);
+  // A send (or receive of exactly `bytes`) of raw memory to (from) `peer`
+  // with `tag` on comm, moved by the engine thread (src/engine/p2p.cc).
+  Status submit_transfer(MPI_Comm comm, bool send, void* data, std::uint64_t bytes, int peer, int tag,
+                         std::shared_ptr<Operation>* out);
   // Warn after `warn_seconds` that an operation waits for ranks that never
   // submitted it; fail it after `error_seconds` (0: never).
   void set_stall_limits(double warn_seconds, double error_seconds);
@@ -87,6 +92,12 @@ class Engine {
   Status context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out);
   static int on_comm_freed(MPI_Comm comm, int keyval, void* context, void* extra_state);
   bool drain_submissions();
+  // Starts the engine thread if it is not running (under mu_).
+  void start_locked();
+  // Posts ctx's new transfers, tests those in flight, finishes those done.
+  void progress_transfers(CommContext& ctx, bool* busy);
+  // Every transfer not yet finished on ctx fails with st; its requests are cancelled.
+  void cancel_transfers(CommContext& ctx, const Status& st);
   // One pass over ctx's control channel: report new submissions, take readies
   // (coordinator) and plans, plan what every rank submitted (coordinator).
   // Plans are queued on ctx, not run: this also runs while an operation's
@@ -120,6 +131,7 @@ class Engine {
   std::mutex mu_;
   std::condition_variable cv_;
   std::vector<std::pair<std::shared_ptr<CommContext>, std::shared_ptr<Operation>>> queue_;
+  std::vector<std::pair<std::shared_ptr<CommContext>, Transfer>> transfer_queue_;
   // A context lives as an attribute of the user's communicator (so a freed
   // handle that MPI hands out again never finds a stale one); the engine owns it.
   int keyval_ = MPI_KEYVAL_INVALID;
@@ -141,6 +153,7 @@ class Engine {
   // Engine thread only: the control message being read, and working memory
   // of compressed allreduces, kept between operations.
   std::vector<char> control_msg_;
+  std::size_t transfers_in_flight_ = 0;  // taken from transfer_queue_, not finished
   CommContext* executing_ = nullptr;  // the context whose operation moves data now
   bool executing_cancellable_ = false;  // that operation's requests can be cancelled (a ring)
   double executing_stalled_s_ = 0;  // > 0: that ring was abandoned after this long without progress

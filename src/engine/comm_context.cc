@@ -61,6 +61,7 @@ Status Engine::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
   rc = MPI_Comm_idup(comm, &ctx->data, &ctx->setup[1]);
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_idup"));
   ctx->setup_since = std::chrono::steady_clock::now();
+  ctx->user = comm;
   MPI_Comm_rank(comm, &ctx->rank);
   MPI_Comm_size(comm, &ctx->size);
   ctx->set_tree(agreement_flat());
@@ -95,6 +96,7 @@ bool Engine::release_freed(CommContext& ctx) {
   for (auto& kv : ctx.pending)
     kv.second->finish(Status::Cancelled("the communicator of '" + kv.first + "' was freed before it ran"));
   ctx.pending.clear();
+  cancel_transfers(ctx, Status::Cancelled("the communicator of a point-to-point transfer was freed before it finished"));
   int set_up = ctx.set_up;
   if (!set_up) MPI_Testall(2, ctx.setup, &set_up, MPI_STATUSES_IGNORE);
   if (!set_up) return false;
@@ -170,6 +172,7 @@ void Engine::announce_leaving(CommContext& ctx, const std::string& why) {
 void Engine::fail_context(CommContext& ctx, const Status& st) {
   std::fprintf(stderr, "[hpcdl rank %d] engine error: %s\n", ctx.rank, st.message().c_str());
   fail_pending(ctx, st);
+  cancel_transfers(ctx, st);
 }
 
 void Engine::fail_pending(CommContext& ctx, const Status& st) {

@@ -160,27 +160,35 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   op->times_.submitted_us = now_us();
   if (op->ready_) op->times_.ready_us = op->times_.submitted_us;
   queue_.emplace_back(ctx, op);
-  if (!running_) {
-    running_ = true;
-    thread_ = std::thread([this] { loop(); });
-  }
+  start_locked();
   cv_.notify_one();
   *out = std::move(op);
   return Status::OK();
 }
 
+void Engine::start_locked() {
+  if (running_) return;
+  running_ = true;
+  thread_ = std::thread([this] { loop(); });
+}
+
 bool Engine::drain_submissions() {
   std::vector<std::pair<std::shared_ptr<CommContext>, std::shared_ptr<Operation>>> batch;
+  bool busy;
   {
     std::lock_guard<std::mutex> g(mu_);
     batch.swap(queue_);
+    for (auto& item : transfer_queue_) item.first->transfers.push_back(std::move(item.second));
+    transfers_in_flight_ += transfer_queue_.size();
+    busy = !transfer_queue_.empty();
+    transfer_queue_.clear();
   }
   for (auto& item : batch) {
     item.first->pending.emplace(item.second->name(), item.second);
     // A context a rank has left reports nothing more: the loop fails what is pending there.
     if (item.first->gone.ok()) item.first->unreported.push_back(item.second->name());
   }
-  return !batch.empty();
+  return busy || !batch.empty();
 }
 
 void Engine::record(const Operation& op, const RingTraffic& traffic, double seconds) {
@@ -273,6 +281,9 @@ void Engine::loop() {
           if (ctx->set_up && ctx->control_error.ok())
             ctx->control_error = poll_control(*ctx, false, warn_s, error_s, &unused_busy);
       }
+      // Transfers move between a ring's polls too (a pipeline's while its data-parallel allreduce runs).
+      if (transfers_in_flight_ > 0)
+        for (auto& ctx : contexts) progress_transfers(*ctx, &unused_busy);
       CommContext* running = executing_;
       if (running == nullptr) return true;
       // No transfer of the ring completed for stall_error_seconds: a neighbour
@@ -295,6 +306,7 @@ void Engine::loop() {
     };
     wait_hook = &agree_meanwhile;
     for (auto& ctx : contexts) {
+      progress_transfers(*ctx, &busy);
       if (!ctx->set_up) {
         Status st = finish_setup(*ctx, warn_s, error_s);
         if (!st.ok()) fail_context(*ctx, st);
@@ -311,6 +323,9 @@ void Engine::loop() {
                  seconds_since(ctx->gone_at) >= kLeftRankPlanGraceSeconds) {
         fail_pending(*ctx, ctx->gone);  // what waits for the rank that left
       }
+      // Data the rank that left sent before it went had this long to arrive.
+      if (!ctx->gone.ok() && !ctx->transfers.empty() && seconds_since(ctx->gone_at) >= kLeftRankRingGraceSeconds)
+        cancel_transfers(*ctx, ctx->gone);
     }
     wait_hook = nullptr;
     for (auto& ctx : contexts) busy = busy || !ctx->plans.empty();
@@ -335,7 +350,7 @@ void Engine::loop() {
     }
     bool waiting = false;
     for (auto& ctx : contexts) {
-      waiting = waiting || !ctx->outbox.empty() || (!ctx->set_up && !ctx->pending.empty());
+      waiting = waiting || !ctx->outbox.empty() || (!ctx->set_up && !ctx->pending.empty()) || !ctx->transfers.empty();
       for (auto& kv : ctx->pending) waiting = waiting || kv.second->ready();
     }
     const auto max_idle = std::chrono::microseconds(waiting ? std::clamp(wait_sleep_cap_us(), 1L, 1000L) : 20000);
@@ -358,6 +373,7 @@ void Engine::loop() {
     for (auto& op : ctx->pending)
       op.second->finish(Status::Cancelled("hpcdl's engine shut down before '" + op.first + "' ran"));
     ctx->pending.clear();
+    cancel_transfers(*ctx, Status::Cancelled("hpcdl's engine shut down before a point-to-point transfer finished"));
     if (!ctx->freed) announce_leaving(*ctx, "its process exited (its engine shut down at interpreter exit)");
   }
   {

@@ -14,6 +14,7 @@
 #include "hpcdl/comm_context.hpp"
 #include "hpcdl/compressed_ring.hpp"
 #include "hpcdl/engine.hpp"
+#include "hpcdl/env.hpp"
 #include "hpcdl/mpi_util.hpp"
 #include "hpcdl/op_wire.hpp"
 #include "hpcdl/ring.hpp"
@@ -88,8 +89,9 @@ Status Engine::run_plans(CommContext& ctx) {
 Status Engine::await_ready(CommContext& ctx, Operation& op) {
   const auto since = std::chrono::steady_clock::now();
   double warned_at = 0;
-  // Its data comes from the caller's computation: wake rarely meanwhile.
-  while (!op.wait_ready_for(0.02)) {
+  // Its data comes from the caller's computation: wake rarely meanwhile,
+  // unless point-to-point transfers move (each wake progresses them).
+  while (!op.wait_ready_for(transfers_in_flight_ > 0 ? 1e-6 * std::clamp(wait_sleep_cap_us(), 1L, 1000L) : 0.02)) {
     if (wait_hook != nullptr) (*wait_hook)(0);
     if (!ctx.gone.ok()) return ctx.gone;
     double warn_s;
