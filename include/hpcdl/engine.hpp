@@ -118,6 +118,8 @@ class Engine {
   Status finish_setup(CommContext& ctx, double warn_s, double error_s);
   // Tells the other ranks of ctx that this rank leaves it (`why`), with operations possibly in flight.
   void announce_leaving(CommContext& ctx, const std::string& why);
+  // Takes one control message with `tag` (MPI_ANY_TAG: any) into control_msg_, if one has come.
+  Status receive_control(CommContext& ctx, int tag, bool* got, MPI_Status* probe);
   // Another rank's leave notice (in control_msg_) arrived from `source`.
   Status take_leave_notice(CommContext& ctx, int source);
   // Coordinator: sends the first leave notice on to the ranks still there, once its delay passed.
@@ -139,7 +141,7 @@ class Engine {
   std::thread thread_;
   bool running_ = false, stopped_ = false;
   bool loop_done_ = false;  // under mu_: the thread's last act, so shutdown can bound its wait
-  int world_rank_ = -1;     // for messages when MPI cannot be called
+  int world_rank_ = -1;     // set as the engine thread starts: leave notices, messages when MPI cannot be called
   std::uint64_t wakeups_ = 0;  // wake() calls: an idle loop rechecks what is ready or freed
   double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;
 

@@ -298,21 +298,27 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
   }
 }
 
+Status Engine::receive_control(CommContext& ctx, int tag, bool* got, MPI_Status* probe) {
+  int flag = 0, n = 0;
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iprobe(MPI_ANY_SOURCE, tag, ctx.ctl, &flag, probe), "MPI_Iprobe"));
+  *got = flag != 0;
+  if (!flag) return Status::OK();
+  MPI_Get_count(probe, MPI_BYTE, &n);
+  control_msg_.resize(static_cast<std::size_t>(n));
+  return mpi_status(MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe->MPI_SOURCE, probe->MPI_TAG, ctx.ctl,
+                             MPI_STATUS_IGNORE),
+                    "MPI_Recv(control)");
+}
+
 Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, double error_s, bool* busy) {
   const bool reported = !ctx.unreported.empty();
   HPCDL_RETURN_NOT_OK(ctx.report());
   bool arrived = false;
   for (;;) {
-    int flag = 0;
+    bool got = false;
     MPI_Status probe;
-    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, ctx.ctl, &flag, &probe), "MPI_Iprobe"));
-    if (!flag) break;
-    int n = 0;
-    MPI_Get_count(&probe, MPI_BYTE, &n);
-    control_msg_.resize(static_cast<std::size_t>(n));
-    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe.MPI_SOURCE, probe.MPI_TAG,
-                                            ctx.ctl, MPI_STATUS_IGNORE),
-                                   "MPI_Recv(control)"));
+    HPCDL_RETURN_NOT_OK(receive_control(ctx, MPI_ANY_TAG, &got, &probe));
+    if (!got) break;
     arrived = true;
     if (probe.MPI_TAG != kTagLeave) ++ctx.counted.messages_received;
     if (probe.MPI_TAG == kTagLeave) {

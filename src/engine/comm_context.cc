@@ -96,7 +96,8 @@ bool Engine::release_freed(CommContext& ctx) {
   for (auto& kv : ctx.pending)
     kv.second->finish(Status::Cancelled("the communicator of '" + kv.first + "' was freed before it ran"));
   ctx.pending.clear();
-  cancel_transfers(ctx, Status::Cancelled("the communicator of a point-to-point transfer was freed before it finished"));
+  cancel_transfers(ctx,
+                   Status::Cancelled("the communicator of a point-to-point transfer was freed before it finished"));
   int set_up = ctx.set_up;
   if (!set_up) MPI_Testall(2, ctx.setup, &set_up, MPI_STATUSES_IGNORE);
   if (!set_up) return false;
@@ -139,21 +140,14 @@ void Engine::announce_leaving(CommContext& ctx, const std::string& why) {
   if (!ctx.set_up || ctx.size < 2) return;
   // Leave notices that have arrived name ranks already gone: they get no notice.
   for (;;) {
-    int flag = 0, n = 0;
+    bool got = false;
     MPI_Status probe;
-    if (MPI_Iprobe(MPI_ANY_SOURCE, kTagLeave, ctx.ctl, &flag, &probe) != MPI_SUCCESS || !flag) break;
-    MPI_Get_count(&probe, MPI_BYTE, &n);
-    control_msg_.resize(static_cast<std::size_t>(n));
-    if (MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe.MPI_SOURCE, kTagLeave, ctx.ctl, MPI_STATUS_IGNORE) !=
-            MPI_SUCCESS ||
-        !take_leave_notice(ctx, probe.MPI_SOURCE).ok())
+    if (!receive_control(ctx, kTagLeave, &got, &probe).ok() || !got || !take_leave_notice(ctx, probe.MPI_SOURCE).ok())
       break;
   }
-  int world_rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   WireWriter w;
   w.put<std::int32_t>(ctx.rank);
-  w.put<std::int32_t>(world_rank);
+  w.put<std::int32_t>(world_rank_);
   w.put_string(why);
   // The coordinator tells every rank; anyone else tells the coordinator, which forwards it.
   for (int r = 0; r < ctx.size; ++r)

@@ -1,7 +1,7 @@
 """Faults around the engine's point-to-point transfers: each test starts its
-own mpiexec job (test_faults.run_job: own session, killed on its bound)."""
+own mpiexec job (helpers.fault_jobs.run_job: own session, killed on its bound)."""
 
-from test_faults import run_job
+from helpers.fault_jobs import run_job
 
 
 def test_receive_from_a_rank_that_exits_fails_instead_of_hanging(tmp_path):
