@@ -27,7 +27,12 @@ min(P, cores, P x share) cores, share being the part of a core a rank gets
 (other users' jobs take the rest), measured two ways: by P ranks spinning
 together beside the run (predicted_*), and as the ranks got it while they
 had work during the run, CPU time over the time not spent waiting
-(predicted_*_run_share); --model-cores sets the cores instead. For
+(predicted_*_run_share); --model-cores sets the cores instead. A third
+prediction (predicted_*_inrun) takes each stage's CPU per forward, backward and
+step as the pipeline itself spent it during the timed steps
+(Pipeline.last_step_times(): the layers, posting and sending, without polling),
+with the run's share: it tells the schedule's own error apart from the error
+of timing the stages outside the pipeline. For
 `python bench/pipeline_model.py validate`.
 """
 
@@ -46,6 +51,10 @@ import pipeline_model  # bench/pipeline_model.py, beside this script
 
 SCHEDULES = ("gpipe", "1f1b")
 RESULT = "RESULT "
+# the model's predictions: column suffix -> where the stage times and cores come from
+MODEL_VARIANTS = {"": "stage times and share measured apart",
+                  "_run": "stage times measured apart, share the ranks got in the run",
+                  "_inrun": "stage CPU as the pipeline spent it, share the ranks got in the run"}
 
 
 def make_model(hidden, layers, classes=10):
@@ -111,15 +120,22 @@ def worker_hpcdl(args):
     results = {}
     for schedule, pipe in pipes.items():
         opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
-        bubbles, waited = [], []
+        bubbles, waited, action_cpu = [], [], {"forward": [], "backward": [], "optimizer": []}
 
         def step():
+            cpu = time.thread_time()
             opt.zero_grad()
+            fixed = time.thread_time() - cpu
             pipe.train_step(x, y)
+            cpu = time.thread_time()
             opt.step()
+            fixed += time.thread_time() - cpu
             times = pipe.last_step_times()
             bubbles.append(times["waited_s"] / times["step_s"])
             waited.append(times["waited_s"])
+            action_cpu["forward"] += times["forward_cpu_s"]
+            action_cpu["backward"] += times["backward_cpu_s"]
+            action_cpu["optimizer"].append(fixed + times["other_cpu_s"])
 
         if args.model:  # the model's inputs just before and after the timed runs, averaged: the load drifts
             before = pipeline_model.measure_inputs(comm, model, pipe.starts, x[:rows], y[:rows], args.micro_batches)
@@ -130,12 +146,17 @@ def worker_hpcdl(args):
                                 root=0)
         if args.model:
             after = pipeline_model.measure_inputs(comm, model, pipe.starts, x[:rows], y[:rows], args.micro_batches)
+        # the stage's CPU per action as the pipeline ran it (the warm-up step left out)
+        in_run = comm.gather({key: statistics.median(values[len(values) // (args.runs * args.steps + 1):])
+                              for key, values in action_cpu.items()}, root=0)
         stats = comm.gather(pipe.activation_stats(), root=0)
         bubble = comm.gather(statistics.median(bubbles[1:]), root=0)
         if comm.Get_rank() == 0:
             if args.model:
                 results[schedule + " model"] = dict(mean_inputs(before, after), system="model inputs",
-                                                    schedule=schedule, run_share=min(1.0, statistics.median(run_share)))
+                                                    schedule=schedule, run_share=min(1.0, statistics.median(run_share)),
+                                                    in_run={key: [stage[key] for stage in in_run]
+                                                            for key in ("forward", "backward", "optimizer")})
             results[schedule] = {"system": f"hpcdl {schedule}", "rates": rates,
                                  "bubble": statistics.mean(bubble),
                                  "peak_bytes": [s["peak_bytes"] for s in stats],
@@ -258,10 +279,12 @@ def drive(args):
                 inputs.append(row)
                 # the cores the stages get: P ranks' share of a core each (measured apart, by spinning
                 # together; and as the ranks got it during the run), at most a core per rank
-                for kind, share in (("", row["cpu_share"]), ("_run", row["run_share"])):
+                for kind in MODEL_VARIANTS:
+                    share = row["cpu_share"] if kind == "" else row["run_share"]
                     cores = args.model_cores or min(p, os.cpu_count(), p * share)
                     model_cores.setdefault(kind, []).append(cores)
-                    out = pipeline_model.predict(row["schedule"], row, m, cores, args.batch, args.steps)
+                    given = dict(row, **row["in_run"]) if kind == "_inrun" else row
+                    out = pipeline_model.predict(row["schedule"], given, m, cores, args.batch, args.steps)
                     predictions.setdefault((f"hpcdl {row['schedule']}", kind), []).append(out)
                 continue
             into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": []})
@@ -298,7 +321,8 @@ def drive(args):
         w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "runs_samples_per_s",
                     "vs_single_process", "measured_bubble", "theoretical_bubble", "predicted_samples_per_s",
                     "predicted_bubble", "model_cores", "predicted_samples_per_s_run_share",
-                    "predicted_bubble_run_share", "model_cores_run_share", "status", "conditions"])
+                    "predicted_bubble_run_share", "model_cores_run_share", "predicted_samples_per_s_inrun",
+                    "predicted_bubble_inrun", "model_cores_inrun", "status", "conditions"])
         for r in rows:
             rate = statistics.median(r["rates"]) if "rates" in r else None
             ranks = 1 if r["system"] == "single process" else p
@@ -306,7 +330,7 @@ def drive(args):
                         " ".join(f"{x:.2f}" for x in r.get("rates", [])),
                         f"{rate / single:.3f}" if rate and single else "",
                         f"{r['bubble']:.3f}" if "bubble" in r else "", f"{theory:.3f}" if ranks > 1 else "",
-                        *[cell for kind in ("", "_run") for cell in
+                        *[cell for kind in MODEL_VARIANTS for cell in
                           ((f"{r['predicted' + kind]:.2f}", f"{r['predicted_bubble' + kind]:.3f}", f"{cores[kind]:.2f}")
                            if "predicted" + kind in r else ("", "", ""))],
                         r.get("failure", "ok"), conditions])
@@ -325,7 +349,7 @@ def drive(args):
         print(f"{r['system']:36} {rate or 0:10.1f} {(rate / single) if rate and single else 0:9.2f} "
               f"{r.get('bubble', float('nan')):7.3f} {theory:7.3f}  {r.get('failure', 'ok')}")
     for r in rows:
-        for kind, what in (("", "share measured apart"), ("_run", "share the ranks got in the run")):
+        for kind, what in MODEL_VARIANTS.items():
             if "predicted" + kind in r:
                 rate = statistics.median(r["rates"]) if "rates" in r else None
                 print(f"{r['system']}: model {r['predicted' + kind]:.1f} samples/s (predicted/measured "
@@ -344,12 +368,14 @@ def write_model_inputs(path, inputs):
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["round", "schedule", "stage", "forward_s", "backward_s", "optimizer_s", "message_bytes_out",
-                    "alpha_s", "beta_s_per_byte", "cpu_share", "run_share"])
+                    "alpha_s", "beta_s_per_byte", "cpu_share", "run_share", "in_run_forward_s", "in_run_backward_s",
+                    "in_run_optimizer_s"])
         for i, x in enumerate(inputs):
             for s, (fw, bw, opt) in enumerate(zip(x["forward"], x["backward"], x["optimizer"])):
                 out = int(x["message_bytes"][s]) if s < len(x["message_bytes"]) else ""
                 w.writerow([i // len(SCHEDULES), x["schedule"], s, f"{fw:.6g}", f"{bw:.6g}", f"{opt:.6g}", out,
-                            f"{x['alpha']:.4g}", f"{x['beta']:.4g}", f"{x['cpu_share']:.3f}", f"{x['run_share']:.3f}"])
+                            f"{x['alpha']:.4g}", f"{x['beta']:.4g}", f"{x['cpu_share']:.3f}", f"{x['run_share']:.3f}",
+                            *[f"{x['in_run'][key][s]:.6g}" for key in ("forward", "backward", "optimizer")]])
 
 
 def plot(rows, path, conditions, p, m, single):

@@ -380,6 +380,8 @@ def cmd_validate(args):
                 measured = float(r["median_samples_per_s"])
                 run = r.get("predicted_samples_per_s_run_share")
                 run = float(run) if run else None
+                inrun = r.get("predicted_samples_per_s_inrun")
+                inrun = float(inrun) if inrun else None
                 rows.append({"run": os.path.basename(path)[:-4], "system": r["system"], "stages": r["ranks"],
                              "micro_batches": r["micro_batches"], "measured_samples_per_s": measured,
                              "measured_bubble": r["measured_bubble"],
@@ -390,6 +392,9 @@ def cmd_validate(args):
                              "predicted_samples_per_s_run_share": cell(run),
                              "predicted_over_measured_run_share": cell(ratio(run, measured)),
                              "predicted_bubble_run_share": r.get("predicted_bubble_run_share", ""),
+                             "predicted_samples_per_s_inrun": cell(inrun),
+                             "predicted_over_measured_inrun": cell(ratio(inrun, measured)),
+                             "predicted_bubble_inrun": r.get("predicted_bubble_inrun", ""),
                              "conditions": r["conditions"]})
     if not rows:
         raise SystemExit("no rows with a prediction: run bench/pipeline.py with --model")
@@ -399,15 +404,19 @@ def cmd_validate(args):
         w.writeheader()
         w.writerows(rows)
     print(f"{'run':30} {'system':11} {'P':>2} {'M':>3} {'measured':>9} {'cores':>5} {'predicted':>9} {'ratio':>6} "
-          f"{'cores':>5} {'pred(run)':>9} {'ratio':>6}  bubble measured/predicted/predicted(run)")
+          f"{'cores':>5} {'pred(run)':>9} {'ratio':>6} {'pred(in)':>9} {'ratio':>6}  "
+          "bubble measured/predicted/predicted(run)/predicted(in run)")
     for r in rows:
-        run = r["predicted_samples_per_s_run_share"]
+        run, inrun = r["predicted_samples_per_s_run_share"], r["predicted_samples_per_s_inrun"]
         print(f"{r['run']:30} {r['system']:11} {r['stages']:>2} {r['micro_batches']:>3} "
               f"{r['measured_samples_per_s']:9.1f} {r['cores']:>5} {r['predicted_samples_per_s']:9.1f} "
               f"{r['predicted_over_measured']:6.2f} {r['cores_run_share']:>5} "
               f"{run if run == '' else format(run, '9.1f'):>9} "
-              f"{'' if run == '' else format(r['predicted_over_measured_run_share'], '6.2f'):>6}  "
-              f"{r['measured_bubble']}/{r['predicted_bubble']}/{r['predicted_bubble_run_share']}")
+              f"{'' if run == '' else format(r['predicted_over_measured_run_share'], '6.2f'):>6} "
+              f"{'' if inrun == '' else format(inrun, '9.1f'):>9} "
+              f"{'' if inrun == '' else format(r['predicted_over_measured_inrun'], '6.2f'):>6}  "
+              f"{r['measured_bubble']}/{r['predicted_bubble']}/{r['predicted_bubble_run_share']}/"
+              f"{r['predicted_bubble_inrun']}")
     print(f"wrote {path}")
 
 

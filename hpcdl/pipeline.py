@@ -130,6 +130,7 @@ class Link:
         self._abort_sends = []
         self.aborted = None
         self.waited_s = 0.0  # time blocked waiting for other stages (the bubble, measured)
+        self.waited_cpu_s = 0.0  # this thread's CPU while waiting (polling), not the stage's work
 
     def recv(self, buffer, source, tag):
         """Receive exactly len(buffer) raw bytes into ``buffer`` (a writable contiguous
@@ -156,11 +157,12 @@ class Link:
         return self._poll(lambda: (request.done(), None))
 
     def _poll(self, test):
-        delay, start = 0.0, time.perf_counter()
+        delay, start, cpu = 0.0, time.perf_counter(), time.thread_time()
         while True:
             done, value = test()
             if done:
                 self.waited_s += time.perf_counter() - start
+                self.waited_cpu_s += time.thread_time() - cpu
                 return value
             self.check_abort()
             time.sleep(delay)

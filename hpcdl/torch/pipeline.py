@@ -153,7 +153,9 @@ class Pipeline:
         self._output_layout = None   # ... and leaving it
         self._failed = None
         self._closed = False
-        self._last_step = {"step_s": 0.0, "waited_s": 0.0}
+        self._action_cpu = {FORWARD: [], BACKWARD: []}   # this step's CPU per action (last_step_times)
+        self._last_step = {"step_s": 0.0, "waited_s": 0.0, "forward_cpu_s": [], "backward_cpu_s": [],
+                           "other_cpu_s": 0.0}
 
     def _layers_of(self, stage):
         """(first, end) layer indices of ``stage``."""
@@ -193,9 +195,13 @@ class Pipeline:
                 "live_micro_batches": self._counter.live_micro_batches()}
 
     def last_step_times(self):
-        """The last train_step's wall-clock seconds and the part of it this stage spent
-        waiting for other stages (for its measured bubble, waited_s / step_s)."""
-        return dict(self._last_step)
+        """The last train_step's wall-clock seconds (step_s), the part of it this stage
+        spent waiting for other stages (waited_s; its measured bubble is waited_s /
+        step_s), and this thread's CPU seconds of each forward and backward action in
+        schedule order (forward_cpu_s, backward_cpu_s: the layers, posting and sending,
+        without the CPU spent polling while waiting) and of the rest of train_step
+        (other_cpu_s): what the stage's work costs as the pipeline runs it."""
+        return {key: list(value) if isinstance(value, list) else value for key, value in self._last_step.items()}
 
     def full_state_dict(self):
         """The whole model's state_dict on stage 0 (None elsewhere); collective over the
@@ -245,10 +251,16 @@ class Pipeline:
             raise PipelineError("this pipeline was closed")
         if self._failed is not None:
             raise PipelineError(f"this pipeline failed in an earlier step ({self._failed}); build a new one")
-        start, waited = time.perf_counter(), self._link.waited_s
+        start, waited, cpu, waited_cpu = (time.perf_counter(), self._link.waited_s, time.thread_time(),
+                                           self._link.waited_cpu_s)
         try:
+            self._action_cpu = {FORWARD: [], BACKWARD: []}
             loss = self._step(inputs, targets)
-            self._last_step = {"step_s": time.perf_counter() - start, "waited_s": self._link.waited_s - waited}
+            work = sum(self._action_cpu[FORWARD]) + sum(self._action_cpu[BACKWARD])
+            self._last_step = {"step_s": time.perf_counter() - start, "waited_s": self._link.waited_s - waited,
+                               "forward_cpu_s": self._action_cpu[FORWARD], "backward_cpu_s": self._action_cpu[BACKWARD],
+                               "other_cpu_s": max(0.0, time.thread_time() - cpu - work
+                                                  - (self._link.waited_cpu_s - waited_cpu))}
             return loss
         except PipelineError as exc:  # another stage failed and told us
             self._failed = str(exc)
@@ -273,6 +285,7 @@ class Pipeline:
         self._held, self._receives, self._sends = {}, {}, []
         total = None
         for index, (kind, mb) in enumerate(self._actions):
+            cpu, waited_cpu = time.thread_time(), self._link.waited_cpu_s
             for kind_ahead, mb_ahead in self._actions[index:index + _RECEIVE_AHEAD + 1]:
                 self._post_receive(kind_ahead, mb_ahead)
             if kind == FORWARD:
@@ -282,6 +295,7 @@ class Pipeline:
             else:
                 self._backward(mb)
             self._sends = [(r, b) for r, b in self._sends if not r.done()]
+            self._action_cpu[kind].append(time.thread_time() - cpu - (self._link.waited_cpu_s - waited_cpu))
         for request, _ in self._sends:
             self._link.wait(request)
         self._sends = []

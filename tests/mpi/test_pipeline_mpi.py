@@ -128,6 +128,28 @@ def test_1f1b_holds_at_most_stages_micro_batches_of_activations(comm):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@world_only
+def test_last_step_times_report_each_actions_cpu_within_the_step(comm, schedule):
+    m = 4
+
+    def run():
+        pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=m, schedule=schedule)
+        train_pipeline(pipe, 2)
+        return pipe.last_step_times()
+
+    def verify(times):
+        work = times["forward_cpu_s"] + times["backward_cpu_s"] + [times["other_cpu_s"]]
+        # one thread's CPU cannot exceed the wall time it ran in
+        ok = (len(times["forward_cpu_s"]) == len(times["backward_cpu_s"]) == m and min(work) >= 0
+              and sum(work) <= times["step_s"] + 1e-3 and 0 <= times["waited_s"] <= times["step_s"])
+        return ok, f"rank {comm.Get_rank()}: {times}"
+
+    verdict(comm, run, verify)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(300)
 @world_only
 def test_checkpoint_saves_and_loads_the_whole_model_and_close_ends_the_pipeline(comm):
     def run():

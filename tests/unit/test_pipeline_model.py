@@ -116,11 +116,14 @@ def test_validate_tabulates_predicted_over_measured(tmp_path):
     with open(run, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "measured_bubble",
-                    "predicted_samples_per_s", "predicted_bubble", "model_cores", "conditions"])
-        w.writerow(["single process", "1", "", "100.0", "", "", "", "", "c"])
-        w.writerow(["hpcdl gpipe", "2", "8", "50.0", "0.120", "60.0", "0.100", "2.00", "c"])
+                    "predicted_samples_per_s", "predicted_bubble", "model_cores", "predicted_samples_per_s_inrun",
+                    "predicted_bubble_inrun", "conditions"])
+        w.writerow(["single process", "1", "", "100.0", "", "", "", "", "", "", "c"])
+        w.writerow(["hpcdl gpipe", "2", "8", "50.0", "0.120", "60.0", "0.100", "2.00", "55.0", "0.110", "c"])
     pm.main(["validate", str(run), "--out", str(tmp_path)])
     with open(tmp_path / "pipeline-model-validation.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 1 and rows[0]["system"] == "hpcdl gpipe"
     assert float(rows[0]["predicted_over_measured"]) == pytest.approx(1.2)
+    assert float(rows[0]["predicted_over_measured_inrun"]) == pytest.approx(1.1)
+    assert rows[0]["predicted_over_measured_run_share"] == ""   # not in this run's CSV: empty, not 0
