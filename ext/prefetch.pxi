@@ -208,7 +208,8 @@ cdef class PrefetchCore:
         if cfg.get("peer_message_bytes"):
             c.peer_message_bytes = cfg["peer_message_bytes"]
         c.read_bytes, c.read_gap_bytes = cfg["read_bytes"], cfg["read_gap_bytes"]
-        c.lookahead_bytes = cfg["lookahead_bytes"]
+        c.lookahead_bytes, c.read_concurrency = cfg["lookahead_bytes"], cfg["read_concurrency"]
+        c.span_delay_s = cfg.get("span_delay", 0.0)
         with nogil:
             st = CPrefetcher.create(move(reader), move(c), &self.core)
         check_status(st)

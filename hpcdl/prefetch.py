@@ -4,7 +4,7 @@ before the first step what it will read, how often and when, and stages data
 ahead of use from the fastest tier that has it.
 
     from hpcdl.store import Store, probe
-from hpcdl.units import AUTO, size_or_auto
+from hpcdl.units import AUTO, count_or_auto, size_or_auto
     from hpcdl.prefetch import Prefetcher
 
     with Prefetcher(Store(path), batch_size=256, epochs=90, seed=1, comm=MPI.COMM_WORLD,
@@ -31,7 +31,7 @@ from hpcdl import _core, timeline
 from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
 from hpcdl._warn import warn
 from hpcdl.store import Store, probe
-from hpcdl.units import AUTO, size_or_auto
+from hpcdl.units import AUTO, count_or_auto, size_or_auto
 
 DEFAULT_RAM_BYTES = 1 << 30
 DEFAULT_STAGING_BYTES = 64 << 20
@@ -39,7 +39,7 @@ DEFAULT_STAGING_BYTES = 64 << 20
 # read through to merge two samples, how far ahead the fill list is gathered.
 # "auto": derived from the store's measured IOPS and bandwidth (hpcdl.store.probe);
 # the FALLBACK_ figures (300 IOPS, 40 MB/s) when the probe cannot read the store.
-DEFAULT_READ_BYTES = DEFAULT_READ_GAP = DEFAULT_LOOKAHEAD_BYTES = AUTO
+DEFAULT_READ_BYTES = DEFAULT_READ_GAP = DEFAULT_LOOKAHEAD_BYTES = DEFAULT_READ_CONCURRENCY = AUTO
 FALLBACK_IOPS, FALLBACK_BANDWIDTH = 300.0, 40e6
 TRACE_ENV = "HPCDL_TRACE"
 
@@ -62,7 +62,7 @@ def _read_settings(store, world, asked, staging_bytes, tier_bytes):
         except OSError as exc:
             warn(f"could not measure the store for read settings ({exc}); assuming {FALLBACK_IOPS:.0f} IOPS "
                  f"and {FALLBACK_BANDWIDTH / 1e6:.0f} MB/s", PrefetchWarning, stacklevel=4)
-            return FALLBACK_IOPS, FALLBACK_BANDWIDTH, "fallback"
+            return FALLBACK_IOPS, FALLBACK_BANDWIDTH, None, "fallback"
 
     auto = any(v is None for v in asked.values())
     speed = measured() if auto and world.Get_rank() == 0 else None
@@ -72,14 +72,15 @@ def _read_settings(store, world, asked, staging_bytes, tier_bytes):
         speed = measured()
     chosen = dict(asked)
     if auto:
-        iops, bandwidth, how = speed
-        derived = probe.read_settings(iops, bandwidth, staging_bytes, tier_bytes)
+        iops, bandwidth, gain, how = speed
+        derived = probe.read_settings(iops, bandwidth, staging_bytes, tier_bytes, gain)
         chosen = {k: derived[k] if v is None else v for k, v in asked.items()}
-        chosen.update(store_iops=iops, store_bandwidth=bandwidth, measured_by=how)
+        chosen.update(store_iops=iops, store_bandwidth=bandwidth, store_parallel_gain=gain, measured_by=how)
         if world.Get_rank() == 0:
-            _log.info("read settings from the store's %.0f IOPS and %.1f MB/s (%s): read_gap %d, read_bytes %d, "
-                      "lookahead_bytes %d", iops, bandwidth / 1e6, how, chosen["read_gap"], chosen["read_bytes"],
-                      chosen["lookahead_bytes"])
+            _log.info("read settings from the store's %.0f IOPS, %.1f MB/s and %s x with %d readers (%s): "
+                      "read_gap %d, read_bytes %d, lookahead_bytes %d, read_concurrency %d", iops, bandwidth / 1e6,
+                      "unknown" if gain is None else f"{gain:.2f}", probe.PARALLEL_STREAMS, how, chosen["read_gap"],
+                      chosen["read_bytes"], chosen["lookahead_bytes"], chosen["read_concurrency"])
     chosen["auto"] = sorted(k for k, v in asked.items() if v is None)
     return chosen
 
@@ -255,9 +256,13 @@ class Prefetcher:
     read in spans of at most read_bytes, merging neighbours at most read_gap
     bytes apart; read_bytes=0 reads one sample at a time. Each is a size (an
     int or text such as "8M") or "auto" (the default): rank 0 measures the
-    store (~0.2 s) and every rank derives the setting from its IOPS and
+    store (~0.45 s) and every rank derives the setting from its IOPS and
     bandwidth (hpcdl.store.probe.read_settings); pf.read_settings has what was
     chosen and measured.
+    read_concurrency: at most this many spans read at once, the soonest-needed
+    first (0: every filler at once); "auto" (the default): 1 when the probe's
+    concurrent reads gave less than 1.5x one reader's bandwidth (one throttled
+    device: the span needed next then gets all of it), else 0.
 
     A sample that cannot be read (checksum mismatch, I/O error) fails only the
     batch that holds it: that batch raises the reader's error (it names the
@@ -268,7 +273,8 @@ class Prefetcher:
     def __init__(self, store, batch_size, epochs, seed, comm=None, ram_bytes=DEFAULT_RAM_BYTES, disk_dir=None,
                  disk_bytes=0, threads=4, drop_last=True, start=(0, 0), staging_bytes=DEFAULT_STAGING_BYTES,
                  ram_threads=2, disk_threads=2, peer_timeout=2.0, read_bytes=DEFAULT_READ_BYTES,
-                 read_gap=DEFAULT_READ_GAP, lookahead_bytes=DEFAULT_LOOKAHEAD_BYTES, _serve_delay=0.0,
+                 read_gap=DEFAULT_READ_GAP, lookahead_bytes=DEFAULT_LOOKAHEAD_BYTES,
+                 read_concurrency=DEFAULT_READ_CONCURRENCY, _serve_delay=0.0, _span_delay=0.0,
                  _peer_message_bytes=0):
         self._core = None
         self.comm = comm
@@ -282,6 +288,7 @@ class Prefetcher:
                     raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
             asked = {name: size_or_auto(value, name) for name, value in
                      (("read_bytes", read_bytes), ("read_gap", read_gap), ("lookahead_bytes", lookahead_bytes))}
+            asked["read_concurrency"] = count_or_auto(read_concurrency, "read_concurrency")
             return (store if isinstance(store, Store) else Store(store)), asked
 
         self.store, asked = call_on_every_rank(world, open_store)
@@ -307,7 +314,7 @@ class Prefetcher:
             peer_ram = peer_disk = []
         self._position = position
         self.read_settings = _read_settings(self.store, world, asked, int(staging_bytes), int(ram_bytes) + disk_bytes)
-        read_bytes, read_gap, lookahead_bytes = (self.read_settings[k] for k in asked)
+        read_bytes, read_gap, lookahead_bytes, read_concurrency = (self.read_settings[k] for k in asked)
         cfg = {"samples": n, "global_batch": self.batch_size, "ranks": self.ranks, "epochs": self.num_epochs,
                "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank, "start": position,
                "ram_bytes": int(ram_bytes), "disk_bytes": disk_bytes,
@@ -315,9 +322,10 @@ class Prefetcher:
                "threads": max(int(threads), 1),
                "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
                "peer_ram_bytes": peer_ram, "peer_disk_bytes": peer_disk, "peer_timeout": float(peer_timeout),
-               "serve_delay": float(_serve_delay), "peer_message_bytes": int(_peer_message_bytes),
+               "serve_delay": float(_serve_delay), "span_delay": float(_span_delay),
+               "peer_message_bytes": int(_peer_message_bytes),
                "read_bytes": int(read_bytes), "read_gap_bytes": int(read_gap),
-               "lookahead_bytes": int(lookahead_bytes)}
+               "lookahead_bytes": int(lookahead_bytes), "read_concurrency": int(read_concurrency)}
         self._trace = os.environ.get(TRACE_ENV)
         if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
             warn(f"{TRACE_ENV} is ignored while HPCDL_TIMELINE is set: the timeline has the prefetcher's events",

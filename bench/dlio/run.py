@@ -333,6 +333,8 @@ def main():
     ap.add_argument("--ram", default="1G", help="hpcdl RAM tier per rank (HPCDL_DLIO_RAM)")
     ap.add_argument("--disk", default="", help="hpcdl disk tier per rank (HPCDL_DLIO_DISK), in a temporary "
                                                "folder on the unthrottled local disk; default: none")
+    ap.add_argument("--read-concurrency", default="auto",
+                    help="hpcdl store spans read at once per rank (HPCDL_DLIO_READ_CONCURRENCY; 0: no limit)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(HERE), "results"), help="results directory")
     ap.add_argument("--runs", type=int, default=1, help="rounds of (stock, hpcdl) runs; the table: medians")
     ap.add_argument("--name", default="dlio", help="results: OUT/NAME.csv, NAME-runs.csv, NAME.md, NAME.png")
@@ -350,7 +352,8 @@ def main():
                  f"script with the venv's python")
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3",
                PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""),
-               HPCDL_DLIO_RAM=args.ram, HPCDL_DLIO_THREADS=str(args.read_threads))
+               HPCDL_DLIO_RAM=args.ram, HPCDL_DLIO_THREADS=str(args.read_threads),
+               HPCDL_DLIO_READ_CONCURRENCY=args.read_concurrency)
     if args.disk:
         env.update(HPCDL_DLIO_DISK=args.disk, HPCDL_DLIO_DISK_DIR=tempfile.mkdtemp(prefix="hpcdl-dlio-disk-"))
     os.makedirs(args.out, exist_ok=True)

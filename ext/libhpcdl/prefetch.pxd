@@ -60,6 +60,8 @@ cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
         double peer_timeout_s, serve_delay_s
         uint64_t peer_message_bytes
         uint64_t read_bytes, read_gap_bytes, lookahead_bytes
+        size_t read_concurrency
+        double span_delay_s
 
     cdef cppclass CPrefetchStats "hpcdl::PrefetchStats":
         uint64_t hits[4]

@@ -18,6 +18,7 @@ environment:
     HPCDL_DLIO_DISK_DIR     node-local directory for the disk tier (default: none)
     HPCDL_DLIO_DISK         disk tier bytes per rank (default: off)
     HPCDL_DLIO_THREADS      staging threads per rank (default max(4, reader.read_threads))
+    HPCDL_DLIO_READ_CONCURRENCY  store spans read at once per rank (default auto; 0: no limit)
     HPCDL_DLIO_PACK=1       pack DLIO's files into the store when it is missing (collective,
                             after DLIO generated them: one invocation generates, packs, trains)
 
@@ -111,7 +112,8 @@ class HpcdlDataLoader(BaseDataLoader):
         tiers = {"ram_bytes": _env_bytes("HPCDL_DLIO_RAM", DEFAULT_RAM_BYTES),
                  "disk_dir": os.environ.get("HPCDL_DLIO_DISK_DIR") or None,
                  "disk_bytes": _env_bytes("HPCDL_DLIO_DISK", 0),
-                 "threads": int(os.environ.get("HPCDL_DLIO_THREADS", max(4, args.read_threads)))}
+                 "threads": int(os.environ.get("HPCDL_DLIO_THREADS", max(4, args.read_threads))),
+                 "read_concurrency": os.environ.get("HPCDL_DLIO_READ_CONCURRENCY", "auto")}
         return store, tiers
 
     def read(self):

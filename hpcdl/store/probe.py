@@ -2,15 +2,16 @@
 it into the prefetcher's coalesced-fill read settings (docs/prefetch.md,
 "Read settings from the store's speed").
 
-    iops, bandwidth = measure(store.shard_paths)     # ~0.2 s, a few MB at most
-    read_settings(iops, bandwidth, staging_bytes, tier_bytes)
+    iops, bandwidth, parallel_gain = measure(store.shard_paths)     # ~0.45 s, 40 MB at most
+    read_settings(iops, bandwidth, staging_bytes, tier_bytes, parallel_gain)
 """
 
 import os
 import random
+import threading
 import time
 
-PROBE_SECONDS = 0.2          # the whole probe's budget: 40% small reads, 60% the sequential read
+PROBE_SECONDS = 0.2          # the one-stream probe's budget: 40% small reads, 60% the sequential read
 SMALL_READ = 4096            # one request's worth: its time is the per-request cost
 SMALL_READS = 64
 LARGE_READ = 16 << 20        # the sequential read the bandwidth is taken from, at most
@@ -22,6 +23,9 @@ MIN_READ, MAX_READ = 1 << 20, 64 << 20
 MAX_LOOKAHEAD = 1 << 30
 SPAN_GAPS = 16               # a span of 16 gaps: one request's cost is ~1/17 of the span's time
 WINDOW_SPANS = 8             # a look-ahead window of 8 spans: dense enough in the file for spans to merge
+PARALLEL_SECONDS = 0.25      # the concurrent sequential reads' budget
+PARALLEL_STREAMS = 4         # ... how many, each at most LARGE_READ / PARALLEL_STREAMS bytes
+PARALLEL_GAIN = 1.5          # concurrent reads worth having: at least this times one stream's bandwidth
 
 __all__ = ["measure", "read_settings"]
 
@@ -30,19 +34,24 @@ def _clamp(value, low, high):
     return int(min(max(value, low), max(high, low)))
 
 
-def read_settings(iops, bandwidth, staging_bytes=64 << 20, tier_bytes=1 << 62):
-    """{read_gap, read_bytes, lookahead_bytes} for a store doing ``iops`` reads/s
-    at ``bandwidth`` bytes/s: the gap whose bytes take as long as one more
-    request (bandwidth / iops, within [4 KiB, 4 MiB]); spans SPAN_GAPS gaps
-    long within [1 MiB, 64 MiB] and the staging buffer (each filler holds one
-    span); a look-ahead of WINDOW_SPANS spans, at most the tiers' bytes (the
-    window's samples occupy their tier slots) and 1 GiB."""
+def read_settings(iops, bandwidth, staging_bytes=64 << 20, tier_bytes=1 << 62, parallel_gain=None):
+    """{read_gap, read_bytes, lookahead_bytes, read_concurrency} for a store doing
+    ``iops`` reads/s at ``bandwidth`` bytes/s: the gap whose bytes take as long
+    as one more request (bandwidth / iops, within [4 KiB, 4 MiB]); spans
+    SPAN_GAPS gaps long within [1 MiB, 64 MiB] and the staging buffer (each
+    filler holds one span); a look-ahead of WINDOW_SPANS spans, at most the
+    tiers' bytes (the window's samples occupy their tier slots) and 1 GiB;
+    read_concurrency 1 (one span at a time, soonest-needed first) when
+    concurrent reads gave less than PARALLEL_GAIN times one stream's bandwidth
+    (``parallel_gain``), else 0: every filler reads at once (also when the gain
+    is unknown, None)."""
     if not (iops > 0 and bandwidth > 0):
         raise ValueError(f"iops and bandwidth must be positive, got {iops!r} and {bandwidth!r}")
     gap = _clamp(bandwidth / iops, MIN_GAP, MAX_GAP)
     read_bytes = _clamp(SPAN_GAPS * gap, MIN_READ, min(MAX_READ, staging_bytes))
     lookahead = _clamp(WINDOW_SPANS * read_bytes, read_bytes, min(MAX_LOOKAHEAD, tier_bytes))
-    return {"read_gap": gap, "read_bytes": read_bytes, "lookahead_bytes": lookahead}
+    concurrency = 1 if parallel_gain is not None and parallel_gain < PARALLEL_GAIN else 0
+    return {"read_gap": gap, "read_bytes": read_bytes, "lookahead_bytes": lookahead, "read_concurrency": concurrency}
 
 
 def _steady(amounts, times):
@@ -54,14 +63,40 @@ def _steady(amounts, times):
     return sum(amounts[half:]) / max(sum(times[half:]), 1e-9)
 
 
-def measure(paths, seconds=PROBE_SECONDS):
-    """(iops, bandwidth) of reading the files ``paths``, within about ``seconds``
-    and at most SMALL_READS x 4 KiB + LARGE_READ bytes: random 4 KiB reads with
-    read-ahead off give the IOPS, 1 MiB sequential reads from a random offset
-    the bandwidth (request costs included: what a long span gets), each as the
-    steady rate of the later half of its reads (_steady). Random offsets
-    make a page-cache hit unlikely; a hit reads as a very fast store (clamped
-    to MAX_IOPS, MAX_BANDWIDTH). OSError when no file can be read."""
+def _sequential(path, size, offset, limit, deadline, chunks):
+    """Reads ``path`` from ``offset`` in LARGE_CHUNK pieces until ``limit`` bytes,
+    its end or ``deadline`` (at least 2 pieces); appends (bytes, seconds) to ``chunks``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        got = 0
+        while got < limit and (len(chunks) < 2 or time.monotonic() < deadline):
+            t0 = time.perf_counter()
+            chunk = len(os.pread(fd, LARGE_CHUNK, offset + got))
+            if not chunk:
+                break
+            chunks.append((chunk, time.perf_counter() - t0))
+            got += chunk
+    finally:
+        os.close(fd)
+
+
+def _random_offset(rng, size, length):
+    return rng.randrange(max(size - length, 0) // 4096 + 1) * 4096
+
+
+def measure(paths, seconds=PROBE_SECONDS, parallel_seconds=PARALLEL_SECONDS):
+    """(iops, bandwidth, parallel_gain) of reading the files ``paths``, within
+    about ``seconds`` + ``parallel_seconds`` and at most SMALL_READS x 4 KiB +
+    2 x LARGE_READ bytes: random 4 KiB reads with read-ahead off give the IOPS,
+    1 MiB sequential reads from a random offset the bandwidth (request costs
+    included: what a long span gets), each as the steady rate of the later
+    half of its reads (_steady); then PARALLEL_STREAMS such readers at once
+    from other random offsets: their summed bandwidth over the one stream's
+    is the parallel gain (about 1 on one throttled device, more on a striped
+    file system or an SSD with a deep queue). Random offsets make a page-cache
+    hit unlikely; a hit reads as a very fast store (clamped to MAX_IOPS,
+    MAX_BANDWIDTH). OSError when no file can be read."""
     files = [(p, os.path.getsize(p)) for p in paths]
     files = [(p, size) for p, size in files if size > 0]
     if not files:
@@ -84,20 +119,18 @@ def measure(paths, seconds=PROBE_SECONDS):
             os.close(fd)
     iops = min(_steady([1] * len(times), times), MAX_IOPS)
     path, size = max(files, key=lambda f: f[1])
-    offset = rng.randrange(max(size - LARGE_READ, 0) // 4096 + 1) * 4096
     chunks = []
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        got = 0
-        while got < LARGE_READ and (len(chunks) < 2 or time.monotonic() < start + seconds):
-            t0 = time.perf_counter()
-            chunk = len(os.pread(fd, LARGE_CHUNK, offset + got))
-            if not chunk:
-                break
-            chunks.append((chunk, time.perf_counter() - t0))
-            got += chunk
-    finally:
-        os.close(fd)
-    bandwidth = min(_steady([n for n, _ in chunks], [t for _, t in chunks]), MAX_BANDWIDTH)
-    return iops, bandwidth
+    _sequential(path, size, _random_offset(rng, size, LARGE_READ), LARGE_READ, start + seconds, chunks)
+    one = _steady([n for n, _ in chunks], [t for _, t in chunks])
+    deadline = time.monotonic() + parallel_seconds
+    limit = LARGE_READ // PARALLEL_STREAMS
+    streams = [[] for _ in range(PARALLEL_STREAMS)]  # os.pread releases the GIL: the reads overlap
+    readers = [threading.Thread(target=_sequential, args=(path, size, _random_offset(rng, size, limit), limit,
+                                                          deadline, chunks_of))
+               for chunks_of in streams]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    together = sum(_steady([n for n, _ in c], [t for _, t in c]) for c in streams)
+    return iops, min(one, MAX_BANDWIDTH), together / max(one, 1e-9)

@@ -32,6 +32,7 @@
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -59,8 +60,11 @@ struct PrefetchConfig {
   // Coalesced store fills (coalesce.cc): the tiers' store fills are gathered
   // lookahead_bytes at a time (in first-use order), sorted by file offset and
   // read in spans of at most read_bytes, merging samples whose gap is at most
-  // read_gap_bytes. read_bytes = 0: one read per sample.
+  // read_gap_bytes. read_bytes = 0: one read per sample. read_concurrency:
+  // at most that many spans read at once, soonest-needed first (0: no limit).
   std::uint64_t read_bytes = 0, read_gap_bytes = 0, lookahead_bytes = 0;
+  std::size_t read_concurrency = 0;
+  double span_delay_s = 0.0;  // testing: each span read takes this much longer (a slow store)
 };
 
 enum Source { kFromRam = 0, kFromDisk = 1, kFromPeer = 2, kFromStore = 3, kSources = 4 };
@@ -169,6 +173,10 @@ class Prefetcher {
   // Loads one span (samples of one shard, sorted by file offset) into its
   // slots; a failed read loads each of them alone (so its error is that sample's).
   void load_span(const std::uint64_t* idx, std::size_t n, std::vector<char>* buf);
+  // The read gate: at most cfg_.read_concurrency spans are read at once, the
+  // one needed soonest (its first use, `need`) first. False: stopping.
+  bool enter_read_gate(std::uint64_t need);
+  void leave_read_gate();
 
   // A peer asks for sample k: served from a loaded RAM or disk slot; "later"
   // while this rank will hold it but has not loaded it yet.
@@ -225,6 +233,10 @@ class Prefetcher {
   std::vector<std::uint64_t> store_fill_order_;  // both tiers' store fills in first-use order (coalescing)
   std::mutex window_mu_;
   std::uint64_t window_next_ = 0;
+  std::mutex gate_mu_;
+  std::condition_variable gate_cv_;
+  std::multiset<std::uint64_t> gate_waiting_;  // the needs of the spans waiting to be read
+  std::size_t gate_reading_ = 0;
 
   // Tiers: per sample slot states; RAM arena; disk file (unlinked) and the CRCs written.
   std::unique_ptr<std::atomic<std::uint8_t>[]> slots_[kCachedTiers];

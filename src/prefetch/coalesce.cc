@@ -12,7 +12,9 @@
 // samples waits for its slot (fillers never wait on staging: no deadlock)
 // instead of reading it alone, which would cost the IOPS the spans save.
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -73,8 +75,42 @@ void Prefetcher::coalesced_fill_loop() {
     }
     // The span holding the soonest-needed sample first: sorting by offset must not delay the consumer.
     std::sort(spans.begin(), spans.end());
-    for (const auto& sp : spans) load_span(window.data() + std::get<1>(sp), std::get<2>(sp) - std::get<1>(sp), &buf);
+    for (const auto& sp : spans) {
+      const bool gated = enter_read_gate(std::get<0>(sp));  // false: stopping, and load_span releases the slots
+      load_span(window.data() + std::get<1>(sp), std::get<2>(sp) - std::get<1>(sp), &buf);
+      if (gated) leave_read_gate();
+    }
   }
+}
+
+// Fillers each hold a window of spans; without the gate all of them read at
+// once and the span needed next shares the store's bandwidth with spans
+// needed windows later. Where concurrent reads add no bandwidth (one throttled
+// device), one read at a time in need order delivers the same bytes sooner.
+bool Prefetcher::enter_read_gate(std::uint64_t need) {
+  if (cfg_.read_concurrency == 0) return !stopping_;
+  std::unique_lock<std::mutex> g(gate_mu_);
+  const auto mine = gate_waiting_.insert(need);
+  // Polled for stopping_ (set under another mutex) every 20 ms; entries leave the gate promptly.
+  while (!stopping_ && !(gate_reading_ < cfg_.read_concurrency && gate_waiting_.begin() == mine))
+    gate_cv_.wait_for(g, std::chrono::milliseconds(20));
+  gate_waiting_.erase(mine);
+  if (stopping_) {
+    gate_cv_.notify_all();
+    return false;
+  }
+  ++gate_reading_;
+  gate_cv_.notify_all();  // the next soonest may also fit
+  return true;
+}
+
+void Prefetcher::leave_read_gate() {
+  if (cfg_.read_concurrency == 0) return;
+  {
+    std::lock_guard<std::mutex> g(gate_mu_);
+    --gate_reading_;
+  }
+  gate_cv_.notify_all();
 }
 
 void Prefetcher::load_span(const std::uint64_t* idx, std::size_t n, std::vector<char>* buf) {
@@ -100,6 +136,7 @@ void Prefetcher::load_span(const std::uint64_t* idx, std::size_t n, std::vector<
     }
     ++store_requests_;
     store_bytes_ += span;
+    if (cfg_.span_delay_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(cfg_.span_delay_s));
   }
   for (std::size_t j = 0; j < n; ++j) {
     const std::uint64_t k = idx[j], size = reader_->size(k);

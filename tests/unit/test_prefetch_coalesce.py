@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from hpcdl import prefetch, simulator, store
+from hpcdl import _core, prefetch, simulator, store
 from hpcdl.store import probe
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import Prefetcher
@@ -170,10 +170,11 @@ def test_auto_read_settings_deliver_the_per_sample_path(st, tmp_path, ram, disk)
     auto, stats = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk)  # read_* default to "auto"
     assert auto == per_sample
     chosen = stats["read_settings"]
-    assert chosen["auto"] == ["lookahead_bytes", "read_bytes", "read_gap"] and chosen["measured_by"] == "probe"
-    assert chosen["store_iops"] > 0 and chosen["store_bandwidth"] > 0
+    assert chosen["auto"] == ["lookahead_bytes", "read_bytes", "read_concurrency", "read_gap"]
+    assert chosen["measured_by"] == "probe"
+    assert chosen["store_iops"] > 0 and chosen["store_bandwidth"] > 0 and chosen["store_parallel_gain"] > 0
     derived = probe.read_settings(chosen["store_iops"], chosen["store_bandwidth"], prefetch.DEFAULT_STAGING_BYTES,
-                                  ram + disk)
+                                  ram + disk, chosen["store_parallel_gain"])
     assert {k: chosen[k] for k in derived} == derived
     assert stats["hits"] == base["hits"] and 0 < stats["store_requests"] < base["store_requests"]
 
@@ -181,12 +182,14 @@ def test_auto_read_settings_deliver_the_per_sample_path(st, tmp_path, ram, disk)
 def test_explicit_read_settings_override_auto(st):
     with Prefetcher(st, BATCH, 1, SEED, ram_bytes=10**9, read_gap="12K") as pf:
         mixed = pf.read_settings
-    assert mixed["read_gap"] == 12 << 10 and mixed["auto"] == ["lookahead_bytes", "read_bytes"]
+    assert mixed["read_gap"] == 12 << 10 and mixed["auto"] == ["lookahead_bytes", "read_bytes", "read_concurrency"]
     derived = probe.read_settings(mixed["store_iops"], mixed["store_bandwidth"], prefetch.DEFAULT_STAGING_BYTES, 10**9)
     assert (mixed["read_bytes"], mixed["lookahead_bytes"]) == (derived["read_bytes"], derived["lookahead_bytes"])
-    with Prefetcher(st, BATCH, 1, SEED, ram_bytes=10**9, read_bytes=6000, read_gap=0, lookahead_bytes=20000) as pf:
+    with Prefetcher(st, BATCH, 1, SEED, ram_bytes=10**9, read_bytes=6000, read_gap=0, lookahead_bytes=20000,
+                    read_concurrency="2") as pf:
         explicit = pf.read_settings
-    assert explicit == {"read_bytes": 6000, "read_gap": 0, "lookahead_bytes": 20000, "auto": []}  # nothing measured
+    assert explicit == {"read_bytes": 6000, "read_gap": 0, "lookahead_bytes": 20000, "read_concurrency": 2,
+                        "auto": []}  # nothing measured
 
 
 @pytest.mark.parametrize("name,value", [("read_bytes", -1), ("read_gap", "garbage"), ("lookahead_bytes", "-3M"),
@@ -194,6 +197,42 @@ def test_explicit_read_settings_override_auto(st):
 def test_bad_read_settings_are_clear_errors(st, name, value):
     with pytest.raises(ValueError, match=f"{name} must be a non-negative size or 'auto'"):
         Prefetcher(st, BATCH, 1, SEED, **{name: value})
+
+
+@pytest.mark.parametrize("ram,disk", [(10**9, 0), (100000, 150000)])
+def test_one_span_at_a_time_delivers_the_same_bytes_and_never_overlaps(st, tmp_path, ram, disk):
+    per_sample, _ = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk, read_bytes=0)
+    def overlapping_spans(concurrency):
+        _core.timeline_enable(True)
+        try:
+            _core.timeline_take()
+            got, stats = run(st, tmp_path, epochs=1, ram_bytes=ram, disk_bytes=disk, read_bytes=6000, read_gap=0,
+                             lookahead_bytes=20000, read_concurrency=concurrency, ram_threads=3, disk_threads=3,
+                             _span_delay=0.002)  # a store whose reads take 2 ms
+            spans = sorted((start, start + dur) for name, _, start, dur, _ in _core.timeline_take()
+                           if name == "load span")
+        finally:
+            _core.timeline_enable(False)
+        assert got == per_sample[:len(got)] and stats["read_settings"]["read_concurrency"] == concurrency
+        assert len(spans) > 1
+        return sum(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+    assert overlapping_spans(0) > 0    # every filler reads at once...
+    assert overlapping_spans(1) == 0   # ...or one span at a time, though 3-6 fillers hold windows
+
+
+@pytest.mark.parametrize("value", [-1, True, 1.5, "two", None])
+def test_a_bad_read_concurrency_is_a_clear_error(st, value):
+    with pytest.raises(ValueError, match="read_concurrency must be a non-negative integer or 'auto'"):
+        Prefetcher(st, BATCH, 1, SEED, read_concurrency=value)
+
+
+def test_read_concurrency_rule():
+    MiB = 1 << 20
+    assert probe.read_settings(300, 50 * MiB, parallel_gain=1.0)["read_concurrency"] == 1  # one throttled device
+    assert probe.read_settings(300, 50 * MiB, parallel_gain=probe.PARALLEL_GAIN)["read_concurrency"] == 0
+    assert probe.read_settings(300, 50 * MiB, parallel_gain=3.7)["read_concurrency"] == 0   # striped: all at once
+    assert probe.read_settings(300, 50 * MiB)["read_concurrency"] == 0                      # unknown: as before
 
 
 def test_read_settings_rule():
@@ -220,7 +259,7 @@ def test_read_settings_rule():
 
 
 def test_probe_measures_the_store_files(st):
-    iops, bandwidth = probe.measure(st.shard_paths)
-    assert 0 < iops <= probe.MAX_IOPS and 0 < bandwidth <= probe.MAX_BANDWIDTH
+    iops, bandwidth, parallel_gain = probe.measure(st.shard_paths)
+    assert 0 < iops <= probe.MAX_IOPS and 0 < bandwidth <= probe.MAX_BANDWIDTH and parallel_gain > 0
     with pytest.raises(OSError):
         probe.measure([])
