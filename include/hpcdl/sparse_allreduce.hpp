@@ -13,7 +13,8 @@
 //   3. reduce-scatter: each rank sends the pairs of range j to rank j
 //      (Ialltoall of the counts, then a pairwise exchange of the pairs); rank
 //      j sums them in rank order: its candidates are the union of received
-//      indices;
+//      indices. The counts go first, together (4 bytes a peer: one round),
+//      so the pairs land in a buffer of exactly their size;
 //   4. global selection: the k-th largest candidate magnitude m is found by a
 //      radix select over the 32 magnitude bits, 8 at a time (4 Iallreduces of
 //      256 counts); ties at m go to the lowest indices (an Iallgather of each
