@@ -97,18 +97,21 @@ def traffic(scheme, p, n, ratio=TOPK_RATIO):
     if scheme == "topk_split":  # docs/compression.md: balance, counts, pairs, 4 radix rounds, ties, result
         bins = min(n, max(4 * p, k // 64))
         volume = 2.0 * (p - 1) / p * (8.0 * k + 4.0 * bins + 4.0 * 1024) + 12.0 * (p - 1)
-        # 3 all-to-alls (counts, indices, values): P - 1 messages each; 5 allreduces, 1 allgather
-        # and 2 allgathervs (the result, k pairs in all): recursive doubling, log2 P each.
+        # The counts' all-to-all (P - 1 messages), the pairs' pairwise exchange (indices and values
+        # to one peer per round: 2 (P - 1)); 5 allreduces, 1 allgather and 2 allgathervs (the
+        # result, k pairs in all): recursive doubling, log2 P each.
         return 3 * (p - 1) + 8 * log2_rounds(p), volume
     raise ValueError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
 
 
 def latency_rounds(scheme, p, n, ratio=TOPK_RATIO):
     """Rounds per call: messages that wait for an earlier one. An all-to-all's P - 1 messages
-    go out together (one round); the other messages are rounds of their own."""
+    go out together (one round), so do the two of a pairwise exchange's round; the other
+    messages are rounds of their own."""
     if p < 2 or scheme != "topk_split":
         return traffic(scheme, p, n, ratio)[0]
-    return 3 + 8 * log2_rounds(p)  # 3 all-to-alls, 5 allreduces, 1 allgather, 2 allgathervs
+    # the counts' all-to-all, P - 1 pairwise rounds, 5 allreduces, 1 allgather, 2 allgathervs
+    return 1 + (p - 1) + 8 * log2_rounds(p)
 
 
 def kernel_seconds(scheme, p, n, codec):

@@ -11,8 +11,10 @@
 //      (Iallreduce); the index space is cut into p contiguous ranges holding
 //      about p k / p = k selected pairs each (cuts interpolated inside bins);
 //   3. reduce-scatter: each rank sends the pairs of range j to rank j
-//      (Ialltoall of counts, Ialltoallv of indices and of values); rank j sums
-//      them in rank order: its candidates are the union of received indices;
+//      (Ialltoall of the counts, then a pairwise exchange of the pairs); rank
+//      j sums them in rank order: its candidates are the union of received
+//      indices. The counts go first, together (4 bytes a peer: one round),
+//      so the pairs land in a buffer of exactly their size;
 //   4. global selection: the k-th largest candidate magnitude m is found by a
 //      radix select over the 32 magnitude bits, 8 at a time (4 Iallreduces of
 //      256 counts); ties at m go to the lowest indices (an Iallgather of each
@@ -71,6 +73,45 @@ inline Status wait_all(MPI_Request* requests, int count, const char* what) {
   return Status::OK();
 }
 
+// The pairs of the reduce-scatter, one peer at a time: in round r = 1..p-1 a
+// rank sends to rank + r and receives from rank - r (its indices, then its
+// values: one stream on the link), and waits for both before the next round.
+// An all-to-all puts p - 1 messages on each rank's link at once; on a link
+// that polices its rate (a token bucket, a switch's shallow buffers) those
+// bursts are dropped and resent. Blocks land at their rank-order displacement
+// (this rank's own is copied), so the sum that follows runs in rank order.
+inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, const std::uint32_t* idx,
+                                      const float* val, const std::vector<int>& send_count,
+                                      const std::vector<int>& send_displ, std::uint32_t* recv_idx, float* recv_val,
+                                      const std::vector<int>& recv_count, const std::vector<int>& recv_displ) {
+  std::memcpy(recv_idx + recv_displ[rank], idx + send_displ[rank], send_count[rank] * sizeof(std::uint32_t));
+  std::memcpy(recv_val + recv_displ[rank], val + send_displ[rank], send_count[rank] * sizeof(float));
+  MPI_Request rq[4] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  auto rounds = [&]() -> Status {
+    for (int r = 1; r < p; ++r) {
+      const int to = (rank + r) % p, from = (rank - r + p) % p;
+      if (recv_count[from] > 0) {  // both sides know the count: an empty block is no message
+        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Irecv(recv_idx + recv_displ[from], recv_count[from], MPI_UINT32_T, from,
+                                                 tag, comm, &rq[0]), "MPI_Irecv(top-k indices)"));
+        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Irecv(recv_val + recv_displ[from], recv_count[from], MPI_FLOAT, from, tag,
+                                                 comm, &rq[1]), "MPI_Irecv(top-k values)"));
+      }
+      if (send_count[to] > 0) {
+        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(idx + send_displ[to], send_count[to], MPI_UINT32_T, to, tag, comm,
+                                                 &rq[2]), "MPI_Isend(top-k indices)"));
+        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(val + send_displ[to], send_count[to], MPI_FLOAT, to, tag, comm,
+                                                 &rq[3]), "MPI_Isend(top-k values)"));
+      }
+      HPCDL_RETURN_NOT_OK(wait_all(rq, 4, "MPI_Wait(top-k pairs)"));
+    }
+    return Status::OK();
+  };
+  Status st = rounds();
+  // A failed round leaves requests posted into the scratch buffers the next call reuses.
+  if (!st.ok()) cancel_and_complete({&rq[0], &rq[1], &rq[2], &rq[3]}, 10.0, "top-k split");
+  return st;
+}
+
 }  // namespace detail
 
 // Bytes a rank receives in one split allreduce with evenly spread pairs: the
@@ -96,8 +137,8 @@ inline bool topk_use_split(TopkAlgorithm algorithm, int p, std::size_t n, std::s
 // The split allreduce of data[0, n) (see the top of this file). residual
 // (optional, n values) as in topk_allreduce; traffic counts the logical
 // volume of each exchange (an allreduce as a ring's 2 (p - 1)/p).
-inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, std::size_t n, double ratio,
-                                   double final_scale, float* residual, RingTraffic* traffic,
+inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, float* data, std::size_t n,
+                                   double ratio, double final_scale, float* residual, RingTraffic* traffic,
                                    TopkScratch& topk_scratch, SplitScratch& s) {
   const std::size_t k = topk_count(n, ratio);
   if (k == 0) return Status::OK();
@@ -167,15 +208,8 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, float* data, 
   }
   std::uint32_t* recv_idx = s.recv_idx.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
   float* recv_val = s.recv_val.get<float>(std::max<std::size_t>(n_recv, 1));
-  HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Ialltoallv(idx, send_count.data(), send_displ.data(), MPI_UINT32_T, recv_idx, recv_count.data(),
-          recv_displ.data(), MPI_UINT32_T, comm, &rq[0]),
-      "MPI_Ialltoallv(top-k indices)"));
-  HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Ialltoallv(val, send_count.data(), send_displ.data(), MPI_FLOAT, recv_val, recv_count.data(),
-          recv_displ.data(), MPI_FLOAT, comm, &rq[1]),
-      "MPI_Ialltoallv(top-k values)"));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k reduce-scatter)"));
+  HPCDL_RETURN_NOT_OK(detail::exchange_pairs_pairwise(comm, p, rank, tag, idx, val, send_count, send_displ, recv_idx,
+                                                      recv_val, recv_count, recv_displ));
   const std::size_t lo = bound[rank], hi = bound[rank + 1];
   for (std::size_t c = 0; c < n_recv; ++c) {  // blocks arrive in rank order: the sums are too
     if (recv_idx[c] < lo || recv_idx[c] >= hi) return Status::Internal("top-k split: a pair outside its range");

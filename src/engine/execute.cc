@@ -133,8 +133,8 @@ Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traf
     } else if constexpr (std::is_same_v<Codec, TopkCodec>) {
       executing_cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
       if (topk_use_split(codec.algorithm, ctx.size, n, codec.count(n)))
-        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, data, n, codec.ratio, scale, res, traffic,
-                                    topk_scratch_, split_scratch_);
+        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, n, codec.ratio, scale, res,
+                                    traffic, topk_scratch_, split_scratch_);
       return topk_allreduce(ctx.data, ctx.size, data, n, codec.ratio, scale, res, traffic, topk_scratch_);
     } else {
       CompressedRingPolicy<Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);

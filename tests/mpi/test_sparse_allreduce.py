@@ -88,6 +88,23 @@ def test_split_matches_reference_and_is_identical_on_every_rank(op):
     agree(WORLD, not problems, problems)
 
 
+def own_window(rank, count, size=WORLD.Get_size()):
+    """Normal values in this rank's p-th of the index space, zeros elsewhere: its
+    pairs fall in (about) its own range, so most pairwise blocks are empty."""
+    x = np.zeros(count, np.float32)
+    lo, hi = rank * count // size, (rank + 1) * count // size
+    x[lo:hi] = normal(rank, hi - lo, seed=3)
+    return x
+
+
+@pytest.mark.mpi(min_size=2)
+def test_split_with_empty_blocks_between_ranks():
+    """The pairwise exchange sends no message for an empty block; the sums stay in rank order."""
+    problems = [check_split(WORLD, count, 0.01, op, own_window) for count in (10_000, 65_537) for op in ("sum", "average")]
+    problems = [p for p in problems if p]
+    agree(WORLD, not problems, problems)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("sub_size", [2, 3])
 def test_split_on_sub_communicators(sub_size):
