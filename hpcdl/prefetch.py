@@ -256,7 +256,7 @@ class Prefetcher:
     read in spans of at most read_bytes, merging neighbours at most read_gap
     bytes apart; read_bytes=0 reads one sample at a time. Each is a size (an
     int or text such as "8M") or "auto" (the default): rank 0 measures the
-    store (~0.45 s) and every rank derives the setting from its IOPS and
+    store (~0.8 s) and every rank derives the setting from its IOPS and
     bandwidth (hpcdl.store.probe.read_settings); pf.read_settings has what was
     chosen and measured.
     read_concurrency: at most this many spans read at once, the soonest-needed

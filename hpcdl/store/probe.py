@@ -2,7 +2,7 @@
 it into the prefetcher's coalesced-fill read settings (docs/prefetch.md,
 "Read settings from the store's speed").
 
-    iops, bandwidth, parallel_gain = measure(store.shard_paths)     # ~0.45 s, 40 MB at most
+    iops, bandwidth, parallel_gain = measure(store.shard_paths)     # ~0.8 s, 48 MB at most
     read_settings(iops, bandwidth, staging_bytes, tier_bytes, parallel_gain)
 """
 
@@ -23,8 +23,9 @@ MIN_READ, MAX_READ = 1 << 20, 64 << 20
 MAX_LOOKAHEAD = 1 << 30
 SPAN_GAPS = 16               # a span of 16 gaps: one request's cost is ~1/17 of the span's time
 WINDOW_SPANS = 8             # a look-ahead window of 8 spans: dense enough in the file for spans to merge
-PARALLEL_SECONDS = 0.25      # the concurrent sequential reads' budget
-PARALLEL_STREAMS = 4         # ... how many, each at most LARGE_READ / PARALLEL_STREAMS bytes
+PARALLEL_SECONDS = 0.6       # one reader, then PARALLEL_STREAMS at once: half of it each
+PARALLEL_STREAMS = 4         # ... each at most LARGE_READ / PARALLEL_STREAMS bytes
+PARALLEL_CHUNK = 256 << 10   # their read size: many pieces in each phase's measured half
 PARALLEL_GAIN = 1.5          # concurrent reads worth having: at least this times one stream's bandwidth
 
 __all__ = ["measure", "read_settings"]
@@ -63,19 +64,19 @@ def _steady(amounts, times):
     return sum(amounts[half:]) / max(sum(times[half:]), 1e-9)
 
 
-def _sequential(path, size, offset, limit, deadline, chunks):
-    """Reads ``path`` from ``offset`` in LARGE_CHUNK pieces until ``limit`` bytes,
-    its end or ``deadline`` (at least 2 pieces); appends (bytes, seconds) to ``chunks``."""
+def _sequential(path, offset, limit, deadline, chunks, chunk_bytes=LARGE_CHUNK):
+    """Reads ``path`` from ``offset`` in ``chunk_bytes`` pieces until ``limit`` bytes,
+    its end or ``deadline`` (at least 2 pieces); appends (bytes, start, end) to ``chunks``."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         got = 0
         while got < limit and (len(chunks) < 2 or time.monotonic() < deadline):
-            t0 = time.perf_counter()
-            chunk = len(os.pread(fd, LARGE_CHUNK, offset + got))
+            t0 = time.monotonic()
+            chunk = len(os.pread(fd, chunk_bytes, offset + got))
             if not chunk:
                 break
-            chunks.append((chunk, time.perf_counter() - t0))
+            chunks.append((chunk, t0, time.monotonic()))
             got += chunk
     finally:
         os.close(fd)
@@ -85,15 +86,51 @@ def _random_offset(rng, size, length):
     return rng.randrange(max(size - length, 0) // 4096 + 1) * 4096
 
 
+def _disjoint_offsets(rng, size, length, count, taken):
+    """``count`` random offsets whose ``length``-byte reads (plus read-ahead) overlap
+    none of ``taken`` [(begin, end)] nor each other, so none is served from the
+    page cache that another read filled; overlapping ones when the file is too small."""
+    margin = 4 << 20
+    chosen = []
+    for _ in range(100 * count):
+        if len(chosen) == count:
+            break
+        at = _random_offset(rng, size, length)
+        if all(at + length + margin <= b or e + margin <= at for b, e in taken):
+            chosen.append(at)
+            taken = taken + [(at, at + length)]
+    return chosen + [_random_offset(rng, size, length) for _ in range(count - len(chosen))]
+
+
+def _streams_rate(path, offsets, limit, seconds):
+    """Bytes/s of len(offsets) concurrent sequential readers, each from its offset,
+    over the later half of the phase's wall-clock window (a throttle's first
+    burst left out; a piece read across the midpoint counts by its time in it)."""
+    streams = [[] for _ in offsets]
+    start = time.monotonic()
+    readers = [threading.Thread(target=_sequential, args=(path, at, limit, start + seconds, chunks, PARALLEL_CHUNK))
+               for at, chunks in zip(offsets, streams)]  # os.pread releases the GIL: the reads overlap
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    pieces = [piece for chunks in streams for piece in chunks]
+    end = max(t1 for _, _, t1 in pieces)
+    mid = (start + end) / 2
+    inside = sum(n * (t1 - max(t0, mid)) / max(t1 - t0, 1e-9) for n, t0, t1 in pieces if t1 > mid)
+    return inside / max(end - mid, 1e-9)
+
+
 def measure(paths, seconds=PROBE_SECONDS, parallel_seconds=PARALLEL_SECONDS):
     """(iops, bandwidth, parallel_gain) of reading the files ``paths``, within
     about ``seconds`` + ``parallel_seconds`` and at most SMALL_READS x 4 KiB +
-    2 x LARGE_READ bytes: random 4 KiB reads with read-ahead off give the IOPS,
+    3 x LARGE_READ bytes: random 4 KiB reads with read-ahead off give the IOPS,
     1 MiB sequential reads from a random offset the bandwidth (request costs
     included: what a long span gets), each as the steady rate of the later
-    half of its reads (_steady); then PARALLEL_STREAMS such readers at once
-    from other random offsets: their summed bandwidth over the one stream's
-    is the parallel gain (about 1 on one throttled device, more on a striped
+    half of its reads (_steady). Then one reader and PARALLEL_STREAMS readers
+    at once, each phase's rate over the later half of its wall-clock window
+    (_streams_rate), from offsets no earlier read has cached: their ratio is
+    the parallel gain (about 1 on one throttled device, more on a striped
     file system or an SSD with a deep queue). Random offsets make a page-cache
     hit unlikely; a hit reads as a very fast store (clamped to MAX_IOPS,
     MAX_BANDWIDTH). OSError when no file can be read."""
@@ -119,18 +156,12 @@ def measure(paths, seconds=PROBE_SECONDS, parallel_seconds=PARALLEL_SECONDS):
             os.close(fd)
     iops = min(_steady([1] * len(times), times), MAX_IOPS)
     path, size = max(files, key=lambda f: f[1])
-    chunks = []
-    _sequential(path, size, _random_offset(rng, size, LARGE_READ), LARGE_READ, start + seconds, chunks)
-    one = _steady([n for n, _ in chunks], [t for _, t in chunks])
-    deadline = time.monotonic() + parallel_seconds
+    chunks, offset = [], _random_offset(rng, size, LARGE_READ)
+    _sequential(path, offset, LARGE_READ, start + seconds, chunks)
+    bandwidth = min(_steady([n for n, _, _ in chunks], [t1 - t0 for _, t0, t1 in chunks]), MAX_BANDWIDTH)
+    # One reader, then PARALLEL_STREAMS at once, each phase measured alike, none re-reading cached bytes.
     limit = LARGE_READ // PARALLEL_STREAMS
-    streams = [[] for _ in range(PARALLEL_STREAMS)]  # os.pread releases the GIL: the reads overlap
-    readers = [threading.Thread(target=_sequential, args=(path, size, _random_offset(rng, size, limit), limit,
-                                                          deadline, chunks_of))
-               for chunks_of in streams]
-    for reader in readers:
-        reader.start()
-    for reader in readers:
-        reader.join()
-    together = sum(_steady([n for n, _ in c], [t for _, t in c]) for c in streams)
-    return iops, min(one, MAX_BANDWIDTH), together / max(one, 1e-9)
+    offsets = _disjoint_offsets(rng, size, limit, 1 + PARALLEL_STREAMS, [(offset, offset + LARGE_READ)])
+    alone = _streams_rate(path, offsets[:1], LARGE_READ, parallel_seconds / 2)
+    together = _streams_rate(path, offsets[1:], limit, parallel_seconds / 2)
+    return iops, bandwidth, together / max(alone, 1e-9)

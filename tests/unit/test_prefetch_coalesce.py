@@ -258,6 +258,14 @@ def test_read_settings_rule():
         probe.read_settings(0, 50 * MiB)
 
 
+def test_the_probes_concurrent_readers_never_reread_cached_bytes():
+    import random
+    length, first = 4 << 20, (100 << 20, 116 << 20)
+    offsets = probe._disjoint_offsets(random.Random(5), 1 << 30, length, 5, [first])
+    reads = sorted([first] + [(at, at + length) for at in offsets])
+    assert len(offsets) == 5 and all(a[1] <= b[0] for a, b in zip(reads, reads[1:]))
+
+
 def test_probe_measures_the_store_files(st):
     iops, bandwidth, parallel_gain = probe.measure(st.shard_paths)
     assert 0 < iops <= probe.MAX_IOPS and 0 < bandwidth <= probe.MAX_BANDWIDTH and parallel_gain > 0
