@@ -287,11 +287,16 @@ def test_abandoned_ring_returns_only_once_its_transfers_are_cancelled(tmp_path):
 # rank in front, never written to stderr behind the filters' back.
 
 LEFT_WHILE_WAITING = """
-        if RANK == 1:
-            time.sleep(0.5)
+        submitted = os.path.join(os.environ["JOB_DIR"], "submitted")
+        if RANK == 1:  # leaves once rank 0's operation is pending, so that rank 0 is told
+            deadline = time.monotonic() + 90
+            while not os.path.exists(submitted) and time.monotonic() < deadline:
+                time.sleep(0.05)
             sys.exit(0)
+        h = hpcdl.allreduce_async(np.ones(1000, np.float32), name="never.on.rank1")
+        open(submitted, "w").close()
         try:
-            hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
+            h.wait()
         except hpcdl.CancelledError as exc:
             print(f"rank 0 raised: {'rank 1 of the communicator' in str(exc)}", flush=True)
 """
@@ -338,6 +343,7 @@ def test_a_deferred_operation_not_marked_ready_warns_through_warning_filters(tmp
             h.mark_ready()
             h.wait()
 
+        hpcdl.allreduce(np.ones(1, np.float32), comm=MPI.COMM_SELF)  # its channels are set up
         hpcdl.configure(stall_warning_seconds=0.2)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -356,12 +362,13 @@ def test_a_deferred_operation_not_marked_ready_warns_through_warning_filters(tmp
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             wait_unready("flood", 8.0)
-        flood = [str(w.message) for w in caught if w.category is hpcdl.StallWarning and "'flood'" in str(w.message)]
-        dropped = [str(w.message) for w in caught
-                   if w.category is hpcdl.EngineWarning and "more engine messages were dropped" in str(w.message)]
-        print(f"flood: {len(flood)} {len(dropped)} {dropped}", flush=True)
+        # mark_ready() issues what was kept; a notice the engine adds meanwhile comes at wait().
+        first = [(w.category.__name__, str(w.message)) for w in caught[:65]]
+        flood = sum(kind == "StallWarning" and "'flood'" in m for kind, m in first[:64])
+        dropped = [m for kind, m in first[64:] if kind == "EngineWarning" and "more engine messages were dropped" in m]
+        print(f"flood: {flood} {dropped}", flush=True)
     """)
     assert rc == 0, out
     assert "warned: True" in out, out
     assert "silenced: 0" in out and "'silenced'" not in out, out
-    assert "flood: 64 1 ['[hpcdl rank 0] " in out, out
+    assert "flood: 64 ['[hpcdl rank 0] " in out, out
