@@ -15,9 +15,9 @@ from mpi4py cimport MPI
 
 from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode, codec_encoded_bytes, codec_name,
                               parse_codec, topk_algorithm_name, topk_count as c_topk_count)
-from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineStats, COpKind, COpRequest,
-                              COperation, COpTimes, CReduceOp, dtype_is_float, dtype_name, dtype_size,
-                              dtype_valid, kDefaultChunkBytes, kMaxChunkBytes, kMinChunkBytes)
+from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CNoticeKind, COpKind,
+                              COpRequest, COperation, COpTimes, CReduceOp, dtype_is_float, dtype_name, dtype_size,
+                              dtype_valid, kDefaultChunkBytes, kMaxChunkBytes, kMaxNotices, kMinChunkBytes)
 from libhpcdl.status cimport CStatus, check_status
 
 import threading
@@ -46,8 +46,34 @@ _FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "l": "
 _OPS = {"sum": <int>CReduceOp.kSum, "average": <int>CReduceOp.kAverage}
 
 
-class StallWarning(UserWarning):
-    """An operation waits for ranks that have not submitted it."""
+class EngineWarning(UserWarning):
+    """What hpcdl's engine thread tells this rank: another rank left a communicator
+    with operations waiting here, or an engine error failed them."""
+
+
+class StallWarning(EngineWarning):
+    """An operation waits for ranks that have not submitted it (or, deferred, for
+    mark_ready() here)."""
+
+
+_NOTICE_WARNINGS = {<int>CNoticeKind.kStall: StallWarning, <int>CNoticeKind.kRankLeft: EngineWarning,
+                    <int>CNoticeKind.kError: EngineWarning}
+
+
+cdef _emit_engine_notices():
+    """Issue what the engine thread kept for this rank (Engine::notice) as
+    warnings through hpcdl's one channel. The thread never takes the GIL: its
+    messages wait for the next call into the engine (submit, wait, done,
+    mark_ready, stats, shutdown). A compiled frame: stacklevel 1 names the
+    Python caller of that call."""
+    cdef uint64_t dropped = 0
+    cdef vector[CEngineNotice] notices = CEngine.instance().take_notices(&dropped)
+    cdef CEngineNotice n
+    for n in notices:
+        _warn(n.message.decode("utf-8", "replace").removeprefix("hpcdl: "), _NOTICE_WARNINGS[<int>n.kind])
+    if dropped:
+        _warn(f"{dropped} more engine messages were dropped (at most {kMaxNotices} are kept between calls "
+              f"into hpcdl)", EngineWarning)
 
 
 cdef class Buffer:
@@ -147,6 +173,7 @@ cdef class Handle:
     def done(self):
         """True once the operation has finished; raises its error if it failed
         (once: whichever of done() and wait() sees it first)."""
+        _emit_engine_notices()
         if not self.op.get().done():
             return False
         self._finish()
@@ -169,6 +196,7 @@ cdef class Handle:
                 finished = op.wait_for(slice_s)
             for notice in op.take_notices():  # through hpcdl's one warning channel (the rank in front)
                 _warn(notice.decode("utf-8", "replace").removeprefix("hpcdl: "), StallWarning)  # a compiled frame: 1 names wait()'s caller
+            _emit_engine_notices()  # a rank that left is named before the error it causes
             if not finished:
                 PyErr_CheckSignals()
                 waited += slice_s
@@ -181,6 +209,7 @@ cdef class Handle:
         """The buffer of an operation submitted with deferred=True now holds its
         data: the engine may run it. Idempotent; nothing to do for others."""
         self.op.get().mark_ready()
+        _emit_engine_notices()
 
     def ready(self):
         """False while a deferred operation waits for mark_ready()."""
@@ -252,6 +281,7 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     req.deferred = deferred
     with nogil:
         st = CEngine.instance().submit(comm.ob_mpi, move(req), &op)
+    _emit_engine_notices()
     check_status(st)
     cdef Handle h = Handle.__new__(Handle)
     h.op = op
@@ -272,6 +302,7 @@ def transfer(bint send, Buffer buf not None, MPI.Comm comm not None, int peer, i
     cdef uint64_t nbytes = buf.view.len
     with nogil:
         st = CEngine.instance().submit_transfer(comm.ob_mpi, send, data, nbytes, peer, tag, &op)
+    _emit_engine_notices()
     check_status(st)
     cdef Handle h = Handle.__new__(Handle)
     h.op = op
@@ -301,6 +332,7 @@ def set_stall_limits(double warn_seconds, double error_seconds):
 
 def stats():
     """Engine counters: a list of dicts, one per (kind, codec)."""
+    _emit_engine_notices()
     cdef vector[CEngineStats] rows = CEngine.instance().stats()
     return [{"kind": r.kind.decode(), "codec": r.codec.decode(), "ops": r.ops,
              "bytes_sent": r.bytes_sent, "bytes_received": r.bytes_received,
@@ -309,6 +341,7 @@ def stats():
 
 def agreement_stats():
     """The agreement's control traffic on this rank (a dict of counters)."""
+    _emit_engine_notices()
     cdef CAgreementStats a = CEngine.instance().agreement_stats()
     return {"messages_sent": a.messages_sent, "messages_received": a.messages_received,
             "entries_received": a.entries_received, "descriptions_received": a.descriptions_received}
@@ -425,4 +458,5 @@ def codec_decode_into(codec, encoded, out):
 def shutdown():
     with nogil:
         CEngine.instance().shutdown()
+    _emit_engine_notices()  # the last ones, while Python can still issue them
 

@@ -15,7 +15,7 @@ import time
 from mpi4py import MPI
 
 from hpcdl import _core, compression
-from hpcdl._core import Handle, StallWarning
+from hpcdl._core import EngineWarning, Handle, StallWarning
 from hpcdl.collectives import (DTYPES, allreduce, allreduce_async, barrier, broadcast, broadcast_async,
                                configure, stats)
 from hpcdl.errors import (CancelledError, CorruptDataError, HpcdlError, MismatchError, MPIError,
@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "allreduce", "allreduce_async", "broadcast", "broadcast_async", "barrier", "configure", "stats", "DTYPES",
     "compression", "init", "rank", "size", "local_rank", "local_size", "abort_on_uncaught_exception", "Handle",
-    "StallWarning", "HpcdlError", "MismatchError", "MPIError", "CancelledError", "CorruptDataError",
+    "StallWarning", "EngineWarning", "HpcdlError", "MismatchError", "MPIError", "CancelledError", "CorruptDataError",
     "StallTimeoutError",
 ]
 

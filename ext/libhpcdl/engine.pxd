@@ -54,6 +54,15 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         vector[string] take_notices()
         COpTimes times()
 
+    cdef enum class CNoticeKind "hpcdl::EngineNotice::Kind":
+        kStall
+        kRankLeft
+        kError
+
+    cdef cppclass CEngineNotice "hpcdl::EngineNotice":
+        CNoticeKind kind
+        string message
+
     cdef cppclass CEngineStats "hpcdl::EngineStats":
         string kind, codec
         uint64_t ops, bytes_sent, bytes_received, dense_bytes
@@ -73,8 +82,11 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         CAgreementStats agreement_stats()
         void reset_stats()
         void reset_compression_state()
+        vector[CEngineNotice] take_notices(uint64_t* dropped)
         CStatus copy_residual(MPI_Comm comm, const string& name, vector[float]* out, cbool* found)
         void shutdown()
+
+    size_t kMaxNotices "hpcdl::Engine::kMaxNotices"
 
 cdef extern from "hpcdl/dtype.hpp" namespace "hpcdl" nogil:
     size_t dtype_size(CDType t)

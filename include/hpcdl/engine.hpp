@@ -56,6 +56,15 @@ struct AgreementStats {
   std::uint64_t descriptions_received = 0;  // of those, full descriptions (new or changed operations)
 };
 
+// What the engine thread has to tell this rank's caller. The thread never
+// takes the GIL: Engine::notice keeps it for the Python layer, which issues it
+// as a warning (hpcdl/_warn.py) at its next call into the engine.
+struct EngineNotice {
+  enum class Kind : int { kStall = 0, kRankLeft = 1, kError = 2 };
+  Kind kind = Kind::kStall;
+  std::string message;
+};
+
 class CommContext;
 
 class Engine {
@@ -78,6 +87,10 @@ class Engine {
   void reset_stats();
   // Forgets every error-feedback residual (hpcdl.compression.reset_state()).
   void reset_compression_state();
+  // The notices kept since the last call, oldest first; *dropped: how many
+  // more came while kMaxNotices were already kept (those are lost).
+  std::vector<EngineNotice> take_notices(std::uint64_t* dropped);
+  static constexpr std::size_t kMaxNotices = 64;
   // A copy of tensor `name`'s error-feedback residual on `comm`; *found is
   // false when there is none (never compressed with that name, or reset).
   Status copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found);
@@ -129,6 +142,8 @@ class Engine {
   Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic);
+  // Keeps a message for take_notices(); past kMaxNotices it only counts it.
+  void notice(EngineNotice::Kind kind, std::string message);
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -151,6 +166,10 @@ class Engine {
   std::mutex stats_mu_;
   std::map<std::pair<std::string, std::string>, EngineStats> stats_;
   AgreementStats agreement_stats_;  // under stats_mu_
+
+  std::mutex notices_mu_;
+  std::vector<EngineNotice> notices_;  // under notices_mu_, at most kMaxNotices
+  std::uint64_t notices_dropped_ = 0;  // under notices_mu_
 
   // Engine thread only: the control message being read, and working memory
   // of compressed allreduces, kept between operations.

@@ -117,6 +117,8 @@ class PeerService {
   };
 
   PeerService() = default;
+  // The duplicate's error handler, this rank's place in it and its tag bound (create(), before the ranks agree).
+  Status set_up_comm();
 
   // Posts a non-blocking send or receive of buffer[begin, end) in pieces of at most max_message_ bytes.
   Status post_pieces(bool send, char* buffer, std::uint64_t begin, std::uint64_t end, int peer, int tag,

@@ -3,7 +3,6 @@
 // by the engine thread, released when the user frees the communicator, and
 // the leave notices that tell the other ranks this one is gone.
 #include <chrono>
-#include <cstdio>
 #include <string>
 #include <thread>
 
@@ -164,7 +163,7 @@ void Engine::announce_leaving(CommContext& ctx, const std::string& why) {
 }
 
 void Engine::fail_context(CommContext& ctx, const Status& st) {
-  std::fprintf(stderr, "[hpcdl rank %d] engine error: %s\n", ctx.rank, st.message().c_str());
+  notice(EngineNotice::Kind::kError, "engine error: " + st.message());
   fail_pending(ctx, st);
   cancel_transfers(ctx, st);
 }
@@ -200,8 +199,7 @@ Status Engine::take_leave_notice(CommContext& ctx, int source) {
   ctx.table.clear();
   ctx.partial.clear();
   // Said here too: the caller may catch the error its operations get.
-  if (!ctx.pending.empty() || executing_ == &ctx)
-    std::fprintf(stderr, "[hpcdl rank %d] %s\n", ctx.rank, ctx.gone.message().c_str());
+  if (!ctx.pending.empty() || executing_ == &ctx) notice(EngineNotice::Kind::kRankLeft, ctx.gone.message());
   // First news of it at the coordinator: everyone else is told, once, a little later.
   if (ctx.is_coordinator()) {
     ctx.leave_to_forward = control_msg_;

@@ -3,7 +3,6 @@
 // its counters and its timeline spans.
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -103,10 +102,9 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
     const double waited = seconds_since(since);
     if (warn_s > 0 && waited - warned_at >= warn_s) {
       warned_at = waited;
-      std::fprintf(stderr,
-                   "[hpcdl rank %d] deferred operation '%s' is agreed on every rank but has waited %s for "
-                   "mark_ready() here; the other ranks wait in its ring\n",
-                   ctx.rank, op.name().c_str(), seconds_text(waited).c_str());
+      notice(EngineNotice::Kind::kStall, "deferred operation '" + op.name() +
+                                             "' is agreed on every rank but has waited " + seconds_text(waited) +
+                                             " for mark_ready() here; the other ranks wait in its ring");
     }
   }
   return Status::OK();

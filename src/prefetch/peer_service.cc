@@ -50,22 +50,47 @@ Status PeerService::create(MPI_Comm user, ServeFn serve, SizeFn size_of, double 
                                               "a server thread answers other ranks while yours run"));
   std::unique_ptr<PeerService> s(new PeerService());
   HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_dup(user, &s->comm_), "peer tier: MPI_Comm_dup"));
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_set_errhandler(s->comm_, MPI_ERRORS_RETURN),
-                                 "peer tier: MPI_Comm_set_errhandler"));
+  const Status local = s->set_up_comm();
+  // The ranks agree on the set-up before anyone uses the duplicate. A failure
+  // anywhere: all of them free it together (MPI_Comm_free is collective, and
+  // every rank is here, its server not started) and all return an error,
+  // rather than one rank keeping it (a leak) or freeing it alone, and the
+  // others serving a rank that has no peer tier. One allreduce of an int.
+  int user_rank = 0, user_size = 1;
+  MPI_Comm_rank(user, &user_rank);
+  MPI_Comm_size(user, &user_size);
+  int first_failed = local.ok() ? user_size : user_rank;
+  // Should the agreement itself fail, nothing is known of the others (they may
+  // go on with the duplicate): it is left unfreed, as at destruction.
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Allreduce(MPI_IN_PLACE, &first_failed, 1, MPI_INT, MPI_MIN, user),
+                                 "peer tier: MPI_Allreduce(set-up)"));
+  if (first_failed < user_size) {
+    MPI_Comm_free(&s->comm_);
+    if (!local.ok()) return local;
+    return Status::Mpi("peer tier: rank " + std::to_string(first_failed) +
+                       " of the communicator could not set up its duplicate (its own error says why); the peer "
+                       "tier starts on no rank");
+  }
   s->max_message_ = std::clamp<std::uint64_t>(max_message_bytes, 1, std::numeric_limits<int>::max());
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_rank(s->comm_, &s->rank_), "peer tier: MPI_Comm_rank"));
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_size(s->comm_, &s->size_), "peer tier: MPI_Comm_size"));
-  int* ub = nullptr;
-  int found = 0;
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(s->comm_, MPI_TAG_UB, &ub, &found),
-                                 "peer tier: MPI_Comm_get_attr(MPI_TAG_UB)"));
-  s->tag_limit_ = found ? std::min(*ub, 1 << 20) : 32767;
   s->serve_ = std::move(serve);
   s->size_of_ = std::move(size_of);
   s->timeout_s_ = timeout_s;
   s->serve_delay_s_ = serve_delay_s;
   s->server_ = std::thread([p = s.get()] { p->serve_loop(); });
   *out = std::move(s);
+  return Status::OK();
+}
+
+Status PeerService::set_up_comm() {
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN),
+                                 "peer tier: MPI_Comm_set_errhandler"));
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_rank(comm_, &rank_), "peer tier: MPI_Comm_rank"));
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_size(comm_, &size_), "peer tier: MPI_Comm_size"));
+  int* ub = nullptr;
+  int found = 0;
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &found),
+                                 "peer tier: MPI_Comm_get_attr(MPI_TAG_UB)"));
+  tag_limit_ = found ? std::min(*ub, 1 << 20) : 32767;
   return Status::OK();
 }
 

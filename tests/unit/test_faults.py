@@ -280,3 +280,95 @@ def test_abandoned_ring_returns_only_once_its_transfers_are_cancelled(tmp_path):
     caught = {r: f"rank {r} caught: hpcdl: rank 1 of the communicator" in out for r in (0, 2)}
     cannot_cancel = "[hpcdl rank 0] ring allreduce: a transfer could not be cancelled" in out
     assert caught[2] and (caught[0] or cannot_cancel), out
+
+
+# The engine thread's own messages (a rank left, a deferred operation not marked
+# ready) reach Python as warnings at the next call into hpcdl: filterable, the
+# rank in front, never written to stderr behind the filters' back.
+
+LEFT_WHILE_WAITING = """
+        submitted = os.path.join(os.environ["JOB_DIR"], "submitted")
+        if RANK == 1:  # leaves once rank 0's operation is pending, so that rank 0 is told
+            deadline = time.monotonic() + 90
+            while not os.path.exists(submitted) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sys.exit(0)
+        h = hpcdl.allreduce_async(np.ones(1000, np.float32), name="never.on.rank1")
+        open(submitted, "w").close()
+        try:
+            h.wait()
+        except hpcdl.CancelledError as exc:
+            print(f"rank 0 raised: {'rank 1 of the communicator' in str(exc)}", flush=True)
+"""
+
+
+def test_a_rank_that_left_is_named_in_an_engine_warning(tmp_path):
+    """Rank 0 waits in an allreduce rank 1 never submits; rank 1 exits. Rank 0's wait
+    issues an EngineWarning naming rank 1 (catchable like any warning, rank in front)
+    before it raises CancelledError."""
+    rc, out = run_job(tmp_path, 2, """
+        recording = warnings.catch_warnings(record=True)
+        caught = recording.__enter__()
+        warnings.simplefilter("always")
+    """ + LEFT_WHILE_WAITING + """
+        left = [str(w.message) for w in caught if w.category is hpcdl.EngineWarning]
+        ok = any(m.startswith("[hpcdl rank 0] rank 1 of the communicator (rank 1 of COMM_WORLD) left") for m in left)
+        print(f"rank {RANK} warned: {ok} {left}", flush=True)
+    """)
+    assert rc == 0, out
+    assert "rank 0 raised: True" in out and "rank 0 warned: True" in out, out
+
+
+def test_the_news_of_a_rank_that_left_obeys_warning_filters(tmp_path):
+    """The same with warnings.simplefilter("ignore"): the operation still raises, and
+    nothing of the engine's reaches the output."""
+    rc, out = run_job(tmp_path, 2, """
+        warnings.simplefilter("ignore")
+    """ + LEFT_WHILE_WAITING)
+    assert rc == 0, out
+    assert "rank 0 raised: True" in out, out
+    assert "[hpcdl rank 0]" not in out and "EngineWarning" not in out, out
+
+
+def test_a_deferred_operation_not_marked_ready_warns_through_warning_filters(tmp_path):
+    """The engine waits for a deferred operation's mark_ready(): its StallWarning
+    arrives at the next call into hpcdl (here mark_ready() itself) with the rank in
+    front; "ignore" silences it; a flood keeps the first kMaxNotices (64) and says
+    how many more were dropped."""
+    rc, out = run_job(tmp_path, 1, """
+        def wait_unready(name, seconds):
+            a = np.ones(4, np.float32)
+            h = hpcdl.allreduce_async(a, comm=MPI.COMM_SELF, name=name, deferred=True)
+            time.sleep(seconds)
+            h.mark_ready()
+            h.wait()
+
+        hpcdl.allreduce(np.ones(1, np.float32), comm=MPI.COMM_SELF)  # its channels are set up
+        hpcdl.configure(stall_warning_seconds=0.2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wait_unready("late", 1.5)
+        stalls = [str(w.message) for w in caught if w.category is hpcdl.StallWarning]
+        expected = "[hpcdl rank 0] deferred operation 'late' is agreed on every rank but has waited "
+        print(f"warned: {bool(stalls) and all(s.startswith(expected) for s in stalls)} {stalls}", flush=True)
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("ignore")
+            wait_unready("silenced", 1.5)
+        print(f"silenced: {len(caught)}", flush=True)
+
+        # A notice at each of the engine's 20 ms wakes: up to 400 in 8 s, 65 overflow the 64 kept.
+        hpcdl.configure(stall_warning_seconds=0.01)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            wait_unready("flood", 8.0)
+        # mark_ready() issues what was kept; a notice the engine adds meanwhile comes at wait().
+        first = [(w.category.__name__, str(w.message)) for w in caught[:65]]
+        flood = sum(kind == "StallWarning" and "'flood'" in m for kind, m in first[:64])
+        dropped = [m for kind, m in first[64:] if kind == "EngineWarning" and "more engine messages were dropped" in m]
+        print(f"flood: {flood} {dropped}", flush=True)
+    """)
+    assert rc == 0, out
+    assert "warned: True" in out, out
+    assert "silenced: 0" in out and "'silenced'" not in out, out
+    assert "flood: 64 ['[hpcdl rank 0] " in out, out
