@@ -37,7 +37,15 @@ Status CommContext::flush_outbox() {
 }
 
 Status Engine::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
-  int rc;
+  if (comm == MPI_COMM_NULL) return Status::Invalid("communicator is MPI_COMM_NULL");
+  int inter = 0;
+  int rc = MPI_Comm_test_inter(comm, &inter);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_test_inter"));
+  // The ring and the agreement address ranks of one group; across an
+  // intercommunicator's two groups they would pair the wrong ranks.
+  if (inter)
+    return Status::Invalid("hpcdl works on intracommunicators, got an intercommunicator: "
+                           "merge its groups first (MPI.Intercomm.Merge)");
   if (keyval_ == MPI_KEYVAL_INVALID) {
     rc = MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &Engine::on_comm_freed, &keyval_, this);
     HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_create_keyval"));

@@ -130,7 +130,6 @@ void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
 
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
   HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
-  if (comm == MPI_COMM_NULL) return Status::Invalid("communicator is MPI_COMM_NULL");
   const OpDesc& d = req.desc;
   if (d.kind == OpKind::kAllreduce && d.reduce_op == ReduceOp::kAverage && !dtype_is_float(d.dtype))
     return Status::Invalid(std::string("op='average' needs a floating-point dtype, got ") + dtype_name(d.dtype));

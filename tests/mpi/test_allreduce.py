@@ -561,3 +561,15 @@ def test_done_raises_the_error_of_a_failed_operation(comm):
         finished, err = outcome(handle.done)
         time.sleep(0.01)
     agree(comm, isinstance(err, hpcdl.MismatchError) and "count differs" in str(err), f"{finished} {err!r}")
+
+
+def test_an_intercommunicator_is_refused_on_every_rank():
+    """Across an intercommunicator's two groups the ring would pair the wrong ranks
+    (a 4-rank sum gave 5 on every rank): refused at submission, before any data moves."""
+    rank = WORLD.Get_rank()
+    half = WORLD.Split(rank % 2, rank)
+    inter = half.Create_intercomm(0, WORLD, 1 - rank % 2, tag=77)   # the other group's first rank leads it
+    _, error = outcome(lambda: hpcdl.allreduce(np.ones(4, dtype=np.float32), comm=inter))
+    inter.Free()
+    half.Free()
+    agree(WORLD, isinstance(error, ValueError) and "intercommunicator" in str(error), repr(error))
