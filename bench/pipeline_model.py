@@ -290,14 +290,19 @@ def link_times(comm, sizes=LINK_SIZES, repeats=20, busy_s=3e-3):
 
 
 def engine_cpu_seconds():
-    """CPU seconds (user + system) of this process's hpcdl-engine thread so far (Linux /proc)."""
+    """CPU seconds of this process's hpcdl-engine thread so far (Linux /proc: schedstat's
+    nanoseconds where the kernel keeps them, else stat's user + system clock ticks)."""
     for tid in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{tid}/comm") as f:
             if f.read().strip() != "hpcdl-engine":
                 continue
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                return int(f.read().split()[0]) * 1e-9
+        except OSError:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
     return None
 
 

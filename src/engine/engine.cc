@@ -333,6 +333,10 @@ void Engine::loop() {
     }
     wait_hook = nullptr;
     for (auto& ctx : contexts) busy = busy || !ctx->plans.empty();
+    // The control channel's polls above moved MPI on too: a message they took in
+    // finishes its transfer now, not one sleep later.
+    if (!busy && transfers_in_flight_ > 0)
+      for (auto& ctx : contexts) progress_transfers(*ctx, &busy);
     if (stall_check) last_plan = std::chrono::steady_clock::now();
     if (busy) {
       idle = std::chrono::microseconds(20);
