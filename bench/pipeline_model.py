@@ -32,6 +32,7 @@ equal stages, free links and C = P it is (P-1)/(M+P-1) for both schedules
     python bench/pipeline_model.py predict --stages 2 4 8 --repeats 5 --out bench/results
     mpiexec -n 4 python bench/pipeline_model.py inputs --micro-batches 16   # what predict starts per P
     mpiexec -n 2 python bench/pipeline_model.py link      # the link's alpha and beta alone
+    mpiexec -n 2 python bench/pipeline_model.py wait      # engine CPU while a receive waits long, and alpha
 """
 
 import argparse
@@ -288,6 +289,65 @@ def link_times(comm, sizes=LINK_SIZES, repeats=20, busy_s=3e-3):
     return {"alpha": alpha, "beta": beta, "points": points}
 
 
+def engine_cpu_seconds():
+    """CPU seconds of this process's hpcdl-engine thread so far (Linux /proc: schedstat's
+    nanoseconds where the kernel keeps them, else stat's user + system clock ticks)."""
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if f.read().strip() != "hpcdl-engine":
+                continue
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                return int(f.read().split()[0]) * 1e-9
+        except OSError:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return None
+
+
+def wait_costs(comm, wait_s=2.0, rounds=5):
+    """On ranks 0 and 1 of comm (collective over comm): the receiver (rank 1) posts a
+    1 KiB receive and blocks in the handle's wait() (no Python polling) while the sender
+    sleeps wait_s before sending; per round, the receiver's engine thread CPU over the
+    wait (share of a core) and the message's delay from its send to the receiver's
+    wake-up. Then, in the same run, the link's alpha for a message that arrives soon
+    (link_times, 1 KiB, the receiver waiting 3 ms). Rank 0 returns medians, the others None."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from hpcdl.pipeline import Link
+    rank = comm.Get_rank()
+    pair = comm.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
+    shares, delays = [], []
+    if pair != MPI.COMM_NULL:
+        link = Link(pair)
+        buffer = np.zeros(1024, dtype=np.uint8)
+        link.wait(link.send(buffer, 1 - rank, 4) if rank == 0 else link.recv(buffer, 0, 4))  # starts the engine
+        for _ in range(rounds):
+            pair.Barrier()
+            if rank == 0:
+                time.sleep(wait_s)
+                pair.send(time.perf_counter(), dest=1, tag=6)
+                link.wait(link.send(buffer, 1, 4))
+            else:
+                cpu0, t0 = engine_cpu_seconds(), time.perf_counter()
+                link.recv(buffer, 0, 4).wait()
+                done_at = time.perf_counter()
+                shares.append((engine_cpu_seconds() - cpu0) / (done_at - t0))
+                delays.append(done_at - pair.recv(source=0, tag=6))
+        link.close()
+        found = pair.gather((shares, delays), root=0)
+        pair.Free()
+        if rank == 0:
+            shares, delays = found[1]
+    link = link_times(comm, sizes=(1024,))
+    if rank != 0:
+        return None
+    return {"wait_s": wait_s, "rounds": rounds, "engine_cpu_share": statistics.median(shares),
+            "late_message_delay_s": statistics.median(delays), "alpha_1KiB_s": link["points"][0][1]}
+
+
 def measure_inputs(comm, model, starts, micro_batch, targets, micro_batches, cores=None):
     """The model's inputs, measured on the P ranks of comm (collective): each rank times its
     stage (stage_times), C = min(P, cores) ranks at once while the others sleep, so that
@@ -339,6 +399,16 @@ def link_worker():
     if MPI.COMM_WORLD.Get_size() != 2:
         raise SystemExit("the link measurement runs on 2 ranks (mpiexec -n 2)")
     out = link_times(MPI.COMM_WORLD)
+    if out is not None:
+        print(RESULT + json.dumps(out), flush=True)
+
+
+def wait_worker():
+    """Under mpiexec -n 2: print wait_costs()."""
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_size() != 2:
+        raise SystemExit("the wait measurement runs on 2 ranks (mpiexec -n 2)")
+    out = wait_costs(MPI.COMM_WORLD)
     if out is not None:
         print(RESULT + json.dumps(out), flush=True)
 
@@ -522,6 +592,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("link", help="(under mpiexec -n 2) the link's alpha and beta, measured")
+    sub.add_parser("wait", help="(under mpiexec -n 2) engine CPU while a receive waits 2 s, and alpha")
     inp = sub.add_parser("inputs", help="(under mpiexec -n P) the model's inputs for the MLP in P stages")
     inp.add_argument("--hidden", type=int, default=1024)
     inp.add_argument("--layers", type=int, default=8)
@@ -546,7 +617,7 @@ def main(argv=None):
     pr.add_argument("--out", default="bench/results")
     pr.add_argument("--tag", default="pipeline-model-predict")
     args = ap.parse_args(argv)
-    {"link": lambda a: link_worker(), "inputs": inputs_worker, "validate": cmd_validate,
+    {"link": lambda a: link_worker(), "wait": lambda a: wait_worker(), "inputs": inputs_worker, "validate": cmd_validate,
      "predict": cmd_predict}[args.command](args)
 
 

@@ -171,7 +171,9 @@ def stats(reset=False):
     "messages_received", "entries_received" (reports from other ranks, one
     per operation and sender: a rank's child in the report tree sends one for
     its whole subtree), "descriptions_received" (of those, full descriptions
-    of new or changed operations)}.
+    of new or changed operations)}. "transfer" counts completed point-to-point
+    transfers (a pipeline's activations and gradients): {"send": {...},
+    "receive": {...}}, the same fields, seconds from submission to completion.
     """
     out = {"agreement": _core.agreement_stats()}
     for row in _core.stats():

@@ -21,6 +21,7 @@
 
 #include <mpi.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <map>
@@ -43,8 +44,8 @@
 namespace hpcdl {
 
 struct EngineStats {
-  std::string kind;   // allreduce, broadcast, barrier
-  std::string codec;  // allreduce only
+  std::string kind;   // allreduce, broadcast, barrier, transfer
+  std::string codec;  // allreduce: its codec ("none": dense); transfer: its direction (send, receive)
   std::uint64_t ops = 0, bytes_sent = 0, bytes_received = 0, dense_bytes = 0;
   double seconds = 0;
 };
@@ -141,6 +142,10 @@ class Engine {
   bool release_freed(CommContext& ctx);
   Status execute(CommContext& ctx, Operation& op);  // the caller finishes op
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
+  // One operation more of (kind, codec) in stats().
+  void count(const std::string& kind, const std::string& codec, const RingTraffic& traffic, double seconds);
+  // A completed transfer: stats() and, when it records, the timeline (a span from submission to now).
+  void record_transfer(const Transfer& t);
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic);
   // Keeps a message for take_notices(); past kMaxNotices it only counts it.
   void notice(EngineNotice::Kind kind, std::string message);
@@ -175,6 +180,8 @@ class Engine {
   // of compressed allreduces, kept between operations.
   std::vector<char> control_msg_;
   std::size_t transfers_in_flight_ = 0;  // taken from transfer_queue_, not finished
+  // When a transfer was last submitted, posted or finished: how long a wait only transfers keep has lasted.
+  std::chrono::steady_clock::time_point transfers_moved_at_;
   CommContext* executing_ = nullptr;  // the context whose operation moves data now
   bool executing_cancellable_ = false;  // that operation's requests can be cancelled (a ring)
   double executing_stalled_s_ = 0;  // > 0: that ring was abandoned after this long without progress

@@ -180,6 +180,7 @@ bool Engine::drain_submissions() {
     for (auto& item : transfer_queue_) item.first->transfers.push_back(std::move(item.second));
     transfers_in_flight_ += transfer_queue_.size();
     busy = !transfer_queue_.empty();
+    if (busy) transfers_moved_at_ = std::chrono::steady_clock::now();
     transfer_queue_.clear();
   }
   for (auto& item : batch) {
@@ -192,8 +193,11 @@ bool Engine::drain_submissions() {
 
 void Engine::record(const Operation& op, const RingTraffic& traffic, double seconds) {
   const OpDesc& d = op.req_.desc;
-  const std::string kind = op_kind_name(d.kind);
-  const std::string codec = d.kind == OpKind::kAllreduce ? (d.codec.empty() ? "none" : d.codec) : "";
+  count(op_kind_name(d.kind), d.kind == OpKind::kAllreduce ? (d.codec.empty() ? "none" : d.codec) : "", traffic,
+        seconds);
+}
+
+void Engine::count(const std::string& kind, const std::string& codec, const RingTraffic& traffic, double seconds) {
   std::lock_guard<std::mutex> g(stats_mu_);
   EngineStats& s = stats_[{kind, codec}];
   s.kind = kind;
@@ -328,6 +332,10 @@ void Engine::loop() {
     }
     wait_hook = nullptr;
     for (auto& ctx : contexts) busy = busy || !ctx->plans.empty();
+    // The control channel's polls above moved MPI on too: a message they took in
+    // finishes its transfer now, not one sleep later.
+    if (!busy && transfers_in_flight_ > 0)
+      for (auto& ctx : contexts) progress_transfers(*ctx, &busy);
     if (stall_check) last_plan = std::chrono::steady_clock::now();
     if (busy) {
       idle = std::chrono::microseconds(20);
@@ -347,12 +355,16 @@ void Engine::loop() {
       std::lock_guard<std::mutex> g(mu_);
       seen_wakeups = wakeups_;
     }
+    // Transfers alone poll less the longer they have not moved (engine_wait_sleep).
     bool waiting = false;
     for (auto& ctx : contexts) {
-      waiting = waiting || !ctx->outbox.empty() || (!ctx->set_up && !ctx->pending.empty()) || !ctx->transfers.empty();
+      waiting = waiting || !ctx->outbox.empty() || (!ctx->set_up && !ctx->pending.empty());
       for (auto& kv : ctx->pending) waiting = waiting || kv.second->ready();
     }
-    const auto max_idle = std::chrono::microseconds(waiting ? std::clamp(wait_sleep_cap_us(), 1L, 1000L) : 20000);
+    const auto max_idle = waiting                    ? engine_wait_sleep()
+                          : transfers_in_flight_ > 0 ? engine_wait_sleep(seconds_since(transfers_moved_at_))
+                                                     : std::chrono::microseconds(20000);
+    waiting = waiting || transfers_in_flight_ > 0;
     // From 20 us when something just became ready (a wake() ends a 20 ms sleep).
     idle = waiting ? std::min(idle, max_idle) : max_idle;
     std::unique_lock<std::mutex> g(mu_);

@@ -90,7 +90,10 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
   double warned_at = 0;
   // Its data comes from the caller's computation: wake rarely meanwhile,
   // unless point-to-point transfers move (each wake progresses them).
-  while (!op.wait_ready_for(transfers_in_flight_ > 0 ? 1e-6 * std::clamp(wait_sleep_cap_us(), 1L, 1000L) : 0.02)) {
+  auto wake_every = [&] {
+    return transfers_in_flight_ > 0 ? 1e-6 * engine_wait_sleep(seconds_since(transfers_moved_at_)).count() : 0.02;
+  };
+  while (!op.wait_ready_for(wake_every())) {
     if (wait_hook != nullptr) (*wait_hook)(0);
     if (!ctx.gone.ok()) return ctx.gone;
     double warn_s;

@@ -57,7 +57,8 @@ Status Engine::submit_transfer(MPI_Comm comm, bool send, void* data, std::uint64
                            std::to_string(ctx->size));
   OpRequest req;
   req.name = describe(t, ctx->rank);
-  t.op = std::make_shared<Operation>(req.name, std::move(req));
+  std::string name = req.name;  // not req.name below: the arguments' order of evaluation is unspecified
+  t.op = std::make_shared<Operation>(std::move(name), std::move(req));
   t.op->times_.submitted_us = t.op->times_.ready_us = now_us();
   *out = t.op;
   transfer_queue_.emplace_back(ctx, std::move(t));
@@ -77,6 +78,7 @@ void Engine::progress_transfers(CommContext& ctx, bool* busy) {
                             : MPI_Irecv(t.data, count, MPI_BYTE, t.peer, t.tag, ctx.user, &t.request);
       st = mpi_status(rc, t.send ? "MPI_Isend(point-to-point)" : "MPI_Irecv(point-to-point)");
       t.posted = st.ok();
+      transfers_moved_at_ = std::chrono::steady_clock::now();
       *busy = true;
     }
     int flag = 0;
@@ -104,14 +106,27 @@ void Engine::progress_transfers(CommContext& ctx, bool* busy) {
     }
     if (!st.ok() || flag) {
       if (!flag && t.request != MPI_REQUEST_NULL) cancel_and_complete({&t.request}, kCancelSeconds, "hpcdl");
+      if (st.ok()) record_transfer(t);
       t.op->finish(std::move(st));
       it = ctx.transfers.erase(it);
       --transfers_in_flight_;
+      transfers_moved_at_ = std::chrono::steady_clock::now();
       *busy = true;
     } else {
       ++it;
     }
   }
+}
+
+void Engine::record_transfer(const Transfer& t) {
+  const double end_us = now_us();
+  const double start_us = t.op->times().submitted_us;
+  RingTraffic traffic;
+  (t.send ? traffic.bytes_sent : traffic.bytes_received) = t.bytes;
+  traffic.dense_bytes = traffic.bytes_sent;  // nothing compresses a transfer
+  count("transfer", t.send ? "send" : "receive", traffic, (end_us - start_us) * 1e-6);
+  // The operation's name says the peer, the tag and the bytes: "rank 1's receive of 8 bytes from rank 0 (tag 4)".
+  Timeline::instance().record(t.op->name(), t.send ? "send" : "receive", start_us, end_us, 0);
 }
 
 void Engine::cancel_transfers(CommContext& ctx, const Status& st) {

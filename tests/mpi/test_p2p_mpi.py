@@ -11,6 +11,7 @@ import pytest
 from mpi4py import MPI
 
 from conftest import agree, outcome
+import hpcdl
 from hpcdl import _core
 from hpcdl.errors import MismatchError
 
@@ -152,5 +153,38 @@ def test_transfer_progresses_while_python_makes_no_mpi_call(pair_comm):
         return done_before_wait and np.array_equal(got, pattern(nbytes, 3)), (
             "the 64 MiB receive had not completed after 8 s without MPI calls on this thread"
             if not done_before_wait else "the bytes differ")
+
+    settle(comm, run)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_receive_posted_long_before_its_send_completes(pair_comm):
+    """The odd rank posts a 64 MiB receive (a rendezvous) 3 s before the even rank
+    sends: its engine polls it less and less often meanwhile (engine_wait_sleep),
+    and the message still arrives whole, both ranks' counters showing its bytes."""
+    comm, peer = pair_comm, partner(pair_comm)
+    nbytes = 64 << 20
+
+    def run():
+        hpcdl.stats(reset=True)
+        if peer is None:
+            comm.Barrier()
+            return True, ""
+        if comm.Get_rank() % 2 == 0:
+            data = pattern(nbytes, 4)
+            comm.Barrier()
+            time.sleep(3.0)
+            send(data, comm, peer, 11).wait(120)
+            sent = hpcdl.stats()["transfer"]["send"]
+            return (sent["ops"], sent["bytes_sent"]) == (1, nbytes), f"send counters {sent}"
+        got = np.zeros(nbytes, dtype=np.uint8)
+        h = recv(got, comm, peer, 11)
+        comm.Barrier()
+        h.wait(120)
+        received = hpcdl.stats()["transfer"]["receive"]
+        if not np.array_equal(got, pattern(nbytes, 4)):
+            return False, "the bytes differ"
+        return (received["ops"], received["bytes_received"]) == (1, nbytes), f"receive counters {received}"
 
     settle(comm, run)

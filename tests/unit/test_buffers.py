@@ -4,6 +4,7 @@ one-rank communicator behaves."""
 import os
 import subprocess
 import sys
+import time
 
 import ml_dtypes
 import numpy as np
@@ -11,6 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl
+from hpcdl import _core
+from hpcdl.errors import MismatchError
 
 
 def test_non_contiguous_buffer_is_refused():
@@ -170,3 +173,47 @@ def test_stats_shape():
     s = hpcdl.stats()
     row = s["allreduce"]["none"]
     assert row["ops"] == 1 and row["bytes_sent"] == 0 and row["seconds"] >= 0
+
+
+def self_transfer(send, array, comm, tag):
+    return _core.transfer(send, _core.Buffer(array, None, not send, True), comm, 0, tag)
+
+
+def test_transfer_stats_count_every_completed_transfer():
+    """Transfers to this rank itself: stats()["transfer"] counts each completed send
+    and receive with its bytes; a receive that fails (wrong size) adds nothing."""
+    comm = MPI.COMM_SELF.Dup()
+    hpcdl.stats(reset=True)
+    sizes = [0, 1, 4096 + 3, 1 << 20]
+    for tag, nbytes in enumerate(sizes):
+        got = np.zeros(nbytes, np.uint8)
+        r = self_transfer(False, got, comm, tag)
+        self_transfer(True, np.full(nbytes, tag, np.uint8), comm, tag).wait(60)
+        r.wait(60)
+        assert np.all(got == tag)
+    r = self_transfer(False, np.zeros(16, np.uint8), comm, 99)
+    self_transfer(True, np.ones(12, np.uint8), comm, 99).wait(60)
+    with pytest.raises(MismatchError):
+        r.wait(60)
+    s = hpcdl.stats(reset=True)["transfer"]
+    comm.Free()
+    assert s["send"]["ops"] == len(sizes) + 1 and s["send"]["bytes_sent"] == sum(sizes) + 12
+    assert s["send"]["bytes_received"] == 0 and s["send"]["dense_bytes"] == sum(sizes) + 12
+    assert s["receive"]["ops"] == len(sizes) and s["receive"]["bytes_received"] == sum(sizes)
+    assert s["receive"]["bytes_sent"] == 0 and s["receive"]["seconds"] >= 0
+    assert "transfer" not in hpcdl.stats()  # reset
+
+
+def test_receive_posted_long_before_its_send_completes():
+    """A receive that waits 3 s for its message (the engine polls it less and less
+    often meanwhile) still completes, with the bytes sent."""
+    comm = MPI.COMM_SELF.Dup()
+    data = np.random.default_rng(5).integers(0, 256, 8 << 20, dtype=np.uint8)
+    got = np.zeros_like(data)
+    r = self_transfer(False, got, comm, 7)
+    time.sleep(3.0)
+    assert not r.done()
+    self_transfer(True, data, comm, 7).wait(120)
+    r.wait(120)
+    comm.Free()
+    assert np.array_equal(got, data)

@@ -86,3 +86,43 @@ def test_timeline_has_prefetcher_fetches_and_stalls_per_rank(tmp_path):
     assert any(stall_seconds > 0 for _, stall_seconds in stats.values()), stats
     assert "HPCDL_TRACE is ignored while HPCDL_TIMELINE is set" in proc.stderr
     assert not list(tmp_path.glob("prefetch-trace.json*"))
+
+
+# Rank 0 sends rank 1 two messages (tags 5 and 6); rank 0 prints both ranks' transfer counters.
+TRANSFER_PROGRAM = """
+import json, numpy as np, hpcdl
+from mpi4py import MPI
+from hpcdl import _core
+comm = MPI.COMM_WORLD.Dup()
+rank = comm.Get_rank()
+for tag, nbytes in ((5, 100), (6, 70000)):
+    buf = _core.Buffer(np.zeros(nbytes, np.uint8), None, rank == 1, True)
+    _core.transfer(rank == 0, buf, comm, 1 - rank, tag).wait(60)
+every = comm.gather([rank, hpcdl.stats()["transfer"]])
+if every:
+    print("STATS " + json.dumps(every), flush=True)
+comm.Free()
+"""
+
+
+def test_timeline_has_a_span_per_transfer_with_peer_tag_and_bytes(tmp_path):
+    trace_path = tmp_path / "run.json"
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    env = dict(os.environ, HPCDL_TIMELINE=str(trace_path))
+    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", TRANSFER_PROGRAM], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("STATS "))
+    stats = dict(json.loads(line[6:]))
+    assert list(stats[0]) == ["send"] and list(stats[1]) == ["receive"], stats
+    assert (stats[0]["send"]["ops"], stats[0]["send"]["bytes_sent"], stats[0]["send"]["bytes_received"]) == \
+        (2, 70100, 0), stats
+    assert (stats[1]["receive"]["ops"], stats[1]["receive"]["bytes_received"], stats[1]["receive"]["bytes_sent"]) \
+        == (2, 70100, 0), stats
+    spans = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e["ph"] == "X"]
+    transfers = sorted((e["pid"], e["cat"], e["name"]) for e in spans if e["cat"] in ("send", "receive"))
+    assert transfers == [(0, "send", "rank 0's send of 100 bytes to rank 1 (tag 5)"),
+                         (0, "send", "rank 0's send of 70000 bytes to rank 1 (tag 6)"),
+                         (1, "receive", "rank 1's receive of 100 bytes from rank 0 (tag 5)"),
+                         (1, "receive", "rank 1's receive of 70000 bytes from rank 0 (tag 6)")], transfers
+    assert all(e["dur"] >= 0 and e["ts"] > 0 and e["tid"] == 0 for e in spans)
