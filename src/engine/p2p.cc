@@ -32,16 +32,9 @@ std::string describe(const Transfer& t, int rank) {
 Status Engine::submit_transfer(MPI_Comm comm, bool send, void* data, std::uint64_t bytes, int peer, int tag,
                                std::shared_ptr<Operation>* out) {
   HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
-  if (comm == MPI_COMM_NULL) return Status::Invalid("communicator is MPI_COMM_NULL");
   if (bytes > kMaxTransferBytes)
     return Status::Invalid("a point-to-point transfer moves at most " + std::to_string(kMaxTransferBytes) +
                            " bytes, got " + std::to_string(bytes));
-  int* tag_ub = nullptr;
-  int found = 0;
-  MPI_Comm_get_attr(comm, MPI_TAG_UB, &tag_ub, &found);
-  if (tag < 0 || (found && tag > *tag_ub))
-    return Status::Invalid("tag " + std::to_string(tag) + " is outside [0, " +
-                           std::to_string(found ? *tag_ub : 32767) + "]");
   Transfer t;
   t.send = send;
   t.data = data;
@@ -52,6 +45,12 @@ Status Engine::submit_transfer(MPI_Comm comm, bool send, void* data, std::uint64
   if (stopped_) return Status::Cancelled("hpcdl's engine has shut down (interpreter exit)");
   std::shared_ptr<CommContext> ctx;
   HPCDL_RETURN_NOT_OK(context_for(comm, &ctx));
+  int* tag_ub = nullptr;
+  int found = 0;
+  MPI_Comm_get_attr(comm, MPI_TAG_UB, &tag_ub, &found);
+  if (tag < 0 || (found && tag > *tag_ub))
+    return Status::Invalid("tag " + std::to_string(tag) + " is outside [0, " +
+                           std::to_string(found ? *tag_ub : 32767) + "]");
   if (peer < 0 || peer >= ctx->size)
     return Status::Invalid("peer " + std::to_string(peer) + " is not a rank of a communicator of size " +
                            std::to_string(ctx->size));
