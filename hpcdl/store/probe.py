@@ -161,7 +161,9 @@ def measure(paths, seconds=PROBE_SECONDS, parallel_seconds=PARALLEL_SECONDS):
     bandwidth = min(_steady([n for n, _, _ in chunks], [t1 - t0 for _, t0, t1 in chunks]), MAX_BANDWIDTH)
     # One reader, then PARALLEL_STREAMS at once, each phase measured alike, none re-reading cached bytes.
     limit = LARGE_READ // PARALLEL_STREAMS
-    offsets = _disjoint_offsets(rng, size, limit, 1 + PARALLEL_STREAMS, [(offset, offset + LARGE_READ)])
-    alone = _streams_rate(path, offsets[:1], LARGE_READ, parallel_seconds / 2)
-    together = _streams_rate(path, offsets[1:], limit, parallel_seconds / 2)
+    first = _disjoint_offsets(rng, size, LARGE_READ, 1, [(offset, offset + LARGE_READ)])
+    taken = [(offset, offset + LARGE_READ), (first[0], first[0] + LARGE_READ)]
+    alone = _streams_rate(path, first, LARGE_READ, parallel_seconds / 2)
+    together = _streams_rate(path, _disjoint_offsets(rng, size, limit, PARALLEL_STREAMS, taken), limit,
+                             parallel_seconds / 2)
     return iops, bandwidth, together / max(alone, 1e-9)
