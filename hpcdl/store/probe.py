@@ -89,17 +89,17 @@ def _random_offset(rng, size, length):
 def _disjoint_offsets(rng, size, length, count, taken):
     """``count`` random offsets whose ``length``-byte reads (plus read-ahead) overlap
     none of ``taken`` [(begin, end)] nor each other, so none is served from the
-    page cache that another read filled; overlapping ones when the file is too small."""
+    page cache that another read filled; None when the file has no room for them."""
     margin = 4 << 20
     chosen = []
     for _ in range(100 * count):
         if len(chosen) == count:
-            break
+            return chosen
         at = _random_offset(rng, size, length)
         if all(at + length + margin <= b or e + margin <= at for b, e in taken):
             chosen.append(at)
             taken = taken + [(at, at + length)]
-    return chosen + [_random_offset(rng, size, length) for _ in range(count - len(chosen))]
+    return chosen if len(chosen) == count else None
 
 
 def _streams_rate(path, offsets, limit, seconds):
@@ -131,7 +131,8 @@ def measure(paths, seconds=PROBE_SECONDS, parallel_seconds=PARALLEL_SECONDS):
     at once, each phase's rate over the later half of its wall-clock window
     (_streams_rate), from offsets no earlier read has cached: their ratio is
     the parallel gain (about 1 on one throttled device, more on a striped
-    file system or an SSD with a deep queue). Random offsets make a page-cache
+    file system or an SSD with a deep queue; None when the largest file has no
+    room for reads that avoid each other's cache). Random offsets make a page-cache
     hit unlikely; a hit reads as a very fast store (clamped to MAX_IOPS,
     MAX_BANDWIDTH). OSError when no file can be read."""
     files = [(p, os.path.getsize(p)) for p in paths]
@@ -162,8 +163,10 @@ def measure(paths, seconds=PROBE_SECONDS, parallel_seconds=PARALLEL_SECONDS):
     # One reader, then PARALLEL_STREAMS at once, each phase measured alike, none re-reading cached bytes.
     limit = LARGE_READ // PARALLEL_STREAMS
     first = _disjoint_offsets(rng, size, LARGE_READ, 1, [(offset, offset + LARGE_READ)])
-    taken = [(offset, offset + LARGE_READ), (first[0], first[0] + LARGE_READ)]
+    rest = first and _disjoint_offsets(rng, size, limit, PARALLEL_STREAMS,
+                                       [(offset, offset + LARGE_READ), (first[0], first[0] + LARGE_READ)])
+    if not rest:  # a store too small to read apart from the cache: the gain is unknown
+        return iops, bandwidth, None
     alone = _streams_rate(path, first, LARGE_READ, parallel_seconds / 2)
-    together = _streams_rate(path, _disjoint_offsets(rng, size, limit, PARALLEL_STREAMS, taken), limit,
-                             parallel_seconds / 2)
+    together = _streams_rate(path, rest, limit, parallel_seconds / 2)
     return iops, bandwidth, together / max(alone, 1e-9)

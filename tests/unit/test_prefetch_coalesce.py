@@ -172,7 +172,7 @@ def test_auto_read_settings_deliver_the_per_sample_path(st, tmp_path, ram, disk)
     chosen = stats["read_settings"]
     assert chosen["auto"] == ["lookahead_bytes", "read_bytes", "read_concurrency", "read_gap"]
     assert chosen["measured_by"] == "probe"
-    assert chosen["store_iops"] > 0 and chosen["store_bandwidth"] > 0 and chosen["store_parallel_gain"] > 0
+    assert chosen["store_iops"] > 0 and chosen["store_bandwidth"] > 0 and chosen["store_parallel_gain"] is None
     derived = probe.read_settings(chosen["store_iops"], chosen["store_bandwidth"], prefetch.DEFAULT_STAGING_BYTES,
                                   ram + disk, chosen["store_parallel_gain"])
     assert {k: chosen[k] for k in derived} == derived
@@ -264,10 +264,20 @@ def test_the_probes_concurrent_readers_never_reread_cached_bytes():
     offsets = probe._disjoint_offsets(random.Random(5), 1 << 30, length, 5, [first])
     reads = sorted([first] + [(at, at + length) for at in offsets])
     assert len(offsets) == 5 and all(a[1] <= b[0] for a, b in zip(reads, reads[1:]))
+    assert probe._disjoint_offsets(random.Random(5), 40 << 20, length, 5, [first]) is None  # no room
+
+
+def test_probe_measures_a_parallel_gain_where_reads_fit_apart(tmp_path):
+    big = tmp_path / "shard"
+    with open(big, "wb") as f:
+        f.truncate(256 << 20)  # sparse: room for every reader's range, nothing written
+    iops, bandwidth, parallel_gain = probe.measure([str(big)], parallel_seconds=0.1)
+    assert iops > 0 and bandwidth > 0 and parallel_gain > 0
 
 
 def test_probe_measures_the_store_files(st):
     iops, bandwidth, parallel_gain = probe.measure(st.shard_paths)
-    assert 0 < iops <= probe.MAX_IOPS and 0 < bandwidth <= probe.MAX_BANDWIDTH and parallel_gain > 0
+    assert 0 < iops <= probe.MAX_IOPS and 0 < bandwidth <= probe.MAX_BANDWIDTH
+    assert parallel_gain is None  # a small store: no room to read apart from the cache
     with pytest.raises(OSError):
         probe.measure([])
