@@ -14,13 +14,19 @@ hpcdl.broadcast(np.ones(10, dtype=np.float32))
 """
 
 
-def test_timeline_has_every_rank_and_ring_phase(tmp_path):
+def run_with_timeline(tmp_path, ranks, program):
+    """``program`` on ``ranks`` ranks with HPCDL_TIMELINE set: (its stdout, the trace's path)."""
     trace_path = tmp_path / "run.json"
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, HPCDL_TIMELINE=str(trace_path))
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", PROGRAM], env=env,
+    proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c", program], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    return proc.stdout, trace_path
+
+
+def test_timeline_has_every_rank_and_ring_phase(tmp_path):
+    _, trace_path = run_with_timeline(tmp_path, 4, PROGRAM)
     trace = json.loads(trace_path.read_text())
     events = trace["traceEvents"]
     assert trace["otherData"] == {"ranks": 4, "missing_ranks": []}
@@ -106,13 +112,8 @@ comm.Free()
 
 
 def test_timeline_has_a_span_per_transfer_with_peer_tag_and_bytes(tmp_path):
-    trace_path = tmp_path / "run.json"
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    env = dict(os.environ, HPCDL_TIMELINE=str(trace_path))
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-c", TRANSFER_PROGRAM], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("STATS "))
+    stdout, trace_path = run_with_timeline(tmp_path, 2, TRANSFER_PROGRAM)
+    line = next(line for line in stdout.splitlines() if line.startswith("STATS "))
     stats = dict(json.loads(line[6:]))
     assert list(stats[0]) == ["send"] and list(stats[1]) == ["receive"], stats
     assert (stats[0]["send"]["ops"], stats[0]["send"]["bytes_sent"], stats[0]["send"]["bytes_received"]) == \
