@@ -179,6 +179,15 @@ cdef class Handle:
         self._finish()
         return True
 
+    def wait_for(self, seconds):
+        """Block at most ``seconds`` for the operation to finish, woken as soon as it
+        does; then done(): True once finished (raising its error if it failed)."""
+        cdef COperation* op = self.op.get()
+        cdef double limit = seconds
+        with nogil:
+            op.wait_for(limit)
+        return self.done()
+
     def wait(self, timeout=None):
         """Block until the operation finishes; raise its error if it failed.
 

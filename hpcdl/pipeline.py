@@ -10,8 +10,10 @@ gradients go through hpcdl's engine (hpcdl._core.transfer): its thread posts
 and tests them, so a transfer advances while the stage computes (MPICH moves a
 message only inside an MPI call), and a receive fails unless it gets exactly
 the bytes it expects. The small layout messages and the abort channel stay on
-mpi4py. Waiting polls with a backoff sleep, so ranks that share cores leave
-them to compute, and watches for an abort message: a stage that fails tells
+mpi4py. Waiting for a transfer blocks on the engine's handle, which wakes the
+stage as soon as the engine sees the message; waiting for an mpi4py request
+polls with a backoff sleep. Both leave the cores to other ranks and watch
+for an abort message every few milliseconds: a stage that fails tells
 every other stage, which raise too, instead of waiting forever for a message
 that will not come.
 """
@@ -31,6 +33,7 @@ FORWARD, BACKWARD = "F", "B"
 # Tags on the link's private communicator: two reserved, then two per micro-batch.
 _ABORT_TAG, _HEADER_TAG, _FIRST_DATA_TAG = 1, 2, 4
 _MAX_WAIT_SLEEP_S = 200e-6
+_HANDLE_WAIT_SLICE_S = 0.005   # between abort checks while blocked on an engine handle
 _ABORT_BYTES = 4096
 _HEADER_BYTES = 4096
 
@@ -154,9 +157,11 @@ class Link:
         PipelineError as soon as another stage aborts."""
         if isinstance(request, MPI.Request):
             return self._poll(lambda: (request.Test(), None))
-        return self._poll(lambda: (request.done(), None))
+        # The engine's handle wakes this thread the moment it finishes: no polling sleep
+        # between the message's arrival and the stage's next action.
+        return self._poll(lambda: (request.wait_for(_HANDLE_WAIT_SLICE_S), None), sleeps=False)
 
-    def _poll(self, test):
+    def _poll(self, test, sleeps=True):
         delay, start, cpu = 0.0, time.perf_counter(), time.thread_time()
         while True:
             done, value = test()
@@ -165,8 +170,9 @@ class Link:
                 self.waited_cpu_s += time.thread_time() - cpu
                 return value
             self.check_abort()
-            time.sleep(delay)
-            delay = min(max(2 * delay, 1e-6), _MAX_WAIT_SLEEP_S)
+            if sleeps:
+                time.sleep(delay)
+                delay = min(max(2 * delay, 1e-6), _MAX_WAIT_SLEEP_S)
 
     def check_abort(self):
         status = MPI.Status()
