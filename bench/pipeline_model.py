@@ -393,22 +393,12 @@ def inputs_worker(args):
         print(RESULT + json.dumps(out), flush=True)
 
 
-def link_worker():
-    """Under mpiexec -n 2: print the link's alpha and beta (link_times)."""
+def pair_worker(measure, what):
+    """Under mpiexec -n 2: print measure(COMM_WORLD)'s result (rank 0's)."""
     from mpi4py import MPI
     if MPI.COMM_WORLD.Get_size() != 2:
-        raise SystemExit("the link measurement runs on 2 ranks (mpiexec -n 2)")
-    out = link_times(MPI.COMM_WORLD)
-    if out is not None:
-        print(RESULT + json.dumps(out), flush=True)
-
-
-def wait_worker():
-    """Under mpiexec -n 2: print wait_costs()."""
-    from mpi4py import MPI
-    if MPI.COMM_WORLD.Get_size() != 2:
-        raise SystemExit("the wait measurement runs on 2 ranks (mpiexec -n 2)")
-    out = wait_costs(MPI.COMM_WORLD)
+        raise SystemExit(f"the {what} measurement runs on 2 ranks (mpiexec -n 2)")
+    out = measure(MPI.COMM_WORLD)
     if out is not None:
         print(RESULT + json.dumps(out), flush=True)
 
@@ -617,7 +607,7 @@ def main(argv=None):
     pr.add_argument("--out", default="bench/results")
     pr.add_argument("--tag", default="pipeline-model-predict")
     args = ap.parse_args(argv)
-    {"link": lambda a: link_worker(), "wait": lambda a: wait_worker(), "inputs": inputs_worker, "validate": cmd_validate,
+    {"link": lambda a: pair_worker(link_times, "link"), "wait": lambda a: pair_worker(wait_costs, "wait"), "inputs": inputs_worker, "validate": cmd_validate,
      "predict": cmd_predict}[args.command](args)
 
 

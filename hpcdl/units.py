@@ -33,14 +33,17 @@ def size_type(allow_zero=False):
 AUTO = "auto"
 
 
+def _is_auto(value):
+    return isinstance(value, str) and value.strip().lower() == AUTO
+
+
 def count_or_auto(value, name):
     """A setting that is a count or "auto": None for "auto", else a non-negative
     int or its decimal text (0 allowed). ValueError naming the setting for anything else."""
-    if isinstance(value, str):
-        text = value.strip().lower()
-        if text == AUTO:
-            return None
-        value = int(text) if text.isdigit() else value
+    if _is_auto(value):
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
     if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < 0:
         raise ValueError(f"{name} must be a non-negative integer or {AUTO!r}, got {value!r}")
     return int(value)
@@ -50,7 +53,7 @@ def size_or_auto(value, name):
     """A setting that is a byte size or "auto": None for "auto", else the size
     (a non-negative int, or text parse_bytes reads, 0 allowed). ValueError
     naming the setting for anything else (a negative size, a bool, garbage)."""
-    if isinstance(value, str) and value.strip().lower() == AUTO:
+    if _is_auto(value):
         return None
     if isinstance(value, bool) or not isinstance(value, (int, str)) and not hasattr(value, "__index__"):
         raise ValueError(f"{name} must be a non-negative size or {AUTO!r}, got {value!r}")

@@ -148,7 +148,7 @@ def measure(paths, seconds=PROBE_SECONDS, parallel_seconds=PARALLEL_SECONDS):
             if path not in fds:
                 fds[path] = os.open(path, os.O_RDONLY)
                 os.posix_fadvise(fds[path], 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: one request each
-            offset = rng.randrange(max(size - SMALL_READ, 0) // 4096 + 1) * 4096
+            offset = _random_offset(rng, size, SMALL_READ)
             t0 = time.perf_counter()
             os.pread(fds[path], SMALL_READ, offset)
             times.append(time.perf_counter() - t0)

@@ -38,14 +38,7 @@ Status CommContext::flush_outbox() {
 
 Status Engine::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
   if (comm == MPI_COMM_NULL) return Status::Invalid("communicator is MPI_COMM_NULL");
-  int inter = 0;
-  int rc = MPI_Comm_test_inter(comm, &inter);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_test_inter"));
-  // The ring and the agreement address ranks of one group; across an
-  // intercommunicator's two groups they would pair the wrong ranks.
-  if (inter)
-    return Status::Invalid("hpcdl works on intracommunicators, got an intercommunicator: "
-                           "merge its groups first (MPI.Intercomm.Merge)");
+  int rc;
   if (keyval_ == MPI_KEYVAL_INVALID) {
     rc = MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &Engine::on_comm_freed, &keyval_, this);
     HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_create_keyval"));
@@ -59,6 +52,15 @@ Status Engine::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
       if (c.get() == attr) *out = c;
     if (*out) return Status::OK();
   }
+  // Checked once per communicator, before its context exists: the ring and the
+  // agreement address ranks of one group; across an intercommunicator's two
+  // groups they would pair the wrong ranks.
+  int inter = 0;
+  rc = MPI_Comm_test_inter(comm, &inter);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_test_inter"));
+  if (inter)
+    return Status::Invalid("hpcdl works on intracommunicators, got an intercommunicator: "
+                           "merge its groups first (MPI.Intercomm.Merge)");
   // Started here, in the caller's program order among its own collectives on
   // comm; never waited for here: a rank that submits later must not block
   // this one (nor the engine, which runs what is already agreed meanwhile).
