@@ -97,6 +97,9 @@ inline std::chrono::microseconds engine_wait_sleep(double transfers_idle_s = 0) 
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   std::fprintf(stderr, "[hpcdl rank %d] %s: aborting the job (MPI_Abort)\n", rank, why.c_str());
   std::fflush(stderr);
+  // As hpcdl's Python abort does: the launcher forwards the line before
+  // MPI_Abort has it kill every rank (without the pause it was sometimes lost).
+  std::this_thread::sleep_for(std::chrono::seconds(1));
   MPI_Abort(MPI_COMM_WORLD, 1);
   std::_Exit(1);
 }
