@@ -55,6 +55,7 @@ class _ActivationCounter:
     def __init__(self, params):
         self._param_storages = {p.untyped_storage().data_ptr() for p in params}
         self._live = collections.defaultdict(dict)   # micro-batch -> {tensor: [saves, bytes]}
+        self._live_bytes = 0
         self.peak_micro_batches = 0
         self.peak_bytes = 0
 
@@ -74,9 +75,13 @@ class _ActivationCounter:
             if tensor.untyped_storage().data_ptr() in self._param_storages:
                 return tensor
             key = (tensor.data_ptr(), tensor.numel())
-            entry = self._live[micro_batch].setdefault(key, [0, tensor.numel() * tensor.element_size()])
+            entry = self._live[micro_batch].get(key)
+            if entry is None:
+                entry = self._live[micro_batch][key] = [0, tensor.numel() * tensor.element_size()]
+                self._live_bytes += entry[1]
+                self.peak_bytes = max(self.peak_bytes, self._live_bytes)
+                self.peak_micro_batches = max(self.peak_micro_batches, len(self._live))
             entry[0] += 1
-            self._update_peaks()
             return Saved(tensor, key)
 
         def unpack(saved):
@@ -90,13 +95,9 @@ class _ActivationCounter:
             return
         storages[key][0] -= 1
         if storages[key][0] == 0:
-            del storages[key]
+            self._live_bytes -= storages.pop(key)[1]
         if not storages:
             del self._live[micro_batch]
-
-    def _update_peaks(self):
-        self.peak_micro_batches = max(self.peak_micro_batches, len(self._live))
-        self.peak_bytes = max(self.peak_bytes, sum(b for s in self._live.values() for _, b in s.values()))
 
     def live_micro_batches(self):
         return len(self._live)

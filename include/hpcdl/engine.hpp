@@ -21,6 +21,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -83,6 +84,18 @@ class Engine {
   // Something pending became ready (Operation::mark_ready), or a
   // communicator was freed: an idle loop rechecks now.
   void wake();
+  // While one lives, a thread is blocked on an operation or transfer: the
+  // engine polls point-to-point transfers often (transfer_poll_sleep).
+  class Watch {
+   public:
+    explicit Watch(Engine& engine);
+    ~Watch();
+    Watch(const Watch&) = delete;
+    Watch& operator=(const Watch&) = delete;
+
+   private:
+    Engine& engine_;
+  };
   std::vector<EngineStats> stats();
   AgreementStats agreement_stats();
   void reset_stats();
@@ -162,6 +175,7 @@ class Engine {
   bool running_ = false, stopped_ = false;
   bool loop_done_ = false;  // under mu_: the thread's last act, so shutdown can bound its wait
   int world_rank_ = -1;     // set as the engine thread starts: leave notices, messages when MPI cannot be called
+  std::atomic<int> watchers_{0};  // live Watch objects
   std::uint64_t wakeups_ = 0;  // wake() calls: an idle loop rechecks what is ready or freed
   double stall_warn_s_ = 60.0, stall_error_s_ = 0.0;
 

@@ -78,16 +78,27 @@ inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Statu
 
 // The engine thread's longest sleep between two polls while it waits for
 // other ranks (it cannot block in MPI: it also watches every communicator's
-// control channel). The polite wait's cap (HPCDL_WAIT_SLEEP_US, here within
-// [1 us, 1 ms]); a wait that only point-to-point transfers keep, unmoved for
-// transfers_idle_s (a receive whose sender computes), grows it to 1/64 of
-// that time, up to 10 ms: a message that comes soon is seen as soon as
-// before, one that comes after a long wait at most ~1.6% of that wait late,
-// and a 2 s wait costs ~450 polls instead of ~10000.
-inline std::chrono::microseconds engine_wait_sleep(double transfers_idle_s = 0) {
-  const long cap_us = std::clamp(wait_sleep_cap_us(), 1L, 1000L);
+// control channel): the polite wait's cap (HPCDL_WAIT_SLEEP_US, here within
+// [1 us, 1 ms]).
+inline std::chrono::microseconds engine_wait_sleep() {
+  return std::chrono::microseconds(std::clamp(wait_sleep_cap_us(), 1L, 1000L));
+}
+
+// The engine thread's sleep between two polls while only point-to-point
+// transfers are in flight, unmoved for transfers_idle_s: 1/64 of that time,
+// up to 10 ms, so a message that comes after a long wait is seen at most
+// ~1.6% of the wait late and a 2 s wait costs ~450 polls instead of ~10000.
+// Its floor: while a thread is blocked on one of them (`watched`: a pipeline
+// stage with nothing else to do), the polite wait's cap (engine_wait_sleep;
+// the loop backs off to it from 20 us), so the message it needs is taken in
+// soon after it lands. With no one blocked, the ranks' own threads compute on
+// the cores the engine would poll on, and nothing that lands is needed yet:
+// 1 ms (polling at 200 us then cost 1F1B with 2 stages on 2 cores 10-15% of
+// its throughput).
+inline std::chrono::microseconds transfer_poll_sleep(bool watched, double transfers_idle_s) {
+  const long floor_us = watched ? static_cast<long>(engine_wait_sleep().count()) : 1000L;
   const long grown_us = static_cast<long>(transfers_idle_s * (1e6 / 64));
-  return std::chrono::microseconds(std::clamp(grown_us, cap_us, std::max(cap_us, 10000L)));
+  return std::chrono::microseconds(std::clamp(grown_us, floor_us, std::max(floor_us, 10000L)));
 }
 
 // Prints "[hpcdl rank N] <why>: aborting the job" and ends the job (MPI_Abort;

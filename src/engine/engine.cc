@@ -69,6 +69,8 @@ bool Operation::wait_ready_for(double seconds) {
 }
 
 bool Operation::wait_for(double seconds) {
+  if (done()) return true;
+  Engine::Watch watch(Engine::instance());  // the engine polls for what this thread waits for
   std::unique_lock<std::mutex> g(mu_);
   cv_.wait_for(g, std::chrono::duration<double>(seconds), [this] { return done_; });
   return done_;
@@ -121,6 +123,12 @@ void Engine::wake() {
   }
   cv_.notify_one();
 }
+
+Engine::Watch::Watch(Engine& engine) : engine_(engine) {
+  if (engine_.watchers_.fetch_add(1) == 0) engine_.wake();  // it may sleep a slow poll's interval
+}
+
+Engine::Watch::~Watch() { engine_.watchers_.fetch_sub(1); }
 
 void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
   std::lock_guard<std::mutex> g(mu_);
@@ -355,14 +363,15 @@ void Engine::loop() {
       std::lock_guard<std::mutex> g(mu_);
       seen_wakeups = wakeups_;
     }
-    // Transfers alone poll less the longer they have not moved (engine_wait_sleep).
+    // Transfers alone poll often while someone waits for one, else less the
+    // longer they have not moved (transfer_poll_sleep).
     bool waiting = false;
     for (auto& ctx : contexts) {
       waiting = waiting || !ctx->outbox.empty() || (!ctx->set_up && !ctx->pending.empty());
       for (auto& kv : ctx->pending) waiting = waiting || kv.second->ready();
     }
     const auto max_idle = waiting                    ? engine_wait_sleep()
-                          : transfers_in_flight_ > 0 ? engine_wait_sleep(seconds_since(transfers_moved_at_))
+                          : transfers_in_flight_ > 0 ? transfer_poll_sleep(watchers_ > 0, seconds_since(transfers_moved_at_))
                                                      : std::chrono::microseconds(20000);
     waiting = waiting || transfers_in_flight_ > 0;
     // From 20 us when something just became ready (a wake() ends a 20 ms sleep).
