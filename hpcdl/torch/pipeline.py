@@ -45,6 +45,17 @@ def _describe(shape, dtype):
     return f"{str(dtype).replace('torch.', '')}{list(shape)}"
 
 
+class _Saved:
+    """A tensor autograd saved for backward; its release tells the counter."""
+    __slots__ = ("tensor", "counter", "micro_batch", "key")
+
+    def __init__(self, tensor, counter, micro_batch, key):
+        self.tensor, self.counter, self.micro_batch, self.key = tensor, counter, micro_batch, key
+
+    def __del__(self):
+        self.counter._release(self.micro_batch, self.key)
+
+
 class _ActivationCounter:
     """Counts the activations autograd saves for backward, per micro-batch, while they live.
 
@@ -60,17 +71,6 @@ class _ActivationCounter:
         self.peak_bytes = 0
 
     def hooks(self, micro_batch):
-        counter = self
-
-        class Saved:
-            __slots__ = ("tensor", "key")
-
-            def __init__(self, tensor, key):
-                self.tensor, self.key = tensor, key
-
-            def __del__(self):
-                counter._release(micro_batch, self.key)
-
         def pack(tensor):
             if tensor.untyped_storage().data_ptr() in self._param_storages:
                 return tensor
@@ -82,10 +82,10 @@ class _ActivationCounter:
                 self.peak_bytes = max(self.peak_bytes, self._live_bytes)
                 self.peak_micro_batches = max(self.peak_micro_batches, len(self._live))
             entry[0] += 1
-            return Saved(tensor, key)
+            return _Saved(tensor, self, micro_batch, key)
 
         def unpack(saved):
-            return saved.tensor if isinstance(saved, Saved) else saved
+            return saved.tensor if isinstance(saved, _Saved) else saved
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -153,6 +153,7 @@ class Pipeline:
         self._input_layout = None    # (shape, dtype) of a micro-batch entering this stage
         self._output_layout = None   # ... and leaving it
         self._failed = None
+        self._step_device = None     # the stage's device, as train_step found it
         self._closed = False
         self._action_cpu = {FORWARD: [], BACKWARD: []}   # this step's CPU per action (last_step_times)
         self._last_step = {"step_s": 0.0, "waited_s": 0.0, "forward_cpu_s": [], "backward_cpu_s": [],
@@ -284,6 +285,7 @@ class Pipeline:
                                      f"{_describe(*self._input_layout)} at the first step (the layout is "
                                      "agreed once: build a new Pipeline for another batch shape)")
         self._held, self._receives, self._sends = {}, {}, []
+        self._step_device = self._device()  # looked up once: a lookup walks the module tree
         total = None
         for index, (kind, mb) in enumerate(self._actions):
             cpu, waited_cpu = time.thread_time(), self._link.waited_cpu_s
@@ -367,7 +369,7 @@ class Pipeline:
             self._link.wait(request)
         except MismatchError as exc:
             raise ValueError(f"{what} is not {agreed}: {exc}") from exc
-        return buffer.to(self._device())
+        return buffer.to(self._step_device)
 
     def _send(self, tensor, kind, mb, dest):
         host = tensor.detach().to("cpu").contiguous()
@@ -375,7 +377,7 @@ class Pipeline:
 
     def _forward(self, mb, inputs, targets):
         if self.is_first:
-            inp = inputs.to(self._device())
+            inp = inputs.to(self._step_device)
         else:
             inp = self._received(FORWARD, mb).requires_grad_(True)
         with self._counter.hooks(mb):
