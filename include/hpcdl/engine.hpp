@@ -123,6 +123,8 @@ class Engine {
   void start_locked();
   // Posts ctx's new transfers, tests those in flight, finishes those done.
   void progress_transfers(CommContext& ctx, bool* busy);
+  // The sleep between polls while only transfers are in flight (transfer_poll_sleep).
+  std::chrono::microseconds transfer_poll_interval();
   // Every transfer not yet finished on ctx fails with st; its requests are cancelled.
   void cancel_transfers(CommContext& ctx, const Status& st);
   // One pass over ctx's control channel: report new submissions, take readies

@@ -363,15 +363,15 @@ void Engine::loop() {
       std::lock_guard<std::mutex> g(mu_);
       seen_wakeups = wakeups_;
     }
-    // Transfers alone poll often while someone waits for one, else less the
-    // longer they have not moved (transfer_poll_sleep).
+    // Transfers alone poll often while someone waits for one (or one is
+    // large), and less the longer they have not moved (transfer_poll_sleep).
     bool waiting = false;
     for (auto& ctx : contexts) {
       waiting = waiting || !ctx->outbox.empty() || (!ctx->set_up && !ctx->pending.empty());
       for (auto& kv : ctx->pending) waiting = waiting || kv.second->ready();
     }
     const auto max_idle = waiting                    ? engine_wait_sleep()
-                          : transfers_in_flight_ > 0 ? transfer_poll_sleep(watchers_ > 0, seconds_since(transfers_moved_at_))
+                          : transfers_in_flight_ > 0 ? transfer_poll_interval()
                                                      : std::chrono::microseconds(20000);
     waiting = waiting || transfers_in_flight_ > 0;
     // From 20 us when something just became ready (a wake() ends a 20 ms sleep).

@@ -91,7 +91,7 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
   // Its data comes from the caller's computation: wake rarely meanwhile,
   // unless point-to-point transfers move (each wake progresses them).
   auto wake_every = [&] {
-    return transfers_in_flight_ > 0 ? 1e-6 * transfer_poll_sleep(watchers_ > 0, seconds_since(transfers_moved_at_)).count() : 0.02;
+    return transfers_in_flight_ > 0 ? 1e-6 * transfer_poll_interval().count() : 0.02;
   };
   while (!op.wait_ready_for(wake_every())) {
     if (wait_hook != nullptr) (*wait_hook)(0);
