@@ -119,8 +119,9 @@ class Engine {
   Status context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out);
   static int on_comm_freed(MPI_Comm comm, int keyval, void* context, void* extra_state);
   bool drain_submissions();
-  // Starts the engine thread if it is not running (under mu_).
-  void start_locked();
+  // Starts the engine thread if it is not running (under mu_); on failure
+  // running_ stays false and a later submission tries again.
+  Status start_locked();
   // Posts ctx's new transfers, tests those in flight, finishes those done.
   void progress_transfers(CommContext& ctx, bool* busy);
   // The sleep between polls while only transfers are in flight (transfer_poll_sleep).

@@ -1,6 +1,6 @@
-// How hpcdl's own threads present themselves to the OS: a name that `top -H`,
-// perf and /proc/PID/task/*/comm show, and for the engine a short scheduler
-// slice, since its work is short bursts that others wait for.
+// How hpcdl's own threads are started and present themselves to the OS: a
+// name that `top -H`, perf and /proc/PID/task/*/comm show, and for the engine
+// a short scheduler slice, since its work is short bursts that others wait for.
 #pragma once
 
 #if defined(__linux__)
@@ -10,8 +10,27 @@
 #endif
 
 #include <cstdint>
+#include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+#include "hpcdl/status.hpp"
 
 namespace hpcdl {
+
+// Starts fn on a new thread in *out. std::thread throws when the OS refuses
+// one (no memory for its stack, a thread limit); uncaught, that would end the
+// process in std::terminate with no word from hpcdl. `what`: "its engine thread".
+template <typename Fn>
+Status start_thread(const char* what, Fn&& fn, std::thread* out) {
+  try {
+    *out = std::thread(std::forward<Fn>(fn));
+  } catch (const std::system_error& e) {
+    return Status::Internal(std::string("hpcdl could not start ") + what + ": " + e.what());
+  }
+  return Status::OK();
+}
 
 // `name`: at most 15 characters (Linux's limit); elsewhere a no-op.
 inline void name_this_thread(const char* name) {

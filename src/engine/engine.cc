@@ -162,21 +162,22 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   std::string name = req.name.empty() ? "op#" + std::to_string(ctx->unnamed_seq++) : req.name;
   if (ctx->in_flight.count(name))
     return Status::Invalid("an operation named '" + name + "' is already in flight on this communicator");
+  HPCDL_RETURN_NOT_OK(start_locked());  // before the operation is recorded: a failed submission leaves nothing
   ctx->in_flight.insert(name);
   auto op = std::make_shared<Operation>(name, std::move(req));
   op->times_.submitted_us = now_us();
   if (op->ready_) op->times_.ready_us = op->times_.submitted_us;
   queue_.emplace_back(ctx, op);
-  start_locked();
   cv_.notify_one();
   *out = std::move(op);
   return Status::OK();
 }
 
-void Engine::start_locked() {
-  if (running_) return;
+Status Engine::start_locked() {
+  if (running_) return Status::OK();
+  HPCDL_RETURN_NOT_OK(start_thread("its engine thread", [this] { loop(); }, &thread_));
   running_ = true;
-  thread_ = std::thread([this] { loop(); });
+  return Status::OK();
 }
 
 bool Engine::drain_submissions() {

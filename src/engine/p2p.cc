@@ -54,6 +54,7 @@ Status Engine::submit_transfer(MPI_Comm comm, bool send, void* data, std::uint64
   if (peer < 0 || peer >= ctx->size)
     return Status::Invalid("peer " + std::to_string(peer) + " is not a rank of a communicator of size " +
                            std::to_string(ctx->size));
+  HPCDL_RETURN_NOT_OK(start_locked());  // before the transfer is queued: a failed submission leaves nothing
   OpRequest req;
   req.name = describe(t, ctx->rank);
   std::string name = req.name;  // not req.name below: the arguments' order of evaluation is unspecified
@@ -62,7 +63,6 @@ Status Engine::submit_transfer(MPI_Comm comm, bool send, void* data, std::uint64
   *out = t.op;
   transfer_queue_.emplace_back(ctx, std::move(t));
   ++wakeups_;
-  start_locked();
   cv_.notify_one();
   return Status::OK();
 }
