@@ -30,6 +30,7 @@ from mpi4py import MPI
 from hpcdl import _core, timeline
 from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
 from hpcdl._warn import warn
+from hpcdl.errors import HpcdlError
 from hpcdl.store import Store, probe
 from hpcdl.units import AUTO, count_or_auto, size_or_auto
 
@@ -336,7 +337,16 @@ class Prefetcher:
         # Local set-up (plan, staging allocation) agreed on before the peer
         # tier's collective MPI_Comm_dup, so that no rank waits there for one that failed.
         core = call_on_every_rank(world, _core.PrefetchCore, self.store.shard_infos, cfg)
-        core.start(comm if self.ranks > 1 else None)
+        # Its threads may fail to start on one rank alone: then every rank
+        # closes its peer tier together (collective) and raises.
+        try:
+            call_on_every_rank(world, core.start, comm if self.ranks > 1 else None)
+        except Exception:
+            try:
+                core.close()
+            except HpcdlError:
+                pass  # the start's error is the one to report
+            raise
         self._core = core
         self._staging = self._core.staging
         self._started = time.monotonic()

@@ -135,7 +135,7 @@ class Prefetcher {
   // ---------------------------------------------------------------- set-up (prefetcher.cc, plan.cc)
   // The run's stream, placement and sources; fill lists; each batch's bytes and offsets; the tiers opened.
   Status plan();
-  void start_threads();
+  Status start_threads();  // on failure, those already started are stopped
   void stop();
 
   // ---------------------------------------------------------------- tiers (tiers.cc)

@@ -50,12 +50,22 @@ Status PeerService::create(MPI_Comm user, ServeFn serve, SizeFn size_of, double 
                                               "a server thread answers other ranks while yours run"));
   std::unique_ptr<PeerService> s(new PeerService());
   HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_dup(user, &s->comm_), "peer tier: MPI_Comm_dup"));
-  const Status local = s->set_up_comm();
+  s->max_message_ = std::clamp<std::uint64_t>(max_message_bytes, 1, std::numeric_limits<int>::max());
+  s->serve_ = std::move(serve);
+  s->size_of_ = std::move(size_of);
+  s->timeout_s_ = timeout_s;
+  s->serve_delay_s_ = serve_delay_s;
+  Status local = s->set_up_comm();
+  // The server starts before the agreement, so that a rank whose thread the
+  // OS refuses fails the agreement too. It only answers requests, and no rank
+  // sends one before the agreement has passed.
+  if (local.ok())
+    local = start_thread("the prefetcher's peer-tier server thread", [p = s.get()] { p->serve_loop(); }, &s->server_);
   // The ranks agree on the set-up before anyone uses the duplicate. A failure
-  // anywhere: all of them free it together (MPI_Comm_free is collective, and
-  // every rank is here, its server not started) and all return an error,
-  // rather than one rank keeping it (a leak) or freeing it alone, and the
-  // others serving a rank that has no peer tier. One allreduce of an int.
+  // anywhere: all of them stop their servers and free it together
+  // (MPI_Comm_free is collective) and all return an error, rather than one
+  // rank keeping it (a leak) or freeing it alone, and the others serving a
+  // rank that has no peer tier. One allreduce of an int.
   int user_rank = 0, user_size = 1;
   MPI_Comm_rank(user, &user_rank);
   MPI_Comm_size(user, &user_size);
@@ -65,18 +75,16 @@ Status PeerService::create(MPI_Comm user, ServeFn serve, SizeFn size_of, double 
   HPCDL_RETURN_NOT_OK(mpi_status(MPI_Allreduce(MPI_IN_PLACE, &first_failed, 1, MPI_INT, MPI_MIN, user),
                                  "peer tier: MPI_Allreduce(set-up)"));
   if (first_failed < user_size) {
+    if (s->server_.joinable()) {
+      s->abandon_ = true;
+      s->server_.join();
+    }
     MPI_Comm_free(&s->comm_);
     if (!local.ok()) return local;
     return Status::Mpi("peer tier: rank " + std::to_string(first_failed) +
-                       " of the communicator could not set up its duplicate (its own error says why); the peer "
-                       "tier starts on no rank");
+                       " of the communicator could not set up its duplicate or start its server thread (its own "
+                       "error says why); the peer tier starts on no rank");
   }
-  s->max_message_ = std::clamp<std::uint64_t>(max_message_bytes, 1, std::numeric_limits<int>::max());
-  s->serve_ = std::move(serve);
-  s->size_of_ = std::move(size_of);
-  s->timeout_s_ = timeout_s;
-  s->serve_delay_s_ = serve_delay_s;
-  s->server_ = std::thread([p = s.get()] { p->serve_loop(); });
   *out = std::move(s);
   return Status::OK();
 }

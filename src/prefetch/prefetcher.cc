@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <utility>
 
+#include "hpcdl/thread_setup.hpp"
+
 namespace hpcdl {
 
 Status Prefetcher::create(std::unique_ptr<StoreReader> reader, PrefetchConfig cfg,
@@ -35,8 +37,7 @@ Status Prefetcher::start(MPI_Comm comm) {
     peer_gone_.reset(new std::atomic<bool>[peers_->size()]);
     for (int q = 0; q < peers_->size(); ++q) peer_gone_[q] = false;
   }
-  start_threads();
-  return Status::OK();
+  return start_threads();
 }
 
 Prefetcher::~Prefetcher() {
@@ -59,24 +60,33 @@ Status Prefetcher::close(double timeout_s) {
   return st;
 }
 
-void Prefetcher::start_threads() {
-  if (next_claim_ + cfg_.start >= end_) return;
+Status Prefetcher::start_threads() {
+  if (next_claim_ + cfg_.start >= end_) return Status::OK();
+  Status st;
+  auto start = [&](const char* what, auto fn) {
+    std::thread t;
+    if (st.ok()) st = start_thread(what, fn, &t);
+    if (st.ok()) threads_.push_back(std::move(t));
+  };
   for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.staging_threads, 1); ++i)
-    threads_.emplace_back([this] { staging_loop(); });
+    start("the prefetcher's staging thread", [this] { staging_loop(); });
   if (cfg_.read_bytes > 0) {  // coalesced: the tiers' fillers share one list of spans
     const std::size_t fillers = (ram_ ? std::max<std::size_t>(cfg_.ram_threads, 1) : 0) +
                                 (disk_fd_ >= 0 ? std::max<std::size_t>(cfg_.disk_threads, 1) : 0);
     for (std::size_t i = 0; i < fillers && !store_fill_order_.empty(); ++i)
-      threads_.emplace_back([this] { coalesced_fill_loop(); });
+      start("the prefetcher's fill thread", [this] { coalesced_fill_loop(); });
   } else {
     if (ram_)
       for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.ram_threads, 1); ++i)
-        threads_.emplace_back([this] { fill_loop(kTierRam); });
+        start("the prefetcher's RAM fill thread", [this] { fill_loop(kTierRam); });
     if (disk_fd_ >= 0)
       for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.disk_threads, 1); ++i)
-        threads_.emplace_back([this] { fill_loop(kTierDisk); });
+        start("the prefetcher's disk fill thread", [this] { fill_loop(kTierDisk); });
   }
-  if (peers_ && !peer_fills_list_.empty()) threads_.emplace_back([this] { peer_fill_loop(); });
+  if (peers_ && !peer_fills_list_.empty())
+    start("the prefetcher's peer fill thread", [this] { peer_fill_loop(); });
+  if (!st.ok()) stop();  // the threads already started must not run on a prefetcher that failed
+  return st;
 }
 
 void Prefetcher::stop() {
