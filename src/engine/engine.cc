@@ -159,10 +159,12 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   if (d.kind == OpKind::kBroadcast && (d.root < 0 || d.root >= ctx->size))
     return Status::Invalid("root " + std::to_string(d.root) + " is not a rank of a communicator of size " +
                            std::to_string(ctx->size));
+  // Before the operation is named or recorded: a failed start leaves nothing,
+  // not even a gap in the unnamed operations' numbering.
+  HPCDL_RETURN_NOT_OK(start_locked());
   std::string name = req.name.empty() ? "op#" + std::to_string(ctx->unnamed_seq++) : req.name;
   if (ctx->in_flight.count(name))
     return Status::Invalid("an operation named '" + name + "' is already in flight on this communicator");
-  HPCDL_RETURN_NOT_OK(start_locked());  // before the operation is recorded: a failed submission leaves nothing
   ctx->in_flight.insert(name);
   auto op = std::make_shared<Operation>(name, std::move(req));
   op->times_.submitted_us = now_us();
