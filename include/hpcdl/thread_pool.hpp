@@ -1,5 +1,5 @@
-// A small fixed-size thread pool: submit() fire-and-forget tasks, or run
-// parallel_for() over a range and wait for it. The caller of parallel_for
+// A small fixed-size thread pool: run parallel_for() over a range and wait
+// for it. The caller of parallel_for
 // works on the range too, so it never deadlocks, even when called from a
 // pool thread or when every worker is busy.
 //
@@ -23,10 +23,16 @@ namespace hpcdl {
 
 class ThreadPool {
  public:
+  // Starts up to `threads` workers: as many as the OS grants (start_thread).
+  // Fewer, even none, only make parallel_for slower: its caller works too.
   explicit ThreadPool(std::size_t threads) {
     threads = std::max<std::size_t>(threads, 1);
     workers_.reserve(threads);
-    for (std::size_t i = 0; i < threads; ++i) workers_.emplace_back([this] { work(); });
+    for (std::size_t i = 0; i < threads; ++i) {
+      std::thread worker;
+      if (!start_thread("a store reader thread", [this] { work(); }, &worker).ok()) break;
+      workers_.push_back(std::move(worker));
+    }
   }
 
   ~ThreadPool() {
@@ -42,14 +48,6 @@ class ThreadPool {
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   std::size_t size() const { return workers_.size(); }
-
-  void submit(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      tasks_.push_back(std::move(task));
-    }
-    cv_.notify_one();
-  }
 
   // Calls body(begin, end) on consecutive pieces of [0, n) of at most `grain`
   // items, on the pool's threads and the calling one; returns when all are done.
@@ -89,6 +87,14 @@ class ThreadPool {
   }
 
  private:
+  void submit(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
   void work() {
     name_this_thread("hpcdl-pool");
     for (;;) {

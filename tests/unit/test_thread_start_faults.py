@@ -151,3 +151,26 @@ def test_prefetcher_thread_refused_on_one_rank_fails_it_on_every_rank(tmp_path):
             assert theirs.startswith("raised: peer tier: rank 1 of the communicator could not set up"), (logs, out)
         else:
             assert later.match(mine[len("raised: "):]) and theirs == "raised: [hpcdl rank 1] " + mine[8:], (logs, out)
+
+
+def test_store_reader_threads_refused_read_the_same_bytes_on_the_calling_thread(tmp_path):
+    """read_many()'s pool starts the workers the OS grants; with none it reads
+    on the calling thread alone, the same bytes."""
+    make_store(str(tmp_path), files=40, comm=MPI.COMM_SELF).close()
+    code, out = run_child(tmp_path, """
+        from hpcdl import store
+
+        indices = list(range(40))
+        expected = store.Store(sys.argv[1], threads=1)
+        wanted = [expected.read(i) for i in indices]
+        st = store.Store(sys.argv[1], threads=8)
+        before = threads_now()
+        limit_address_space(2)
+        buffer, offsets = st.read_many(indices)
+        pool_threads = threads_now() - before
+        lift_limit()
+        same = all(bytes(buffer[offsets[k]:offsets[k + 1]]) == bytes(wanted[k]) for k in range(len(indices)))
+        print(f"pool threads: {pool_threads}; same bytes: {same}", flush=True)
+    """, tmp_path / "store")
+    assert code == 0, out
+    assert "pool threads: 0; same bytes: True" in out, out
