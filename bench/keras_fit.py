@@ -1,6 +1,6 @@
 """Step time: Keras model.fit with hpcdl.tensorflow.DistributedOptimizer vs a DistributedGradientTape loop.
 
-    mpiexec -n 4 python bench/keras_fit.py --out bench/results --tag keras-fit
+    mpiexec -n 4 python bench/keras_fit.py --out bench/results --tag keras-fit-run1
 
 Two copies of the same MLP (same seed, SGD without momentum, same gradient
 codec) train on the same tf.data batches in one job. One model.fit call runs
