@@ -20,8 +20,9 @@ DTYPES = tuple(_core.DTYPES)
 FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if is_float)
 
 
-# Engine tunables: type, lower and upper bound, environment variable. The
-# last two are read by the engine thread itself (C++) and only checked here.
+# Engine tunables: type, lower and upper bound, environment variable. Some
+# are read by the engine thread itself (C++) or by hpcdl.timeline and only
+# checked here.
 _SETTINGS = {
     "chunk_bytes": (int, _core.MIN_CHUNK_BYTES, _core.MAX_CHUNK_BYTES, "HPCDL_CHUNK_BYTES"),
     "stall_warning_seconds": (float, 0, None, "HPCDL_STALL_WARNING_SECONDS"),
@@ -29,6 +30,7 @@ _SETTINGS = {
     "wait_sleep_us": (int, 0, 1_000_000, "HPCDL_WAIT_SLEEP_US"),
     "engine_slice_us": (int, 0, 100_000, "HPCDL_ENGINE_SLICE_US"),  # Linux takes 100 us to 100 ms
     "agreement_flat": (int, 0, 1, "HPCDL_AGREEMENT_FLAT"),
+    "timeline_max_events": (int, 1, 2**63 - 1, "HPCDL_TIMELINE_MAX_EVENTS"),  # hpcdl.timeline
 }
 
 

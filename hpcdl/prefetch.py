@@ -333,7 +333,7 @@ class Prefetcher:
                  PrefetchWarning, stacklevel=2)
             self._trace = None
         if self._trace:
-            _core.timeline_enable(True)
+            timeline.record()
         # Local set-up (plan, staging allocation) agreed on before the peer
         # tier's collective MPI_Comm_dup, so that no rank waits there for one that failed.
         core = call_on_every_rank(world, _core.PrefetchCore, self.store.shard_infos, cfg)
@@ -426,7 +426,7 @@ class Prefetcher:
 
     def _write_trace(self):
         path = self._trace if self.ranks == 1 else f"{self._trace}.rank{self.rank}"
-        timeline.write_trace(path, timeline.spans(self.rank, _core.timeline_take()))
+        timeline.write_trace(path, timeline.spans(self.rank, _core.timeline_take()[0]))
 
     # ------------------------------------------------------------------ shutdown
 

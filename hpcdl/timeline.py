@@ -21,9 +21,19 @@ import time
 from mpi4py import MPI
 
 from hpcdl import _core
+from hpcdl.collectives import _from_environment
 
 TRACKS = {0: "engine", 1: "prefetcher"}
+# Events a rank keeps in memory (~140 B each); later ones are counted and the
+# trace says how many (HPCDL_TIMELINE_MAX_EVENTS).
+DEFAULT_MAX_EVENTS = 1_000_000
 _state = {"path": None}
+
+
+def record(on=True):
+    """Start (or stop) the core's one event list, which keeps at most
+    HPCDL_TIMELINE_MAX_EVENTS events (default 1,000,000) until they are taken."""
+    _core.timeline_enable(on, _from_environment().get("timeline_max_events", DEFAULT_MAX_EVENTS))
 
 
 def enable(path, comm=None):
@@ -33,7 +43,7 @@ def enable(path, comm=None):
     stale = _part(_state["path"], _state["rank"])  # left by an earlier run that died
     if os.path.exists(stale):
         os.remove(stale)
-    _core.timeline_enable(True)  # the engine and the prefetcher record into this one list
+    record()  # the engine and the prefetcher record into this one list
 
 
 def enabled():
@@ -61,11 +71,16 @@ def write_trace(path, events, **other):
     os.replace(path + ".tmp", path)
 
 
-def _events(rank, raw):
+def _events(rank, raw, dropped):
     events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
     events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
                for tid, name in TRACKS.items()]
+    if dropped:
+        events.append({"name": DROPPED, "ph": "M", "pid": rank, "args": {"events": dropped}})
     return events + spans(rank, raw)
+
+
+DROPPED = "hpcdl_dropped_events"  # a rank's metadata event: events past HPCDL_TIMELINE_MAX_EVENTS
 
 
 def write():
@@ -75,7 +90,7 @@ def write():
     path, rank, size = _state["path"], _state["rank"], _state["size"]
     part = _part(path, rank)
     with open(part + ".tmp", "w") as f:
-        json.dump(_events(rank, _core.timeline_take()), f)
+        json.dump(_events(rank, *_core.timeline_take()), f)
     os.replace(part + ".tmp", part)
     if rank != 0:
         return
@@ -90,9 +105,13 @@ def write():
             continue
         with open(p) as f:
             merged += json.load(f)
-    write_trace(path, merged, ranks=size, missing_ranks=missing)
+    dropped = {e["pid"]: e["args"]["events"] for e in merged if e["name"] == DROPPED}
+    write_trace(path, merged, ranks=size, missing_ranks=missing, dropped_events=dropped)
     for p in glob.glob(f"{glob.escape(path)}.rank*.part"):
         os.remove(p)
     note = f", no part from ranks {missing}" if missing else ""
+    if dropped:
+        note += (f"; {sum(dropped.values())} events past HPCDL_TIMELINE_MAX_EVENTS not kept "
+                 f"(ranks {sorted(dropped)})")
     print(f"[hpcdl rank 0] timeline: {len(merged)} events from {size - len(missing)} ranks in {path}{note}",
           file=sys.stderr)

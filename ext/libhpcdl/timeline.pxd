@@ -1,5 +1,6 @@
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
+from libc.stdint cimport uint64_t
 from libcpp.vector cimport vector
 
 cdef extern from "hpcdl/timeline.hpp" namespace "hpcdl" nogil:
@@ -11,6 +12,6 @@ cdef extern from "hpcdl/timeline.hpp" namespace "hpcdl" nogil:
     cdef cppclass CTimeline "hpcdl::Timeline":
         @staticmethod
         CTimeline& instance()
-        void enable(cbool on)
+        void enable(cbool on, uint64_t max_events)
         cbool enabled()
-        vector[CTraceEvent] take()
+        vector[CTraceEvent] take(uint64_t* dropped)

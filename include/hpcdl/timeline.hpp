@@ -32,26 +32,38 @@ class Timeline {
     static Timeline t;
     return t;
   }
-  void enable(bool on) {
+  // Keeps at most max_events until take(): a long run would otherwise grow
+  // without bound (~140 B an event); the ones past it are only counted.
+  void enable(bool on, std::uint64_t max_events) {
     std::lock_guard<std::mutex> g(mu_);
     enabled_ = on;
+    max_events_ = max_events;
   }
   bool enabled() const { return enabled_; }
   void record(std::string name, std::string category, double start_us, double end_us, int track) {
     if (!enabled_) return;
     std::lock_guard<std::mutex> g(mu_);
+    if (events_.size() >= max_events_) {
+      ++dropped_;
+      return;
+    }
     events_.push_back({std::move(name), std::move(category), start_us, end_us - start_us, track});
   }
-  std::vector<TraceEvent> take() {
+  // The events kept since the last call, and in *dropped how many were not.
+  std::vector<TraceEvent> take(std::uint64_t* dropped) {
     std::lock_guard<std::mutex> g(mu_);
     std::vector<TraceEvent> out;
     out.swap(events_);
+    *dropped = dropped_;
+    dropped_ = 0;
     return out;
   }
 
  private:
   std::mutex mu_;
   bool enabled_ = false;
+  std::uint64_t max_events_ = 0;
+  std::uint64_t dropped_ = 0;
   std::vector<TraceEvent> events_;
 };
 

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from hpcdl import _core, prefetch, simulator, store
+from hpcdl import _core, prefetch, simulator, store, timeline
 from hpcdl.store import probe
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import Prefetcher
@@ -203,16 +203,16 @@ def test_bad_read_settings_are_clear_errors(st, name, value):
 def test_one_span_at_a_time_delivers_the_same_bytes_and_never_overlaps(st, tmp_path, ram, disk):
     per_sample, _ = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk, read_bytes=0)
     def overlapping_spans(concurrency):
-        _core.timeline_enable(True)
+        timeline.record()
         try:
             _core.timeline_take()
             got, stats = run(st, tmp_path, epochs=1, ram_bytes=ram, disk_bytes=disk, read_bytes=6000, read_gap=0,
                              lookahead_bytes=20000, read_concurrency=concurrency, ram_threads=3, disk_threads=3,
                              _span_delay=0.002)  # a store whose reads take 2 ms
-            spans = sorted((start, start + dur) for name, _, start, dur, _ in _core.timeline_take()
+            spans = sorted((start, start + dur) for name, _, start, dur, _ in _core.timeline_take()[0]
                            if name == "load span")
         finally:
-            _core.timeline_enable(False)
+            timeline.record(False)
         assert got == per_sample[:len(got)] and stats["read_settings"]["read_concurrency"] == concurrency
         assert len(spans) > 1
         return sum(b[0] < a[1] for a, b in zip(spans, spans[1:]))

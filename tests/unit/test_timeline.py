@@ -14,22 +14,22 @@ hpcdl.broadcast(np.ones(10, dtype=np.float32))
 """
 
 
-def run_with_timeline(tmp_path, ranks, program):
-    """``program`` on ``ranks`` ranks with HPCDL_TIMELINE set: (its stdout, the trace's path)."""
+def run_with_timeline(tmp_path, ranks, program, **extra_env):
+    """``program`` on ``ranks`` ranks with HPCDL_TIMELINE set: (its stdout, its stderr, the trace's path)."""
     trace_path = tmp_path / "run.json"
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    env = dict(os.environ, HPCDL_TIMELINE=str(trace_path))
+    env = dict(os.environ, HPCDL_TIMELINE=str(trace_path), **extra_env)
     proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c", program], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout, trace_path
+    return proc.stdout, proc.stderr, trace_path
 
 
 def test_timeline_has_every_rank_and_ring_phase(tmp_path):
-    _, trace_path = run_with_timeline(tmp_path, 4, PROGRAM)
+    _, _, trace_path = run_with_timeline(tmp_path, 4, PROGRAM)
     trace = json.loads(trace_path.read_text())
     events = trace["traceEvents"]
-    assert trace["otherData"] == {"ranks": 4, "missing_ranks": []}
+    assert trace["otherData"] == {"ranks": 4, "missing_ranks": [], "dropped_events": {}}
     spans = [e for e in events if e["ph"] == "X"]
     for rank in range(4):
         mine = {(e["name"], e["cat"]) for e in spans if e["pid"] == rank}
@@ -114,7 +114,7 @@ comm.Free()
 
 
 def test_timeline_has_a_span_per_transfer_with_peer_tag_and_bytes(tmp_path):
-    stdout, trace_path = run_with_timeline(tmp_path, 2, TRANSFER_PROGRAM)
+    stdout, _, trace_path = run_with_timeline(tmp_path, 2, TRANSFER_PROGRAM)
     line = next(line for line in stdout.splitlines() if line.startswith("STATS "))
     stats = dict(json.loads(line[6:]))
     assert list(stats[0]) == ["send"] and list(stats[1]) == ["receive"], stats
@@ -129,3 +129,27 @@ def test_timeline_has_a_span_per_transfer_with_peer_tag_and_bytes(tmp_path):
                          (1, "receive", "rank 1's receive of 100 bytes from rank 0 (tag 5)"),
                          (1, "receive", "rank 1's receive of 70000 bytes from rank 0 (tag 6)")], transfers
     assert all(e["dur"] >= 0 and e["ts"] > 0 and e["tid"] == 0 for e in spans)
+
+
+def test_a_rank_keeps_at_most_the_event_limit_and_the_trace_counts_the_rest(tmp_path):
+    """HPCDL_TIMELINE_MAX_EVENTS bounds each rank's events in memory: the first
+    ones are kept, the rest counted in otherData.dropped_events and named at exit."""
+    _, stderr, trace_path = run_with_timeline(tmp_path, 2, PROGRAM, HPCDL_TIMELINE_MAX_EVENTS="4")
+    trace = json.loads(trace_path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    dropped = trace["otherData"]["dropped_events"]
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        assert len(mine) == 4, (rank, mine)
+        # The first op's three phases are among the four kept (recorded first).
+        assert {"grad.0"} <= {e["name"] for e in mine}, mine
+        assert not any(e["name"] == "grad.2" for e in mine), mine
+        assert dropped[str(rank)] >= 5, dropped  # grad.1 and grad.2's phases at least
+    assert f"{sum(dropped.values())} events past HPCDL_TIMELINE_MAX_EVENTS not kept (ranks [0, 1])" in stderr, stderr
+
+
+def test_a_bad_event_limit_is_refused_at_import():
+    env = dict(os.environ, HPCDL_TIMELINE_MAX_EVENTS="0")
+    proc = subprocess.run([sys.executable, "-c", "import hpcdl"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "HPCDL_TIMELINE_MAX_EVENTS='0'" in proc.stderr, proc.stderr
