@@ -27,6 +27,7 @@ TRACKS = {0: "engine", 1: "prefetcher"}
 # Events a rank keeps in memory (~140 B each); later ones are counted and the
 # trace says how many (HPCDL_TIMELINE_MAX_EVENTS).
 DEFAULT_MAX_EVENTS = 1_000_000
+DROPPED = "hpcdl_dropped_events"  # a rank's metadata event: how many it did not keep
 _state = {"path": None}
 
 
@@ -79,8 +80,6 @@ def _events(rank, raw, dropped):
         events.append({"name": DROPPED, "ph": "M", "pid": rank, "args": {"events": dropped}})
     return events + spans(rank, raw)
 
-
-DROPPED = "hpcdl_dropped_events"  # a rank's metadata event: events past HPCDL_TIMELINE_MAX_EVENTS
 
 
 def write():

@@ -28,11 +28,8 @@ class ThreadPool {
   explicit ThreadPool(std::size_t threads) {
     threads = std::max<std::size_t>(threads, 1);
     workers_.reserve(threads);
-    for (std::size_t i = 0; i < threads; ++i) {
-      std::thread worker;
-      if (!start_thread("a store reader thread", [this] { work(); }, &worker).ok()) break;
-      workers_.push_back(std::move(worker));
-    }
+    for (std::size_t i = 0; i < threads; ++i)
+      if (!start_thread("a store reader thread", [this] { work(); }, &workers_).ok()) break;
   }
 
   ~ThreadPool() {

@@ -14,6 +14,7 @@
 #include <system_error>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "hpcdl/status.hpp"
 
@@ -29,6 +30,15 @@ Status start_thread(const char* what, Fn&& fn, std::thread* out) {
   } catch (const std::system_error& e) {
     return Status::Internal(std::string("hpcdl could not start ") + what + ": " + e.what());
   }
+  return Status::OK();
+}
+
+// The same, appending the started thread to *threads.
+template <typename Fn>
+Status start_thread(const char* what, Fn&& fn, std::vector<std::thread>* threads) {
+  std::thread t;
+  HPCDL_RETURN_NOT_OK(start_thread(what, std::forward<Fn>(fn), &t));
+  threads->push_back(std::move(t));
   return Status::OK();
 }
 

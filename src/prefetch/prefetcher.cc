@@ -64,9 +64,7 @@ Status Prefetcher::start_threads() {
   if (next_claim_ + cfg_.start >= end_) return Status::OK();
   Status st;
   auto start = [&](const char* what, auto fn) {
-    std::thread t;
-    if (st.ok()) st = start_thread(what, fn, &t);
-    if (st.ok()) threads_.push_back(std::move(t));
+    if (st.ok()) st = start_thread(what, fn, &threads_);
   };
   for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.staging_threads, 1); ++i)
     start("the prefetcher's staging thread", [this] { staging_loop(); });
