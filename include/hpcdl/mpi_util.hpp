@@ -86,22 +86,24 @@ inline std::chrono::microseconds engine_wait_sleep() {
 
 // The engine thread's sleep between two polls while only point-to-point
 // transfers are in flight, unmoved for transfers_idle_s.
-// - `large`: one of them is too large to move in one poll (MPICH moves a large
-//   message only inside MPI calls, ~200 KB of it per call on shared memory):
-//   the polite wait's cap (engine_wait_sleep; the loop backs off to it from
-//   20 us), however long it lasts.
+// - `large`: this rank sends one too large to move in one poll (MPICH moves a
+//   large message only inside MPI calls, ~200 KB of it per call on shared
+//   memory): the polite wait's cap (engine_wait_sleep; the loop backs off to it
+//   from 20 us), however long it lasts. Receives posted ahead do not count:
+//   their data may not even be sent yet (Engine::transfer_poll_interval).
 // - `watched`: a thread is blocked on one of them (a pipeline stage with
 //   nothing else to do): from that cap, 1/64 of the idle time, up to 10 ms,
 //   so a message that comes after a long wait is seen at most ~1.6% of the
 //   wait late and a 2 s wait costs ~450 polls instead of ~10000.
 // - neither: the ranks' own threads compute on the cores the engine would
-//   poll on, and nothing that lands is needed yet: the same from 1 ms
-//   (polling at 200 us then cost 1F1B with 2 stages on 2 cores 10-15% of its
-//   throughput).
+//   poll on, and nothing that lands is needed yet (a thread that starts to
+//   wait wakes the engine at once): the same from 5 ms (polling at 200 us
+//   then cost 1F1B with 2 stages on 2 cores 10-15% of its throughput; at
+//   1 ms, 1-4% with 4 stages on 2 cores).
 inline std::chrono::microseconds transfer_poll_sleep(bool large, bool watched, double transfers_idle_s) {
   const long cap_us = static_cast<long>(engine_wait_sleep().count());
   if (large) return std::chrono::microseconds(cap_us);
-  const long floor_us = watched ? cap_us : 1000L;
+  const long floor_us = watched ? cap_us : 5000L;
   const long grown_us = static_cast<long>(transfers_idle_s * (1e6 / 64));
   return std::chrono::microseconds(std::clamp(grown_us, floor_us, std::max(floor_us, 10000L)));
 }

@@ -89,9 +89,11 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
   const auto since = std::chrono::steady_clock::now();
   double warned_at = 0;
   // Its data comes from the caller's computation: wake rarely meanwhile,
-  // unless point-to-point transfers move (each wake progresses them).
+  // unless point-to-point transfers move (each wake progresses them); at least
+  // every 1 ms then, since a thread that starts to wait for one cannot wake
+  // this wait (a hybrid pipeline's stage during its backward).
   auto wake_every = [&] {
-    return transfers_in_flight_ > 0 ? 1e-6 * transfer_poll_interval().count() : 0.02;
+    return transfers_in_flight_ > 0 ? std::min(1e-3, 1e-6 * transfer_poll_interval().count()) : 0.02;
   };
   while (!op.wait_ready_for(wake_every())) {
     if (wait_hook != nullptr) (*wait_hook)(0);
