@@ -438,10 +438,12 @@ def _stage_starts(model, balance, stages, sample, comm):
 
 
 def _layer_times(layers, sample, repeats=3):
-    """Median forward+backward seconds of each layer on ``sample`` (gradients discarded)."""
+    """Median forward+backward seconds of each layer on ``sample`` (gradients discarded),
+    computed as the pipeline computes it: the model's input needs no gradient, so
+    the first layer's backward computes none for it."""
     times, x = [], sample
-    for layer in layers:
-        inp = x.detach().requires_grad_(x.is_floating_point())
+    for index, layer in enumerate(layers):
+        inp = x.detach().requires_grad_(index > 0 and x.is_floating_point())
         runs = []
         for _ in range(repeats):
             start = time.perf_counter()

@@ -81,3 +81,24 @@ def test_balance_by_params_marks_and_explicit_starts():
     for bad in ([0], [1, 3], [0, 3, 3], [0, 9]):
         with pytest.raises(ValueError, match="increasing layer indices"):
             _stage_starts(model, bad, 2 if len(bad) < 3 else 3, None, MPI.COMM_SELF)
+
+
+def test_time_balance_times_the_layers_as_the_pipeline_runs_them():
+    """The model's input needs no gradient in the pipeline, so timing must not compute one for the
+    first layer (a heavy first layer would be over-counted and the cut move off balance)."""
+    from hpcdl.torch.pipeline import _layer_times
+
+    class Seen(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inputs_need_grad = []
+
+        def forward(self, x):
+            self.inputs_need_grad.append(x.requires_grad)
+            return x
+
+    first, later = Seen(), Seen()
+    times = _layer_times([first, torch.nn.Linear(12, 8), later], torch.randn(4, 12))
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert first.inputs_need_grad and not any(first.inputs_need_grad)
+    assert later.inputs_need_grad and all(later.inputs_need_grad)
