@@ -1,7 +1,8 @@
 """Pipeline-parallel training throughput: hpcdl.torch.Pipeline (GPipe, 1F1B) vs one
 process vs torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B over gloo).
 
-    python bench/pipeline.py --out bench/results --tag pipeline
+    python bench/pipeline.py --ranks 2 --hidden 1024 --layers 16 --batch 4096 --micro-batches 16 \
+        --steps 3 --runs 3 --tag pipeline-2stages-heavy
     python bench/pipeline.py --hidden 512 --batch 64 --steps 3 --runs 3 --tag pipeline-small
 
 One host, --ranks ranks (default 4), one thread each; the same MLP (a stack of
@@ -12,8 +13,11 @@ hangs or fails is reported as "did not complete" and the others still run.
 --runs rounds each start every system once, in turn (so machine noise hits them
 alike), for a warm-up step and --steps timed steps; the figure is the median
 samples/s of the rounds. Also reported: hpcdl's measured
-bubble (the share of a step a stage waits for others, mean over stages)
-beside the theoretical (P-1)/(M+P-1), and the peak activation memory per stage
+bubble (the share of a timed step a stage waits for others, mean over stages),
+its schedule bubble (the same --steps steps again, each apart after a barrier:
+a stage's idle share of the slowest stage's train_step, without the optimizer
+steps and the drift between steps) beside the theoretical (P-1)/(M+P-1), and
+the peak activation memory per stage
 (bytes of activations autograd saved, measured) of 1F1B and GPipe.
 Writes TAG.csv, TAG-memory.csv and TAG.png under --out; prints a table.
 
@@ -46,6 +50,8 @@ import statistics
 import subprocess
 import sys
 import time
+
+from mpi4py import MPI
 
 import pipeline_model  # bench/pipeline_model.py, beside this script
 
@@ -151,6 +157,7 @@ def worker_hpcdl(args):
                               for key, values in action_cpu.items()}, root=0)
         stats = comm.gather(pipe.activation_stats(), root=0)
         bubble = comm.gather(statistics.median(bubbles[1:]), root=0)
+        schedule_bubble = comm.gather(schedule_bubbles(comm, pipe, opt, x, y, args.steps), root=0)
         if comm.Get_rank() == 0:
             if args.model:
                 results[schedule + " model"] = dict(mean_inputs(before, after), system="model inputs",
@@ -159,11 +166,34 @@ def worker_hpcdl(args):
                                                             for key in ("forward", "backward", "optimizer")})
             results[schedule] = {"system": f"hpcdl {schedule}", "rates": rates,
                                  "bubble": statistics.mean(bubble),
+                                 "schedule_bubble": statistics.mean(schedule_bubble),
                                  "peak_bytes": [s["peak_bytes"] for s in stats],
                                  "peak_micro_batches": [s["peak_micro_batches"] for s in stats]}
     if comm.Get_rank() == 0:
         for result in results.values():
             print(RESULT + json.dumps(result), flush=True)
+
+
+def schedule_bubbles(comm, pipe, opt, x, y, steps):
+    """This stage's median over ``steps`` steps of the share of the schedule's time it waits.
+
+    The steps are apart (a barrier before each), so what is measured is the
+    schedule's own bubble: a stage's idle share of the pipeline's train_step
+    (the slowest stage's, barrier to barrier), without the optimizer steps and
+    the drift between steps that the timed steps' bubble also counts. This is
+    what (P-1)/(M+P-1) describes."""
+    from mpi4py import MPI
+    shares = []
+    for _ in range(steps):
+        opt.zero_grad()
+        comm.Barrier()
+        start = time.perf_counter()
+        pipe.train_step(x, y)
+        span = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+        times = pipe.last_step_times()
+        shares.append(1 - (times["step_s"] - times["waited_s"]) / span)
+        opt.step()
+    return statistics.median(shares)
 
 
 def worker_torch(args):
@@ -287,18 +317,21 @@ def drive(args):
                     out = pipeline_model.predict(row["schedule"], given, m, cores, args.batch, args.steps)
                     predictions.setdefault((f"hpcdl {row['schedule']}", kind), []).append(out)
                 continue
-            into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": []})
+            into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": [],
+                                                     "schedule_bubbles": []})
             if "failure" in row:
                 into["failure"] = row["failure"]
                 continue
             into["rates"] += row["rates"]
             into["bubbles"] += [row["bubble"]] if "bubble" in row else []
+            into["schedule_bubbles"] += [row["schedule_bubble"]] if "schedule_bubble" in row else []
             into.update({k: row[k] for k in ("peak_bytes", "peak_micro_batches") if k in row})
     rows = list(merged.values())
     for r in rows:
-        bubbles = r.pop("bubbles")
-        if bubbles:
-            r["bubble"] = statistics.median(bubbles)
+        for key in ("bubble", "schedule_bubble"):
+            values = r.pop(key + "s")
+            if values:
+                r[key] = statistics.median(values)
         if "failure" in r:
             del r["rates"]
     single = next((statistics.median(r["rates"]) for r in rows if r["system"] == "single process" and "rates" in r),
@@ -319,7 +352,7 @@ def drive(args):
     with open(base + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "runs_samples_per_s",
-                    "vs_single_process", "measured_bubble", "theoretical_bubble", "predicted_samples_per_s",
+                    "vs_single_process", "measured_bubble", "theoretical_bubble", "schedule_bubble", "predicted_samples_per_s",
                     "predicted_bubble", "model_cores", "predicted_samples_per_s_run_share",
                     "predicted_bubble_run_share", "model_cores_run_share", "predicted_samples_per_s_inrun",
                     "predicted_bubble_inrun", "model_cores_inrun", "status", "conditions"])
@@ -330,6 +363,7 @@ def drive(args):
                         " ".join(f"{x:.2f}" for x in r.get("rates", [])),
                         f"{rate / single:.3f}" if rate and single else "",
                         f"{r['bubble']:.3f}" if "bubble" in r else "", f"{theory:.3f}" if ranks > 1 else "",
+                        f"{r['schedule_bubble']:.3f}" if "schedule_bubble" in r else "",
                         *[cell for kind in MODEL_VARIANTS for cell in
                           ((f"{r['predicted' + kind]:.2f}", f"{r['predicted_bubble' + kind]:.3f}", f"{cores[kind]:.2f}")
                            if "predicted" + kind in r else ("", "", ""))],
@@ -343,11 +377,12 @@ def drive(args):
             for stage, (nbytes, held) in enumerate(zip(r.get("peak_bytes", []), r.get("peak_micro_batches", []))):
                 w.writerow([r["system"], stage, m, nbytes, held])
     plot(rows, base + ".png", conditions, p, m, single)
-    print(f"{'system':36} {'samples/s':>10} {'vs 1 proc':>9} {'bubble':>7} {'theory':>7}  status")
+    print(f"{'system':36} {'samples/s':>10} {'vs 1 proc':>9} {'bubble':>7} {'sched.':>7} {'theory':>7}  status")
     for r in rows:
         rate = statistics.median(r["rates"]) if "rates" in r else None
         print(f"{r['system']:36} {rate or 0:10.1f} {(rate / single) if rate and single else 0:9.2f} "
-              f"{r.get('bubble', float('nan')):7.3f} {theory:7.3f}  {r.get('failure', 'ok')}")
+              f"{r.get('bubble', float('nan')):7.3f} {r.get('schedule_bubble', float('nan')):7.3f} {theory:7.3f}  "
+              f"{r.get('failure', 'ok')}")
     for r in rows:
         for kind, what in MODEL_VARIANTS.items():
             if "predicted" + kind in r:
@@ -387,12 +422,14 @@ def plot(rows, path, conditions, p, m, single):
     rates = [statistics.median(r["rates"]) if "rates" in r else 0 for r in rows]
     bars = left.bar(range(len(rows)), rates, color=["grey"] + ["tab:blue"] * (len(rows) - 1))
     for bar, r in zip(bars, rows):
-        label = "did not complete" if "failure" in r else (f"bubble {r['bubble']:.2f}" if "bubble" in r else "")
+        label = "did not complete" if "failure" in r else (
+            f"bubble {r['bubble']:.2f}\n(schedule {r['schedule_bubble']:.2f})" if "bubble" in r else "")
         left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                       fontsize=8)
+    left.set_ylim(0, 1.2 * max(rates + [single or 0, 1]))  # room for the two-line labels
     if single:
         left.axhline(single, color="grey", linestyle="--", label="single process")
-        left.legend()
+        left.legend(loc="lower left")
     left.set_xticks(range(len(rows)), [n.replace("torch.distributed.pipelining", "torch.pipelining") for n in names],
                     rotation=20, ha="right", fontsize=8)
     left.set_ylabel("samples/s (median of runs)")
