@@ -5,7 +5,9 @@ process vs torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B over gloo).
         --steps 3 --runs 3 --tag pipeline-2stages-heavy
     python bench/pipeline.py --hidden 512 --batch 64 --steps 3 --runs 3 --tag pipeline-small
 
-One host, --ranks ranks (default 4), one thread each; the same MLP (a stack of
+One host, --ranks ranks (default 4), one thread each (--netns: rank r in emulated
+host hn{r}, under bench/netcluster.sh --hosts P run --, hpcdl's MPICH and
+torch's gloo both over the rate-limited links); the same MLP (a stack of
 Linear(hidden, hidden)+ReLU blocks, compute-heavy per layer), the same data and
 SGD step everywhere, M = --micro-batches (default 4P) micro-batches per step.
 Every system runs in its own child process with a timeout (--timeout): one that
@@ -56,6 +58,7 @@ from mpi4py import MPI
 import pipeline_model  # bench/pipeline_model.py, beside this script
 
 SCHEDULES = ("gpipe", "1f1b")
+NETNS_MASTER = "10.77.0.1"  # host hn0's address in bench/netcluster.sh's emulated cluster
 RESULT = "RESULT "
 # the model's predictions: column suffix -> where the stage times and cores come from
 MODEL_VARIANTS = {"": "stage times and share measured apart",
@@ -287,12 +290,20 @@ def run_round(args, env):
     p, rows = args.ranks, []
     got, why = run_children([child_argv(args, "single")], args.timeout, env)
     rows += got or [{"system": "single process", "failure": why}]
-    got, why = run_children([[args.mpiexec, "-n", str(p)] + child_argv(args, "hpcdl")], args.timeout, env)
+    # --netns: rank r runs in emulated host hn{r} (bench/netcluster.sh), MPICH and gloo on its eth0
+    into_host = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns-exec.sh")] if args.netns else []
+    got, why = run_children([[args.mpiexec, "-n", str(p)] + into_host + child_argv(args, "hpcdl")],
+                            args.timeout, env)
     rows += got or [{"system": f"hpcdl {s}", "failure": why} for s in SCHEDULES]
     for schedule in () if args.no_torch else SCHEDULES:
-        tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        got, why = run_children([child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)],
-                                args.timeout, tenv)
+        if args.netns:
+            tenv = dict(env, MASTER_ADDR=NETNS_MASTER, GLOO_SOCKET_IFNAME="eth0", MASTER_PORT=str(free_port()))
+            argvs = [["ip", "netns", "exec", f"hn{r}"] + child_argv(args, "torch", schedule=schedule, rank=r)
+                     for r in range(p)]
+        else:
+            tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+            argvs = [child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)]
+        got, why = run_children(argvs, args.timeout, tenv)
         rows += got or [{"system": f"torch.distributed.pipelining {schedule}", "failure": why}]
     return rows
 
@@ -338,7 +349,11 @@ def drive(args):
                   None)
     theory = (p - 1) / (m + p - 1)
     load = os.getloadavg()[0]
-    conditions = (f"{p} ranks on {os.cpu_count()} cores (load avg {load:.1f}), hidden {args.hidden}, "
+    stream = os.environ.get("HPCDL_BENCH_STREAM_MBPS")
+    stream = f"{float(stream):.1f} MB/s" if stream else "not measured"
+    network = (f"{p} emulated hosts, {os.environ.get('HPCDL_NET_RATE', '?')} links (one TCP stream {stream}), "
+               if args.netns else "")
+    conditions = (f"{network}{p} ranks on {os.cpu_count()} cores (load avg {load:.1f}), hidden {args.hidden}, "
                   f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps")
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.tag)
@@ -465,6 +480,8 @@ def main():
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="pipeline")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
+    parser.add_argument("--netns", action="store_true",
+                        help="rank r in emulated host hn{r}: run under bench/netcluster.sh --hosts >= --ranks run --")
     parser.add_argument("--model", action="store_true",
                         help="also measure the schedule model's inputs and predict (bench/pipeline_model.py)")
     parser.add_argument("--model-cores", type=float, default=None,
@@ -476,6 +493,10 @@ def main():
     args.micro_batches = args.micro_batches or 4 * args.ranks
     if args.runs < 1 or args.steps < 1:
         parser.error("--runs and --steps must be >= 1")
+    if args.netns and args.worker is None and int(os.environ.get("HPCDL_NET_HOSTS") or 0) < args.ranks:
+        parser.error(f"--netns needs {args.ranks} emulated hosts: run it under "
+                     f"bench/netcluster.sh --hosts {args.ranks} run -- (HPCDL_NET_HOSTS is "
+                     f"{os.environ.get('HPCDL_NET_HOSTS')!r})")
     {"single": worker_single, "hpcdl": worker_hpcdl, "torch": worker_torch, None: drive}[args.worker](args)
 
 
