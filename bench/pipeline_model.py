@@ -458,7 +458,7 @@ def cmd_validate(args):
                              "conditions": r["conditions"]})
     if not rows:
         raise SystemExit("no rows with a prediction: run bench/pipeline.py with --model")
-    path = os.path.join(args.out, "pipeline-model-validation.csv")
+    path = os.path.join(args.out, args.tag + ".csv")
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
@@ -591,6 +591,7 @@ def main(argv=None):
     v = sub.add_parser("validate", help="measured vs predicted from bench/pipeline.py --model CSVs")
     v.add_argument("csv", nargs="+")
     v.add_argument("--out", default="bench/results")
+    v.add_argument("--tag", default="pipeline-model-validation")
     pr = sub.add_parser("predict", help="P stages with a core each: samples/s and bubble")
     pr.add_argument("--stages", type=int, nargs="+", default=[4, 8])
     pr.add_argument("--hidden", type=int, default=1024)
