@@ -53,12 +53,9 @@ import subprocess
 import sys
 import time
 
-from mpi4py import MPI
-
 import pipeline_model  # bench/pipeline_model.py, beside this script
 
 SCHEDULES = ("gpipe", "1f1b")
-NETNS_MASTER = "10.77.0.1"  # host hn0's address in bench/netcluster.sh's emulated cluster
 RESULT = "RESULT "
 # the model's predictions: column suffix -> where the stage times and cores come from
 MODEL_VARIANTS = {"": "stage times and share measured apart",
@@ -290,19 +287,16 @@ def run_round(args, env):
     p, rows = args.ranks, []
     got, why = run_children([child_argv(args, "single")], args.timeout, env)
     rows += got or [{"system": "single process", "failure": why}]
-    # --netns: rank r runs in emulated host hn{r} (bench/netcluster.sh), MPICH and gloo on its eth0
+    # --netns: bench/netns-exec.sh moves rank r (PMI_RANK) into emulated host hn{r} and points MPICH and
+    # gloo at its eth0 (and gloo's master at hn0)
     into_host = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns-exec.sh")] if args.netns else []
     got, why = run_children([[args.mpiexec, "-n", str(p)] + into_host + child_argv(args, "hpcdl")],
                             args.timeout, env)
     rows += got or [{"system": f"hpcdl {s}", "failure": why} for s in SCHEDULES]
     for schedule in () if args.no_torch else SCHEDULES:
-        if args.netns:
-            tenv = dict(env, MASTER_ADDR=NETNS_MASTER, GLOO_SOCKET_IFNAME="eth0", MASTER_PORT=str(free_port()))
-            argvs = [["ip", "netns", "exec", f"hn{r}"] + child_argv(args, "torch", schedule=schedule, rank=r)
-                     for r in range(p)]
-        else:
-            tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-            argvs = [child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)]
+        tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        argvs = [(["env", f"PMI_RANK={r}"] + into_host if into_host else [])
+                 + child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)]
         got, why = run_children(argvs, args.timeout, tenv)
         rows += got or [{"system": f"torch.distributed.pipelining {schedule}", "failure": why}]
     return rows
@@ -367,7 +361,8 @@ def drive(args):
     with open(base + ".csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "runs_samples_per_s",
-                    "vs_single_process", "measured_bubble", "theoretical_bubble", "schedule_bubble", "predicted_samples_per_s",
+                    "vs_single_process", "measured_bubble", "theoretical_bubble", "schedule_bubble",
+                    "predicted_samples_per_s",
                     "predicted_bubble", "model_cores", "predicted_samples_per_s_run_share",
                     "predicted_bubble_run_share", "model_cores_run_share", "predicted_samples_per_s_inrun",
                     "predicted_bubble_inrun", "model_cores_inrun", "status", "conditions"])
