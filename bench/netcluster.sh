@@ -8,6 +8,7 @@
 #   bench/netcluster.sh [OPTIONS] up        create the namespaces (replaces a stale set)
 #   bench/netcluster.sh down                remove them (any host count)
 #   bench/netcluster.sh [OPTIONS] stream    measure one TCP stream hn0 -> hn1 (MB/s)
+#   bench/netcluster.sh cgroup I            print host I's CPU cgroup, if it has one
 #   bench/netcluster.sh [OPTIONS] run -- CMD...
 #                                 up, measure the stream, run CMD in the root
 #                                 namespace with HPCDL_BENCH_STREAM_MBPS,
@@ -15,25 +16,33 @@
 #                                 down (always, also on error or Ctrl-C)
 # OPTIONS: --hosts N (default $HPCDL_NET_HOSTS, else 4), --rate RATE per host
 # link and direction, in tc's units (e.g. 100mbit, 1gbit; default
-# $HPCDL_NET_RATE, else 1gbit).
+# $HPCDL_NET_RATE, else 1gbit), --cpus C: each host's processes share C cores
+# (a CPU cgroup hn$i with a CFS quota of C cores; default $HPCDL_NET_CPUS,
+# else no limit). With C = cores / hosts every host has its own (slower)
+# cores, as on a cluster, instead of hosts taking turns on shared ones.
 #
 # CMD is typically `mpiexec -n 4 bench/netns-exec.sh python bench/allreduce.py`:
 # mpiexec stays here, bench/netns-exec.sh moves each rank into hn$PMI_RANK.
 #   bench/netcluster.sh --hosts 8 --rate 100mbit run -- mpiexec -n 8 bench/netns-exec.sh CMD
 # Needs root. Env: HPCDL_NET_HOSTS (4), HPCDL_NET_RATE (1gbit),
-# HPCDL_NET_BURST (256kb), HPCDL_NET_LATENCY (50ms).
+# HPCDL_NET_BURST (256kb), HPCDL_NET_LATENCY (50ms), HPCDL_NET_CPUS,
+# HPCDL_NET_CPU_PERIOD_US (2000: the quota's period, so a throttled host
+# waits at most ~1 ms at 0.5 cores; longer where the quota would be < 1 ms).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 HOSTS=${HPCDL_NET_HOSTS:-4}
 RATE=${HPCDL_NET_RATE:-1gbit}
-usage() { echo "usage: $0 [--hosts N] [--rate RATE] up|down|stream|run -- CMD..." >&2; exit 2; }
+CPUS=${HPCDL_NET_CPUS:-}
+usage() { echo "usage: $0 [--hosts N] [--rate RATE] [--cpus C] up|down|stream|run -- CMD..." >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --hosts) [ $# -ge 2 ] || usage; HOSTS=$2; shift 2 ;;
     --hosts=*) HOSTS=${1#--hosts=}; shift ;;
     --rate) [ $# -ge 2 ] || usage; RATE=$2; shift 2 ;;
     --rate=*) RATE=${1#--rate=}; shift ;;
+    --cpus) [ $# -ge 2 ] || usage; CPUS=$2; shift 2 ;;
+    --cpus=*) CPUS=${1#--cpus=}; shift ;;
     *) break ;;
   esac
 done
@@ -43,6 +52,11 @@ done
   || { echo "$0: --hosts must be an integer in 2..254, got '$HOSTS'" >&2; exit 2; }
 [[ "$RATE" =~ ^[0-9]+(\.[0-9]+)?[A-Za-z]+$ ]] \
   || { echo "$0: --rate must be a tc rate such as 100mbit or 1gbit, got '$RATE'" >&2; exit 2; }
+if [ -n "$CPUS" ]; then
+  [[ "$CPUS" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ ]] && awk -v c="$CPUS" 'BEGIN { exit !(c > 0) }' \
+    || { echo "$0: --cpus must be a positive number of cores such as 0.5, got '$CPUS'" >&2; exit 2; }
+fi
+CPU_PERIOD_US=${HPCDL_NET_CPU_PERIOD_US:-2000}
 BURST=${HPCDL_NET_BURST:-256kb}
 LATENCY=${HPCDL_NET_LATENCY:-50ms}
 BRIDGE_NS=hnbr
@@ -58,10 +72,36 @@ shape() {  # shape NS DEV: limit what leaves DEV inside namespace NS
   ip netns exec "$1" tc qdisc replace dev "$2" root tbf rate "$RATE" burst "$BURST" latency "$LATENCY"
 }
 
+# Host I's CPU cgroup (cgroup v2's cpu.max, else v1's cpu controller).
+cgroup_dir() {
+  if [ -f /sys/fs/cgroup/cgroup.controllers ]; then echo "/sys/fs/cgroup/hn$1"; else echo "/sys/fs/cgroup/cpu/hn$1"; fi
+}
+
+limit_cpus() {  # limit_cpus I: host I's processes share $CPUS cores
+  local dir period quota
+  dir=$(cgroup_dir "$1")
+  # The kernel takes quotas of at least 1 ms: a longer period below 0.5 cores.
+  period=$(awk -v c="$CPUS" -v p="$CPU_PERIOD_US" 'BEGIN { q = 1000 / c; printf "%d", (p > q ? p : q + 0.999) }')
+  quota=$(awk -v c="$CPUS" -v p="$period" 'BEGIN { printf "%d", c * p }')
+  if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+    echo +cpu > /sys/fs/cgroup/cgroup.subtree_control
+    mkdir -p "$dir"
+    echo "$quota $period" > "$dir/cpu.max"
+  else
+    mkdir -p "$dir"
+    echo "$period" > "$dir/cpu.cfs_period_us"
+    echo "$quota" > "$dir/cpu.cfs_quota_us"
+  fi
+}
+
 down() {
-  local ns
+  local ns dir
   for ns in $(ip netns list | awk '{print $1}' | grep -E "^(hn[0-9]+|$BRIDGE_NS)$" || true); do
     ip netns del "$ns" || true  # deleting a namespace deletes its veth ends too
+  done
+  for dir in "$(dirname "$(cgroup_dir 0)")"/hn[0-9]*; do
+    [ -d "$dir" ] || continue
+    rmdir "$dir" 2>/dev/null || log "cannot remove $dir: processes of an emulated host still run in it"
   done
 }
 
@@ -83,8 +123,10 @@ up() {
     ip -n "$BRIDGE_NS" link set "port$i" master br0 up
     shape "$ns" eth0                 # host -> network
     shape "$BRIDGE_NS" "port$i"      # network -> host
+    [ -z "$CPUS" ] || limit_cpus "$i"
   done
-  log "$HOSTS hosts up: hn0..hn$((HOSTS - 1)) at $SUBNET.1..$SUBNET.$HOSTS, links $RATE (tbf burst $BURST)"
+  log "$HOSTS hosts up: hn0..hn$((HOSTS - 1)) at $SUBNET.1..$SUBNET.$HOSTS, links $RATE (tbf burst $BURST)$(
+      [ -z "$CPUS" ] || echo ", $CPUS cores each (CPU cgroups hn0..hn$((HOSTS - 1)))")"
 }
 
 # One TCP stream hn0 -> hn1 for a few seconds; prints MB/s (10^6 bytes/s).
@@ -104,6 +146,10 @@ case "${1:-}" in
   up) up ;;
   down) down; log "down" ;;
   stream) stream ;;
+  cgroup)
+    [[ "${2:-}" =~ ^[0-9]+$ ]] || usage
+    [ ! -d "$(cgroup_dir "$2")" ] || cgroup_dir "$2"
+    ;;
   run)
     shift
     [ "${1:-}" = "--" ] && shift
@@ -113,7 +159,7 @@ case "${1:-}" in
     up
     rate=$(stream)
     log "TCP stream hn0 -> hn1: $rate MB/s"
-    HPCDL_BENCH_STREAM_MBPS=$rate HPCDL_NET_HOSTS=$HOSTS HPCDL_NET_RATE=$RATE "$@"
+    HPCDL_BENCH_STREAM_MBPS=$rate HPCDL_NET_HOSTS=$HOSTS HPCDL_NET_RATE=$RATE HPCDL_NET_CPUS=$CPUS "$@"
     ;;
   *) usage ;;
 esac

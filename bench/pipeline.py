@@ -4,10 +4,15 @@ process vs torch.distributed.pipelining (ScheduleGPipe, Schedule1F1B over gloo).
     python bench/pipeline.py --ranks 2 --hidden 1024 --layers 16 --batch 4096 --micro-batches 16 \
         --steps 3 --runs 3 --tag pipeline-2stages-heavy
     python bench/pipeline.py --hidden 512 --batch 64 --steps 3 --runs 3 --tag pipeline-small
+    bench/netcluster.sh --hosts 4 --cpus 0.45 run -- python bench/pipeline.py --netns --model --ranks 4 \
+        --hidden 1024 --layers 16 --batch 4096 --micro-batches 16 --steps 3 --runs 3 --tag pipeline-4hosts-own-cores
 
 One host, --ranks ranks (default 4), one thread each (--netns: rank r in emulated
 host hn{r}, under bench/netcluster.sh --hosts P run --, hpcdl's MPICH and
-torch's gloo both over the rate-limited links); the same MLP (a stack of
+torch's gloo both over the rate-limited links, the single process in hn0; with
+netcluster's --cpus C each host's processes share C cores of their own, so 4
+hosts of 0.5 cores on 2 cores run as a cluster rather than 4 ranks taking turns
+on 2 cores); the same MLP (a stack of
 Linear(hidden, hidden)+ReLU blocks, compute-heavy per layer), the same data and
 SGD step everywhere, M = --micro-batches (default 4P) micro-batches per step.
 Every system runs in its own child process with a timeout (--timeout): one that
@@ -285,11 +290,13 @@ def mean_inputs(a, b):
 def run_round(args, env):
     """One timed run of every system, each in its own child: its result, or why none came."""
     p, rows = args.ranks, []
-    got, why = run_children([child_argv(args, "single")], args.timeout, env)
-    rows += got or [{"system": "single process", "failure": why}]
-    # --netns: bench/netns-exec.sh moves rank r (PMI_RANK) into emulated host hn{r} and points MPICH and
-    # gloo at its eth0 (and gloo's master at hn0)
+    # --netns: bench/netns-exec.sh moves rank r (PMI_RANK) into emulated host hn{r} (with its cores, if
+    # bench/netcluster.sh --cpus limits them) and points MPICH and gloo at its eth0 (and gloo's master at hn0);
+    # the single process runs in hn0, on one host's cores
     into_host = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns-exec.sh")] if args.netns else []
+    got, why = run_children([(["env", "PMI_RANK=0"] + into_host if into_host else []) + child_argv(args, "single")],
+                            args.timeout, env)
+    rows += got or [{"system": "single process", "failure": why}]
     got, why = run_children([[args.mpiexec, "-n", str(p)] + into_host + child_argv(args, "hpcdl")],
                             args.timeout, env)
     rows += got or [{"system": f"hpcdl {s}", "failure": why} for s in SCHEDULES]
@@ -307,19 +314,22 @@ def drive(args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     merged, predictions, inputs = {}, {}, []
     model_cores = {}
+    host_cpus = min(1.0, float(os.environ.get("HPCDL_NET_CPUS") or 1)) if args.netns else 1.0  # one thread a stage
     for round_ in range(args.runs):  # systems interleaved, so machine noise hits them alike
         print(f"[bench] round {round_ + 1} of {args.runs}", file=sys.stderr, flush=True)
         for row in run_round(args, env):
             if row["system"] == "model inputs":
                 inputs.append(row)
                 # the cores the stages get: P ranks' share of a core each (measured apart, by spinning
-                # together; and as the ranks got it during the run), at most a core per rank
+                # together; and as the ranks got it during the run), at most a core per rank, or the
+                # emulated host's cores (bench/netcluster.sh --cpus), which also cap each stage's speed
                 for kind in MODEL_VARIANTS:
                     share = row["cpu_share"] if kind == "" else row["run_share"]
-                    cores = args.model_cores or min(p, os.cpu_count(), p * share)
+                    cores = args.model_cores or min(p * host_cpus, os.cpu_count(), p * share)
                     model_cores.setdefault(kind, []).append(cores)
                     given = dict(row, **row["in_run"]) if kind == "_inrun" else row
-                    out = pipeline_model.predict(row["schedule"], given, m, cores, args.batch, args.steps)
+                    out = pipeline_model.predict(row["schedule"], given, m, cores, args.batch, args.steps,
+                                                 speed=host_cpus)
                     predictions.setdefault((f"hpcdl {row['schedule']}", kind), []).append(out)
                 continue
             into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": [],
@@ -345,8 +355,9 @@ def drive(args):
     load = os.getloadavg()[0]
     stream = os.environ.get("HPCDL_BENCH_STREAM_MBPS")
     stream = f"{float(stream):.1f} MB/s" if stream else "not measured"
-    network = (f"{p} emulated hosts, {os.environ.get('HPCDL_NET_RATE', '?')} links (one TCP stream {stream}), "
-               if args.netns else "")
+    cpus = os.environ.get("HPCDL_NET_CPUS")
+    network = (f"{p} emulated hosts{f' of {cpus} cores' if cpus else ''}, {os.environ.get('HPCDL_NET_RATE', '?')} "
+               f"links (one TCP stream {stream}), " if args.netns else "")
     conditions = (f"{network}{p} ranks on {os.cpu_count()} cores (load avg {load:.1f}), hidden {args.hidden}, "
                   f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps")
     os.makedirs(args.out, exist_ok=True)

@@ -14,10 +14,12 @@ run (hpcdl.pipeline.stage_actions, GPipe or 1F1B), step after step, given:
   of the receiver's wait, the receiver having waited while the sender
   computed, as in the pipeline; alpha and beta fit over 3 sizes);
 - C cores shared by the P stages: the stages that have work ready share them
-  as a processor-sharing pool, each running at min(1, C / ready) speed
+  as a processor-sharing pool, each running at min(speed, C / ready) speed
   (C = P: a core per stage; waiting stages poll with a sleep, using none).
   On a machine shared with other jobs C = P x the part of a core each of P
-  ranks gets while all compute (measured), at most the cores.
+  ranks gets while all compute (measured), at most the cores. speed is 1,
+  or the cores of each emulated host (bench/netcluster.sh --cpus: a stage
+  never runs faster than its host's CPU quota, however many others wait).
 
 A forward needs its micro-batch's activation from the previous stage, a
 backward its gradient from the next; each stage runs its actions in order and
@@ -53,14 +55,15 @@ LINK_SIZES = (1 << 10, 1 << 16, 1 << 20)  # message sizes measured to fit alpha 
 # --------------------------------------------------------------------------- the model
 
 def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, alpha=0.0, beta=0.0,
-             optimizer=None, steps=1):
+             optimizer=None, steps=1, speed=1.0):
     """Simulate ``steps`` pipeline steps from a common start (a barrier).
 
     forward, backward: seconds per micro-batch of each of the P stages (the last
     stage's include the loss); optimizer: seconds of each stage's zero_grad +
     step (default 0); message_bytes: bytes crossing each of the P - 1 stage
     boundaries per micro-batch (activation forward, gradient backward alike);
-    cores: the cores the stages share.
+    cores: the cores the stages share; speed: the most of a core one stage
+    gets (its host's CPU quota).
 
     Returns {"seconds": the steps' wall time, "step_s": seconds per step,
     "bubble": mean over stages of the median over steps of waited / train_step
@@ -71,8 +74,8 @@ def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, a
     p = len(forward)
     if len(backward) != p or len(message_bytes) != p - 1:
         raise ValueError(f"{p} stages need {p} backward times and {p - 1} message sizes")
-    if cores <= 0:
-        raise ValueError(f"cores must be > 0, got {cores}")
+    if cores <= 0 or speed <= 0:
+        raise ValueError(f"cores and speed must be > 0, got {cores} and {speed}")
     optimizer = optimizer or [0.0] * p
     plans = []
     for s in range(p):
@@ -121,13 +124,13 @@ def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, a
         running = [s for s in range(p) if remaining[s] is not None]
         if not running and not in_transit:
             break
-        speed = min(1.0, cores / len(running)) if running else 0.0
-        next_end = min((remaining[s] / speed for s in running), default=float("inf"))
+        rate = min(speed, cores / len(running)) if running else 0.0
+        next_end = min((remaining[s] / rate for s in running), default=float("inf"))
         next_arrival = in_transit[0][0] - now if in_transit else float("inf")
         dt = max(0.0, min(next_end, next_arrival))
         now += dt
         for s in running:
-            remaining[s] -= dt * speed
+            remaining[s] -= dt * rate
         while in_transit and in_transit[0][0] <= now:
             _, message = heapq.heappop(in_transit)
             arrived[message] = now
@@ -161,11 +164,11 @@ def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, a
             "bubble": statistics.mean(statistics.median(x) for x in shares)}
 
 
-def predict(schedule, inputs, micro_batches, cores, batch, steps=1):
+def predict(schedule, inputs, micro_batches, cores, batch, steps=1, speed=1.0):
     """simulate() on a dict of measured inputs (stage_times() + the link's alpha and beta):
     {"step_s", "samples_per_s", "bubble", ...}."""
     out = simulate(schedule, inputs["forward"], inputs["backward"], inputs["message_bytes"], micro_batches, cores,
-                   inputs.get("alpha", 0.0), inputs.get("beta", 0.0), inputs.get("optimizer"), steps)
+                   inputs.get("alpha", 0.0), inputs.get("beta", 0.0), inputs.get("optimizer"), steps, speed)
     out["samples_per_s"] = steps * batch / out["seconds"]
     return out
 

@@ -3,7 +3,7 @@ scheme is charged per rank (dense ring 2(P-1)/P of the payload, the split's flat
 in P, the allgather's linear in P), the ring's pipeline bounds, that the fit
 recovers the CPU terms, alpha and beta that made its points, that `codecs` +
 `predict` write a full CSV and a PNG from this machine's kernels, and that
-bench/netcluster.sh refuses bad --hosts/--rate before touching the network.
+bench/netcluster.sh refuses bad --hosts/--rate/--cpus before touching the network.
 No timings are asserted."""
 
 import csv
@@ -160,6 +160,10 @@ def test_codecs_then_predict_write_every_cell_and_a_figure(tmp_path):
     (["--hosts", "1", "up"], "--hosts must be an integer in 2..254, got '1'"),
     (["--hosts", "eight", "stream"], "--hosts must be an integer in 2..254, got 'eight'"),
     (["--rate", "fast", "up"], "--rate must be a tc rate such as 100mbit or 1gbit, got 'fast'"),
+    (["--cpus", "half", "up"], "--cpus must be a positive number of cores such as 0.5, got 'half'"),
+    (["--cpus", "0", "up"], "--cpus must be a positive number of cores such as 0.5, got '0'"),
+    (["--cpus", "-1", "up"], "--cpus must be a positive number of cores such as 0.5, got '-1'"),
+    (["cgroup", "first"], "usage:"),
     (["--hosts"], "usage:"),
     (["--hosts", "4", "sideways"], "usage:"),
 ])

@@ -195,7 +195,7 @@ def classify(words):
                 i += 2 if words[i] in LAUNCHER_VALUE_OPTIONS else 1
         elif w.endswith("bench/netcluster.sh"):
             j = i + 1
-            while words[j:j + 1] in (["--hosts"], ["--rate"]):  # its options, before the subcommand
+            while words[j:j + 1] in (["--hosts"], ["--rate"], ["--cpus"]):  # its options, before the subcommand
                 j += 2
             if words[j:j + 2] == ["run", "--"]:
                 i = j + 2

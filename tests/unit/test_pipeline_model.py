@@ -1,8 +1,8 @@
 """bench/pipeline_model.py's invariants, single process: the simulated schedule gives the
 closed-form bubble (P-1)/(M+P-1) for equal stages and free links (GPipe and 1F1B),
 1F1B holds at most P - s micro-batches on stage s, more cores are never slower,
-fewer cores than stages slow the all-busy pipeline by P / cores, link costs lengthen
-the step, and `predict` / `validate` write their CSV (and PNG). No timings are asserted."""
+fewer cores than stages slow the all-busy pipeline by P / cores, a host's CPU quota caps
+each stage where a shared pool of the same cores does not, link costs lengthen the step, and `predict` / `validate` write their CSV (and PNG). No timings are asserted."""
 
 import csv
 import importlib.util
@@ -70,6 +70,19 @@ def test_fewer_cores_than_stages_slow_the_all_busy_pipeline_by_p_over_cores(sche
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_host_quota_caps_each_stage_where_a_shared_pool_does_not(schedule):
+    p, m = 4, 8
+    full = pm.simulate(schedule, UNEVEN_F[:p], UNEVEN_B[:p], [0] * (p - 1), m, cores=p)
+    # P hosts of half a core each: every action takes twice as long, the bubble is the same
+    half = pm.simulate(schedule, UNEVEN_F[:p], UNEVEN_B[:p], [0] * (p - 1), m, cores=p / 2, speed=0.5)
+    assert half["seconds"] == pytest.approx(2 * full["seconds"], rel=1e-9)
+    assert half["bubble"] == pytest.approx(full["bubble"], rel=1e-9)
+    # the same P / 2 cores as one pool: a stage runs faster while others wait (the fill and drain)
+    pool = pm.simulate(schedule, UNEVEN_F[:p], UNEVEN_B[:p], [0] * (p - 1), m, cores=p / 2)
+    assert pool["seconds"] < half["seconds"] * (1 - 1e-3)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
 def test_link_costs_lengthen_the_step(schedule):
     p, m, alpha, beta, n = 4, 8, 0.2, 1e-4, 2000
     free = pm.simulate(schedule, [1.0] * p, [2.0] * p, [n] * (p - 1), m, cores=p)
@@ -82,8 +95,10 @@ def test_link_costs_lengthen_the_step(schedule):
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="2 stages need 2 backward times and 1 message sizes"):
         pm.simulate("gpipe", [1.0, 1.0], [1.0], [0], 4, cores=2)
-    with pytest.raises(ValueError, match="cores must be > 0"):
+    with pytest.raises(ValueError, match="cores and speed must be > 0"):
         pm.simulate("gpipe", [1.0], [1.0], [], 4, cores=0)
+    with pytest.raises(ValueError, match="cores and speed must be > 0"):
+        pm.simulate("gpipe", [1.0], [1.0], [], 4, cores=1, speed=0)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         pm.simulate("zb", [1.0], [1.0], [], 4, cores=1)
 
