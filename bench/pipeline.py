@@ -25,7 +25,10 @@ its schedule bubble (the same --steps steps again, each apart after a barrier:
 a stage's idle share of the slowest stage's train_step, without the optimizer
 steps and the drift between steps) beside the theoretical (P-1)/(M+P-1), and
 the peak activation memory per stage
-(bytes of activations autograd saved, measured) of 1F1B and GPipe.
+(bytes of activations autograd saved, measured) of 1F1B and GPipe, and every
+system's CPU seconds per sample, all its ranks and threads together (hpcdl's
+engine, gloo's threads) in the timed steps: what it costs where ranks share
+cores.
 Writes TAG.csv, TAG-memory.csv and TAG.png under --out; prints a table.
 
 --model: every round also measures the schedule model's inputs just before and
@@ -84,17 +87,20 @@ def make_batch(args):
 
 
 def timed_runs(args, step, barrier=lambda: None):
-    """samples/s of each of args.runs runs of args.steps steps, after one warm-up step."""
+    """samples/s of each of args.runs runs of args.steps steps, after one warm-up step, and this
+    process's CPU seconds per sample over them (all its threads: the library's own included; the
+    barriers left out, MPICH's spins)."""
     step()
-    rates = []
+    rates, cpu = [], 0.0
     for _ in range(args.runs):
         barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for _ in range(args.steps):
             step()
+        cpu += time.process_time() - start_cpu
         barrier()
         rates.append(args.steps * args.batch / (time.perf_counter() - start))
-    return rates
+    return rates, cpu / (args.runs * args.steps * args.batch)
 
 
 # --------------------------------------------------------------------------- workers (child processes)
@@ -112,7 +118,8 @@ def worker_single(args):
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
-    print(RESULT + json.dumps({"system": "single process", "rates": timed_runs(args, step)}), flush=True)
+    rates, cpu = timed_runs(args, step)
+    print(RESULT + json.dumps({"system": "single process", "rates": rates, "cpu_per_sample": cpu}), flush=True)
 
 
 def worker_hpcdl(args):
@@ -151,7 +158,8 @@ def worker_hpcdl(args):
         if args.model:  # the model's inputs just before and after the timed runs, averaged: the load drifts
             before = pipeline_model.measure_inputs(comm, model, pipe.starts, x[:rows], y[:rows], args.micro_batches)
         cpu, wall = time.process_time(), time.perf_counter()
-        rates = timed_runs(args, step, comm.Barrier)
+        rates, cpu_per_sample = timed_runs(args, step, comm.Barrier)
+        cpu_per_sample = comm.reduce(cpu_per_sample, root=0)  # the P ranks' CPU per sample
         # the part of a core this rank got while it had work (not waiting for another stage)
         run_share = comm.gather((time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall - sum(waited)),
                                 root=0)
@@ -169,7 +177,7 @@ def worker_hpcdl(args):
                                                     schedule=schedule, run_share=min(1.0, statistics.median(run_share)),
                                                     in_run={key: [stage[key] for stage in in_run]
                                                             for key in ("forward", "backward", "optimizer")})
-            results[schedule] = {"system": f"hpcdl {schedule}", "rates": rates,
+            results[schedule] = {"system": f"hpcdl {schedule}", "rates": rates, "cpu_per_sample": cpu_per_sample,
                                  "bubble": statistics.mean(bubble),
                                  "schedule_bubble": statistics.mean(schedule_bubble),
                                  "peak_bytes": [s["peak_bytes"] for s in stats],
@@ -230,10 +238,12 @@ def worker_torch(args):
             schedule.step()
         opt.step()
 
-    rates = timed_runs(args, step, dist.barrier)
+    rates, cpu_per_sample = timed_runs(args, step, dist.barrier)
+    cpu = torch.tensor([cpu_per_sample], dtype=torch.float64)
+    dist.reduce(cpu, dst=0)  # the P ranks' CPU per sample
     if rank == 0:
-        print(RESULT + json.dumps({"system": f"torch.distributed.pipelining {args.schedule}", "rates": rates}),
-              flush=True)
+        print(RESULT + json.dumps({"system": f"torch.distributed.pipelining {args.schedule}", "rates": rates,
+                                   "cpu_per_sample": cpu.item()}), flush=True)
     dist.destroy_process_group()
 
 
@@ -333,17 +343,18 @@ def drive(args):
                     predictions.setdefault((f"hpcdl {row['schedule']}", kind), []).append(out)
                 continue
             into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": [],
-                                                     "schedule_bubbles": []})
+                                                     "schedule_bubbles": [], "cpu_per_samples": []})
             if "failure" in row:
                 into["failure"] = row["failure"]
                 continue
             into["rates"] += row["rates"]
+            into["cpu_per_samples"].append(row["cpu_per_sample"])
             into["bubbles"] += [row["bubble"]] if "bubble" in row else []
             into["schedule_bubbles"] += [row["schedule_bubble"]] if "schedule_bubble" in row else []
             into.update({k: row[k] for k in ("peak_bytes", "peak_micro_batches") if k in row})
     rows = list(merged.values())
     for r in rows:
-        for key in ("bubble", "schedule_bubble"):
+        for key in ("bubble", "schedule_bubble", "cpu_per_sample"):
             values = r.pop(key + "s")
             if values:
                 r[key] = statistics.median(values)
@@ -376,7 +387,7 @@ def drive(args):
                     "predicted_samples_per_s",
                     "predicted_bubble", "model_cores", "predicted_samples_per_s_run_share",
                     "predicted_bubble_run_share", "model_cores_run_share", "predicted_samples_per_s_inrun",
-                    "predicted_bubble_inrun", "model_cores_inrun", "status", "conditions"])
+                    "predicted_bubble_inrun", "model_cores_inrun", "cpu_ms_per_sample", "status", "conditions"])
         for r in rows:
             rate = statistics.median(r["rates"]) if "rates" in r else None
             ranks = 1 if r["system"] == "single process" else p
@@ -388,6 +399,7 @@ def drive(args):
                         *[cell for kind in MODEL_VARIANTS for cell in
                           ((f"{r['predicted' + kind]:.2f}", f"{r['predicted_bubble' + kind]:.3f}", f"{cores[kind]:.2f}")
                            if "predicted" + kind in r else ("", "", ""))],
+                        f"{1e3 * r['cpu_per_sample']:.4f}" if "cpu_per_sample" in r else "",
                         r.get("failure", "ok"), conditions])
     if inputs:
         write_model_inputs(base + "-model-inputs.csv", inputs)
@@ -398,12 +410,13 @@ def drive(args):
             for stage, (nbytes, held) in enumerate(zip(r.get("peak_bytes", []), r.get("peak_micro_batches", []))):
                 w.writerow([r["system"], stage, m, nbytes, held])
     plot(rows, base + ".png", conditions, p, m, single)
-    print(f"{'system':36} {'samples/s':>10} {'vs 1 proc':>9} {'bubble':>7} {'sched.':>7} {'theory':>7}  status")
+    print(f"{'system':36} {'samples/s':>10} {'vs 1 proc':>9} {'bubble':>7} {'sched.':>7} {'theory':>7} "
+          f"{'CPU ms/sample':>13}  status")
     for r in rows:
         rate = statistics.median(r["rates"]) if "rates" in r else None
         print(f"{r['system']:36} {rate or 0:10.1f} {(rate / single) if rate and single else 0:9.2f} "
-              f"{r.get('bubble', float('nan')):7.3f} {r.get('schedule_bubble', float('nan')):7.3f} {theory:7.3f}  "
-              f"{r.get('failure', 'ok')}")
+              f"{r.get('bubble', float('nan')):7.3f} {r.get('schedule_bubble', float('nan')):7.3f} {theory:7.3f} "
+              f"{1e3 * r.get('cpu_per_sample', float('nan')):13.3f}  {r.get('failure', 'ok')}")
     for r in rows:
         for kind, what in MODEL_VARIANTS.items():
             if "predicted" + kind in r:
