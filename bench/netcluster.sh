@@ -34,7 +34,7 @@ cd "$(dirname "$0")/.."
 HOSTS=${HPCDL_NET_HOSTS:-4}
 RATE=${HPCDL_NET_RATE:-1gbit}
 CPUS=${HPCDL_NET_CPUS:-}
-usage() { echo "usage: $0 [--hosts N] [--rate RATE] [--cpus C] up|down|stream|run -- CMD..." >&2; exit 2; }
+usage() { echo "usage: $0 [--hosts N] [--rate RATE] [--cpus C] up|down|stream|cgroup I|run -- CMD..." >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --hosts) [ $# -ge 2 ] || usage; HOSTS=$2; shift 2 ;;
