@@ -29,7 +29,8 @@ the peak activation memory per stage
 system's CPU seconds per sample, all its ranks and threads together (hpcdl's
 engine, gloo's threads) in the timed steps: what it costs where ranks share
 cores.
-Writes TAG.csv, TAG-memory.csv and TAG.png under --out; prints a table.
+Writes TAG.csv, TAG-memory.csv and TAG.png under --out; prints a table (--replot:
+only redraws TAG.png from the two CSVs).
 
 --model: every round also measures the schedule model's inputs just before and
 just after hpcdl's run (averaged; each stage's
@@ -457,7 +458,8 @@ def plot(rows, path, conditions, p, m, single):
     bars = left.bar(range(len(rows)), rates, color=["grey"] + ["tab:blue"] * (len(rows) - 1))
     for bar, r in zip(bars, rows):
         label = "did not complete" if "failure" in r else (
-            f"bubble {r['bubble']:.2f}\n(schedule {r['schedule_bubble']:.2f})" if "bubble" in r else "")
+            f"bubble {r['bubble']:.2f}" + (f"\n(schedule {r['schedule_bubble']:.2f})" if "schedule_bubble" in r else "")
+            if "bubble" in r else "")
         left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
                       fontsize=8)
     left.set_ylim(0, 1.2 * max(rates + [single or 0, 1]))  # room for the two-line labels
@@ -485,6 +487,38 @@ def plot(rows, path, conditions, p, m, single):
     fig.savefig(path, dpi=110)
 
 
+def replot(args):
+    """Redraw TAG.png from TAG.csv and TAG-memory.csv (a run's figures, unchanged)."""
+    base = os.path.join(args.out, args.tag)
+    for path in (base + ".csv", base + "-memory.csv"):
+        if not os.path.exists(path):
+            raise SystemExit(f"bench/pipeline.py --replot: {path} does not exist (--out and --tag name a run)")
+    with open(base + ".csv", newline="") as f:
+        table = list(csv.DictReader(f))
+    with open(base + "-memory.csv", newline="") as f:
+        memory = list(csv.DictReader(f))
+    rows = []
+    for t in table:
+        r = {"system": t["system"]}
+        if t["status"] != "ok":
+            r["failure"] = t["status"]
+        if t["runs_samples_per_s"]:
+            r["rates"] = [float(x) for x in t["runs_samples_per_s"].split()]
+        for key, column in (("bubble", "measured_bubble"), ("schedule_bubble", "schedule_bubble")):
+            if t.get(column):
+                r[key] = float(t[column])
+        stages = sorted((int(x["stage"]), int(x["peak_activation_bytes"])) for x in memory if x["schedule"] == t["system"])
+        if stages:
+            r["peak_bytes"] = [b for _, b in stages]
+        rows.append(r)
+    p = max(int(t["ranks"]) for t in table)
+    m = next(int(t["micro_batches"]) for t in table if t["micro_batches"])
+    single = next((float(t["median_samples_per_s"]) for t in table
+                   if t["system"] == "single process" and t["median_samples_per_s"]), None)
+    plot(rows, base + ".png", table[0]["conditions"], p, m, single)
+    print(f"wrote {base}.png")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4, help="pipeline stages (P), one rank each")
@@ -505,6 +539,7 @@ def main():
                         help="also measure the schedule model's inputs and predict (bench/pipeline_model.py)")
     parser.add_argument("--model-cores", type=float, default=None,
                         help="cores the model's stages share (default: measured, min(P, cores, P x CPU share))")
+    parser.add_argument("--replot", action="store_true", help="only redraw TAG.png from TAG.csv and TAG-memory.csv")
     parser.add_argument("--worker", choices=["single", "hpcdl", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--schedule", choices=SCHEDULES, help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
@@ -512,6 +547,8 @@ def main():
     args.micro_batches = args.micro_batches or 4 * args.ranks
     if args.runs < 1 or args.steps < 1:
         parser.error("--runs and --steps must be >= 1")
+    if args.replot:
+        return replot(args)
     if args.netns and args.worker is None and int(os.environ.get("HPCDL_NET_HOSTS") or 0) < args.ranks:
         parser.error(f"--netns needs {args.ranks} emulated hosts: run it under "
                      f"bench/netcluster.sh --hosts {args.ranks} run -- (HPCDL_NET_HOSTS is "

@@ -2,11 +2,15 @@
 closed-form bubble (P-1)/(M+P-1) for equal stages and free links (GPipe and 1F1B),
 1F1B holds at most P - s micro-batches on stage s, more cores are never slower,
 fewer cores than stages slow the all-busy pipeline by P / cores, a host's CPU quota caps
-each stage where a shared pool of the same cores does not, link costs lengthen the step, and `predict` / `validate` write their CSV (and PNG). No timings are asserted."""
+each stage where a shared pool of the same cores does not, link costs lengthen the step, and `predict` / `validate` write their CSV (and PNG); bench/pipeline.py --replot redraws a
+run's PNG from its CSVs. No timings are asserted."""
 
 import csv
 import importlib.util
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 from conftest import ROOT
@@ -142,3 +146,23 @@ def test_validate_tabulates_predicted_over_measured(tmp_path):
     assert float(rows[0]["predicted_over_measured"]) == pytest.approx(1.2)
     assert float(rows[0]["predicted_over_measured_inrun"]) == pytest.approx(1.1)
     assert rows[0]["predicted_over_measured_run_share"] == ""   # not in this run's CSV: empty, not 0
+
+
+def test_bench_pipeline_replot_redraws_a_run_from_its_csvs(tmp_path):
+    pytest.importorskip("matplotlib")
+    for suffix in (".csv", "-memory.csv"):
+        shutil.copy(os.path.join(ROOT, "bench", "results", "pipeline-2stages-heavy" + suffix), tmp_path / ("t" + suffix))
+    with open(tmp_path / "t.csv", newline="") as f:   # a system that failed is drawn as such
+        rows = list(csv.DictReader(f))
+    rows[-1].update(status="did not complete in 600 s", median_samples_per_s="", runs_samples_per_s="")
+    with open(tmp_path / "t.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pipeline.py"), "--replot",
+                           "--out", str(tmp_path), "--tag", "t"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "t.png").stat().st_size > 10000
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pipeline.py"), "--replot",
+                           "--out", str(tmp_path), "--tag", "missing"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "missing.csv" in done.stderr
