@@ -73,8 +73,9 @@ shape() {  # shape NS DEV: limit what leaves DEV inside namespace NS
 }
 
 # Host I's CPU cgroup (cgroup v2's cpu.max, else v1's cpu controller).
+[ -f /sys/fs/cgroup/cgroup.controllers ] && CGROUP_V2=1 || CGROUP_V2=
 cgroup_dir() {
-  if [ -f /sys/fs/cgroup/cgroup.controllers ]; then echo "/sys/fs/cgroup/hn$1"; else echo "/sys/fs/cgroup/cpu/hn$1"; fi
+  if [ -n "$CGROUP_V2" ]; then echo "/sys/fs/cgroup/hn$1"; else echo "/sys/fs/cgroup/cpu/hn$1"; fi
 }
 
 limit_cpus() {  # limit_cpus I: host I's processes share $CPUS cores
@@ -83,7 +84,7 @@ limit_cpus() {  # limit_cpus I: host I's processes share $CPUS cores
   # The kernel takes quotas of at least 1 ms: a longer period below 0.5 cores.
   period=$(awk -v c="$CPUS" -v p="$CPU_PERIOD_US" 'BEGIN { q = 1000 / c; printf "%d", (p > q ? p : q + 0.999) }')
   quota=$(awk -v c="$CPUS" -v p="$period" 'BEGIN { printf "%d", c * p }')
-  if [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+  if [ -n "$CGROUP_V2" ]; then
     echo +cpu > /sys/fs/cgroup/cgroup.subtree_control
     mkdir -p "$dir"
     echo "$quota $period" > "$dir/cpu.max"

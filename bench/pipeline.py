@@ -304,17 +304,20 @@ def run_round(args, env):
     # --netns: bench/netns-exec.sh moves rank r (PMI_RANK) into emulated host hn{r} (with its cores, if
     # bench/netcluster.sh --cpus limits them) and points MPICH and gloo at its eth0 (and gloo's master at hn0);
     # the single process runs in hn0, on one host's cores
-    into_host = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns-exec.sh")] if args.netns else []
-    got, why = run_children([(["env", "PMI_RANK=0"] + into_host if into_host else []) + child_argv(args, "single")],
-                            args.timeout, env)
+    netns_exec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns-exec.sh")
+    into_host = [netns_exec] if args.netns else []   # mpiexec sets PMI_RANK itself
+
+    def in_host(rank):   # the prefix that starts a process in host hn{rank} (none without --netns)
+        return ["env", f"PMI_RANK={rank}", netns_exec] if args.netns else []
+
+    got, why = run_children([in_host(0) + child_argv(args, "single")], args.timeout, env)
     rows += got or [{"system": "single process", "failure": why}]
     got, why = run_children([[args.mpiexec, "-n", str(p)] + into_host + child_argv(args, "hpcdl")],
                             args.timeout, env)
     rows += got or [{"system": f"hpcdl {s}", "failure": why} for s in SCHEDULES]
     for schedule in () if args.no_torch else SCHEDULES:
         tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-        argvs = [(["env", f"PMI_RANK={r}"] + into_host if into_host else [])
-                 + child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)]
+        argvs = [in_host(r) + child_argv(args, "torch", schedule=schedule, rank=r) for r in range(p)]
         got, why = run_children(argvs, args.timeout, tenv)
         rows += got or [{"system": f"torch.distributed.pipelining {schedule}", "failure": why}]
     return rows
@@ -325,7 +328,8 @@ def drive(args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     merged, predictions, inputs = {}, {}, []
     model_cores = {}
-    host_cpus = min(1.0, float(os.environ.get("HPCDL_NET_CPUS") or 1)) if args.netns else 1.0  # one thread a stage
+    net_cpus = os.environ.get("HPCDL_NET_CPUS") if args.netns else None   # bench/netcluster.sh --cpus
+    host_cpus = min(1.0, float(net_cpus or 1))   # the most of a core a stage gets: one thread each
     for round_ in range(args.runs):  # systems interleaved, so machine noise hits them alike
         print(f"[bench] round {round_ + 1} of {args.runs}", file=sys.stderr, flush=True)
         for row in run_round(args, env):
@@ -367,8 +371,7 @@ def drive(args):
     load = os.getloadavg()[0]
     stream = os.environ.get("HPCDL_BENCH_STREAM_MBPS")
     stream = f"{float(stream):.1f} MB/s" if stream else "not measured"
-    cpus = os.environ.get("HPCDL_NET_CPUS")
-    network = (f"{p} emulated hosts{f' of {cpus} cores' if cpus else ''}, {os.environ.get('HPCDL_NET_RATE', '?')} "
+    network = (f"{p} emulated hosts{f' of {net_cpus} cores' if net_cpus else ''}, {os.environ.get('HPCDL_NET_RATE', '?')} "
                f"links (one TCP stream {stream}), " if args.netns else "")
     conditions = (f"{network}{p} ranks on {os.cpu_count()} cores (load avg {load:.1f}), hidden {args.hidden}, "
                   f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps")
