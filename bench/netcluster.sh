@@ -84,15 +84,14 @@ limit_cpus() {  # limit_cpus I: host I's processes share $CPUS cores
   # The kernel takes quotas of at least 1 ms: a longer period below 0.5 cores.
   period=$(awk -v c="$CPUS" -v p="$CPU_PERIOD_US" 'BEGIN { q = 1000 / c; printf "%d", (p > q ? p : q + 0.999) }')
   quota=$(awk -v c="$CPUS" -v p="$period" 'BEGIN { printf "%d", c * p }')
-  if [ -n "$CGROUP_V2" ]; then
-    echo +cpu > /sys/fs/cgroup/cgroup.subtree_control
-    mkdir -p "$dir"
-    echo "$quota $period" > "$dir/cpu.max"
-  else
-    mkdir -p "$dir"
-    echo "$period" > "$dir/cpu.cfs_period_us"
-    echo "$quota" > "$dir/cpu.cfs_quota_us"
-  fi
+  {
+    if [ -n "$CGROUP_V2" ]; then
+      echo +cpu > /sys/fs/cgroup/cgroup.subtree_control && mkdir -p "$dir" && echo "$quota $period" > "$dir/cpu.max"
+    else
+      mkdir -p "$dir" && echo "$period" > "$dir/cpu.cfs_period_us" && echo "$quota" > "$dir/cpu.cfs_quota_us"
+    fi
+  } 2>/dev/null || { log "--cpus: cannot give host $1 the CPU cgroup $dir with a quota of $quota us per $period us" \
+                         "(needs root and the cgroup cpu controller)"; exit 1; }
 }
 
 down() {

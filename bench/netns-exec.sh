@@ -11,7 +11,8 @@ rank=${PMI_RANK:?"run me under mpiexec (PMI_RANK is not set)"}
 ns=hn$rank
 ip netns list | grep -qE "^$ns( |$)" || { echo "[netns-exec rank $rank] no namespace $ns: run bench/netcluster.sh up" >&2; exit 1; }
 cgroup=$("$(dirname "$0")/netcluster.sh" cgroup "$rank")
-[ -z "$cgroup" ] || echo $$ > "$cgroup/cgroup.procs"
+[ -z "$cgroup" ] || echo $$ 2>/dev/null > "$cgroup/cgroup.procs" \
+  || { echo "[netns-exec rank $rank] cannot join the CPU cgroup $cgroup of host $ns" >&2; exit 1; }
 # Without NOLOCAL (and the ofi netmod: ucx would move data through shared
 # memory anyway) ranks on the same kernel bypass the links we emulate.
 export MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0
