@@ -8,6 +8,9 @@
 #   bench/netcluster.sh [OPTIONS] up        create the namespaces (replaces a stale set)
 #   bench/netcluster.sh down                remove them (any host count)
 #   bench/netcluster.sh [OPTIONS] stream    measure one TCP stream hn0 -> hn1 (MB/s)
+#   bench/netcluster.sh [OPTIONS] streams   up, then every host i streams to host i+1 (mod N)
+#                                 at once, as a ring loads the links: each
+#                                 receiver's MB/s, then down
 #   bench/netcluster.sh cgroup I            print host I's CPU cgroup, if it has one
 #   bench/netcluster.sh [OPTIONS] run -- CMD...
 #                                 up, measure the stream, run CMD in the root
@@ -34,7 +37,7 @@ cd "$(dirname "$0")/.."
 HOSTS=${HPCDL_NET_HOSTS:-4}
 RATE=${HPCDL_NET_RATE:-1gbit}
 CPUS=${HPCDL_NET_CPUS:-}
-usage() { echo "usage: $0 [--hosts N] [--rate RATE] [--cpus C] up|down|stream|cgroup I|run -- CMD..." >&2; exit 2; }
+usage() { echo "usage: $0 [--hosts N] [--rate RATE] [--cpus C] up|down|stream|streams|cgroup I|run -- CMD..." >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --hosts) [ $# -ge 2 ] || usage; HOSTS=$2; shift 2 ;;
@@ -142,10 +145,40 @@ stream() {
   rm -f "$out"
 }
 
+# Host i -> host i+1 (mod N), all at once: what each link carries when every
+# host sends and receives, as in a ring step. Prints "hnJ MB/s" per receiver.
+ring_streams() {
+  local port=5202 dir i
+  dir=$(mktemp -d)
+  for i in $(seq 0 $((HOSTS - 1))); do
+    ip netns exec "hn$i" "$PY" bench/tcp_stream.py receive --port "$port" >"$dir/hn$i" &
+  done
+  sleep 0.5
+  local senders=()
+  for i in $(seq 0 $((HOSTS - 1))); do
+    ip netns exec "hn$i" "$PY" bench/tcp_stream.py send --host "$(host_addr $(((i + 1) % HOSTS)))" \
+        --port "$port" --seconds "${HPCDL_STREAM_SECONDS:-5}" &
+    senders+=($!)
+  done
+  local failed=0
+  for pid in "${senders[@]}"; do wait "$pid" || failed=1; done
+  wait
+  for i in $(seq 0 $((HOSTS - 1))); do echo "hn$i $(cat "$dir/hn$i")"; done
+  rm -rf "$dir"
+  [ "$failed" = 0 ] || { log "a sender failed"; return 1; }
+}
+
 case "${1:-}" in
   up) up ;;
   down) down; log "down" ;;
   stream) stream ;;
+  streams)
+    trap 'down; log "down"' EXIT
+    trap 'exit 130' INT TERM
+    up
+    log "TCP stream hn0 -> hn1 alone: $(stream) MB/s; host i -> host i+1, all at once:"
+    ring_streams
+    ;;
   cgroup)
     [[ "${2:-}" =~ ^[0-9]+$ ]] || usage
     [ ! -d "$(cgroup_dir "$2")" ] || cgroup_dir "$2"

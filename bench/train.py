@@ -1,6 +1,8 @@
 """Training step time and accuracy: hpcdl.torch.DistributedOptimizer (dense and
 its codecs) vs DistributedDataParallel over gloo, plain and with its
-communication hooks (fp16/bf16 compression, PowerSGD rank 1 and 4).
+communication hooks (fp16/bf16 compression, PowerSGD rank 1 and 4), and the
+same step with no gradient exchange at all: the floor no data-parallel system
+can beat on these cores.
 
     mpiexec -n 4 python bench/train.py --out bench/results --tag train-onehost
     flock /tmp/hpcdl-netcluster.lock bench/netcluster.sh run -- mpiexec -n 4 bench/netns-exec.sh \\
@@ -14,7 +16,10 @@ steps, so every timed step is compressed. PowerSGD's DDP gets one bucket for
 all gradients: over gloo its hook deadlocks with two (see build_systems). A separate, untimed phase trains a
 fresh copy of every system for --train-steps steps on the scikit-learn digits
 (each rank on its shard, the same batches for every system) and reports the
-accuracy on a held-out fifth. A system that cannot run here (DDP refuses
+accuracy on a held-out fifth. The floor (no-exchange: each rank steps its own
+model alone) is timed, not trained: it is no way to train. "vs fastest hook"
+is the fastest DDP hook's step time over the system's, so the floor's is the
+most any system could reach here. A system that cannot run here (DDP refuses
 bf16_compress_hook without CUDA/NCCL or XPU) is a row with its reason and no
 figures. Writes TAG.csv and TAG.png (with the load average and, on the
 emulated cluster, the measured TCP stream); rank 0 prints a table. Imports
@@ -38,6 +43,8 @@ from hpcdl.measure import cell, rate, ratio, save_figure, show
 WORLD = MPI.COMM_WORLD
 POWERSGD_START_ITER = 10  # PowerSGDState's warm-up: plain allreduce before this step (its default is 1000)
 DDP_HOOKS = ("fp16", "bf16", "powersgd-r1", "powersgd-r4")
+FLOOR = "no-exchange"
+FLOOR_NOTE = "step-time floor: no gradient exchange, not trained"
 TEST_FRACTION, SPLIT_SEED = 0.2, 1234
 
 
@@ -178,7 +185,12 @@ def main():
     x = torch.randn(args.batch, features, generator=g)
     y = torch.randint(0, classes, (args.batch,), generator=g)
 
-    systems, failed = build_systems(args, lambda: make_model(features, args.hidden, args.layers, classes), "bench")
+    def make():
+        return make_model(features, args.hidden, args.layers, classes)
+
+    systems, failed = build_systems(args, make, "bench")
+    floor = make()
+    systems[FLOOR] = (floor, torch.optim.SGD(floor.parameters(), lr=args.lr))
     params = sum(p.numel() for p in systems["ddp-gloo"][0].parameters())
 
     def step(model, opt):
@@ -203,28 +215,33 @@ def main():
     dist.destroy_process_group()
     if rank != 0:
         return
-    ddp_median = statistics.median(times["ddp-gloo"])
+    medians = {name: statistics.median(steps) for name, steps in times.items()}
+    ddp_median = medians["ddp-gloo"]
+    hooks = [f"ddp-{hook}" for hook in args.ddp_hooks.split(",") if hook]
+    fastest_hook = min((medians[name] for name in hooks if name in medians), default=None)
+    notes = dict(failed, **{FLOOR: FLOOR_NOTE})
     os.makedirs(args.out, exist_ok=True)
     rows = []
     print(f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params, "
           f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank; accuracy on the digits "
           f"after {args.train_steps} steps; PowerSGD from step {POWERSGD_START_ITER}")
-    hooks = [f"ddp-{hook}" for hook in args.ddp_hooks.split(",") if hook]
-    for name in ["ddp-gloo", *hooks, *(name for name in times if name.startswith("hpcdl-"))]:
-        median = statistics.median(times[name]) if name in times else None
+    for name in ["ddp-gloo", *hooks, *(name for name in times if name.startswith("hpcdl-")), FLOOR]:
+        median = medians.get(name)
         used = statistics.median(cpu[name]) if name in cpu else None
         rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
                      "median_step_ms": None if median is None else median * 1e3,
                      "samples_per_s": rate(size * args.batch, median),
-                     "throughput_vs_ddp": ratio(ddp_median, median), "steps_timed": len(times.get(name, ())),
+                     "throughput_vs_ddp": ratio(ddp_median, median),
+                     "throughput_vs_fastest_hook": ratio(fastest_hook, median), "steps_timed": len(times.get(name, ())),
                      "cpu_ms_per_step": None if used is None else used * 1e3, "train_steps": args.train_steps,
                      "test_acc": accuracy.get(name, (None, None))[0],
-                     "test_loss": accuracy.get(name, (None, None))[1], "note": failed.get(name, ""),
+                     "test_loss": accuracy.get(name, (None, None))[1], "note": notes.get(name, ""),
                      "load_avg_1min": os.getloadavg()[0],
                      "stream_MBps": os.environ.get("HPCDL_BENCH_STREAM_MBPS", "")})
         r = rows[-1]
         print(f"[hpcdl rank 0] {name:17s} {show(r['median_step_ms'], '9.2f')} ms/step  "
               f"{show(r['samples_per_s'], '9.0f')} samples/s  {show(r['throughput_vs_ddp'], '5.2f')}x DDP  "
+              f"{show(r['throughput_vs_fastest_hook'], '5.2f')}x fastest hook  "
               f"{show(r['cpu_ms_per_step'], '7.1f')} ms CPU/step/rank  test acc {show(r['test_acc'], '.3f')} "
               f"loss {show(r['test_loss'], '.4f')}  "
               f"{r['note']}")
@@ -238,7 +255,8 @@ def main():
 def draw(plt, rows, tag, size, params):
     fig, (speed, acc) = plt.subplots(1, 2, figsize=(11, 4))
     families = {"ddp-gloo": ("DDP (gloo)", "tab:gray"), "ddp-": ("DDP + comm hook", "tab:orange"),
-                "hpcdl-": ("hpcdl DistributedOptimizer", "tab:blue")}
+                "hpcdl-": ("hpcdl DistributedOptimizer", "tab:blue"),
+                FLOOR: ("no gradient exchange (floor)", "tab:green")}
     for ax, key, label in ((speed, "samples_per_s", "training throughput, samples/s (all ranks)"),
                            (acc, "test_acc", f"held-out accuracy after {rows[0]['train_steps']} steps (digits)")):
         for i, row in enumerate(rows):
@@ -246,12 +264,13 @@ def draw(plt, rows, tag, size, params):
             value = row[key]
             ax.bar(i, value or 0, color=family[1], label=family[0])
             if value is None:  # not measured: say so instead of drawing a zero
-                ax.text(i, 0, " did not run", rotation=90, ha="center", va="bottom", fontsize=8)
+                why = " not trained" if row["system"] == FLOOR else " did not run"
+                ax.text(i, 0, why, rotation=90, ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(rows)), [r["system"] for r in rows], rotation=35, ha="right", fontsize=8)
         ax.set_ylabel(label, fontsize=9)
     acc.set_ylim(0, 1)
     handles = dict(zip(*reversed(speed.get_legend_handles_labels())))
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=3, fontsize=8)
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"{tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU, PowerSGD from step "
                  f"{POWERSGD_START_ITER}")
     fig.tight_layout(rect=(0, 0.06, 1, 1))

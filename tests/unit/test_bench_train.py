@@ -1,18 +1,21 @@
 """bench/train.py with tiny sizes under mpiexec -n 2: every system it was asked
 for is a CSV row, either measured (step time and accuracy > 0) or missing with
-the reason it did not run, never a zero. Hidden 512: 2.7 MB of gradients, more
+the reason it did not run, never a zero; the no-exchange floor is timed and not
+trained, and says so. Hidden 512: 2.7 MB of gradients, more
 than DDP's 1 MiB first bucket, so PowerSGD would meet the two-bucket deadlock
 over gloo that the bench avoids."""
 
 import csv
 import os
+import re
 import sys
 
 from conftest import MPIEXEC, ROOT, finish_job, start_job
 
 SYSTEMS = {"ddp-gloo", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
-           "hpcdl-dense", "hpcdl-int8", "hpcdl-topk"}
-FIGURES = ("median_step_ms", "samples_per_s", "throughput_vs_ddp", "test_acc", "test_loss")
+           "hpcdl-dense", "hpcdl-int8", "hpcdl-topk", "no-exchange"}
+STEP_FIGURES = ("median_step_ms", "samples_per_s", "throughput_vs_ddp", "throughput_vs_fastest_hook")
+FIGURES = (*STEP_FIGURES, "test_acc", "test_loss")
 
 
 def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
@@ -26,11 +29,32 @@ def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
     assert set(rows) == SYSTEMS, output[-3000:]
     for name, row in rows.items():
         figures = [row[key] for key in FIGURES]
-        if row["note"]:
+        if name == "no-exchange":
+            assert row["note"] == "step-time floor: no gradient exchange, not trained", row
+            assert all(float(row[key]) > 0 for key in STEP_FIGURES) and row["test_acc"] == row["test_loss"] == "", row
+        elif row["note"]:
             assert row["note"].startswith("did not run: ") and len(row["note"]) > len("did not run: "), row
             assert figures == [""] * len(FIGURES), row
         else:
             assert all(float(value) > 0 for value in figures), row
             assert int(row["steps_timed"]) == 2 and int(row["train_steps"]) == 12, row
     assert rows["ddp-gloo"]["note"] == "" and float(rows["ddp-gloo"]["throughput_vs_ddp"]) == 1.0
+    hooks = [row for name, row in rows.items() if name.startswith("ddp-") and name != "ddp-gloo" and not row["note"]]
+    assert max(float(row["throughput_vs_fastest_hook"]) for row in hooks) == 1.0, rows
     assert os.path.getsize(tmp_path / "tiny.png") > 5000
+
+
+def test_profile_step_times_one_system_and_refuses_an_unknown_one():
+    """bench/profile_step.py: the step of one system alone, with its wall and CPU time per step."""
+    script = os.path.join(ROOT, "bench", "profile_step.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for system in ("topk", "no-exchange"):
+        command = [MPIEXEC, "-n", "2", sys.executable, script, system, "--steps", "3", "--hidden", "64",
+                   "--layers", "1", "--batch", "4"]
+        code, output, _ = finish_job(start_job(command, cwd=ROOT, env=env), 300)
+        assert code == 0, output[-3000:]
+        found = re.search(rf"\[hpcdl rank 0\] {system}: ([0-9.]+) ms/step, ([0-9.]+) ms CPU per rank and step "
+                          r"\(2 ranks, 3 timed steps after 20\)", output)
+        assert found and float(found.group(1)) > 0 and float(found.group(2)) > 0, output[-3000:]
+    code, output, _ = finish_job(start_job([sys.executable, script, "fp8"], cwd=ROOT, env=env), 120)
+    assert code == 2 and "unknown system 'fp8'" in output, output[-3000:]

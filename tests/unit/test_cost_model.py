@@ -159,6 +159,7 @@ def test_codecs_then_predict_write_every_cell_and_a_figure(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--hosts", "1", "up"], "--hosts must be an integer in 2..254, got '1'"),
     (["--hosts", "eight", "stream"], "--hosts must be an integer in 2..254, got 'eight'"),
+    (["--rate", "100", "streams"], "--rate must be a tc rate such as 100mbit or 1gbit, got '100'"),
     (["--rate", "fast", "up"], "--rate must be a tc rate such as 100mbit or 1gbit, got 'fast'"),
     (["--cpus", "half", "up"], "--cpus must be a positive number of cores such as 0.5, got 'half'"),
     (["--cpus", "0", "up"], "--cpus must be a positive number of cores such as 0.5, got '0'"),
