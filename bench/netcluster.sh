@@ -30,7 +30,8 @@
 # Needs root. Env: HPCDL_NET_HOSTS (4), HPCDL_NET_RATE (1gbit),
 # HPCDL_NET_BURST (256kb), HPCDL_NET_LATENCY (50ms), HPCDL_NET_CPUS,
 # HPCDL_NET_CPU_PERIOD_US (2000: the quota's period, so a throttled host
-# waits at most ~1 ms at 0.5 cores; longer where the quota would be < 1 ms).
+# waits at most ~1 ms at 0.5 cores; longer where the quota would be < 1 ms),
+# HPCDL_STREAM_SECONDS (5: how long stream and streams send).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -59,6 +60,9 @@ if [ -n "$CPUS" ]; then
   [[ "$CPUS" =~ ^([0-9]+\.?[0-9]*|\.[0-9]+)$ ]] && awk -v c="$CPUS" 'BEGIN { exit !(c > 0) }' \
     || { echo "$0: --cpus must be a positive number of cores such as 0.5, got '$CPUS'" >&2; exit 2; }
 fi
+STREAM_SECONDS=${HPCDL_STREAM_SECONDS:-5}
+[[ "$STREAM_SECONDS" =~ ^[0-9]+$ ]] && [ "$STREAM_SECONDS" -ge 1 ] \
+  || { echo "$0: HPCDL_STREAM_SECONDS must be a whole number of seconds >= 1, got '$STREAM_SECONDS'" >&2; exit 2; }
 CPU_PERIOD_US=${HPCDL_NET_CPU_PERIOD_US:-2000}
 BURST=${HPCDL_NET_BURST:-256kb}
 LATENCY=${HPCDL_NET_LATENCY:-50ms}
@@ -132,14 +136,17 @@ up() {
       [ -z "$CPUS" ] || echo ", $CPUS cores each (CPU cgroups hn0..hn$((HOSTS - 1)))")"
 }
 
+# A receiver whose sender never connects (it failed to start) gives up.
+RECEIVE_LIMIT=$((STREAM_SECONDS + 30))
+
 # One TCP stream hn0 -> hn1 for a few seconds; prints MB/s (10^6 bytes/s).
 stream() {
   local port=5201 out
   out=$(mktemp)
-  ip netns exec hn1 "$PY" bench/tcp_stream.py receive --port "$port" >"$out" &
+  ip netns exec hn1 timeout "$RECEIVE_LIMIT" "$PY" bench/tcp_stream.py receive --port "$port" >"$out" &
   local receiver=$!
   sleep 0.5
-  ip netns exec hn0 "$PY" bench/tcp_stream.py send --host "$(host_addr 1)" --port "$port" --seconds "${HPCDL_STREAM_SECONDS:-5}"
+  ip netns exec hn0 "$PY" bench/tcp_stream.py send --host "$(host_addr 1)" --port "$port" --seconds "$STREAM_SECONDS"
   wait "$receiver"
   cat "$out"
   rm -f "$out"
@@ -150,22 +157,23 @@ stream() {
 ring_streams() {
   local port=5202 dir i
   dir=$(mktemp -d)
+  local receivers=()
   for i in $(seq 0 $((HOSTS - 1))); do
-    ip netns exec "hn$i" "$PY" bench/tcp_stream.py receive --port "$port" >"$dir/hn$i" &
+    ip netns exec "hn$i" timeout "$RECEIVE_LIMIT" "$PY" bench/tcp_stream.py receive --port "$port" >"$dir/hn$i" &
+    receivers+=($!)
   done
   sleep 0.5
   local senders=()
   for i in $(seq 0 $((HOSTS - 1))); do
     ip netns exec "hn$i" "$PY" bench/tcp_stream.py send --host "$(host_addr $(((i + 1) % HOSTS)))" \
-        --port "$port" --seconds "${HPCDL_STREAM_SECONDS:-5}" &
+        --port "$port" --seconds "$STREAM_SECONDS" &
     senders+=($!)
   done
   local failed=0
-  for pid in "${senders[@]}"; do wait "$pid" || failed=1; done
-  wait
+  for pid in "${senders[@]}" "${receivers[@]}"; do wait "$pid" || failed=1; done
   for i in $(seq 0 $((HOSTS - 1))); do echo "hn$i $(cat "$dir/hn$i")"; done
   rm -rf "$dir"
-  [ "$failed" = 0 ] || { log "a sender failed"; return 1; }
+  [ "$failed" = 0 ] || { log "a sender or receiver failed"; return 1; }
 }
 
 case "${1:-}" in

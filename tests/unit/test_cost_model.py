@@ -173,3 +173,12 @@ def test_netcluster_refuses_bad_options_before_touching_the_network(argv, messag
     done = subprocess.run(["bash", os.path.join(ROOT, "bench", "netcluster.sh"), *argv],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
+
+
+@pytest.mark.parametrize("seconds", ["2.5", "0", "ten"])
+def test_netcluster_refuses_a_bad_stream_length_before_touching_the_network(seconds):
+    done = subprocess.run(["bash", os.path.join(ROOT, "bench", "netcluster.sh"), "streams"],
+                          capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, HPCDL_STREAM_SECONDS=seconds))
+    expected = f"HPCDL_STREAM_SECONDS must be a whole number of seconds >= 1, got '{seconds}'"
+    assert done.returncode == 2 and expected in done.stderr, (done.returncode, done.stderr)
