@@ -184,7 +184,8 @@ case "${1:-}" in
     trap 'down; log "down"' EXIT
     trap 'exit 130' INT TERM
     up
-    log "TCP stream hn0 -> hn1 alone: $(stream) MB/s; host i -> host i+1, all at once:"
+    rate=$(stream)
+    log "TCP stream hn0 -> hn1 alone: $rate MB/s; host i -> host i+1, all at once:"
     ring_streams
     ;;
   cgroup)
