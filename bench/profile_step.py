@@ -3,7 +3,7 @@
     perf record -a -g -F 499 -o /tmp/topk.perf -- mpiexec -n 4 python bench/profile_step.py topk --steps 300
     perf report -i /tmp/topk.perf --no-children --sort comm,dso,sym -g none
 
-SYSTEM is one of hpcdl's codecs in bench/train.py (dense, int8, topk) or
+SYSTEM is one of hpcdl's codecs in bench/train.py (dense, fp16, int8, topk) or
 no-exchange (the same step with no gradient exchange). The model, batch and
 step are bench/train.py's; after 20 untimed steps rank 0 prints the wall time
 per step and the process CPU time (all threads) per rank and step, mean over
@@ -20,14 +20,14 @@ from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hpcdl.torch  # noqa: E402
-from train import FLOOR, codecs, make_model  # noqa: E402
+from train import CLASSES, CODECS, FEATURES, FLOOR, codecs, make_model, random_batch, train_step  # noqa: E402
 
 WARMUP_STEPS = 20
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("system", help="dense, int8, topk or no-exchange")
+    parser.add_argument("system", help=f"{', '.join(CODECS)} or {FLOOR}")
     parser.add_argument("--steps", type=int, default=300, help="timed steps")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=3)
@@ -35,29 +35,24 @@ def main():
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
     args = parser.parse_args()
-    if args.system != FLOOR and args.system not in ("dense", "int8", "topk"):
-        parser.error(f"unknown system '{args.system}': choose dense, int8, topk or {FLOOR}")
+    if args.system != FLOOR and args.system not in CODECS:
+        parser.error(f"unknown system '{args.system}': choose {', '.join(CODECS)} or {FLOOR}")
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    features, classes = 784, 10
-    model = make_model(features, args.hidden, args.layers, classes)
+    model = make_model(FEATURES, args.hidden, args.layers, CLASSES)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     if args.system != FLOOR:
         (_, codec), = codecs([args.system])
         opt = hpcdl.torch.DistributedOptimizer(opt, model.named_parameters(), compression=codec,
                                                bucket_bytes=args.bucket_bytes, name=f"profile.{args.system}")
-    g = torch.Generator().manual_seed(comm.Get_rank())
-    x = torch.randn(args.batch, features, generator=g)
-    y = torch.randint(0, classes, (args.batch,), generator=g)
+    x, y = random_batch(comm.Get_rank(), args.batch)
     for i in range(WARMUP_STEPS + args.steps):
         if i == WARMUP_STEPS:
             comm.Barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        train_step(model, opt, x, y)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     cpus = comm.gather(cpu)
     walls = comm.gather(wall)

@@ -43,6 +43,8 @@ from hpcdl.measure import cell, rate, ratio, save_figure, show
 WORLD = MPI.COMM_WORLD
 POWERSGD_START_ITER = 10  # PowerSGDState's warm-up: plain allreduce before this step (its default is 1000)
 DDP_HOOKS = ("fp16", "bf16", "powersgd-r1", "powersgd-r4")
+CODECS = ("dense", "fp16", "int8", "topk")
+FEATURES, CLASSES = 784, 10  # the timed steps' random data
 FLOOR = "no-exchange"
 FLOOR_NOTE = "step-time floor: no gradient exchange, not trained"
 TEST_FRACTION, SPLIT_SEED = 0.2, 1234
@@ -54,6 +56,18 @@ def make_model(features, hidden, layers, classes):
     for _ in range(layers - 1):
         body += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
     return torch.nn.Sequential(*body, torch.nn.Linear(hidden, classes))
+
+
+def random_batch(rank, batch):
+    """This rank's (inputs, labels) for the timed steps: random, the same every step."""
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(batch, FEATURES, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
+
+
+def train_step(model, opt, x, y):
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
 
 
 def codecs(names):
@@ -158,7 +172,7 @@ def main():
     parser.add_argument("--batch", type=int, default=32, help="per rank")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per system and round")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--codecs", default="dense,int8,topk", help="hpcdl codecs: dense,fp16,int8,topk")
+    parser.add_argument("--codecs", default="dense,int8,topk", help=f"hpcdl codecs: {','.join(CODECS)}")
     parser.add_argument("--ddp-hooks", default=",".join(DDP_HOOKS),
                         help=f"DDP communication hooks, from {','.join(DDP_HOOKS)} ('' for plain DDP only)")
     parser.add_argument("--train-steps", type=int, default=200, help="steps of every system in the accuracy phase")
@@ -180,23 +194,15 @@ def main():
     os.environ.update(MASTER_ADDR=args.master_addr, MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=size)
 
-    features, classes = 784, 10
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, features, generator=g)
-    y = torch.randint(0, classes, (args.batch,), generator=g)
+    x, y = random_batch(rank, args.batch)
 
     def make():
-        return make_model(features, args.hidden, args.layers, classes)
+        return make_model(FEATURES, args.hidden, args.layers, CLASSES)
 
     systems, failed = build_systems(args, make, "bench")
     floor = make()
     systems[FLOOR] = (floor, torch.optim.SGD(floor.parameters(), lr=args.lr))
     params = sum(p.numel() for p in systems["ddp-gloo"][0].parameters())
-
-    def step(model, opt):
-        opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
 
     times = {name: [] for name in systems}
     cpu = {name: [] for name in systems}  # CPU seconds of this process (all threads) per step, mean over ranks
@@ -205,7 +211,7 @@ def main():
             WORLD.Barrier()
             for _ in range(args.steps if rnd else max(args.steps, POWERSGD_START_ITER)):
                 t0, c0 = time.perf_counter(), time.process_time()
-                step(model, opt)
+                train_step(model, opt, x, y)
                 every = WORLD.allgather((time.perf_counter() - t0, time.process_time() - c0))
                 elapsed, used = max(e for e, _ in every), sum(c for _, c in every) / size
                 if rnd:
