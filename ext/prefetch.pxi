@@ -259,7 +259,7 @@ cdef class PrefetchCore:
             "peer_misses": s.peer_misses, "peer_timeouts": s.peer_timeouts, "peer_waits": s.peer_waits,
             "peer_fills": s.peer_fills, "store_reads": s.store_reads,
             "store_requests": s.store_requests, "store_bytes": s.store_bytes,
-            "peer_errors": s.peer_errors, "peers_gone": s.peers_gone,
+            "peer_errors": s.peer_errors, "peers_gone": s.peers_gone, "peer_damaged": s.peer_damaged,
             "served_to_peers": s.served_to_peers, "ram_loaded": s.ram_loaded, "disk_written": s.disk_written,
             "batches": s.batches, "stall_seconds": s.stall_s, "staging_bytes": s.staging_bytes,
             "ram_used": s.tier_used[0], "disk_used": s.tier_used[1],

@@ -7,6 +7,9 @@ settings before any collective on them (the adapters at construction, the
 prefetcher's settings); a difference (a parameter on some ranks only, another
 shape, dtype or order) raises MismatchError on every rank with the first
 differences named, instead of hanging or reducing unrelated bytes.
+check_same_identity: every rank holds the same thing (a data set) under a name
+that may differ (its path): a different identity raises MismatchError on every
+rank naming the ranks of each identity and where each read it.
 """
 
 import hashlib
@@ -51,6 +54,45 @@ def check_same_on_all_ranks(comm, entries, what, settings=None):
         return
     everyone = comm.allgather(mine)
     raise MismatchError(f"{what} differ across ranks: " + "; ".join(_differences(everyone)))
+
+
+def check_same_identity(comm, identity, where, what, hint=""):
+    """Raise MismatchError on every rank unless all ranks pass an equal ``identity``.
+
+    identity: a short text (a fingerprint); where: this rank's description of
+    its copy (its path, its size), named in the message and free to differ;
+    hint: what to do, appended to the message. Collective over ``comm``: one
+    allgather of the identity, and a second one of ``where`` only when the
+    identities differ.
+    """
+    identities = comm.allgather(str(identity))
+    if len(set(identities)) == 1:
+        return
+    wheres = comm.allgather(str(where))
+    groups = {}  # identity -> its ranks, in order of each identity's first rank
+    for rank, ident in enumerate(identities):
+        groups.setdefault(ident, []).append(rank)
+    parts = []
+    for ident, ranks in list(groups.items())[:_MAX_LISTED]:
+        places = list(dict.fromkeys(wheres[r] for r in ranks))
+        shown = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
+        parts.append(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {ident}: {shown}")
+    more = len(groups) - _MAX_LISTED
+    raise MismatchError(f"{what} differ across ranks: " + "; ".join(parts) + (f"; ... {more} more" if more > 0 else "")
+                        + (f". {hint}" if hint else ""))
+
+
+def _ranks(ranks):
+    """'rank 3' or 'ranks 0-2, 5' (sorted ranks, consecutive ones as ranges)."""
+    runs = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:_MAX_LISTED])
+    more = len(runs) - _MAX_LISTED
+    return ("rank " if len(ranks) == 1 else "ranks ") + text + (f" and {more} more ranges" if more > 0 else "")
 
 
 def _differences(everyone):

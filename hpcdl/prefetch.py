@@ -28,7 +28,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _core, timeline
-from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
+from hpcdl._agree import call_on_every_rank, check_same_identity, check_same_on_all_ranks
 from hpcdl._warn import warn
 from hpcdl.errors import HpcdlError
 from hpcdl.store import Store, probe
@@ -290,10 +290,17 @@ class Prefetcher:
             asked = {name: size_or_auto(value, name) for name, value in
                      (("read_bytes", read_bytes), ("read_gap", read_gap), ("lookahead_bytes", lookahead_bytes))}
             asked["read_concurrency"] = count_or_auto(read_concurrency, "read_concurrency")
-            return (store if isinstance(store, Store) else Store(store)), asked
+            opened = store if isinstance(store, Store) else Store(store)
+            return opened, asked, opened.fingerprint()
 
-        self.store, asked = call_on_every_rank(world, open_store)
+        self.store, asked, fingerprint = call_on_every_rank(world, open_store)
         n = len(self.store)
+        if self.ranks > 1:  # peers serve each other's samples: they must hold the same ones
+            check_same_identity(world, f"fingerprint {fingerprint}",
+                                f"'{self.store.root}' ({n} samples, {int(self.store.sizes.sum())} bytes)",
+                                "the stores (their samples' count, sizes, CRC32Cs and labels)",
+                                "Every rank must read the same data set: a per-node copy may be stale (copied "
+                                "from another version) or incomplete; Store(path).fingerprint() on each shows which")
         self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
 
         def validate():

@@ -67,7 +67,7 @@ cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
         uint64_t hits[4]
         uint64_t bytes[4]
         uint64_t peer_misses, peer_timeouts, peer_waits, served_to_peers, peer_fills, store_reads
-        uint64_t peer_errors, peers_gone
+        uint64_t peer_errors, peers_gone, peer_damaged
         uint64_t store_requests, store_bytes
         uint64_t ram_loaded, disk_written, batches
         uint64_t tier_used[2]

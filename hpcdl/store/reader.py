@@ -5,6 +5,7 @@ the CRC32C and releases the GIL.
 """
 
 import bisect
+import hashlib
 import os
 import time
 from collections import namedtuple
@@ -79,7 +80,7 @@ class _Raw:
 class Store:
     """A packed store, opened once: ``len(store)``, ``store[i]`` (bytes),
     ``read_many(indices)``, ``names``, ``labels``, ``label_map``, ``verify()``,
-    ``index_of(name)``.
+    ``index_of(name)``, ``fingerprint()``.
 
     Opening reads the manifest and each shard's index with h5py, then closes
     them: reads go through the C++ reader (pread, checksum checked, GIL
@@ -153,6 +154,7 @@ class Store:
         self._reader = _core.Reader(infos, threads, verify_checksums)
         self.sizes = np.concatenate([i["sizes"] if "sizes" in i else np.zeros(i["count"], np.uint64)
                                      for i in infos]) if infos else np.zeros(0, np.uint64)
+        self._fingerprint = None
 
     @staticmethod
     def _open_shard(path, expected, checked):
@@ -240,6 +242,25 @@ class Store:
         except (CorruptDataError, OSError) as exc:
             raise self._named(exc) from None
         return out[:total], offsets
+
+    def fingerprint(self):
+        """The store's identity: 16 hex digits of a 64-bit BLAKE2b hash of what
+        it delivers, its sample count and, per sample, the size, CRC32C and
+        label its index records. Computed once (O(N), from the index already in
+        memory; no sample is read). Two copies of one store have the same
+        fingerprint whatever their paths or shard layout; a change to any
+        sample's bytes, size or label changes it. A damaged shard's samples
+        (allow_damaged) count as empty, with no checksum and label -1."""
+        if self._fingerprint is None:
+            h = hashlib.blake2b(digest_size=8)
+            h.update(np.array([len(self.sizes)], dtype="<u8").tobytes())
+            h.update(np.ascontiguousarray(self.sizes, dtype="<u8").tobytes())
+            for info in self.shard_infos:
+                crcs = info["crc32c"] if "crc32c" in info else np.zeros(info["count"], np.uint32)
+                h.update(np.ascontiguousarray(crcs, dtype="<u4").tobytes())
+            h.update(np.ascontiguousarray(self.labels, dtype="<i4").tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     @property
     def label_map(self):

@@ -9,7 +9,8 @@
 // MPI counts are int, so a sample of 2 GiB or more goes in pieces; MPI's
 // non-overtaking order keeps them in order). The requester receives the first
 // piece and, when it says "held", posts the rest. Both sides know the sample's
-// size from the store (64-bit), so no size travels.
+// size from the store (64-bit), so no size travels; the requester counts the
+// bytes that arrived (Ticket::received) for its caller to check.
 // A sample the server's placement holds but has not loaded yet is deferred:
 // the server answers as soon as it is loaded, or with 2 after defer_s (half
 // the requester's timeout), so every request is answered in bounded time. A
@@ -70,13 +71,18 @@ class PeerService {
   struct Pending {
     std::vector<char> buffer;
     std::vector<MPI_Request> recvs;  // the first piece; then the rest, once it said "held"
+    std::vector<MPI_Status> statuses;  // of recvs: the bytes each piece brought
+    std::uint64_t arrived = 0;         // bytes received so far, the status byte included
     int peer = 0, tag = 0;
     bool rest_posted = false;
+    bool too_long = false;  // a piece was longer than its receive (MPI_ERR_TRUNCATE)
   };
   // One request in flight: send it with request(), poll() it until it is answered.
   struct Ticket {
     std::unique_ptr<Pending> pending;
     std::uint64_t size = 0;
+    // kGot: the sample's bytes that arrived; another length than size: another sample at the peer (size + 1: longer)
+    std::uint64_t received = 0;
     std::chrono::steady_clock::time_point deadline;
     Status error;  // of an Outcome::kError
   };
@@ -84,7 +90,8 @@ class PeerService {
   // Sends a request for sample k (size bytes) to `peer`. Thread-safe.
   Status request(int peer, std::uint64_t k, std::uint64_t size, Ticket* t);
 
-  // Non-blocking: the answer to `t` (bytes copied to dst on kGot), or kWaiting.
+  // Non-blocking: the answer to `t` (on kGot size bytes copied to dst, of
+  // which t.received arrived: the caller checks them), or kWaiting.
   // After kTimeout the ticket's receives stay posted until shutdown.
   Outcome poll(Ticket& t, char* dst);
 

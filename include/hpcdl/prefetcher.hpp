@@ -11,11 +11,14 @@
 // tiers (peer_service.hpp), else the backing store. The consumer takes whole
 // local batches, zero-copy, and blocks only when a batch is really not there yet.
 //
-// Every byte handed out was checked: the store reader checks each sample's
-// CRC32C, the disk tier keeps the CRC of what it wrote and checks it on
-// read-back (a mismatch falls back to the store), peers serve only from
-// slots loaded that way. Disk trouble (missing directory, ENOSPC, I/O errors)
-// warns once and sends the affected samples to the store.
+// Every byte handed out was checked against the sample's CRC32C in this
+// rank's store index: the store reader checks what it reads, the disk tier
+// what it reads back, and a peer's bytes are checked (length and CRC32C) on
+// arrival, before a tier keeps them or a batch gets them; a mismatch falls
+// back to the store. (The ranks agreed on the store's fingerprint at start,
+// hpcdl/prefetch.py, so a peer's store holds the same samples.) Disk trouble
+// (missing directory, ENOSPC, I/O errors) warns once and sends the affected
+// samples to the store.
 //
 // Implementation in src/prefetch/, one concern a file: prefetcher.cc (set-up,
 // threads, shutdown), plan.cc (placement, peer sources, the run's batches),
@@ -74,6 +77,7 @@ struct PrefetchStats {
   std::uint64_t bytes[kSources] = {0, 0, 0, 0};
   std::uint64_t peer_misses = 0, peer_timeouts = 0, peer_waits = 0, served_to_peers = 0;
   std::uint64_t peer_errors = 0, peers_gone = 0;  // failed MPI requests; peers given up on (their samples: the store)
+  std::uint64_t peer_damaged = 0;  // peer replies of the wrong length or CRC32C (read from the store instead)
   std::uint64_t peer_fills = 0, store_reads = 0;  // tier slots filled from a peer; samples read from the backing store
   std::uint64_t store_requests = 0, store_bytes = 0;  // the backing store's reads (a coalesced span is one) and bytes
   std::uint64_t ram_loaded = 0, disk_written = 0, batches = 0;
@@ -153,12 +157,12 @@ class Prefetcher {
   bool load_slot(int tier, std::uint64_t k, char* scratch);
   // Sample k for `tier` from the backing store into dst, then committed.
   bool fill_from_store(int tier, std::uint64_t k, char* dst, double t0);
-  // The sample's bytes are in `bytes` (the arena itself for RAM): RAM counts
-  // them, disk writes them to the file and keeps their CRC.
+  // The sample's bytes are in `bytes` (the arena itself for RAM), checked:
+  // RAM counts them, disk writes them to the file.
   bool commit_slot(int tier, std::uint64_t k, const char* bytes, bool from_peer, double t0);
   void finish_slot(int tier, std::uint64_t k, bool ok);
   Status read_store(std::uint64_t k, char* dst);
-  // Sample k from the disk tier, its CRC32C checked; false (warned once): read it elsewhere.
+  // Sample k from the disk tier, checked against its CRC32C in the store's index; false (warned once): read it elsewhere.
   bool read_disk(std::uint64_t k, char* dst);
   void warn_disk_read_once(const std::string& what);
   // A store filler of `tier`: loads its slots whose source is the store, in first-use order.
@@ -188,6 +192,12 @@ class Prefetcher {
   bool fetch_peer(int peer, std::uint64_t k, char* dst);
   // Sends a request; false (the peer is given up on) when MPI fails.
   bool request_peer(int peer, std::uint64_t k, std::uint64_t size, PeerService::Ticket* t);
+  // A peer's answer to sample k, checked before anything uses it: the
+  // `received` bytes against the sample's size, their CRC32C against the one
+  // in this rank's store index. A mismatch (the peer's tier or the transfer
+  // damaged them) counts in peer_damaged and gives the peer up for the rest
+  // of the run with a warning naming it; false: the caller reads the store.
+  bool peer_bytes_ok(int peer, std::uint64_t k, const char* bytes, std::uint64_t received);
   // A peer's answer other than the bytes: "later" (ask again), a miss, a
   // timeout or an MPI error; after the last two the peer is given up on for
   // the rest of the run, so a peer that is gone costs one timeout, not one per sample.
@@ -238,11 +248,10 @@ class Prefetcher {
   std::multiset<std::uint64_t> gate_waiting_;  // the needs of the spans waiting to be read
   std::size_t gate_reading_ = 0;
 
-  // Tiers: per sample slot states; RAM arena; disk file (unlinked) and the CRCs written.
+  // Tiers: per sample slot states; RAM arena; disk file (unlinked).
   std::unique_ptr<std::atomic<std::uint8_t>[]> slots_[kCachedTiers];
   std::unique_ptr<char, FreeDeleter> ram_;
   int disk_fd_ = -1;
-  std::vector<std::uint32_t> disk_crc_;
   std::atomic<bool> disk_failed_{false}, disk_read_warned_{false};
   std::atomic<std::uint64_t> fill_next_[kCachedTiers] = {{0}, {0}};
   std::mutex slot_mu_;
@@ -259,9 +268,10 @@ class Prefetcher {
   std::vector<std::thread> threads_;
 
   std::atomic<std::uint64_t> hits_[kSources] = {{0}, {0}, {0}, {0}}, bytes_[kSources] = {{0}, {0}, {0}, {0}};
-  std::atomic<std::uint64_t> peer_misses_{0}, peer_timeouts_{0}, peer_waits_{0}, peer_errors_{0}, peer_fills_{0},
-      store_reads_{0}, store_requests_{0}, store_bytes_{0};
-  std::unique_ptr<std::atomic<bool>[]> peer_gone_;  // per rank, with the peer tier: given up on (no answer, MPI error)
+  std::atomic<std::uint64_t> peer_misses_{0}, peer_timeouts_{0}, peer_waits_{0}, peer_errors_{0}, peer_damaged_{0},
+      peer_fills_{0}, store_reads_{0}, store_requests_{0}, store_bytes_{0};
+  // Per rank, with the peer tier: given up on (no answer, an MPI error, damaged bytes).
+  std::unique_ptr<std::atomic<bool>[]> peer_gone_;
   std::atomic<std::uint64_t> ram_loaded_{0}, disk_written_{0};
   PrefetchStats stats_;
   std::mutex warn_mu_;

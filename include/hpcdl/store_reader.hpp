@@ -71,6 +71,8 @@ class StoreReader {
   Status read_span(const std::uint64_t* idx, std::size_t n, char* dst, std::uint64_t* span_bytes) const;
   // Checks sample i's bytes (read by read_span) against its stored CRC32C.
   Status verify(std::size_t i, const void* bytes) const;
+  // Sample i's CRC32C as the store's index records it.
+  std::uint32_t checksum(std::size_t i) const { return crc_[i]; }
 
   // Scans one shard front to back in large reads and checks every sample's
   // CRC32C; appends the global index and reason of each bad sample. A shard

@@ -1,12 +1,14 @@
 // The prefetcher's peer fills (include/hpcdl/prefetcher.hpp): samples from
-// the source peer's tiers over PeerService, a peer given up on after a
-// timeout or an MPI error.
+// the source peer's tiers over PeerService, each checked on arrival, a peer
+// given up on after a timeout, an MPI error or bytes that fail the check.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "hpcdl/crc32c.hpp"
 #include "hpcdl/prefetcher.hpp"
 #include "hpcdl/thread_setup.hpp"
 #include "hpcdl/timeline.hpp"
@@ -30,7 +32,7 @@ bool Prefetcher::fetch_peer(int peer, std::uint64_t k, char* dst) {
       if (o != PeerService::Outcome::kWaiting) break;
       std::this_thread::sleep_for(std::chrono::microseconds(backoff_us));
     }
-    if (o == PeerService::Outcome::kGot) return true;
+    if (o == PeerService::Outcome::kGot) return peer_bytes_ok(peer, k, dst, t.received);
     count_outcome(peer, o, t.error);
     if (o != PeerService::Outcome::kLater) return false;
   }
@@ -40,6 +42,28 @@ bool Prefetcher::request_peer(int peer, std::uint64_t k, std::uint64_t size, Pee
   const Status st = peers_->request(peer, k, size, t);
   if (!st.ok()) count_outcome(peer, PeerService::Outcome::kError, st);
   return st.ok();
+}
+
+bool Prefetcher::peer_bytes_ok(int peer, std::uint64_t k, const char* bytes, std::uint64_t received) {
+  const std::uint64_t size = reader_->size(k);
+  std::string problem;
+  if (received != size) {
+    problem = (received > size ? "more than " + std::to_string(size) : std::to_string(received)) +
+              " bytes where this rank's store has " + std::to_string(size);
+  } else {
+    const std::uint32_t got = crc32c(bytes, size), stored = reader_->checksum(k);
+    if (got == stored) return true;
+    char crcs[64];
+    std::snprintf(crcs, sizeof crcs, "CRC32C 0x%08x where this rank's store has 0x%08x", got, stored);
+    problem = crcs;
+  }
+  ++peer_damaged_;
+  if (!peer_gone_[peer].exchange(true))
+    warn("peer tier: rank " + std::to_string(peer) + " sent sample " + std::to_string(k) + " with " + problem +
+         " (the ranks agreed on the store's fingerprint at start, so its tier or the transfer damaged it); "
+         "read from this rank's store ('" + reader_->shard_path(reader_->shard_of(k)) + "') instead, and rank " +
+         std::to_string(peer) + "'s samples come from the store for the rest of the run");
+  return false;
 }
 
 void Prefetcher::count_outcome(int peer, PeerService::Outcome o, const Status& error) {
@@ -103,11 +127,12 @@ void Prefetcher::peer_fill_loop() {
         }
       }
       bool ok;
-      if (o == PeerService::Outcome::kGot) {
+      if (o == PeerService::Outcome::kGot && peer_bytes_ok(source, f.k, dst, f.ticket.received)) {
         ok = commit_slot(f.tier, f.k, dst, true, f.t0);
       } else {
         if (o == PeerService::Outcome::kWaiting) peers_->abandon(f.ticket);  // its source was given up on
-        else if (o != PeerService::Outcome::kLater) count_outcome(source, o, f.ticket.error);
+        else if (o != PeerService::Outcome::kLater && o != PeerService::Outcome::kGot)
+          count_outcome(source, o, f.ticket.error);
         ok = fill_from_store(f.tier, f.k, dst, f.t0);
       }
       finish_slot(f.tier, f.k, ok);

@@ -26,6 +26,40 @@ Status test_all(std::vector<MPI_Request>* requests, bool* done) {
   return Status::OK();
 }
 
+// MPI_Testall of a reply's receives; once they are all done, p->arrived has
+// grown by the bytes they brought. A piece longer than its receive (a longer
+// sample at the peer: MPI_ERR_TRUNCATE) completes too and sets p->too_long,
+// for the caller's length check; any other failure is that receive's error.
+Status test_receives(PeerService::Pending* p, bool* done) {
+  int flag = 0;
+  p->statuses.resize(p->recvs.size());
+  int rc = MPI_Testall(static_cast<int>(p->recvs.size()), p->recvs.data(), &flag, p->statuses.data());
+  if (rc == MPI_ERR_IN_STATUS) {
+    rc = MPI_SUCCESS;
+    flag = 1;
+    for (MPI_Status& st : p->statuses) {
+      int error_class = MPI_SUCCESS;
+      if (st.MPI_ERROR != MPI_SUCCESS) MPI_Error_class(st.MPI_ERROR, &error_class);
+      if (error_class == MPI_ERR_TRUNCATE) {
+        p->too_long = true;
+      } else if (error_class == MPI_ERR_PENDING) {
+        flag = 0;
+      } else if (error_class != MPI_SUCCESS && rc == MPI_SUCCESS) {
+        rc = st.MPI_ERROR;
+      }
+    }
+  }
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "peer tier: MPI_Testall"));
+  *done = flag != 0;
+  if (*done && !p->too_long)  // too long: the length check fails whatever the count
+    for (const MPI_Status& st : p->statuses) {  // an already completed (null) request: an empty status, 0 bytes
+      int count = 0;
+      HPCDL_RETURN_NOT_OK(mpi_status(MPI_Get_count(&st, MPI_BYTE, &count), "peer tier: MPI_Get_count"));
+      p->arrived += count > 0 ? static_cast<std::uint64_t>(count) : 0;
+    }
+  return Status::OK();
+}
+
 // Clean-up after an error or a timeout that is already reported: a failure
 // to cancel leaves nothing more to do, so its return code is not checked.
 void cancel_all(std::vector<MPI_Request>* requests) {
@@ -151,6 +185,7 @@ PeerService::Outcome PeerService::poll(Ticket& t, char* dst) {
   const char status = t.pending->buffer[0];
   if (status == kHeld) {
     std::memcpy(dst, t.pending->buffer.data() + 1, t.size);
+    t.received = t.pending->too_long ? t.size + 1 : t.pending->arrived - 1;
     return Outcome::kGot;
   }
   return status == kNotLoaded ? Outcome::kLater : Outcome::kMiss;
@@ -226,10 +261,10 @@ Status PeerService::post_pieces(bool send, char* buffer, std::uint64_t begin, st
 }
 
 Status PeerService::progress(Pending& p, bool* done) {
-  HPCDL_RETURN_NOT_OK(test_all(&p.recvs, done));
+  HPCDL_RETURN_NOT_OK(test_receives(&p, done));
   if (*done && !p.rest_posted) {
     p.rest_posted = true;
-    if (p.buffer[0] == kHeld && p.buffer.size() > max_message_) {
+    if (p.buffer[0] == kHeld && p.buffer.size() > max_message_ && !p.too_long) {
       p.recvs.clear();
       HPCDL_RETURN_NOT_OK(post_pieces(false, p.buffer.data(), max_message_, p.buffer.size(), p.peer, p.tag, &p.recvs));
       *done = false;

@@ -27,6 +27,7 @@ PrefetchStats Prefetcher::stats() {
   s.peer_timeouts = peer_timeouts_;
   s.peer_waits = peer_waits_;
   s.peer_errors = peer_errors_;
+  s.peer_damaged = peer_damaged_;
   for (std::size_t q = 0; peer_gone_ && q < cfg_.peer_ram_bytes.size(); ++q) s.peers_gone += peer_gone_[q].load();
   s.peer_fills = peer_fills_;
   s.store_reads = store_reads_;

@@ -46,7 +46,6 @@ void Prefetcher::open_disk() {
     return;
   }
   disk_fd_ = fd;
-  disk_crc_.assign(cfg_.spec.samples, 0);
 }
 
 std::uint8_t Prefetcher::ensure_slot(int tier, std::uint64_t k, char* scratch, bool may_load) {
@@ -100,7 +99,6 @@ bool Prefetcher::commit_slot(int tier, std::uint64_t k, const char* bytes, bool 
     }
     done += static_cast<std::uint64_t>(w);
   }
-  disk_crc_[k] = crc32c(bytes, size);
   ++disk_written_;
   Timeline::instance().record(from_peer ? "load disk from peer" : "load disk", "prefetch", t0, now_us(), 1);
   return true;
@@ -133,7 +131,7 @@ bool Prefetcher::read_disk(std::uint64_t k, char* dst) {
     }
     done += static_cast<std::uint64_t>(r);
   }
-  if (crc32c(dst, size) != disk_crc_[k]) {
+  if (crc32c(dst, size) != reader_->checksum(k)) {
     warn_disk_read_once("the disk tier returned bytes that fail their CRC32C (sample " + std::to_string(k) + ")");
     return false;
   }

@@ -1,19 +1,22 @@
 """The prefetcher under 4 MPI ranks: every sample exactly once per epoch across
 ranks, peer fetches that deliver the right bytes, each sample read from the
 store once per job when every rank caches what it reads, a silent peer -> the
-store, mismatched settings -> an error on every rank. Collective-safe (conftest)."""
+store, mismatched settings or stores -> an error on every rank, a peer's wrong
+bytes never delivered. Collective-safe (conftest)."""
 
 import shutil
 import tempfile
+import warnings
 
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 from hpcdl.errors import MismatchError
-from hpcdl.prefetch import Prefetcher
+from hpcdl.prefetch import Prefetcher, PrefetchWarning
+from hpcdl.store import Store
 from conftest import agree, collective, multi_rank, outcome, world_only
-from helpers.prefetch import store_made_by_rank0
+from helpers.prefetch import STALE_EDITS, copies_made_by_rank0, store_made_by_rank0
 
 pytestmark = pytest.mark.mpi
 
@@ -21,6 +24,11 @@ pytestmark = pytest.mark.mpi
 @pytest.fixture(scope="module")
 def shared_store():
     yield from store_made_by_rank0(MPI.COMM_WORLD, "hpcdl-prefetch-mpi-", files=160, seed=8)
+
+
+@pytest.fixture(scope="module")
+def store_copies():
+    yield from copies_made_by_rank0(MPI.COMM_WORLD, "hpcdl-prefetch-copies-", files=160, seed=8)
 
 
 def delivered(pf, st):
@@ -189,6 +197,63 @@ def test_mismatched_settings_raise_on_every_rank(comm, shared_store):
     agree(comm, err is not None, "no error for different batch sizes")
     _, err = outcome(Prefetcher, shared_store, 10, 2, 0, comm=comm)  # 10 is not a multiple of 4 ranks
     agree(comm, isinstance(err, ValueError) and "multiple" in str(err), repr(err))
+
+
+@pytest.mark.parametrize("stale", sorted(STALE_EDITS))
+@multi_rank
+def test_ranks_reading_different_stores_raise_on_every_rank(comm, store_copies, stale):
+    """Issue 30's case: rank 0 reads a stale copy of the data set (the same
+    sizes with byte 0 of every sample different, or every sample one byte
+    shorter) and holds a RAM tier the others fetch from. Construction raises
+    MismatchError on every rank, naming the ranks and their store paths,
+    instead of serving rank 0's bytes to the others. A faithful copy at
+    another path (a per-node copy) is accepted and delivers the right bytes."""
+    rank = comm.Get_rank()
+    mine = store_copies[stale] if rank == 0 else store_copies["fresh"]
+    pf, err = outcome(Prefetcher, mine, 8, 2, 5, comm=comm, ram_bytes=(1 << 30) if rank == 0 else 0)
+    if pf is not None:
+        pf.close()
+    others = "rank 1 has" if comm.Get_size() == 2 else f"ranks 1-{comm.Get_size() - 1} have"
+    text = str(err)
+    agree(comm, isinstance(err, MismatchError) and "the stores" in text and "rank 0 has fingerprint" in text
+          and f"{others} fingerprint" in text and f"'{store_copies[stale]}'" in text
+          and f"'{store_copies['fresh']}'" in text, repr(err))
+    st = Store(store_copies["same"] if rank == 0 else store_copies["fresh"])
+    with Prefetcher(st, 8, 2, 5, comm=comm, ram_bytes=(1 << 30) if rank == 0 else 0) as pf:
+        ids, right = delivered(pf, st)
+    agree(comm, right and len(ids) > 0, f"{len(ids)} samples, right bytes: {right}")
+
+
+@pytest.mark.parametrize("stale", sorted(STALE_EDITS))
+@world_only
+def test_a_peer_that_sends_other_bytes_is_not_served(comm, store_copies, stale, monkeypatch):
+    """The check on arrival alone: with the stores' agreement bypassed (every
+    rank's fingerprint made equal), rank 0 reads a stale copy and really sends
+    its other bytes (byte 0 different: a CRC32C mismatch; one byte shorter: a
+    length mismatch), as a peer whose tier or transfer damaged them would.
+    Every rank caches, so both the peer filler's and the staging threads'
+    fetches meet them. No rank delivers a byte that is not its own store's:
+    a bad reply is read from the store instead, counted (peer_damaged), and
+    warned about once, naming the peer and this rank's store path."""
+    # raising=False: should the method be renamed, the stores' agreement fails this test instead
+    monkeypatch.setattr(Store, "fingerprint", lambda self: "bypassed", raising=False)
+    rank = comm.Get_rank()
+    st = Store(store_copies[stale] if rank == 0 else store_copies["fresh"])
+    ram = (1 << 30) if rank == 0 else int(st.sizes.sum()) // 3
+
+    def run():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PrefetchWarning)
+            with Prefetcher(st, 8, 3, 11, comm=comm, ram_bytes=ram, peer_timeout=30.0) as pf:
+                ids, right = delivered(pf, st)
+        return right, pf.stats(), [str(w.message) for w in caught if issubclass(w.category, PrefetchWarning)]
+
+    right, stats, messages = collective(comm, run)
+    agree(comm, right, "a sample that is not this rank's store's was delivered")
+    damaged = [m for m in messages if " sent sample " in m]
+    named = all(st.shard_paths[0] in m and ("rank 0 sent" in m) == (rank != 0) for m in damaged)
+    agree(comm, stats.get("peer_damaged", 0) >= 1 and stats["peers_gone"] >= 1 and damaged and named,
+          f"peer_damaged {stats.get('peer_damaged')}, peers_gone {stats['peers_gone']}, warnings {messages}")
 
 
 @multi_rank

@@ -4,6 +4,7 @@ corruption, crash safety, CLI (packing under 4 MPI ranks: tests/mpi/test_store_m
 import multiprocessing
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from hpcdl import _core, store
+from hpcdl.store import manifest
 from hpcdl.errors import CorruptDataError
 from conftest import ROOT
 from helpers.store import check_round_trip, make_tree
@@ -111,6 +113,31 @@ def test_order_does_not_depend_on_shard_count(tree, tmp_path):
     one, many = store.Store(tmp_path / "one"), store.Store(tmp_path / "many")
     assert list(one.names) == list(many.names) and (one.labels == many.labels).all()
     assert len(many.shard_paths) == 7
+
+
+def test_fingerprint_names_the_contents_not_the_copy(tree, tmp_path):
+    """Equal for copies at other paths and with other shard layouts; another
+    for a changed byte, a shorter sample or another label."""
+    src, content = tree
+    store.pack(src, tmp_path / "one", shards=1, progress=False)
+    store.pack(src, tmp_path / "many", shards=7, progress=False)
+    fingerprint = store.Store(tmp_path / "one").fingerprint()
+    assert len(fingerprint) == 16 and store.Store(tmp_path / "many").fingerprint() == fingerprint
+    rel = max(content, key=lambda k: len(content[k]))
+    for name, data in (("byte", bytes([content[rel][0] ^ 1]) + content[rel][1:]), ("shorter", content[rel][:-1])):
+        changed = tmp_path / f"src-{name}"
+        shutil.copytree(src, changed)
+        (changed / rel).write_bytes(data)
+        store.pack(changed, tmp_path / name, progress=False)
+        assert store.Store(tmp_path / name).fingerprint() != fingerprint, name
+    relabelled = tmp_path / "label"  # one label changed in the index, its checksum kept right
+    shutil.copytree(tmp_path / "one", relabelled)
+    with h5py.File(relabelled / store.shard_name(0, 1), "r+") as f:
+        labels = f["labels"][:]
+        labels[0] += 1
+        f["labels"][:] = labels
+        f["labels"].attrs["crc32c"] = np.uint32(manifest._index_crc(labels))
+    assert store.Store(relabelled).fingerprint() != fingerprint
 
 
 def test_store_survives_pickle_and_fork(tree, tmp_path):
