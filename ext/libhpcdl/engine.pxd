@@ -7,7 +7,7 @@ from mpi4py.libmpi cimport MPI_Comm
 
 from libhpcdl.status cimport CStatus
 
-cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
     cdef enum class COpKind "hpcdl::OpKind":
         kAllreduce
         kBroadcast
@@ -88,11 +88,11 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
 
     size_t kMaxNotices "hpcdl::Engine::kMaxNotices"
 
-cdef extern from "hpcdl/dtype.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/util/dtype.hpp" namespace "hpcdl" nogil:
     size_t dtype_size(CDType t)
     const char* dtype_name(CDType t)
     cbool dtype_is_float(CDType t)
     cbool dtype_valid(int t)
 
-cdef extern from "hpcdl/ring.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/algorithms/ring.hpp" namespace "hpcdl" nogil:
     size_t kDefaultChunkBytes, kMinChunkBytes, kMaxChunkBytes

@@ -1,6 +1,6 @@
 from libcpp.string cimport string
 
-cdef extern from "hpcdl/status.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/util/status.hpp" namespace "hpcdl" nogil:
     cdef enum class CStatusCode "hpcdl::StatusCode":
         kOk
         kInvalidArgument

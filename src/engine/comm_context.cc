@@ -6,12 +6,12 @@
 #include <string>
 #include <thread>
 
-#include "hpcdl/comm_context.hpp"
-#include "hpcdl/engine.hpp"
-#include "hpcdl/env.hpp"
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/op_wire.hpp"
-#include "hpcdl/wire.hpp"
+#include "hpcdl/engine/comm_context.hpp"
+#include "hpcdl/engine/engine.hpp"
+#include "hpcdl/util/env.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/engine/op_wire.hpp"
+#include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {
 

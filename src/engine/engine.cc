@@ -1,7 +1,7 @@
 // The engine: submissions queue up from any thread; one background thread
 // takes them, keeps every communicator's agreement going (agreement.cc), runs
 // the plans (execute.cc) and otherwise idles with a backoff.
-#include "hpcdl/engine.hpp"
+#include "hpcdl/engine/engine.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -11,12 +11,12 @@
 #include <limits>
 #include <string>
 
-#include "hpcdl/codecs.hpp"
-#include "hpcdl/comm_context.hpp"
-#include "hpcdl/env.hpp"
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/thread_setup.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/engine/comm_context.hpp"
+#include "hpcdl/util/env.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/thread_setup.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "hpcdl/engine.hpp"
+#include "hpcdl/engine/engine.hpp"
 
 namespace hpcdl {
 

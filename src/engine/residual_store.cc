@@ -1,12 +1,12 @@
 // Error feedback: per communicator and tensor name, what compression dropped,
 // added back by the next compressed allreduce of that tensor.
-#include "hpcdl/residual_store.hpp"
+#include "hpcdl/engine/residual_store.hpp"
 
 #include <iterator>
 
-#include "hpcdl/comm_context.hpp"
-#include "hpcdl/engine.hpp"
-#include "hpcdl/mpi_util.hpp"
+#include "hpcdl/engine/comm_context.hpp"
+#include "hpcdl/engine/engine.hpp"
+#include "hpcdl/util/mpi_util.hpp"
 
 namespace hpcdl {
 

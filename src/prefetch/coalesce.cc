@@ -18,9 +18,9 @@
 #include <tuple>
 #include <vector>
 
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/thread_setup.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/thread_setup.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

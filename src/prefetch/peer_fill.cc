@@ -8,10 +8,10 @@
 #include <thread>
 #include <vector>
 
-#include "hpcdl/crc32c.hpp"
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/thread_setup.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/util/crc32c.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/thread_setup.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

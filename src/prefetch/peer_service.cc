@@ -1,13 +1,13 @@
 // PeerService (include/hpcdl/peer_service.hpp): the peer tier's requests,
 // replies in pieces, the server thread and the collective shutdown.
-#include "hpcdl/peer_service.hpp"
+#include "hpcdl/prefetch/peer_service.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <string>
 
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/thread_setup.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/thread_setup.hpp"
 
 namespace hpcdl {
 

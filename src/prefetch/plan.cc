@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/placement.hpp"
-#include "hpcdl/prefetcher.hpp"
+#include "hpcdl/prefetch/placement.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
 
 namespace hpcdl {
 

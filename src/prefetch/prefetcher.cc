@@ -1,5 +1,5 @@
 // Prefetcher (include/hpcdl/prefetcher.hpp): set-up, threads, shutdown.
-#include "hpcdl/prefetcher.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
 
 #include <unistd.h>
 
@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <utility>
 
-#include "hpcdl/thread_setup.hpp"
+#include "hpcdl/util/thread_setup.hpp"
 
 namespace hpcdl {
 

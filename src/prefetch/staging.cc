@@ -5,9 +5,9 @@
 #include <cstring>
 #include <vector>
 
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/thread_setup.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/thread_setup.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

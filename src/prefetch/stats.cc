@@ -5,8 +5,8 @@
 #include <utility>
 #include <vector>
 
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

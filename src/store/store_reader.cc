@@ -1,5 +1,5 @@
 // StoreReader (include/hpcdl/store_reader.hpp): one pread per sample, CRC32C checked.
-#include "hpcdl/store_reader.hpp"
+#include "hpcdl/store/store_reader.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -14,7 +14,7 @@
 #include <numeric>
 #include <utility>
 
-#include "hpcdl/crc32c.hpp"
+#include "hpcdl/util/crc32c.hpp"
 
 namespace hpcdl {
 

@@ -20,9 +20,9 @@
 #include <cstdint>
 #include <string>
 
-#include "hpcdl/ring.hpp"
-#include "hpcdl/scratch.hpp"
-#include "hpcdl/status.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/util/scratch.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 

@@ -17,9 +17,9 @@
 #include <utility>
 #include <vector>
 
-#include "hpcdl/dtype.hpp"
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/status.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 

@@ -37,12 +37,12 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/codecs.hpp"
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/ring.hpp"
-#include "hpcdl/scratch.hpp"
-#include "hpcdl/status.hpp"
-#include "hpcdl/topk.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/util/scratch.hpp"
+#include "hpcdl/util/status.hpp"
+#include "hpcdl/codecs/topk.hpp"
 
 namespace hpcdl {
 

@@ -7,10 +7,10 @@
 #include <cstring>
 #include <string>
 
-#include "hpcdl/codec_registry.hpp"
-#include "hpcdl/codecs.hpp"
-#include "hpcdl/status.hpp"
-#include "hpcdl/topk.hpp"
+#include "hpcdl/codecs/codec_registry.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/util/status.hpp"
+#include "hpcdl/codecs/topk.hpp"
 
 namespace hpcdl {
 

@@ -8,8 +8,8 @@
 
 #include <cstddef>
 
-#include "hpcdl/codecs.hpp"
-#include "hpcdl/topk.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/codecs/topk.hpp"
 
 namespace hpcdl {
 

@@ -29,8 +29,8 @@
 #include <limits>
 #include <string>
 
-#include "hpcdl/dtype.hpp"
-#include "hpcdl/status.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 

@@ -23,11 +23,11 @@
 #include <emmintrin.h>
 #endif
 
-#include "hpcdl/dtype.hpp"
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/ring.hpp"
-#include "hpcdl/scratch.hpp"
-#include "hpcdl/status.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/util/scratch.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 

@@ -18,9 +18,9 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/engine.hpp"
-#include "hpcdl/status.hpp"
-#include "hpcdl/wire.hpp"
+#include "hpcdl/engine/engine.hpp"
+#include "hpcdl/util/status.hpp"
+#include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {
 

@@ -32,15 +32,15 @@
 #include <thread>
 #include <vector>
 
-#include "hpcdl/compressed_ring.hpp"
-#include "hpcdl/dtype.hpp"
-#include "hpcdl/operation.hpp"
-#include "hpcdl/p2p.hpp"
-#include "hpcdl/residual_store.hpp"
-#include "hpcdl/ring.hpp"
-#include "hpcdl/status.hpp"
-#include "hpcdl/sparse_allreduce.hpp"
-#include "hpcdl/topk.hpp"
+#include "hpcdl/algorithms/compressed_ring.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/engine/operation.hpp"
+#include "hpcdl/engine/transfers.hpp"
+#include "hpcdl/engine/residual_store.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/util/status.hpp"
+#include "hpcdl/algorithms/sparse_allreduce.hpp"
+#include "hpcdl/codecs/topk.hpp"
 
 namespace hpcdl {
 

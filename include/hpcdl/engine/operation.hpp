@@ -9,9 +9,9 @@
 #include <utility>
 #include <vector>
 
-#include "hpcdl/codecs.hpp"
-#include "hpcdl/dtype.hpp"
-#include "hpcdl/status.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 

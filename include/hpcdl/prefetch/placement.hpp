@@ -13,8 +13,8 @@
 #include <limits>
 #include <vector>
 
-#include "hpcdl/status.hpp"
-#include "hpcdl/stream.hpp"
+#include "hpcdl/util/status.hpp"
+#include "hpcdl/prefetch/stream.hpp"
 
 namespace hpcdl {
 

@@ -40,11 +40,11 @@
 #include <thread>
 #include <vector>
 
-#include "hpcdl/peer_service.hpp"
-#include "hpcdl/placement.hpp"
-#include "hpcdl/status.hpp"
-#include "hpcdl/store_reader.hpp"
-#include "hpcdl/stream.hpp"
+#include "hpcdl/prefetch/peer_service.hpp"
+#include "hpcdl/prefetch/placement.hpp"
+#include "hpcdl/util/status.hpp"
+#include "hpcdl/store/store_reader.hpp"
+#include "hpcdl/prefetch/stream.hpp"
 
 namespace hpcdl {
 

@@ -13,8 +13,8 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/shuffle.hpp"
-#include "hpcdl/status.hpp"
+#include "hpcdl/prefetch/shuffle.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/status.hpp"
-#include "hpcdl/thread_pool.hpp"
+#include "hpcdl/util/status.hpp"
+#include "hpcdl/util/thread_pool.hpp"
 
 namespace hpcdl {
 

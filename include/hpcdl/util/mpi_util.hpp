@@ -13,8 +13,8 @@
 #include <thread>
 #include <vector>
 
-#include "hpcdl/env.hpp"
-#include "hpcdl/status.hpp"
+#include "hpcdl/util/env.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 

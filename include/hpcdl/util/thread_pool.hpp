@@ -17,7 +17,7 @@
 #include <thread>
 #include <vector>
 
-#include "hpcdl/thread_setup.hpp"
+#include "hpcdl/util/thread_setup.hpp"
 
 namespace hpcdl {
 

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include "hpcdl/status.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 

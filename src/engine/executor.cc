@@ -8,18 +8,18 @@
 #include <string>
 #include <type_traits>
 
-#include "hpcdl/codec_registry.hpp"
-#include "hpcdl/codecs.hpp"
-#include "hpcdl/comm_context.hpp"
-#include "hpcdl/compressed_ring.hpp"
-#include "hpcdl/engine.hpp"
-#include "hpcdl/env.hpp"
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/op_wire.hpp"
-#include "hpcdl/ring.hpp"
-#include "hpcdl/timeline.hpp"
-#include "hpcdl/topk.hpp"
-#include "hpcdl/wire.hpp"
+#include "hpcdl/codecs/codec_registry.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/engine/comm_context.hpp"
+#include "hpcdl/algorithms/compressed_ring.hpp"
+#include "hpcdl/engine/engine.hpp"
+#include "hpcdl/util/env.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/engine/op_wire.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/util/timeline.hpp"
+#include "hpcdl/codecs/topk.hpp"
+#include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {
 

@@ -6,11 +6,11 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/comm_context.hpp"
-#include "hpcdl/engine.hpp"
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/p2p.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/engine/comm_context.hpp"
+#include "hpcdl/engine/engine.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/engine/transfers.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "hpcdl/operation.hpp"
+#include "hpcdl/engine/operation.hpp"
 
 namespace hpcdl {
 
