@@ -1,6 +1,4 @@
-// Running what the plan says, in its order: wait for a deferred operation's
-// data, then the dense ring, a codec's compressed scheme or the broadcast,
-// its counters and its timeline spans.
+// Running what the plans say, in their order (executor.hpp).
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -12,7 +10,13 @@
 #include "hpcdl/codecs/codecs.hpp"
 #include "hpcdl/engine/comm_context.hpp"
 #include "hpcdl/algorithms/compressed_ring.hpp"
-#include "hpcdl/engine/engine.hpp"
+#include "hpcdl/engine/executor.hpp"
+#include "hpcdl/engine/notices.hpp"
+#include "hpcdl/engine/residual_store.hpp"
+#include "hpcdl/engine/stats.hpp"
+#include "hpcdl/engine/submission_queue.hpp"
+#include "hpcdl/engine/transfers.hpp"
+#include "hpcdl/engine/engine_loop.hpp"
 #include "hpcdl/util/env.hpp"
 #include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/engine/op_wire.hpp"
@@ -23,7 +27,7 @@
 
 namespace hpcdl {
 
-Status Engine::run_plans(CommContext& ctx) {
+Status Executor::run_plans(CommContext& ctx, Progress& progress) {
   while (!ctx.plans.empty() && ctx.control_error.ok()) {
     // Taken off the queue first: running an entry may queue the next plans.
     std::vector<char> plan = std::move(ctx.plans.front());
@@ -64,8 +68,8 @@ Status Engine::run_plans(CommContext& ctx) {
           std::lock_guard<std::mutex> g(op->mu_);
           op->times_.agreed_us = now_us();
         }
-        st = await_ready(ctx, *op);
-        if (st.ok()) st = execute(ctx, *op);
+        st = await_ready(ctx, *op, progress);
+        if (st.ok()) st = execute(ctx, *op, progress);
         if (!st.ok() && !ctx.gone.ok()) st = ctx.gone;  // abandoned because a rank left: say which
       } else {
         ctx.last_reported.erase(name);  // report it in full next time
@@ -74,7 +78,7 @@ Status Engine::run_plans(CommContext& ctx) {
       }
       {
         // Retire the name before the waiter wakes: its next step may reuse it at once.
-        std::lock_guard<std::mutex> g(mu_);
+        std::lock_guard<std::mutex> g(queue_.mu);
         ctx.in_flight.erase(name);
       }
       op->finish(st);
@@ -85,7 +89,7 @@ Status Engine::run_plans(CommContext& ctx) {
 
 // The other ranks wait in this operation's ring meanwhile; the control
 // channel is still read, so later operations are agreed.
-Status Engine::await_ready(CommContext& ctx, Operation& op) {
+Status Executor::await_ready(CommContext& ctx, Operation& op, Progress& progress) {
   const auto since = std::chrono::steady_clock::now();
   double warned_at = 0;
   // Its data comes from the caller's computation: wake rarely meanwhile,
@@ -93,21 +97,22 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
   // every 1 ms then, since a thread that starts to wait for one cannot wake
   // this wait (a hybrid pipeline's stage during its backward).
   auto wake_every = [&] {
-    return transfers_in_flight_ > 0 ? std::min(1e-3, 1e-6 * transfer_poll_interval().count()) : 0.02;
+    return transfers_.in_flight() > 0 ? std::min(1e-3, 1e-6 * transfers_.poll_interval().count()) : 0.02;
   };
   while (!op.wait_ready_for(wake_every())) {
-    if (wait_hook != nullptr) (*wait_hook)(0);
+    progress.waiting(0);
     if (!ctx.gone.ok()) return ctx.gone;
     double warn_s;
     {
-      std::lock_guard<std::mutex> g(mu_);
-      if (!running_) return Status::Cancelled("hpcdl's engine shut down before '" + op.name() + "' was marked ready");
-      warn_s = stall_warn_s_;
+      std::lock_guard<std::mutex> g(queue_.mu);
+      if (!queue_.running)
+        return Status::Cancelled("hpcdl's engine shut down before '" + op.name() + "' was marked ready");
+      warn_s = queue_.limits.warn_s;
     }
     const double waited = seconds_since(since);
     if (warn_s > 0 && waited - warned_at >= warn_s) {
       warned_at = waited;
-      notice(EngineNotice::Kind::kStall, "deferred operation '" + op.name() +
+      notices_.post(EngineNotice::Kind::kStall, "deferred operation '" + op.name() +
                                              "' is agreed on every rank but has waited " + seconds_text(waited) +
                                              " for mark_ready() here; the other ranks wait in its ring");
     }
@@ -118,7 +123,7 @@ Status Engine::await_ready(CommContext& ctx, Operation& op) {
 // A compressed allreduce (p > 1) with the codec's scheme; named tensors keep
 // an error-feedback residual, which the scheme adds where it first touches
 // each element (no separate pass over the tensor).
-Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic) {
+Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress) {
   const OpDesc& d = op.req_.desc;
   float* data = static_cast<float*>(op.req_.data);
   const std::size_t n = d.count;
@@ -134,19 +139,19 @@ Status Engine::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traf
     if constexpr (std::is_same_v<Codec, NoCodec>) {
       return Status::Internal("run_compressed without a codec");
     } else if constexpr (std::is_same_v<Codec, TopkCodec>) {
-      executing_cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
+      cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
       if (topk_use_split(codec.algorithm, ctx.size, n, codec.count(n)))
         return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, n, codec.ratio, scale, res,
-                                    traffic, topk_scratch_, split_scratch_);
-      return topk_allreduce(ctx.data, ctx.size, data, n, codec.ratio, scale, res, traffic, topk_scratch_);
+                                    traffic, topk_scratch_, split_scratch_, progress);
+      return topk_allreduce(ctx.data, ctx.size, data, n, codec.ratio, scale, res, traffic, topk_scratch_, progress);
     } else {
       CompressedRingPolicy<Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
-      return run_ring(plan, policy, ctx.data, kTagData, traffic);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic, progress);
     }
   });
 }
 
-Status Engine::execute(CommContext& ctx, Operation& op) {
+Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   const OpDesc& d = op.req_.desc;
   const double t0 = MPI_Wtime();
   const double start_us = now_us();
@@ -157,18 +162,18 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
   Status st;
   RingTraffic traffic;
   executing_ = &ctx;
-  executing_cancellable_ = d.kind == OpKind::kAllreduce;  // a ring's point-to-point requests can be cancelled
+  cancellable_ = d.kind == OpKind::kAllreduce;  // a ring's point-to-point requests can be cancelled
   if (d.kind == OpKind::kAllreduce) {
     const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
     if (ctx.size == 1) {
       scale_buffer(d.dtype, op.req_.data, d.count, scale);
     } else if (!d.codec.empty()) {
-      st = run_compressed(ctx, op, &traffic);
+      st = run_compressed(ctx, op, &traffic, progress);
     } else {
       RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
       DenseRingPolicy policy(plan, op.req_.data, d.dtype, scale);
       traffic.dense_bytes = plan.dense_bytes_sent();
-      st = run_ring(plan, policy, ctx.data, kTagData, &traffic);
+      st = run_ring(plan, policy, ctx.data, kTagData, &traffic, progress);
     }
   } else if (d.kind == OpKind::kBroadcast) {
     const std::size_t total = d.count * dtype_size(d.dtype);
@@ -177,19 +182,19 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
       const int n = static_cast<int>(std::min(kMaxChunkBytes, total - off));
       MPI_Request request;
       st = mpi_status(MPI_Ibcast(p + off, n, MPI_BYTE, d.root, ctx.data, &request), "MPI_Ibcast");
-      if (st.ok()) st = mpi_status(wait_politely(&request, MPI_STATUS_IGNORE), "MPI_Wait(broadcast)");
+      if (st.ok()) st = mpi_status(wait_politely(&request, MPI_STATUS_IGNORE, progress), "MPI_Wait(broadcast)");
       if (ctx.rank == d.root) traffic.bytes_sent += n; else traffic.bytes_received += n;
     }
   }
   // A barrier needs nothing more: it ran because every rank had entered it.
   executing_ = nullptr;
-  if (executing_stalled_s_ > 0) {
+  if (stalled_s_ > 0) {
     st = Status::Timeout("hpcdl: operation '" + op.name() + "' made no progress in its ring for " +
-                         seconds_text(executing_stalled_s_) + " (stall_error_seconds): rank " +
+                         seconds_text(stalled_s_) + " (stall_error_seconds): rank " +
                          std::to_string((ctx.rank + ctx.size - 1) % ctx.size) + " or rank " +
                          std::to_string((ctx.rank + 1) % ctx.size) +
                          " of the communicator, its neighbours, may be stopped or dead");
-    executing_stalled_s_ = 0;
+    stalled_s_ = 0;
   }
   const double end_us = now_us();
   {
@@ -212,6 +217,12 @@ Status Engine::execute(CommContext& ctx, Operation& op) {
     }
   }
   return st;
+}
+
+void Executor::record(const Operation& op, const RingTraffic& traffic, double seconds) {
+  const OpDesc& d = op.req_.desc;
+  stats_.count(op_kind_name(d.kind), d.kind == OpKind::kAllreduce ? (d.codec.empty() ? "none" : d.codec) : "",
+               traffic.bytes_sent, traffic.bytes_received, traffic.dense_bytes, seconds);
 }
 
 }  // namespace hpcdl

@@ -2,7 +2,7 @@
 #include <cstdint>
 #include <string>
 
-#include "hpcdl/engine/engine.hpp"
+#include "hpcdl/engine/operation.hpp"
 #include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {

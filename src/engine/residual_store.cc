@@ -4,10 +4,6 @@
 
 #include <iterator>
 
-#include "hpcdl/engine/comm_context.hpp"
-#include "hpcdl/engine/engine.hpp"
-#include "hpcdl/util/mpi_util.hpp"
-
 namespace hpcdl {
 
 std::shared_ptr<std::vector<float>> ResidualStore::get(std::uint64_t context_id, const std::string& name,
@@ -35,25 +31,6 @@ void ResidualStore::forget_context(std::uint64_t context_id) {
 void ResidualStore::clear() {
   std::lock_guard<std::mutex> g(mu_);
   residuals_.clear();
-}
-
-void Engine::reset_compression_state() { residuals_.clear(); }
-
-Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found) {
-  *found = false;
-  // Look the context up only: making one is collective (MPI_Comm_dup).
-  std::uint64_t id = 0;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
-    void* attr = nullptr;
-    int has = 0;
-    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, keyval_, &attr, &has), "MPI_Comm_get_attr"));
-    if (!has) return Status::OK();
-    id = static_cast<CommContext*>(attr)->id;
-  }
-  *found = residuals_.copy(id, name, out);
-  return Status::OK();
 }
 
 }  // namespace hpcdl

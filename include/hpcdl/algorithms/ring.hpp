@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "hpcdl/util/dtype.hpp"
+#include "hpcdl/algorithms/progress.hpp"
 #include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/util/status.hpp"
 
@@ -134,7 +135,8 @@ struct RingTraffic {
 // receive always gets it (blocking on sends deadlocks the ring once a step
 // holds more chunks than the send window).
 template <typename Policy>
-Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, RingTraffic* traffic) {
+Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, RingTraffic* traffic,
+                Progress& progress) {
   const std::size_t total = plan.units();
   const std::size_t C = plan.chunks();
   const std::size_t rs_units = plan.reduce_scatter_units();
@@ -193,7 +195,7 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
       if (n == 0) return Status::Internal("ring schedule stalled with nothing in flight");
       int index = MPI_UNDEFINED;
       MPI_Status st;
-      rc = wait_any_politely(n, wait_on, &index, &st);
+      rc = wait_any_politely(n, wait_on, &index, &st, progress);
       HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Waitany"));
       if (index == recv_index) {
         recv_req[consumed % kPipelineDepth] = MPI_REQUEST_NULL;
@@ -210,7 +212,7 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
     }
     // The send window may still hold back the last units: drain it.
     while (!send_req.empty()) {
-      rc = wait_politely(&send_req.front().second, MPI_STATUS_IGNORE);
+      rc = wait_politely(&send_req.front().second, MPI_STATUS_IGNORE, progress);
       HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Wait(send)"));
       send_req.pop_front();
       HPCDL_RETURN_NOT_OK(post());

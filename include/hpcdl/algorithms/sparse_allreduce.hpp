@@ -1,6 +1,7 @@
-// Top-k's split allreduce: bytes per rank flat in p (Ok-Topk's scheme, Li &
-// Hoefler PPoPP'22, with an exact global selection), and the choice between it
-// and the sparse allgather of topk.hpp.
+// Top-k's allreduces: the sparse allgather (topk_allreduce, described in
+// codecs/topk.hpp), the split allreduce: bytes per rank flat in p (Ok-Topk's
+// scheme, Li & Hoefler PPoPP'22, with an exact global selection), and the
+// choice between the two.
 //
 // Result: the exact top-k (by magnitude, NaN largest, lower index wins ties)
 // of s = the sum, in rank order, of every rank's scaled local top-k, i.e. the
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/algorithms/progress.hpp"
 #include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/util/scratch.hpp"
@@ -67,9 +69,9 @@ inline std::uint64_t allreduce_volume(int p, std::size_t bytes) {
   return 2 * static_cast<std::uint64_t>(p - 1) * bytes / static_cast<std::uint64_t>(p);
 }
 
-inline Status wait_all(MPI_Request* requests, int count, const char* what) {
+inline Status wait_all(MPI_Request* requests, int count, const char* what, Progress& progress) {
   for (int i = 0; i < count; ++i)
-    HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&requests[i], MPI_STATUS_IGNORE), what));
+    HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&requests[i], MPI_STATUS_IGNORE, progress), what));
   return Status::OK();
 }
 
@@ -83,7 +85,8 @@ inline Status wait_all(MPI_Request* requests, int count, const char* what) {
 inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, const std::uint32_t* idx,
                                       const float* val, const std::vector<int>& send_count,
                                       const std::vector<int>& send_displ, std::uint32_t* recv_idx, float* recv_val,
-                                      const std::vector<int>& recv_count, const std::vector<int>& recv_displ) {
+                                      const std::vector<int>& recv_count, const std::vector<int>& recv_displ,
+                                      Progress& progress) {
   std::memcpy(recv_idx + recv_displ[rank], idx + send_displ[rank], send_count[rank] * sizeof(std::uint32_t));
   std::memcpy(recv_val + recv_displ[rank], val + send_displ[rank], send_count[rank] * sizeof(float));
   MPI_Request rq[4] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
@@ -102,7 +105,7 @@ inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, c
         HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(val + send_displ[to], send_count[to], MPI_FLOAT, to, tag, comm,
                                                  &rq[3]), "MPI_Isend(top-k values)"));
       }
-      HPCDL_RETURN_NOT_OK(wait_all(rq, 4, "MPI_Wait(top-k pairs)"));
+      HPCDL_RETURN_NOT_OK(wait_all(rq, 4, "MPI_Wait(top-k pairs)", progress));
     }
     return Status::OK();
   };
@@ -139,7 +142,7 @@ inline bool topk_use_split(TopkAlgorithm algorithm, int p, std::size_t n, std::s
 // volume of each exchange (an allreduce as a ring's 2 (p - 1)/p).
 inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, float* data, std::size_t n,
                                    double ratio, double final_scale, float* residual, RingTraffic* traffic,
-                                   TopkScratch& topk_scratch, SplitScratch& s) {
+                                   TopkScratch& topk_scratch, SplitScratch& s, Progress& progress) {
   const std::size_t k = topk_count(n, ratio);
   if (k == 0) return Status::OK();
   if (static_cast<std::uint64_t>(p) * k > static_cast<std::uint64_t>(INT_MAX))
@@ -169,7 +172,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   sent += detail::allreduce_volume(p, 4 * bins);
   // While the histogram travels: data is no longer read (x is in val, or in the residual).
   std::memset(data, 0, n * sizeof(float));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k balance)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k balance)", progress));
   std::vector<std::size_t> bound(up + 1, n);
   bound[0] = 0;
   {
@@ -196,7 +199,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   HPCDL_RETURN_NOT_OK(mpi_status(
       MPI_Ialltoall(send_count.data(), 1, MPI_INT, recv_count.data(), 1, MPI_INT, comm, &rq[0]),
       "MPI_Ialltoall(top-k counts)"));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k counts)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k counts)", progress));
   std::size_t n_recv = 0;
   for (std::size_t r = 0; r < up; ++r) {
     recv_displ[r] = static_cast<int>(n_recv);
@@ -209,7 +212,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   std::uint32_t* recv_idx = s.recv_idx.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
   float* recv_val = s.recv_val.get<float>(std::max<std::size_t>(n_recv, 1));
   HPCDL_RETURN_NOT_OK(detail::exchange_pairs_pairwise(comm, p, rank, tag, idx, val, send_count, send_displ, recv_idx,
-                                                      recv_val, recv_count, recv_displ));
+                                                      recv_val, recv_count, recv_displ, progress));
   const std::size_t lo = bound[rank], hi = bound[rank + 1];
   for (std::size_t c = 0; c < n_recv; ++c) {  // blocks arrive in rank order: the sums are too
     if (recv_idx[c] < lo || recv_idx[c] >= hi) return Status::Internal("top-k split: a pair outside its range");
@@ -233,7 +236,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
     HPCDL_RETURN_NOT_OK(mpi_status(
         MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(detail::kRadixBins), MPI_UINT32_T, MPI_SUM, comm, &rq[0]),
         "MPI_Iallreduce(top-k select)"));
-    HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k select)"));
+    HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k select)", progress));
     received += detail::allreduce_volume(p, 4 * detail::kRadixBins);
     sent += detail::allreduce_volume(p, 4 * detail::kRadixBins);
     if (round == 0) {  // every rank's k pairs are distinct indices, so the union holds at least k
@@ -257,7 +260,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   HPCDL_RETURN_NOT_OK(mpi_status(
       MPI_Iallgather(mine, 2, MPI_UINT32_T, counts.data(), 2, MPI_UINT32_T, comm, &rq[0]),
       "MPI_Iallgather(top-k selected counts)"));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k selected counts)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k selected counts)", progress));
   received += 8 * (up - 1);
   sent += 8 * (up - 1);
   // Ties go to the lowest indices: range r takes what ranges 0..r-1 left.
@@ -294,7 +297,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   HPCDL_RETURN_NOT_OK(mpi_status(
       MPI_Iallgatherv(sel_val, n_sel, MPI_FLOAT, out_val, out_count.data(), out_displ.data(), MPI_FLOAT, comm, &rq[1]),
       "MPI_Iallgatherv(top-k values)"));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k allgather)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k allgather)", progress));
   received += 8 * static_cast<std::uint64_t>(n_out - static_cast<std::size_t>(n_sel));
   sent += 8 * static_cast<std::uint64_t>(n_sel) * (up - 1);
   for (std::size_t g = 0; g < n_out; ++g) data[out_idx[g]] = out_val[g];
@@ -305,6 +308,34 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   }
   traffic->bytes_received += received;
   traffic->bytes_sent += sent;
+  return Status::OK();
+}
+
+// Allreduce of data[0, n) through top-k on every rank. residual (optional,
+// n values): added to the data before selection; on return, what this
+// rank's contribution dropped, in sum units.
+inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n, double ratio, double final_scale,
+                             float* residual, RingTraffic* traffic, TopkScratch& scratch, Progress& progress) {
+  const std::size_t k = topk_count(n, ratio);
+  const std::size_t bytes = topk_encoded_bytes(k);
+  if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+    return Status::Invalid("top-k message of " + std::to_string(bytes) + " bytes exceeds one MPI message");
+  std::uint8_t* mine = scratch.mine.get<std::uint8_t>(bytes);
+  std::uint8_t* all = scratch.all.get<std::uint8_t>(bytes * static_cast<std::size_t>(size));
+  std::uint32_t* idx = topk_indices(mine);
+  topk_contribution(data, residual, n, k, final_scale, scratch, idx, topk_values(mine, k));
+  // Non-blocking, waited on without MPI's busy spin: ranks still selecting keep the CPU.
+  MPI_Request request;
+  int rc = MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm,
+                          &request);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
+  // While the pairs travel, the residual gives up what was sent.
+  for (std::size_t j = 0; residual && j < k; ++j) residual[idx[j]] = 0.0f;
+  HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&request, MPI_STATUS_IGNORE, progress), "MPI_Wait(top-k allgather)"));
+  // The logical volume of an allgather: every other rank's pairs in, ours out to each.
+  traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
+  traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
+  topk_sum_into(all, size, k, data, n, scratch);
   return Status::OK();
 }
 

@@ -1,4 +1,6 @@
-// Top-k sparsification and its allreduce: a sparse allgather.
+// Top-k sparsification: the selection and the (index, value) pairs. Its
+// allreduces are in algorithms/sparse_allreduce.hpp; the first, the sparse
+// allgather:
 //
 // Each rank keeps its k = max(1, ceil(ratio * n)) largest magnitudes (NaN
 // counts as the largest, so it propagates), sends them as (index, value)
@@ -7,8 +9,6 @@
 // results. Cost per rank: (p - 1) * 8k bytes received, against
 // 2 (p - 1) / p * 4n for the dense ring: worth it while ratio < 1 / p.
 #pragma once
-
-#include <mpi.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,8 +24,6 @@
 #endif
 
 #include "hpcdl/util/dtype.hpp"
-#include "hpcdl/util/mpi_util.hpp"
-#include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/util/scratch.hpp"
 #include "hpcdl/util/status.hpp"
 
@@ -327,34 +325,6 @@ inline void topk_contribution(const float* data, float* residual, std::size_t n,
   }
   if (final_scale != 1.0)
     for (std::size_t j = 0; j < k; ++j) val[j] *= static_cast<float>(final_scale);
-}
-
-// Allreduce of data[0, n) through top-k on every rank. residual (optional,
-// n values): added to the data before selection; on return, what this
-// rank's contribution dropped, in sum units.
-inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n, double ratio, double final_scale,
-                             float* residual, RingTraffic* traffic, TopkScratch& scratch) {
-  const std::size_t k = topk_count(n, ratio);
-  const std::size_t bytes = topk_encoded_bytes(k);
-  if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
-    return Status::Invalid("top-k message of " + std::to_string(bytes) + " bytes exceeds one MPI message");
-  std::uint8_t* mine = scratch.mine.get<std::uint8_t>(bytes);
-  std::uint8_t* all = scratch.all.get<std::uint8_t>(bytes * static_cast<std::size_t>(size));
-  std::uint32_t* idx = topk_indices(mine);
-  topk_contribution(data, residual, n, k, final_scale, scratch, idx, topk_values(mine, k));
-  // Non-blocking, waited on without MPI's busy spin: ranks still selecting keep the CPU.
-  MPI_Request request;
-  int rc = MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm,
-                          &request);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
-  // While the pairs travel, the residual gives up what was sent.
-  for (std::size_t j = 0; residual && j < k; ++j) residual[idx[j]] = 0.0f;
-  HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&request, MPI_STATUS_IGNORE), "MPI_Wait(top-k allgather)"));
-  // The logical volume of an allgather: every other rank's pairs in, ours out to each.
-  traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
-  traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
-  topk_sum_into(all, size, k, data, n, scratch);
-  return Status::OK();
 }
 
 }  // namespace hpcdl

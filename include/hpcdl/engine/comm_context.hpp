@@ -2,8 +2,7 @@
 // (control and data, made with MPI_Comm_idup at the first submission), the
 // agreement state of the report tree (src/engine/agreement.cc) and the news
 // of a rank that left. It lives as an MPI attribute of the user's
-// communicator (src/engine/comm_context.cc); the engine thread alone uses
-// its MPI state.
+// communicator (ContextRegistry); the engine thread alone uses its MPI state.
 #pragma once
 
 #include <mpi.h>
@@ -18,7 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/engine/engine.hpp"
+#include "hpcdl/engine/operation.hpp"
+#include "hpcdl/engine/stats.hpp"
+#include "hpcdl/engine/transfers.hpp"
 #include "hpcdl/util/status.hpp"
 #include "hpcdl/util/wire.hpp"
 
@@ -38,9 +39,9 @@ class CommContext {
   int rank = 0, size = 1;
   std::uint64_t id = 0;              // never reused: keys error-feedback state
   std::uint64_t compressed_ops = 0;  // engine thread: keys stochastic rounding draws
-  std::uint64_t unnamed_seq = 0;  // advanced on submitting threads, under Engine::mu_
-  std::set<std::string> in_flight;  // names submitted and not finished, under Engine::mu_
-  bool freed = false;               // the user freed the communicator, under Engine::mu_
+  std::uint64_t unnamed_seq = 0;  // advanced on submitting threads, under the submission queue's mutex
+  std::set<std::string> in_flight;  // names submitted and not finished, under the submission queue's mutex
+  bool freed = false;               // the user freed the communicator, under the submission queue's mutex
 
   // ctl and data are duplicated with MPI_Comm_idup at the first submission
   // (collective: it completes once every rank submitted on the communicator);

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/codecs/codec_spec.hpp"
 #include "hpcdl/util/dtype.hpp"
 #include "hpcdl/util/status.hpp"
 
@@ -67,8 +67,13 @@ class Operation {
   OpTimes times();
 
  private:
-  friend class Engine;
+  // The engine's parts that record its times and finish it.
   friend class CommContext;
+  friend class ContextRegistry;
+  friend class Engine;
+  friend class EngineLoop;
+  friend class Executor;
+  friend class Transfers;
   void finish(Status st);
   void notify(std::string message);
   bool wait_ready_for(double seconds);
