@@ -1,4 +1,4 @@
-# The collective engine (include/hpcdl/engine.hpp): Buffer, Handle, submit,
+# The collective engine (include/hpcdl/engine/engine.hpp): Buffer, Handle, submit,
 # counters, error-feedback residuals and the whole-array codec kernels.
 # The Pythonic layer is hpcdl/collectives.py.
 
@@ -14,20 +14,43 @@ from libcpp.vector cimport vector
 from mpi4py cimport MPI
 
 from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode, codec_encoded_bytes, codec_name,
-                              parse_codec, topk_algorithm_name, topk_count as c_topk_count)
-from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CNoticeKind, COpKind,
+                              kDefaultInt8Block, parse_codec, topk_algorithm_name, topk_count as c_topk_count)
+from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEnvSetting, CEngineNotice, CEngineStats, CNoticeKind, COpKind,
                               COpRequest, COperation, COpTimes, CReduceOp, dtype_is_float, dtype_name, dtype_size,
-                              dtype_valid, kDefaultChunkBytes, kMaxChunkBytes, kMaxNotices, kMinChunkBytes)
+                              dtype_valid, kDefaultChunkBytes, kDefaultStallErrorSeconds,
+                              kDefaultStallWarningSeconds, kEnvSettingCount, kEnvSettings, kMaxChunkBytes,
+                              kMaxNotices, kMinChunkBytes, kUnbounded)
 from libhpcdl.status cimport CStatus, check_status
 
 import threading
 
 from hpcdl._warn import warn as _warn
 
-# The ring's chunk size: default and bounds (include/hpcdl/ring.hpp; the engine checks them).
+# The ring's chunk size: default and bounds (include/hpcdl/algorithms/ring.hpp; the engine checks them).
 DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
 MIN_CHUNK_BYTES = kMinChunkBytes
 MAX_CHUNK_BYTES = kMaxChunkBytes
+# hpcdl.configure()'s stall limits unless set (include/hpcdl/engine/stall_inspector.hpp).
+DEFAULT_STALL_WARNING_SECONDS = kDefaultStallWarningSeconds
+DEFAULT_STALL_ERROR_SECONDS = kDefaultStallErrorSeconds
+# Int8's values per scale unless set (include/hpcdl/codecs/codec_spec.hpp).
+DEFAULT_INT8_BLOCK = kDefaultInt8Block
+
+
+cdef dict _env_settings():
+    table = {}
+    cdef size_t i
+    cdef const CEnvSetting* s
+    for i in range(kEnvSettingCount):
+        s = &kEnvSettings[i]
+        table[s.key.decode()] = (int if s.integer else float, s.low, None if s.high == kUnbounded else s.high,
+                                 s.variable.decode())
+    return table
+
+
+# Every HPCDL_* setting: key -> (type, low, high or None, variable), from the
+# one table (include/hpcdl/engine/settings.hpp); hpcdl.collectives checks them.
+ENV_SETTINGS = _env_settings()
 
 
 cdef dict _dtype_table():
@@ -385,7 +408,7 @@ def residual(MPI.Comm comm, name):
     return arr
 
 
-# ---- the codec registry (include/hpcdl/codecs.hpp, codec_registry.hpp) ----
+# ---- the codec registry (include/hpcdl/codecs/codec_spec.hpp, codec_registry.hpp) ----
 
 def codec_config(text):
     """The settings of a codec text as hpcdl.compression's get_config() spells them;

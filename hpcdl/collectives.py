@@ -20,18 +20,10 @@ DTYPES = tuple(_core.DTYPES)
 FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if is_float)
 
 
-# Engine tunables: type, lower and upper bound, environment variable. Some
-# are read by the engine thread itself (C++) or by hpcdl.timeline and only
-# checked here.
-_SETTINGS = {
-    "chunk_bytes": (int, _core.MIN_CHUNK_BYTES, _core.MAX_CHUNK_BYTES, "HPCDL_CHUNK_BYTES"),
-    "stall_warning_seconds": (float, 0, None, "HPCDL_STALL_WARNING_SECONDS"),
-    "stall_error_seconds": (float, 0, None, "HPCDL_STALL_ERROR_SECONDS"),
-    "wait_sleep_us": (int, 0, 1_000_000, "HPCDL_WAIT_SLEEP_US"),
-    "engine_slice_us": (int, 0, 100_000, "HPCDL_ENGINE_SLICE_US"),  # Linux takes 100 us to 100 ms
-    "agreement_flat": (int, 0, 1, "HPCDL_AGREEMENT_FLAT"),
-    "timeline_max_events": (int, 1, 2**63 - 1, "HPCDL_TIMELINE_MAX_EVENTS"),  # hpcdl.timeline
-}
+# Engine tunables: type, lower and upper bound, environment variable, from the
+# core's one table (include/hpcdl/engine/settings.hpp). Some are read by the
+# engine thread itself (C++) or by hpcdl.timeline and only checked here.
+_SETTINGS = _core.ENV_SETTINGS
 
 
 def _checked(key, value, source):
@@ -62,7 +54,8 @@ def _from_environment():
     return found
 
 
-_config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": 60.0, "stall_error_seconds": 0.0}
+_config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": _core.DEFAULT_STALL_WARNING_SECONDS,
+           "stall_error_seconds": _core.DEFAULT_STALL_ERROR_SECONDS}
 _config.update((k, v) for k, v in _from_environment().items() if k in _config)
 
 

@@ -35,7 +35,7 @@ from hpcdl.store import Store, probe
 from hpcdl.units import AUTO, count_or_auto, size_or_auto
 
 DEFAULT_RAM_BYTES = 1 << 30
-DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_STAGING_BYTES = _core.DEFAULT_STAGING_BYTES
 # Coalesced store fills (docs/prefetch.md): the largest read, the largest gap
 # read through to merge two samples, how far ahead the fill list is gathered.
 # "auto": derived from the store's measured IOPS and bandwidth (hpcdl.store.probe);

@@ -8,7 +8,7 @@ cdef extern from "hpcdl/codecs/codec_array.hpp" namespace "hpcdl" nogil:
     CStatus codec_encode(const string& text, const float* x, size_t n, uint8_t* out, float* err, uint64_t stream)
     CStatus codec_decode(const string& text, const uint8_t* data, size_t n, float* out)
 
-cdef extern from "hpcdl/codecs/codecs.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/codecs/codec_spec.hpp" namespace "hpcdl" nogil:
     cdef enum class CCodecKind "hpcdl::CodecKind":
         kNone
         kFp16
@@ -30,6 +30,7 @@ cdef extern from "hpcdl/codecs/codecs.hpp" namespace "hpcdl" nogil:
         CTopkAlgorithm topk_algorithm
 
     CStatus parse_codec(const string& text, CCodecSpec* out)
+    uint32_t kDefaultInt8Block
     const char* codec_name(CCodecKind kind)
     const char* topk_algorithm_name(CTopkAlgorithm algorithm)
 

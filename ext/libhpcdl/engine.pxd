@@ -1,4 +1,4 @@
-from libc.stdint cimport int32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
@@ -87,6 +87,20 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         void shutdown()
 
     size_t kMaxNotices "hpcdl::Engine::kMaxNotices"
+
+cdef extern from "hpcdl/engine/stall_inspector.hpp" namespace "hpcdl" nogil:
+    double kDefaultStallWarningSeconds, kDefaultStallErrorSeconds
+
+cdef extern from "hpcdl/engine/settings.hpp" namespace "hpcdl" nogil:
+    cdef cppclass CEnvSetting "hpcdl::EnvSetting":
+        const char* key
+        const char* variable
+        cbool integer
+        int64_t low, high
+
+    const CEnvSetting* kEnvSettings
+    size_t kEnvSettingCount
+    int64_t kUnbounded
 
 cdef extern from "hpcdl/util/dtype.hpp" namespace "hpcdl" nogil:
     size_t dtype_size(CDType t)

@@ -51,6 +51,8 @@ cdef extern from "hpcdl/prefetch/peer_service.hpp" namespace "hpcdl" nogil:
         vector[pair[uint64_t, uint64_t]] pieces(uint64_t total, uint64_t max_message)
 
 cdef extern from "hpcdl/prefetch/prefetcher.hpp" namespace "hpcdl" nogil:
+    uint64_t kDefaultStagingBytes
+
     cdef cppclass CPrefetchConfig "hpcdl::PrefetchConfig":
         CStreamSpec spec
         uint64_t rank, start, ram_bytes, disk_bytes, staging_bytes

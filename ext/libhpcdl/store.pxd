@@ -18,6 +18,8 @@ cdef extern from "hpcdl/util/thread_pool.hpp" namespace "hpcdl" nogil:
         size_t size()
 
 cdef extern from "hpcdl/store/store_reader.hpp" namespace "hpcdl" nogil:
+    size_t kDefaultReaderThreads
+
     cdef cppclass CShardInfo "hpcdl::ShardInfo":
         string path
         uint64_t data_offset

@@ -19,7 +19,7 @@ from hpcdl.errors import CorruptDataError, HpcdlError
 from hpcdl.store.manifest import _FIRST_CHECKED_VERSION, FORMAT, FORMAT_VERSION, MANIFEST, _manifest_path, _read_checked
 from hpcdl.store.progress import _bar
 
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = _core.DEFAULT_READER_THREADS
 
 
 class StoreWarning(UserWarning):

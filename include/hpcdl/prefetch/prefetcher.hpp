@@ -48,13 +48,16 @@
 
 namespace hpcdl {
 
+// The staging ring's size unless told otherwise (hpcdl.prefetch.Prefetcher(staging_bytes=)).
+constexpr std::uint64_t kDefaultStagingBytes = 64 << 20;
+
 struct PrefetchConfig {
   StreamSpec spec;
   std::uint64_t rank = 0;
   std::uint64_t start = 0;  // first stream position to deliver (resume)
   std::uint64_t ram_bytes = 0, disk_bytes = 0;
   std::string disk_dir;
-  std::uint64_t staging_bytes = 0;  // at least; raised to 3 of the largest local batches when smaller
+  std::uint64_t staging_bytes = kDefaultStagingBytes;  // at least; raised to 3 of the largest local batches when smaller
   std::size_t staging_threads = 4, ram_threads = 2, disk_threads = 2;
   std::vector<std::uint64_t> peer_ram_bytes;   // per rank; empty: no peer tier
   std::vector<std::uint64_t> peer_disk_bytes;  // per rank (empty: no disk tiers)

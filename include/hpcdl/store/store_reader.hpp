@@ -22,6 +22,9 @@
 
 namespace hpcdl {
 
+// Files a rank reads at once unless told otherwise (hpcdl.store.Store, `hpcdl verify --threads`).
+constexpr std::size_t kDefaultReaderThreads = 8;
+
 struct ShardInfo {
   std::string path;
   std::uint64_t data_offset = 0;  // file offset of the data set (h5py: dataset.id.get_offset())

@@ -28,6 +28,23 @@ enum class StatusCode : int {
   kInternal = 8,
 };
 
+// The code's name as hpcdl.errors spells it ("invalid_argument"); _core.STATUS_CODES is made from these.
+inline const char* status_code_name(StatusCode code) {
+  switch (code) {
+    case StatusCode::kOk: return "ok";
+    case StatusCode::kInvalidArgument: return "invalid_argument";
+    case StatusCode::kMismatch: return "mismatch";
+    case StatusCode::kMpiError: return "mpi_error";
+    case StatusCode::kIOError: return "io_error";
+    case StatusCode::kCancelled: return "cancelled";
+    case StatusCode::kCorrupt: return "corrupt";
+    case StatusCode::kTimeout: return "timeout";
+    case StatusCode::kInternal: return "internal";
+  }
+  return "";
+}
+constexpr int kLastStatusCode = static_cast<int>(StatusCode::kInternal);
+
 class Status {
  public:
   Status() = default;
