@@ -62,7 +62,7 @@ cdef dict _dtype_table():
     return table
 
 
-# The element types the core reduces (include/hpcdl/dtype.hpp): name -> (core code,
+# The element types the core reduces (include/hpcdl/util/dtype.hpp): name -> (core code,
 # item size, floating point); read through hpcdl.collectives.DTYPES.
 DTYPES = _dtype_table()
 _FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "l": "int64", "q": "int64"}

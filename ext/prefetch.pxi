@@ -1,4 +1,4 @@
-# The shuffle, streams, placement and the prefetcher (include/hpcdl/shuffle.hpp,
+# The shuffle, streams, placement and the prefetcher (include/hpcdl/prefetch/shuffle.hpp,
 # stream.hpp, placement.hpp, prefetcher.hpp). The Pythonic layer is hpcdl/prefetch.py.
 # A stream spec is checked by the core (StreamSpec::validate) once per call: here
 # where a function computes with it, else by make_plan (plan(), Prefetcher::create).

@@ -1,5 +1,5 @@
-# The store reader (include/hpcdl/store_reader.hpp) and CRC32C
-# (include/hpcdl/crc32c.hpp). The Pythonic layer is hpcdl/store/.
+# The store reader (include/hpcdl/store/store_reader.hpp) and CRC32C
+# (include/hpcdl/util/crc32c.hpp). The Pythonic layer is hpcdl/store/.
 
 import os
 

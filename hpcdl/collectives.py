@@ -15,7 +15,7 @@ from hpcdl import _core
 from hpcdl.compression import canonical as _codec_text
 
 # The element types allreduce and broadcast take, as the core defines them
-# (include/hpcdl/dtype.hpp), by numpy name; FLOAT_DTYPES those that op="average" takes.
+# (include/hpcdl/util/dtype.hpp), by numpy name; FLOAT_DTYPES those that op="average" takes.
 DTYPES = tuple(_core.DTYPES)
 FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if is_float)
 
@@ -29,7 +29,7 @@ _SETTINGS = _core.ENV_SETTINGS
 def _checked(key, value, source):
     """value as the setting's type, or ValueError naming source when it is not a number in bounds.
     Integer text must be decimal digits only (no sign, space or '_'): the rule
-    the C++ side (include/hpcdl/env.hpp) reads the same variables by."""
+    the C++ side (include/hpcdl/util/env.hpp) reads the same variables by."""
     kind, low, high, _ = _SETTINGS[key]
     try:
         if kind is int and isinstance(value, str) and not re.fullmatch(r"[0-9]+", value):

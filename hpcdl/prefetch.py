@@ -15,7 +15,7 @@ from hpcdl.units import AUTO, count_or_auto, size_or_auto
 
 Tiers (docs/prefetch.md): RAM (ram_bytes), node-local disk (disk_dir,
 disk_bytes), a peer rank's RAM (over MPI, when comm has several ranks), and
-the backing store. The C++ core (include/hpcdl/prefetcher.hpp) runs every
+the backing store. The C++ core (include/hpcdl/prefetch/prefetcher.hpp) runs every
 thread with the GIL released.
 """
 

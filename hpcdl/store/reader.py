@@ -1,6 +1,6 @@
 """Reading a packed store: open it once, then read samples by index with plain
 positioned reads. Reading never calls HDF5 after open: the C++ reader
-(include/hpcdl/store_reader.hpp) preads at the data set's file offset, checks
+(include/hpcdl/store/store_reader.hpp) preads at the data set's file offset, checks
 the CRC32C and releases the GIL.
 """
 

@@ -1,4 +1,4 @@
-// The prefetcher's coalesced store fills (include/hpcdl/prefetcher.hpp).
+// The prefetcher's coalesced store fills (include/hpcdl/prefetch/prefetcher.hpp).
 //
 // The store fills (tier slots no peer serves) are known for the whole run.
 // Instead of one read per sample in first-use order, a filler takes the next

@@ -1,4 +1,4 @@
-// The prefetcher's peer fills (include/hpcdl/prefetcher.hpp): samples from
+// The prefetcher's peer fills (include/hpcdl/prefetch/prefetcher.hpp): samples from
 // the source peer's tiers over PeerService, each checked on arrival, a peer
 // given up on after a timeout, an MPI error or bytes that fail the check.
 #include <algorithm>

@@ -1,4 +1,4 @@
-// PeerService (include/hpcdl/peer_service.hpp): the peer tier's requests,
+// PeerService (include/hpcdl/prefetch/peer_service.hpp): the peer tier's requests,
 // replies in pieces, the server thread and the collective shutdown.
 #include "hpcdl/prefetch/peer_service.hpp"
 

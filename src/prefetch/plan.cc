@@ -1,4 +1,4 @@
-// Planning (include/hpcdl/placement.hpp): one rank's placement and the peer
+// Planning (include/hpcdl/prefetch/placement.hpp): one rank's placement and the peer
 // sources of every sample; the prefetcher's use of them is Prefetcher::plan().
 #include <algorithm>
 #include <atomic>

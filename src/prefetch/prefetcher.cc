@@ -1,4 +1,4 @@
-// Prefetcher (include/hpcdl/prefetcher.hpp): set-up, threads, shutdown.
+// Prefetcher (include/hpcdl/prefetch/prefetcher.hpp): set-up, threads, shutdown.
 #include "hpcdl/prefetch/prefetcher.hpp"
 
 #include <unistd.h>

@@ -1,4 +1,4 @@
-// The prefetcher's staging ring and consumer (include/hpcdl/prefetcher.hpp):
+// The prefetcher's staging ring and consumer (include/hpcdl/prefetch/prefetcher.hpp):
 // staging threads claim stream positions in order, reserve each batch's ring
 // space, and fill it from the best source; the consumer takes whole batches.
 #include <algorithm>

@@ -1,4 +1,4 @@
-// What the prefetcher reports (include/hpcdl/prefetcher.hpp): per-source
+// What the prefetcher reports (include/hpcdl/prefetch/prefetcher.hpp): per-source
 // counters and their trace events, the stats snapshot, and warnings.
 #include <mutex>
 #include <string>

@@ -1,4 +1,4 @@
-// The prefetcher's tiers (include/hpcdl/prefetcher.hpp): the RAM arena and
+// The prefetcher's tiers (include/hpcdl/prefetch/prefetcher.hpp): the RAM arena and
 // the disk tier's unnamed file, their per-sample slots, the store fillers,
 // and serving a loaded slot to a peer.
 #include <fcntl.h>

@@ -1,4 +1,4 @@
-// StoreReader (include/hpcdl/store_reader.hpp): one pread per sample, CRC32C checked.
+// StoreReader (include/hpcdl/store/store_reader.hpp): one pread per sample, CRC32C checked.
 #include "hpcdl/store/store_reader.hpp"
 
 #include <fcntl.h>
