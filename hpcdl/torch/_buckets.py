@@ -30,6 +30,12 @@ class Bucket:
         numel = sum(n for _, _, n in slots)
         # One rank: the average is the gradient itself; a device bucket stays on the device.
         self.local = staged and size == 1
+        self.dtype = dtype
+        self.filled = set()                 # params whose gradient is in the buffer
+        self.handle = None
+        self.launched = None                # the hpcdl-cuda thread's job for a staged bucket
+        if self.local:
+            return
         self.flat = _tensors.host_buffer(numel, dtype, self.device if staged else torch.device("cpu"))
         self.flat.zero_()
         self.array, self.core_dtype = _tensors.numpy_view(self.flat)
@@ -38,9 +44,6 @@ class Bucket:
         if self.encoder is not None:
             self.residual = torch.zeros(numel, dtype=dtype, device=self.device)
             self.wire = _tensors.host_buffer(self.encoder.encoded_size(numel), torch.uint8, self.device)
-        self.filled = set()                 # params whose gradient is in the buffer
-        self.handle = None
-        self.launched = None                # the hpcdl-cuda thread's job for a staged bucket
 
     def view(self, offset, numel, param):
         """Where param's gradient is gathered (on its device for a staged bucket)."""

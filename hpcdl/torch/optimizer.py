@@ -226,13 +226,22 @@ class _DistributedOptimizerMixin:
         return _buckets.submit(bucket, self._op, self._comm, self._compression, deferred)
 
     def _presence(self):
-        """Which parameters some rank produced a gradient for this step (one int32
-        allreduce; a parameter no rank has a gradient for keeps .grad None)."""
+        """(the parameters some rank produced a gradient for this step, as a started int32
+        allreduce, None on one rank; this rank's). A parameter no rank has a gradient for
+        keeps .grad None."""
         params = list(self._passes)
         mine = np.array([p in self._bucket_of[p][0].filled for p in params], dtype=np.int32)
+        handle = None
         if self._size > 1:
-            hpcdl.allreduce(mine, comm=self._comm, name=f"{self._name}.presence")
-        return {p for p, count in zip(params, mine) if count}
+            handle = hpcdl.allreduce_async(mine, comm=self._comm, name=f"{self._name}.presence")
+        return params, mine, handle
+
+    @staticmethod
+    def _set_grad(p, reduced):
+        if p.grad is None or p.grad.layout != torch.strided:
+            p.grad = reduced.to(p.device, copy=True)
+        else:
+            p.grad.copy_(reduced)
 
     def synchronize(self):
         """Finish the gradient allreduce of this step (the end of backward does;
@@ -255,26 +264,31 @@ class _DistributedOptimizerMixin:
                     bucket.launch()
             for bucket in self._buckets:
                 bucket.wait_launched()
-            present = self._presence()
-            timings = []
+            params, present, presence = self._presence()
+            timings, late = [], []
             with torch.no_grad():
                 # Each bucket is unpacked as soon as it is reduced, while the
-                # engine still moves the later ones.
+                # engine still moves the later ones; a parameter without a local
+                # gradient waits for the ranks' presence counts.
                 for bucket in self._buckets:
                     if not bucket.local:
                         bucket.handle.wait()
                         timings.append(dict(bucket.handle.timings(), name=bucket.name))
                         reduced = bucket.result()
                         for p, offset, numel in bucket.slots:
-                            if p not in present:
-                                continue
                             flat = reduced[offset:offset + numel].view(p.shape)
-                            if p.grad is None or p.grad.layout != torch.strided:
-                                p.grad = flat.to(p.device, copy=True)
+                            if p in bucket.filled:
+                                self._set_grad(p, flat)
                             else:
-                                p.grad.copy_(flat)
+                                late.append((p, flat))
                     bucket.handle = None
                     bucket.filled.clear()
+                if presence is not None:
+                    presence.wait()
+                    count = dict(zip(params, present))
+                    for p, flat in late:
+                        if count[p]:
+                            self._set_grad(p, flat)
             for p in self._passes:
                 self._passes[p] = 0
             self._round_open = False
@@ -290,7 +304,7 @@ class _DistributedOptimizerMixin:
 
     def bucket_layout(self):
         """[(bucket name, dtype, [parameter shapes])]: the fusion plan, in launch order."""
-        return [(b.name, str(b.gather.dtype), [tuple(p.shape) for p, _, _ in b.slots]) for b in self._buckets]
+        return [(b.name, str(b.dtype), [tuple(p.shape) for p, _, _ in b.slots]) for b in self._buckets]
 
     def last_timings(self):
         """Per bucket of the last synchronize(): name and wall-clock microseconds

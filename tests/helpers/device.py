@@ -9,6 +9,8 @@ from mpi4py import MPI
 from hpcdl import _tensors
 
 NO_CUDA = "no CUDA device"
+# Decided once, by every rank together: a rank that saw no GPU while another did would skip alone.
+CUDA = MPI.COMM_WORLD.allreduce(int(torch.cuda.is_available()), op=MPI.MIN) == 1
 
 
 def local_gpu():
@@ -17,11 +19,10 @@ def local_gpu():
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.cuda), "staged-cpu"])
+@pytest.fixture(params=[pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason=NO_CUDA)]),
+                        "staged-cpu"])
 def device(request):
     if request.param == "cuda":
-        if not torch.cuda.is_available():
-            pytest.skip(NO_CUDA)
         gpu = local_gpu()
         torch.cuda.set_device(gpu)
         yield gpu
