@@ -184,30 +184,35 @@ class _TFResult:
     def __init__(self, handle, tensor, array):
         self._handle, self._tensor, self._array = handle, tensor, array
         self.name = handle.name
+        self._result = None
 
-    def _result(self):
-        tf = sys.modules["tensorflow"]
-        if hasattr(self._tensor, "assign"):
-            self._tensor.assign(self._array)
-            return self._tensor
-        return tf.convert_to_tensor(self._array)
+    def _finish(self):
+        if self._result is None:
+            if hasattr(self._tensor, "assign"):
+                self._tensor.assign(self._array)
+                self._result = self._tensor
+            else:
+                self._result = sys.modules["tensorflow"].convert_to_tensor(self._array)
+        return self._result
 
     def done(self):
-        return self._handle.done()
+        if not self._handle.done():
+            return False
+        self._finish()
+        return True
 
     def wait(self, timeout=None):
         self._handle.wait(timeout)
-        return self._result()
+        return self._finish()
 
 
 def submit(obj, dtype, writable, run):
     """Take any supported array or tensor to the core. run(buf, dtype) submits the
     operation on a buffer-protocol object and returns the core's Handle; returns the
     handle the caller's wait() sees. writable: the result is written into obj."""
-    framework = _framework(obj)
-    if framework == "torch" and hasattr(obj, "data_ptr"):
+    if is_torch(obj):
         return _submit_torch(obj, dtype, writable, run)
-    if framework == "tensorflow" and hasattr(obj, "numpy"):
+    if _framework(obj) == "tensorflow" and hasattr(obj, "numpy"):
         array = obj.numpy().copy()  # a private, writable, contiguous copy
         return _TFResult(run(array, dtype), obj, array)
     return run(obj, dtype)
@@ -219,6 +224,7 @@ def _submit_torch(tensor, dtype, writable, run):
         array, core_dtype = numpy_view(tensor)  # in place, outside autograd, as for any array
         return TensorHandle(run(array, dtype or core_dtype), tensor, None, copy_back=False)
     host = host_buffer(tensor.numel(), tensor.dtype, tensor.device)
-    copy_async(host, tensor.detach().view(-1), tensor.device).wait_host()  # the ring needs the bytes; only this copy is waited for
+    # the ring needs the bytes: this thread waits for this copy only, not the device
+    copy_async(host, tensor.detach().view(-1), tensor.device).wait_host()
     array, core_dtype = numpy_view(host)
     return TensorHandle(run(array, dtype or core_dtype), tensor, host, copy_back=writable)

@@ -434,8 +434,9 @@ def ddp_comm_hook(state, bucket):
     """
     state = state or {}
     buffer = bucket.buffer()
+    codec = state.get("compression")
     handle = hpcdl.allreduce_async(buffer, op="average", comm=state.get("comm"), name=f"ddp.bucket.{bucket.index()}",
-                                   **({} if state.get("compression") is None else {"compression": state["compression"]}))
+                                   **({} if codec is None else {"compression": codec}))
     future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
 
     def finish():
