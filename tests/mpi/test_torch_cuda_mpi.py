@@ -176,3 +176,34 @@ def test_ddp_comm_hook_on_device_equals_reference(device):
     finally:
         dist.destroy_process_group()
     agree(WORLD, diff < 2e-5, f"max diff {diff}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_frozen_and_added_parameters_on_the_device(device):
+    """A layer frozen after wrapping keeps .grad None and does not move; a head added with
+    add_param_group is averaged (the ranks end bitwise identical), on the device path too."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    model = make_model().to(device)
+    torch.manual_seed(7)
+    head = torch.nn.Linear(5, 3).to(device)
+    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+                                   model.named_parameters(), bucket_bytes=256, name="device.frozen")
+    opt.add_param_group({"params": head.parameters()})
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    frozen = [p.detach().cpu().clone() for p in model[0].parameters()]
+
+    def run():
+        for step in range(3):
+            x, _ = full_batch(step, 4, size)
+            opt.zero_grad(set_to_none=True)
+            head(model(x[rank * 4:(rank + 1) * 4].to(device))).pow(2).mean().backward()
+            opt.step()
+
+    collective(WORLD, run)
+    opt.remove_hooks()
+    moved = max(float((p.detach().cpu() - f).abs().max()) for p, f in zip(model[0].parameters(), frozen))
+    none = all(p.grad is None for p in model[0].parameters())
+    digests = WORLD.allgather(head.weight.detach().cpu().numpy().tobytes() + params_digest(model.cpu()).encode())
+    agree(WORLD, moved == 0 and none and len(set(digests)) == 1,
+          f"frozen moved {moved}, grads None {none}, {len(set(digests))} distinct results")
