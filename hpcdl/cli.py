@@ -298,7 +298,7 @@ def _parser():
     parser = argparse.ArgumentParser(prog="hpcdl", description="hpcdl: distributed DL training tools")
     parser.add_argument("--version", action="version", version=f"hpcdl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="version, MPI library and thread level")
+    p = sub.add_parser("info", help="version, MPI library, thread level and whether the MPI is CUDA-aware")
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("pack", help="pack a directory of small files into an HDF5 store",
                        description="Pack every file under SRC into an hpcdl store in directory DST "
