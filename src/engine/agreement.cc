@@ -324,7 +324,8 @@ std::string CommContext::describe_missing(const std::string& name, const std::ve
   }
   std::string text;
   if (!never.empty())
-    text = still_waiting ? rank_list(never) + ", which have not submitted it" : "was never submitted by " + rank_list(never);
+    text = still_waiting ? rank_list(never) + ", which have not submitted it"
+                         : "was never submitted by " + rank_list(never);
   if (!gave_up.empty())
     text += std::string(never.empty() ? "" : "; ") + (still_waiting ? "" : "waited for ") + rank_list(gave_up) +
             ", which submitted it earlier and gave up on it after " + seconds_text(earlier->second.waited_s) +
