@@ -13,7 +13,7 @@ import numpy as np
 
 from hpcdl import _core
 from hpcdl.errors import CorruptDataError
-from hpcdl.store.space import SHARD_OVERHEAD_BYTES, write_hdf5
+from hpcdl.store.space import write_small_hdf5
 
 FORMAT = "hpcdl-store"
 FORMAT_VERSION = 2
@@ -103,7 +103,7 @@ def write_manifest(src, dst, label_names, summaries, skipped_listing, pack_secon
                         "num_shards": n, "checksum": "crc32c", "source": os.path.abspath(src),
                         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                         "pack_seconds": pack_seconds})
-    write_hdf5(tmp, SHARD_OVERHEAD_BYTES + sum(len(n) + 16 for n, _ in skipped), "the manifest", fill)
+    write_small_hdf5(tmp, "the manifest", fill)
     _fsync_path(tmp)
     os.replace(tmp, path)
     _fsync_path(dst, directory=True)

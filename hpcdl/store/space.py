@@ -1,7 +1,10 @@
 """Room on the destination's file system for a pack: checked before writing
 and reserved per shard, so that a full file system ends a pack with one clear
 error ("no space left on DST: ...") instead of HDF5 failing half-way through a
-shard (a raw traceback, or handles left open that crash the process at exit).
+file. HDF5 must never meet a full file system: objects it then cannot close
+stay open, and it crashes closing them at exit. So a shard's whole size is
+reserved before HDF5 writes to it, and small files (the manifest) are built
+in memory and written with plain I/O.
 
 free_bytes counts what this process may use: statvfs's f_bavail for other
 users, f_bfree for root (ext4's reserved blocks are root's)."""
@@ -9,6 +12,7 @@ users, f_bfree for root (ext4's reserved blocks are root's)."""
 import ctypes
 import ctypes.util
 import errno
+import io
 import os
 import traceback
 
@@ -84,6 +88,27 @@ def write_hdf5(path, needed, what, fill):
             pass
         if is_out_of_space(exc):
             raise no_space(os.path.dirname(path) or ".", needed, what, while_writing=True) from None
+        raise
+
+
+def write_small_hdf5(path, what, fill):
+    """Build an HDF5 file in memory with fill(file), then write it to ``path``
+    (a temporary name) with plain I/O: a full file system is a plain OSError
+    here (no_space naming ``what``, the file removed), never HDF5's."""
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:
+        fill(f)
+    data = buffer.getbuffer()
+    try:
+        with open(path, "wb") as out:
+            out.write(data)
+    except OSError as exc:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        if is_out_of_space(exc):
+            raise no_space(os.path.dirname(path) or ".", len(data), what, while_writing=True) from None
         raise
 
 
