@@ -74,7 +74,13 @@ def write_hdf5(path, needed, what, fill):
     no_space naming ``what``."""
     f = h5py.File(path, "w")
     try:
-        reserve(path, needed, what)
+        try:
+            reserve(path, needed, what)
+        except OSError:
+            # A reservation that failed may keep what it allocated: given back,
+            # so that closing the (still empty) HDF5 file has room to write.
+            os.truncate(path, 0)
+            raise
         result = fill(f)
         f.close()
         os.truncate(path, os.path.getsize(path))  # gives back what reserve() allocated past the end
