@@ -24,7 +24,8 @@ FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if 
 
 # Engine tunables: type, lower and upper bound, environment variable, from the
 # core's one table (include/hpcdl/engine/settings.hpp). Some are read by the
-# engine thread itself (C++) or by hpcdl.timeline and only checked here.
+# engine thread itself (C++), by hpcdl.timeline or by the error feedback
+# (residual_store.hpp) and only checked here.
 _SETTINGS = _core.ENV_SETTINGS
 
 
@@ -79,7 +80,8 @@ def configure(chunk_bytes=None, stall_warning_seconds=None, stall_error_seconds=
     in MPI) and HPCDL_ENGINE_SLICE_US (the engine thread's scheduler slice on
     Linux 6.12+, default 100; 0 keeps the system's). HPCDL_AGREEMENT_FLAT=1
     sends every rank's reports to the coordinator directly instead of up a
-    binomial tree (bench/agreement.py compares the two).
+    binomial tree (bench/agreement.py compares the two). HPCDL_RESIDUAL_TTL_OPS:
+    the lifetime of an unused error-feedback residual (hpcdl.compression).
     """
     for key, value in (("chunk_bytes", chunk_bytes), ("stall_warning_seconds", stall_warning_seconds),
                        ("stall_error_seconds", stall_error_seconds)):

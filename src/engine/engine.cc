@@ -12,6 +12,7 @@
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/engine/comm_context.hpp"
 #include "hpcdl/engine/engine_loop.hpp"
+#include "hpcdl/util/mpi_process.hpp"
 #include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/util/timeline.hpp"
 
@@ -135,6 +136,22 @@ Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector
   return Status::OK();
 }
 
-void Engine::shutdown() { loop_.stop(); }
+Status Engine::free_residual(MPI_Comm comm, const std::string& name, bool* found) {
+  *found = false;
+  std::uint64_t id = 0;
+  bool has = false;
+  HPCDL_RETURN_NOT_OK(loop_.contexts.find_id(comm, &has, &id));
+  if (has) *found = loop_.residuals.free(id, name);
+  return Status::OK();
+}
+
+std::uint64_t Engine::residual_bytes() { return loop_.residuals.bytes(); }
+
+void Engine::shutdown() {
+  // A forked child has a copy of the engine's state but not its thread, which
+  // is its parent's to stop: there is nothing to wait for or to tell anyone.
+  if (!in_mpi_process()) return;
+  loop_.stop();
+}
 
 }  // namespace hpcdl
