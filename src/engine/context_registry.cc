@@ -91,14 +91,13 @@ std::vector<std::shared_ptr<CommContext>> ContextRegistry::all() {
 }
 
 // Called by MPI when the user frees a communicator hpcdl has used: the engine
-// thread cancels what is still pending on it and drops the context.
+// thread cancels what is still pending on it and drops the context. Never
+// waits for the queue's mutex (see wake_from_mpi): MPI may call it inside the
+// engine thread's own MPI calls while a submitting thread holds the mutex
+// and waits for MPI.
 int ContextRegistry::on_comm_freed(MPI_Comm, int, void* context, void* extra_state) {
-  SubmissionQueue* queue = static_cast<SubmissionQueue*>(extra_state);
-  {
-    std::lock_guard<std::mutex> g(queue->mu);
-    static_cast<CommContext*>(context)->freed = true;
-  }
-  queue->wake();
+  static_cast<CommContext*>(context)->freed = true;
+  static_cast<SubmissionQueue*>(extra_state)->wake_from_mpi();
   return MPI_SUCCESS;
 }
 

@@ -7,6 +7,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
@@ -41,7 +42,9 @@ class CommContext {
   std::uint64_t compressed_ops = 0;  // engine thread: keys stochastic rounding draws
   std::uint64_t unnamed_seq = 0;  // advanced on submitting threads, under the submission queue's mutex
   std::set<std::string> in_flight;  // names submitted and not finished, under the submission queue's mutex
-  bool freed = false;               // the user freed the communicator, under the submission queue's mutex
+  // The user freed the communicator. Atomic: MPI calls on_comm_freed inside any MPI call that releases
+  // it, on any thread, also while another holds the submission queue's mutex (ContextRegistry).
+  std::atomic<bool> freed{false};
 
   // ctl and data are duplicated with MPI_Comm_idup at the first submission
   // (collective: it completes once every rank submitted on the communicator);
