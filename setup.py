@@ -79,8 +79,10 @@ def explicit_wrapper():
     if not mpicc:
         return None
     path = shutil.which(mpicc) or mpicc
+    name = os.path.basename(path)
+    suffix = name[len("mpicc"):] if name.startswith("mpicc") else ""  # Debian's mpicc.openmpi: mpicxx.openmpi
     for name in ("mpicxx", "mpic++", "mpiCC"):
-        candidate = os.path.join(os.path.dirname(path), name)
+        candidate = os.path.join(os.path.dirname(path), name + suffix)
         if os.path.exists(candidate):
             return candidate
     return path
