@@ -11,7 +11,7 @@ export PATH="$(cd "$VENV" && pwd)/bin:$PATH"
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2
 # A hang becomes a failure: pytest-timeout per test, `timeout` per run.
 status=0
-run() { echo "+ $*"; "$@" || status=1; }
+run() { echo "+ $*"; local start=$SECONDS; "$@" || status=1; echo "+ took $((SECONDS - start)) s: $*"; }
 run timeout 3000 python -m pytest -q -p no:cacheprovider -m "not mpi" "$@" tests/unit
 for n in 4 3 5; do
   files=tests/mpi
