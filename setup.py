@@ -50,7 +50,8 @@ def choose_mpi():
     explicit = explicit_wrapper()
     env = dict(os.environ)
     wheel = build_requirement_mpich()
-    if wheel and not explicit and not glob.glob(os.path.join(sys.prefix, "lib", "libmpi.so*")):
+    if wheel and not explicit and "MPI4PY_LIBMPI" not in env \
+            and not glob.glob(os.path.join(sys.prefix, "lib", "libmpi.so*")):
         # pip's isolated build for an environment with no MPI yet (pip install hpcdl[mpich]): the
         # mpich extra will put this same wheel's libmpi.so.12 in the environment, first in mpi4py's search.
         env["MPI4PY_LIBMPI"] = wheel[1]
