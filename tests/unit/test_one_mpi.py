@@ -93,11 +93,15 @@ def test_mpich_build_beside_a_system_open_mpi_runs_a_two_rank_allreduce(debian_v
                       "x = np.arange(1000, dtype=np.float32) * (hpcdl.rank() + 1)\n"
                       "hpcdl.allreduce(x, op='sum')\n"
                       "libmpi = sorted({l.split()[-1] for l in open('/proc/self/maps') if '/libmpi.so' in l})\n"
-                      "print(json.dumps([hpcdl.rank(), hpcdl.size(), x.tolist() == [3.0 * i for i in range(1000)],"
-                      " libmpi, hpcdl.__file__]))\n")
-    out = checked([os.path.join(venv, "bin", "mpiexec"), "-n", "2", python, str(script)], 300, env=env,
-                  cwd=tmp_path)
-    rows = sorted(json.loads(line) for line in out.splitlines() if line.startswith("["))
+                      "with open(f'{sys.argv[1]}/rank{hpcdl.rank()}.json', 'w') as fh:\n"
+                      "    json.dump([hpcdl.rank(), hpcdl.size(), x.tolist() == [3.0 * i for i in range(1000)],"
+                      " libmpi, hpcdl.__file__], fh)\n")
+    out = checked([os.path.join(venv, "bin", "mpiexec"), "-n", "2", python, str(script), str(tmp_path)], 300,
+                  env=env, cwd=tmp_path)
+    rows = []
+    for rank in (0, 1):
+        with open(tmp_path / f"rank{rank}.json") as fh:
+            rows.append(json.load(fh))
     assert [row[:3] for row in rows] == [[0, 2, True], [1, 2, True]], out[-3000:]
     for row in rows:
         assert len(row[3]) == 1 and os.path.realpath(row[3][0]).startswith(os.path.realpath(venv)), row
