@@ -70,6 +70,33 @@ def train_step(model, opt, x, y):
     opt.step()
 
 
+def time_systems(systems, step, rounds, steps, warmup_steps=0):
+    """({system: [seconds per step]}, {system: [CPU seconds per step]}): systems alternate in
+    rounds of `steps` steps, so that machine noise hits them alike; round 0 (at least
+    warmup_steps steps) is not timed. A step's time is the slowest rank's; its CPU time, this
+    process's (all threads) averaged over the ranks."""
+    times = {name: [] for name in systems}
+    cpu = {name: [] for name in systems}
+    for rnd in range(rounds + 1):
+        for name, (model, opt) in systems.items():
+            WORLD.Barrier()
+            for _ in range(steps if rnd else max(steps, warmup_steps)):
+                t0, c0 = time.perf_counter(), time.process_time()
+                step(model, opt)
+                every = WORLD.allgather((time.perf_counter() - t0, time.process_time() - c0))
+                if rnd:
+                    times[name].append(max(e for e, _ in every))
+                    cpu[name].append(sum(c for _, c in every) / WORLD.Get_size())
+    return times, cpu
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows({key: cell(value) for key, value in row.items()} for row in rows)
+
+
 def codecs(names):
     """[(label, codec)] for the requested --codecs; codecs the build lacks are reported and left out."""
     out = []
@@ -204,19 +231,9 @@ def main():
     systems[FLOOR] = (floor, torch.optim.SGD(floor.parameters(), lr=args.lr))
     params = sum(p.numel() for p in systems["ddp-gloo"][0].parameters())
 
-    times = {name: [] for name in systems}
-    cpu = {name: [] for name in systems}  # CPU seconds of this process (all threads) per step, mean over ranks
-    for rnd in range(args.rounds + 1):  # round 0 warms up, PowerSGD's plain-allreduce steps included
-        for name, (model, opt) in systems.items():
-            WORLD.Barrier()
-            for _ in range(args.steps if rnd else max(args.steps, POWERSGD_START_ITER)):
-                t0, c0 = time.perf_counter(), time.process_time()
-                train_step(model, opt, x, y)
-                every = WORLD.allgather((time.perf_counter() - t0, time.process_time() - c0))
-                elapsed, used = max(e for e, _ in every), sum(c for _, c in every) / size
-                if rnd:
-                    times[name].append(elapsed)
-                    cpu[name].append(used)
+    # round 0 warms up, PowerSGD's plain-allreduce steps included
+    times, cpu = time_systems(systems, lambda model, opt: train_step(model, opt, x, y), args.rounds, args.steps,
+                              POWERSGD_START_ITER)
     accuracy, _ = accuracy_phase(args, rank, size)
     dist.destroy_process_group()
     if rank != 0:
@@ -251,10 +268,7 @@ def main():
               f"{show(r['cpu_ms_per_step'], '7.1f')} ms CPU/step/rank  test acc {show(r['test_acc'], '.3f')} "
               f"loss {show(r['test_loss'], '.4f')}  "
               f"{r['note']}")
-    with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows({key: cell(value) for key, value in row.items()} for row in rows)
+    write_csv(os.path.join(args.out, f"{args.tag}.csv"), rows)
     save_figure(os.path.join(args.out, f"{args.tag}.png"), lambda plt: draw(plt, rows, args.tag, size, params))
 
 

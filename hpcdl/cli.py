@@ -8,6 +8,28 @@ import subprocess
 import sys
 
 
+def _mpi_cuda_support():
+    """"yes"/"no" from MPIX_Query_cuda_support of the libmpi this process loaded, or "unknown"
+    (no such function there, or no way to find the library). hpcdl stages CUDA tensors through
+    host memory either way; a CUDA-aware MPI could take device pointers directly."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps
+                            if os.path.basename(line.split()[-1]).startswith("libmpi.so")})
+    except OSError:
+        return "unknown"
+    for path in paths:
+        try:
+            query = ctypes.CDLL(path).MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            continue
+        query.restype = ctypes.c_int
+        return "yes" if query() else "no"
+    return "unknown"
+
+
 def _cmd_info(args):
     from mpi4py import MPI
 
@@ -20,6 +42,8 @@ def _cmd_info(args):
     print(f"MPI standard: {'.'.join(map(str, MPI.Get_version()))}")
     print(f"thread level: {levels.get(MPI.Query_thread(), MPI.Query_thread())} (hpcdl needs multiple)")
     print(f"ranks: {MPI.COMM_WORLD.Get_size()}")
+    print(f"CUDA-aware MPI: {_mpi_cuda_support()} (MPIX_Query_cuda_support; hpcdl stages CUDA tensors "
+          "through pinned host memory either way)")
     return 0
 
 
@@ -269,23 +293,25 @@ def _cmd_bench(args):
 
 def _parser():
     from hpcdl import __version__
-    from hpcdl.units import size_type
+    from hpcdl.units import positive_int_type, size_type
 
     parser = argparse.ArgumentParser(prog="hpcdl", description="hpcdl: distributed DL training tools")
     parser.add_argument("--version", action="version", version=f"hpcdl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="version, MPI library and thread level")
+    p = sub.add_parser("info", help="version, MPI library, thread level and whether the MPI is CUDA-aware")
     p.set_defaults(func=_cmd_info)
     p = sub.add_parser("pack", help="pack a directory of small files into an HDF5 store",
                        description="Pack every file under SRC into an hpcdl store in directory DST "
                        "(class = first-level sub-directory). Run under mpiexec -n P to split the work.")
     p.add_argument("src", metavar="SRC", help="source directory")
     p.add_argument("dst", metavar="DST", help="destination directory (created)")
-    p.add_argument("--shards", type=int, default=None, help="number of shards (default: by --shard-bytes)")
+    p.add_argument("--shards", type=positive_int_type("--shards"), default=None,
+                   help="number of shards (default: by --shard-bytes)")
     p.add_argument("--shard-bytes", type=size_type(), default="1G",
                    help="target shard size when --shards is not given (default 1G)")
     p.add_argument("--force", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--threads", type=int, default=8, help="files read at once per rank (default 8)")
+    p.add_argument("--threads", type=positive_int_type("--threads"), default=8,
+                   help="files read at once per rank (default 8)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_pack)
     p = sub.add_parser("verify", help="check every sample's checksum of a store")

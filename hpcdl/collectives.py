@@ -3,7 +3,9 @@
 Every function takes an mpi4py communicator (default ``MPI.COMM_WORLD``); the
 engine works on its own duplicate of it, so hpcdl traffic never mixes with
 the user's own MPI calls. Arrays are taken zero-copy through the buffer
-protocol and must be C-contiguous; reductions happen in place.
+protocol and must be C-contiguous; reductions happen in place. torch tensors
+(CPU: zero-copy; CUDA: staged through pinned host memory) and TensorFlow
+tensors (a copy) are taken too: hpcdl._tensors is their one intake.
 """
 
 import os
@@ -11,7 +13,7 @@ import re
 
 from mpi4py import MPI
 
-from hpcdl import _core
+from hpcdl import _core, _tensors
 from hpcdl.compression import canonical as _codec_text
 
 # The element types allreduce and broadcast take, as the core defines them
@@ -31,6 +33,7 @@ _SETTINGS = {
     "engine_slice_us": (int, 0, 100_000, "HPCDL_ENGINE_SLICE_US"),  # Linux takes 100 us to 100 ms
     "agreement_flat": (int, 0, 1, "HPCDL_AGREEMENT_FLAT"),
     "timeline_max_events": (int, 1, 2**63 - 1, "HPCDL_TIMELINE_MAX_EVENTS"),  # hpcdl.timeline
+    "residual_ttl_ops": (int, 0, 10**18 - 1, "HPCDL_RESIDUAL_TTL_OPS"),  # error feedback (residual_store.hpp)
 }
 
 
@@ -84,7 +87,8 @@ def configure(chunk_bytes=None, stall_warning_seconds=None, stall_error_seconds=
     in MPI) and HPCDL_ENGINE_SLICE_US (the engine thread's scheduler slice on
     Linux 6.12+, default 100; 0 keeps the system's). HPCDL_AGREEMENT_FLAT=1
     sends every rank's reports to the coordinator directly instead of up a
-    binomial tree (bench/agreement.py compares the two).
+    binomial tree (bench/agreement.py compares the two). HPCDL_RESIDUAL_TTL_OPS:
+    the lifetime of an unused error-feedback residual (hpcdl.compression).
     """
     for key, value in (("chunk_bytes", chunk_bytes), ("stall_warning_seconds", stall_warning_seconds),
                        ("stall_error_seconds", stall_error_seconds)):
@@ -108,6 +112,12 @@ def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression
     """Start an in-place allreduce of ``buf``; returns a Handle (``wait()``, ``done()``:
     whichever first sees the operation finished raises its error and lets go of ``buf``).
 
+    buf: a C-contiguous numpy array (or buffer-protocol object), a contiguous
+        torch tensor on CPU (reduced in place, zero-copy) or CUDA (staged through
+        pinned host memory; wait() copies the result back asynchronously, ordered
+        before later work on the current stream), or a TensorFlow tensor (reduced
+        on a copy: wait() returns a new tensor, or assigns a tf.Variable).
+
     op: "sum" or "average" (average needs a floating dtype).
     name: identifies the operation across ranks. Named operations may be
         submitted in any order on different ranks: the engine agrees on one
@@ -129,10 +139,16 @@ def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression
         instead of waiting forever.
     """
     codec = _codec_text(compression)
-    buffer = _core.Buffer(buf, dtype, True)
     reduce_op = _core.parse_op(op)
-    return _core.submit(_core.KIND_ALLREDUCE, buffer, _comm(comm), name, reduce_op, 0,
-                        _config["chunk_bytes"], codec, bool(deferred))
+    comm = _comm(comm)
+
+    def run(array, array_dtype):
+        return _core.submit(_core.KIND_ALLREDUCE, _core.Buffer(array, array_dtype, True), comm, name, reduce_op, 0,
+                            _config["chunk_bytes"], codec, bool(deferred))
+
+    if deferred and _tensors.is_torch(buf) and _tensors.staged(buf):
+        raise ValueError("deferred=True takes host memory: a CUDA tensor is staged by hpcdl itself")
+    return _tensors.submit(buf, dtype, True, run)
 
 
 def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None):
@@ -149,8 +165,13 @@ def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None)
 def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):
     """Start an in-place broadcast of ``buf`` from ``root``; returns a Handle."""
     comm = _comm(comm)
-    buffer = _core.Buffer(buf, dtype, comm.Get_rank() != root)
-    return _core.submit(_core.KIND_BROADCAST, buffer, comm, name, 0, int(root))
+    receives = comm.Get_rank() != root
+
+    def run(array, array_dtype):
+        return _core.submit(_core.KIND_BROADCAST, _core.Buffer(array, array_dtype, receives), comm, name, 0,
+                            int(root))
+
+    return _tensors.submit(buf, dtype, receives, run)
 
 
 def broadcast(buf, root=0, comm=None, name=None, dtype=None):

@@ -2,7 +2,9 @@
 verdict, the ranks agree on it with an allreduce, and only then assert, so a
 failure on one rank never leaves the others hanging in the next collective."""
 
+import importlib.util
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +17,28 @@ from mpi4py import MPI
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The launcher of this environment's MPI (the mpich wheel's, beside this Python).
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+
+
+# Packages a GPU image may lack (docs/testing.md, GPU section). When only the `cuda` tests
+# run (-m "cuda ..."), a module that imports one of them, itself or through a helper, is
+# not collected there instead of failing the collection.
+_OPTIONAL = ("tensorflow", "sklearn", "keras", "dlio_benchmark")
+
+
+def _imports(path, module):
+    text = path.read_text(errors="ignore")
+    if re.search(rf"^\s*(import|from)\s+{module}\b", text, re.M):
+        return True
+    helpers = re.findall(r"^\s*from\s+helpers\.(\w+)\s+import", text, re.M)
+    return any(_imports(path.parent.parent / "helpers" / f"{h}.py", module) for h in helpers
+               if (path.parent.parent / "helpers" / f"{h}.py").exists() and path.parent.name != "helpers")
+
+
+def pytest_ignore_collect(collection_path, config):
+    if not (config.getoption("-m") or "").lstrip("( ").startswith("cuda") or collection_path.suffix != ".py":
+        return None
+    missing = [m for m in _OPTIONAL if importlib.util.find_spec(m) is None]
+    return True if any(_imports(collection_path, m) for m in missing) else None
 
 
 def agree(comm, ok, detail=""):

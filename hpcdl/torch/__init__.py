@@ -8,9 +8,10 @@ parallelism, and the prefetcher as a Dataset.
     hpcdl.torch.broadcast_optimizer_state(opt, root_rank=0)
     ... loss.backward(); opt.step()
 
-optimizer (DistributedOptimizer, the broadcasts, ddp_comm_hook), pipeline
-(Pipeline, PipeSplit) and data (TorchDataset) are its modules; hpcdl's core API
-never imports them.
+optimizer (DistributedOptimizer, the broadcasts, ddp_comm_hook; its fusion
+buckets and CUDA staging in _buckets, its on-device encoders in
+device_codecs), pipeline (Pipeline, PipeSplit) and data (TorchDataset) are its
+modules; hpcdl's core API never imports them.
 """
 
 from hpcdl.torch.data import TorchDataset

@@ -1,69 +1,75 @@
 """PyTorch gradients averaged over the ranks: DistributedOptimizer, the broadcasts and a DDP hook.
 
-Nothing here is compiled against torch: tensors become numpy views
+Nothing here is compiled against torch: CPU tensors become numpy views
 (``Tensor.numpy()`` shares memory with a CPU tensor) and go through hpcdl's one
-buffer intake. CUDA gradients are copied into host buffers (pinned when CUDA is
-available) and back, since the core reduces host memory.
+tensor intake (hpcdl._tensors). CUDA gradients are gathered per bucket on the
+device, encoded there when a codec shrinks them, and staged through pinned
+host memory asynchronously (hpcdl.torch._buckets), since the core reduces host
+memory.
 
 ``import torch`` below is an absolute import and binds the real PyTorch, not
 the package hpcdl.torch.
 """
 
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
 import hpcdl
+from hpcdl import _tensors
 from hpcdl._agree import check_same_on_all_ranks
+from hpcdl.torch import _buckets
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "ddp_comm_hook"]
 
 DEFAULT_BUCKET_BYTES = 4 << 20
+DEFAULT_NAME = "torch"
 _BROADCASTABLE = {getattr(torch, name): name for name in hpcdl.DTYPES}  # the core's types, torch's names
 _REDUCIBLE = {t: name for t, name in _BROADCASTABLE.items() if t.is_floating_point}  # gradients
 
-
-def _numpy_view(tensor):
-    """A zero-copy numpy view of a contiguous CPU tensor and the dtype name for the core.
-
-    bfloat16 has no numpy type: its bits go as int16 with dtype="bfloat16".
-    """
-    flat = tensor.detach()
-    if flat.dtype == torch.bfloat16:
-        return flat.view(torch.int16).numpy(), "bfloat16"
-    return flat.numpy(), None
+# Bucket names key error-feedback residuals: a name stays with one live optimizer
+# per communicator. Default names are counted per communicator ("torch", "torch.1",
+# ...), the same on every rank since construction is collective.
+_names_in_use = {}      # (communicator, name) -> weakref to the optimizer holding it
+_defaults_given = {}    # communicator -> default names handed out
 
 
-def _optional(compression):
-    """compression= goes to the core only when the user asked for a codec."""
-    return {} if compression is None else {"compression": compression}
+def _comm_key(comm):
+    return MPI.Comm.py2f(comm)
 
 
-class _Bucket:
-    """Gradients of several parameters of one dtype, fused into one flat host buffer."""
+def _name_for(comm, name):
+    """(the name to use, whether a live optimizer on comm already holds it)."""
+    key = _comm_key(comm)
+    if name is None:
+        count = _defaults_given.get(key, 0)
+        _defaults_given[key] = count + 1
+        name = DEFAULT_NAME if count == 0 else f"{DEFAULT_NAME}.{count}"
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__}")
+    holder = _names_in_use.get((key, name))
+    holder = holder() if holder is not None else None
+    return name, holder is not None and bool(holder._hook_handles)
 
-    def __init__(self, index, name, dtype, slots):
-        self.index = index
-        self.name = name
-        self.slots = slots                  # [(param, offset, numel)]
-        numel = sum(n for _, _, n in slots)
-        pin = torch.cuda.is_available() and any(p.is_cuda for p, _, _ in slots)
-        self.flat = torch.zeros(numel, dtype=dtype, pin_memory=pin)
-        self.array, self.core_dtype = _numpy_view(self.flat)
-        self.filled = set()                 # params whose gradient is in the buffer
-        self.handle = None
 
-    def view(self, offset, numel, param):
-        return self.flat[offset:offset + numel].view(param.shape)
+def _dense(pname, grad, sparse_as_dense):
+    if grad.layout == torch.strided:
+        return grad
+    if sparse_as_dense:
+        return grad.to_dense()
+    raise TypeError(f"parameter '{pname}' has a sparse gradient ({grad.layout}); DistributedOptimizer "
+                    "reduces dense gradients: pass sparse_as_dense=True to densify them")
 
 
 class _DistributedOptimizerMixin:
     """Methods of the class DistributedOptimizer() builds over the user's optimizer class."""
 
     def _hpcdl_setup(self, named_parameters, compression, bucket_bytes, op, backward_passes_per_step,
-                     comm, name):
+                     comm, name, sparse_as_dense):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if bucket_bytes < 1:
@@ -71,22 +77,53 @@ class _DistributedOptimizerMixin:
         self._comm = MPI.COMM_WORLD if comm is None else comm
         self._compression = compression
         self._op = op
+        self._sparse_as_dense = bool(sparse_as_dense)
+        self._bucket_bytes = int(bucket_bytes)
         self.backward_passes_per_step = int(backward_passes_per_step)
+        self._hook_handles = []
+        name, in_use = _name_for(self._comm, name)
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         named = self._named(named_parameters, params)
         check_same_on_all_ranks(
             self._comm, [(n, p.shape, p.dtype) for n, p in named], "the parameters of DistributedOptimizer",
-            {"bucket_bytes": int(bucket_bytes), "op": op, "name": name,
-             "backward_passes_per_step": self.backward_passes_per_step,
+            {"bucket_bytes": self._bucket_bytes, "op": op, "name": name, "name_in_use": in_use,
+             "backward_passes_per_step": self.backward_passes_per_step, "sparse_as_dense": self._sparse_as_dense,
              "compression": None if compression is None else repr(compression)})
-        self._buckets = self._make_buckets(named, int(bucket_bytes), name)
-        self._bucket_of = {p: (b, off, n) for b in self._buckets for p, off, n in b.slots}
-        self._passes = {p: 0 for _, p in named}
+        if in_use:
+            raise ValueError(f"another DistributedOptimizer on this communicator is named '{name}' (bucket names "
+                             "key error-feedback residuals): give this one another name, leave name unset, or "
+                             "remove_hooks() of the other first")
+        self._name = name
+        _names_in_use[(_comm_key(self._comm), name)] = weakref.ref(self)
+        self._size = self._comm.Get_size()
         self._lock = threading.Lock()
+        self._buckets, self._bucket_of, self._passes, self._name_of = [], {}, {}, {}
         self._round_open = False            # this step's bucket allreduces are submitted
         self._synchronized = False
         self._last_timings = []
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+        self._add_parameters(named)
+
+    def _add_parameters(self, named):
+        buckets = _buckets.make_buckets(named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
+                                        _tensors.staged, self._compression, self._size)
+        self._buckets += buckets
+        self._bucket_of.update((p, (b, off, n)) for b in buckets for p, off, n in b.slots)
+        self._passes.update((p, 0) for _, p in named)
+        self._name_of.update((p, n) for n, p in named)
+        self._hook_handles += [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in named]
+
+    def add_param_group(self, param_group):
+        """torch's add_param_group; the new parameters are averaged like the others (new buckets,
+        checked across ranks like the constructor's)."""
+        if self._round_open:
+            raise RuntimeError("add_param_group() during a backward pass: call it between steps")
+        self._base_class.add_param_group(self, param_group)
+        group = len(self.param_groups) - 1
+        new = [p for p in self.param_groups[-1]["params"] if p.requires_grad and p not in self._bucket_of]
+        named = [(f"param_group.{group}.{i}", p) for i, p in enumerate(new)]
+        check_same_on_all_ranks(self._comm, [(n, p.shape, p.dtype) for n, p in named],
+                                "the parameters added to DistributedOptimizer", {"group": group})
+        self._add_parameters(named)
 
     @staticmethod
     def _named(named_parameters, params):
@@ -105,28 +142,6 @@ class _DistributedOptimizerMixin:
         in_optimizer = set(params)
         return [(n, p) for n, p in named if p in in_optimizer]
 
-    def _make_buckets(self, named, bucket_bytes, name):
-        """Reverse registration order (the order backward produces gradients), one dtype per
-        bucket, a new bucket once bucket_bytes is reached: the same on every rank."""
-        open_slots, buckets = {}, []
-
-        def close(dtype):
-            slots = open_slots.pop(dtype)
-            buckets.append(_Bucket(len(buckets), f"{name}.bucket.{len(buckets)}", dtype, slots))
-
-        for pname, p in reversed(named):
-            if p.dtype not in _REDUCIBLE:
-                raise TypeError(f"parameter '{pname}' has dtype {p.dtype}; hpcdl reduces "
-                                f"{', '.join(str(t) for t in _REDUCIBLE)}")
-            slots = open_slots.setdefault(p.dtype, [])
-            offset = sum(n for _, _, n in slots)
-            slots.append((p, offset, p.numel()))
-            if (offset + p.numel()) * p.element_size() >= bucket_bytes:
-                close(p.dtype)
-        for dtype in list(open_slots):
-            close(dtype)
-        return buckets
-
     def _on_grad(self, param):
         """Autograd hook: the gradient of param is complete for this backward pass."""
         with self._lock:
@@ -140,13 +155,20 @@ class _DistributedOptimizerMixin:
                     f"a gradient was computed {self._passes[param]} times before step() with "
                     f"backward_passes_per_step={self.backward_passes_per_step}: call step() (or "
                     "synchronize()) after each group of backward passes, or raise backward_passes_per_step")
+            try:
+                grad = _dense(self._name_of[param], param.grad, self._sparse_as_dense)
+            except TypeError:
+                self._abandon_round()  # every rank raises here (the same model): no operation is left waiting
+                raise
+            bucket.filled.add(param)
+            if bucket.local:
+                return
             if not self._round_open:
                 self._open_round()
             with torch.no_grad():
-                bucket.view(offset, numel, param).copy_(param.grad)
-            bucket.filled.add(param)
+                bucket.view(offset, numel, param).copy_(grad)
             if len(bucket.filled) == len(bucket.slots):
-                bucket.handle.mark_ready()
+                bucket.launch()
 
     def _open_round(self):
         """First gradient of the step: submit every bucket's allreduce deferred, so the
@@ -155,7 +177,8 @@ class _DistributedOptimizerMixin:
         end (unused parameters), so none waits for step() while the user's code
         between backward and step() might wait on other hpcdl operations."""
         for bucket in self._buckets:
-            bucket.handle = self._submit(bucket, deferred=True)
+            if not bucket.local:
+                bucket.handle = self._submit(bucket, deferred=True)
         self._round_open = True
         torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
 
@@ -167,25 +190,58 @@ class _DistributedOptimizerMixin:
         clipping. step() itself then only steps."""
         self.synchronize()
 
-    def _release_incomplete(self):
+    def _release_incomplete(self, zeros=False):
         """Announced buckets that are not full go as they are (under self._lock)."""
         for bucket in self._buckets:
-            if bucket.handle is not None and not bucket.handle.ready():
-                self._fill_missing(bucket)
-                bucket.handle.mark_ready()
+            if bucket.handle is not None and not bucket.handle.ready() and bucket.launched is None:
+                self._fill_missing(bucket, zeros)
+                bucket.launch()
 
-    @staticmethod
-    def _fill_missing(bucket):
+    def _abandon_round(self):
+        """Finish this step's announced operations without touching any .grad (under self._lock)."""
+        self._release_incomplete(zeros=True)
+        for bucket in self._buckets:
+            bucket.wait_launched()
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            bucket.filled.clear()
+        for p in self._passes:
+            self._passes[p] = 0
+        self._round_open = False
+
+    def _fill_missing(self, bucket, zeros=False):
         """Parameters whose hook did not fire contribute their current .grad, or zeros."""
         with torch.no_grad():
             for p, offset, numel in bucket.slots:
                 if p not in bucket.filled:
                     slot = bucket.view(offset, numel, p)
-                    slot.copy_(p.grad) if p.grad is not None else slot.zero_()
+                    if p.grad is None or zeros:
+                        slot.zero_()
+                    else:
+                        bucket.filled.add(p)
+                        slot.copy_(_dense(self._name_of[p], p.grad, self._sparse_as_dense))
 
     def _submit(self, bucket, deferred):
-        return hpcdl.allreduce_async(bucket.array, op=self._op, comm=self._comm, name=bucket.name,
-                                     dtype=bucket.core_dtype, deferred=deferred, **_optional(self._compression))
+        return _buckets.submit(bucket, self._op, self._comm, self._compression, deferred)
+
+    def _presence(self):
+        """(the parameters some rank produced a gradient for this step, as a started int32
+        allreduce, None on one rank; this rank's). A parameter no rank has a gradient for
+        keeps .grad None."""
+        params = list(self._passes)
+        mine = np.array([p in self._bucket_of[p][0].filled for p in params], dtype=np.int32)
+        handle = None
+        if self._size > 1:
+            handle = hpcdl.allreduce_async(mine, comm=self._comm, name=f"{self._name}.presence")
+        return params, mine, handle
+
+    @staticmethod
+    def _set_grad(p, reduced):
+        if p.grad is None or p.grad.layout != torch.strided:
+            p.grad = reduced.to(p.device, copy=True)
+        else:
+            p.grad.copy_(reduced)
 
     def synchronize(self):
         """Finish the gradient allreduce of this step (the end of backward does;
@@ -194,31 +250,45 @@ class _DistributedOptimizerMixin:
 
         Every bucket runs on every rank every step. A parameter whose hook did
         not fire this step contributes its current .grad, or zeros when it has
-        none, and ends with the reduced gradient in .grad like the others.
+        none, and ends with the reduced gradient in .grad like the others; one
+        that no rank has a gradient for (a frozen layer) keeps .grad None.
         """
         with self._lock:
             if self._synchronized:
                 return
             self._release_incomplete()  # backward raised before its end
             for bucket in self._buckets:
-                if bucket.handle is None:  # no backward this step
+                if bucket.handle is None and not bucket.local:  # no backward this step
                     self._fill_missing(bucket)
-                    bucket.handle = self._submit(bucket, deferred=False)
-            timings = []
+                    bucket.handle = self._submit(bucket, deferred=True)
+                    bucket.launch()
+            for bucket in self._buckets:
+                bucket.wait_launched()
+            params, present, presence = self._presence()
+            timings, late = [], []
             with torch.no_grad():
                 # Each bucket is unpacked as soon as it is reduced, while the
-                # engine still moves the later ones.
+                # engine still moves the later ones; a parameter without a local
+                # gradient waits for the ranks' presence counts.
                 for bucket in self._buckets:
-                    bucket.handle.wait()
-                    timings.append(dict(bucket.handle.timings(), name=bucket.name))
-                    for p, offset, numel in bucket.slots:
-                        reduced = bucket.view(offset, numel, p)
-                        if p.grad is None:
-                            p.grad = reduced.to(p.device, copy=True)
-                        else:
-                            p.grad.copy_(reduced)
+                    if not bucket.local:
+                        bucket.handle.wait()
+                        timings.append(dict(bucket.handle.timings(), name=bucket.name))
+                        reduced = bucket.result()
+                        for p, offset, numel in bucket.slots:
+                            flat = reduced[offset:offset + numel].view(p.shape)
+                            if p in bucket.filled:
+                                self._set_grad(p, flat)
+                            else:
+                                late.append((p, flat))
                     bucket.handle = None
                     bucket.filled.clear()
+                if presence is not None:
+                    presence.wait()
+                    count = dict(zip(params, present))
+                    for p, flat in late:
+                        if count[p]:
+                            self._set_grad(p, flat)
             for p in self._passes:
                 self._passes[p] = 0
             self._round_open = False
@@ -234,7 +304,7 @@ class _DistributedOptimizerMixin:
 
     def bucket_layout(self):
         """[(bucket name, dtype, [parameter shapes])]: the fusion plan, in launch order."""
-        return [(b.name, str(b.flat.dtype), [tuple(p.shape) for p, _, _ in b.slots]) for b in self._buckets]
+        return [(b.name, str(b.dtype), [tuple(p.shape) for p, _, _ in b.slots]) for b in self._buckets]
 
     def last_timings(self):
         """Per bucket of the last synchronize(): name and wall-clock microseconds
@@ -247,11 +317,11 @@ class _DistributedOptimizerMixin:
         """Detach from the parameters' autograd hooks (the wrapper stops reducing)."""
         for handle in self._hook_handles:
             handle.remove()
-        self._hook_handles = []
+        self._hook_handles = []  # its name is free again
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                         op="average", backward_passes_per_step=1, comm=None, name="torch"):
+                         op="average", backward_passes_per_step=1, comm=None, name=None, sparse_as_dense=False):
     """Wrap a torch optimizer so step() applies the gradients averaged over all ranks.
 
     Returns an instance of a subclass of the optimizer's class that shares the
@@ -271,7 +341,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
     backward_passes_per_step: gradients accumulate locally over this many
         backward passes; the allreduce starts on the last one.
     comm: the mpi4py communicator (default COMM_WORLD).
-    name: prefix of the bucket names; give two wrapped optimizers different ones.
+    name: prefix of the bucket names (which key error-feedback residuals). Left
+        unset, each wrapped optimizer on a communicator gets its own: "torch",
+        "torch.1", ... in construction order. A name a live wrapped optimizer on
+        the same communicator holds raises ValueError on every rank.
+    sparse_as_dense: densify sparse gradients (torch.nn.Embedding(sparse=True));
+        otherwise a sparse gradient raises TypeError naming the parameter.
+
+    CUDA parameters: each bucket is gathered on the device, encoded there
+    (FP16, BF16, Int8 with nearest rounding, TopK: hpcdl.torch.device_codecs)
+    and copied to pinned host memory on a side stream once its gradients are
+    complete; the ring starts when that copy landed, and the result is copied
+    back asynchronously before the step. With one rank the gradients stay on
+    the device untouched. A parameter that no rank produced a gradient for in a
+    step (a frozen layer) keeps .grad None, as in DDP.
     """
     mixin = dict(_DistributedOptimizerMixin.__dict__)
     for key in ("__dict__", "__weakref__"):
@@ -281,7 +364,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks
     wrapped.optimizer = optimizer
     wrapped._base_class = type(optimizer)
-    wrapped._hpcdl_setup(named_parameters, compression, bucket_bytes, op, backward_passes_per_step, comm, name)
+    wrapped._hpcdl_setup(named_parameters, compression, bucket_bytes, op, backward_passes_per_step, comm, name,
+                         sparse_as_dense)
     return wrapped
 
 
@@ -306,24 +390,22 @@ def broadcast_parameters(params, root_rank=0, comm=None):
                             {"root_rank": int(root_rank)})
     pending = []
     for name, tensor in named:
-        host = tensor.detach()
-        staged = host.is_cuda or not host.is_contiguous()  # broadcast a host copy, then copy back
-        if staged:
-            host = host.cpu().contiguous()
-        handle = None
-        if host.dtype in _BROADCASTABLE:
-            array, dtype = _numpy_view(host)
-            handle = hpcdl.broadcast_async(array, root=root_rank, comm=comm, name=f"torch.broadcast.{name}",
-                                           dtype=dtype)
+        target = tensor.detach()
+        # hpcdl works in place: a non-contiguous tensor goes through a contiguous copy
+        buf = target if target.is_contiguous() else target.contiguous()
+        if buf.dtype in _BROADCASTABLE:  # CPU zero-copy, CUDA staged (hpcdl._tensors)
+            pending.append((target, buf, hpcdl.broadcast_async(buf, root=root_rank, comm=comm,
+                                                               name=f"torch.broadcast.{name}")))
         else:  # bool, uint8, int8...: the same bytes, through MPI directly
+            host = buf.cpu()
             comm.Bcast(host.view(-1).view(torch.uint8).numpy(), root=root_rank)
-        pending.append((tensor, host, staged, handle))
-    for tensor, host, staged, handle in pending:
+            pending.append((target, host, None))
+    for target, buf, handle in pending:
         if handle is not None:
             handle.wait()
-        if staged:
+        if buf is not target:
             with torch.no_grad():
-                tensor.copy_(host)
+                target.copy_(buf)
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0, comm=None):
@@ -352,17 +434,17 @@ def ddp_comm_hook(state, bucket):
     """
     state = state or {}
     buffer = bucket.buffer()
-    host = buffer if not buffer.is_cuda else buffer.cpu()
-    array, dtype = _numpy_view(host)
-    handle = hpcdl.allreduce_async(array, op="average", comm=state.get("comm"),
-                                   name=f"ddp.bucket.{bucket.index()}", dtype=dtype,
-                                   **_optional(state.get("compression")))
-    future = torch.futures.Future()
+    codec = state.get("compression")
+    handle = hpcdl.allreduce_async(buffer, op="average", comm=state.get("comm"), name=f"ddp.bucket.{bucket.index()}",
+                                   **({} if codec is None else {"compression": codec}))
+    future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
 
     def finish():
         try:
-            handle.wait()
-            future.set_result(buffer.copy_(host) if host is not buffer else buffer)
+            if buffer.is_cuda:
+                torch.cuda.set_device(buffer.device)
+            # the copy back is ordered before this thread's stream, which the future's devices follow
+            future.set_result(handle.wait())
         except Exception as exc:  # noqa: BLE001 - handed to DDP through the future
             future.set_exception(exc)
 

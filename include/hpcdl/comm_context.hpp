@@ -111,6 +111,16 @@ class CommContext {
   std::vector<std::vector<std::string>> last_desc;  // [id][rank] serialized desc
   std::vector<char> announced;                      // [id] name already sent in a plan
   std::map<std::uint32_t, Entry> table;
+  // Coordinator: names whose operation timed out, with the ranks that had
+  // submitted it then (sorted) and how long they waited; until that name runs.
+  struct GivenUp {
+    std::vector<int> submitted;
+    double waited_s = 0;
+  };
+  std::map<std::string, GivenUp> given_up;
+  // Who of `missing` never submitted `name` and who gave up on it earlier, for
+  // a stall warning (still_waiting) or a timeout.
+  std::string describe_missing(const std::string& name, const std::vector<int>& missing, bool still_waiting) const;
 
   struct Outgoing {
     MPI_Request req;

@@ -147,10 +147,15 @@ Status Engine::finish_setup(CommContext& ctx, double warn_s, double error_s) {
   const std::string what = " for the other ranks to submit their first operation on this communicator "
                            "(hpcdl sets up its channels with the first operation every rank submits on it)";
   if (error_s > 0 && waited >= error_s) {
-    for (auto& kv : ctx.pending)
+    for (auto& kv : ctx.pending) {
       kv.second->finish(Status::Timeout("hpcdl: operation '" + kv.first + "' waited " +
                                         seconds_text(waited) + what));
+      if (ctx.is_coordinator()) ctx.given_up[kv.first] = CommContext::GivenUp{{ctx.rank}, waited};
+    }
     ctx.pending.clear();
+    // The next operation submitted here waits its own stall limit for the set-up.
+    ctx.setup_since = std::chrono::steady_clock::now();
+    ctx.setup_warned_at = 0;
     std::lock_guard<std::mutex> g(mu_);
     ctx.in_flight.clear();
   } else if (warn_s > 0 && waited >= warn_s && waited - ctx.setup_warned_at >= warn_s) {

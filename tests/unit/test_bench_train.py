@@ -10,6 +10,9 @@ import os
 import re
 import sys
 
+import pytest
+import torch
+
 from conftest import MPIEXEC, ROOT, finish_job, start_job
 
 SYSTEMS = {"ddp-gloo", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
@@ -58,3 +61,12 @@ def test_profile_step_times_one_system_and_refuses_an_unknown_one():
         assert found and float(found.group(1)) > 0 and float(found.group(2)) > 0, output[-3000:]
     code, output, _ = finish_job(start_job([sys.executable, script, "fp8"], cwd=ROOT, env=env), 120)
     assert code == 2 and "unknown system 'fp8'" in output, output[-3000:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists: the refusal is for machines without")
+def test_the_gpu_benchmark_refuses_clearly_without_a_cuda_device(tmp_path):
+    for command in ([sys.executable, os.path.join(ROOT, "bench", "train_gpu.py"), "--out", str(tmp_path)],
+                    [os.path.join(ROOT, "bench", "gpu.sh"), str(tmp_path)]):
+        code, output, _ = finish_job(start_job(command, cwd=ROOT), 120)
+        assert code == 2 and "no CUDA device" in output, (command, code, output[-2000:])
+        assert not os.listdir(tmp_path)

@@ -113,3 +113,13 @@ def test_bench_errors_are_clear(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "hpcdl", "ls", "--no-such-option", str(tmp_path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "unrecognized arguments: --no-such-option" in proc.stderr
+
+
+def test_info_says_whether_the_mpi_is_cuda_aware():
+    proc = subprocess.run([sys.executable, "-m", "hpcdl", "info"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    found = re.search(r"^CUDA-aware MPI: (yes|no|unknown) ", proc.stdout, re.M)
+    assert found, proc.stdout
+    if "MPICH" in proc.stdout:  # MPICH exports MPIX_Query_cuda_support: the answer is known
+        assert found.group(1) in ("yes", "no"), proc.stdout

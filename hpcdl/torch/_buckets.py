@@ -1,0 +1,116 @@
+"""DistributedOptimizer's fusion buckets: gradients of several parameters of one dtype
+in one flat buffer, reduced by one allreduce.
+
+A bucket of CPU parameters gathers the gradients in host memory that the core
+reduces in place. A bucket of CUDA parameters (or of CPU ones under
+hpcdl._tensors.staging_cpu_tensors, which runs the same code on CPU) gathers
+them on the device; once its last gradient is in, the side stream waits for
+the event recorded on the stream that produced them, encodes the bucket on
+the device when a codec shrinks it (hpcdl.torch.device_codecs), and copies the
+bytes to pinned host memory; the "hpcdl-cuda" thread waits for that copy's
+event, decodes compressed bytes on the host and lets the engine move the
+data. After the ring the result goes back to the device asynchronously,
+ordered before whatever the caller's stream runs next (the optimizer step).
+"""
+
+import torch
+
+import hpcdl
+from hpcdl import _tensors
+from hpcdl.torch.device_codecs import device_codec
+
+
+class Bucket:
+    def __init__(self, index, name, dtype, slots, staged, compression, size):
+        self.index = index
+        self.name = name
+        self.slots = slots                  # [(param, offset, numel)]
+        self.staged = staged
+        self.device = slots[0][0].device
+        numel = sum(n for _, _, n in slots)
+        # One rank: the average is the gradient itself; a device bucket stays on the device.
+        self.local = staged and size == 1
+        self.dtype = dtype
+        self.filled = set()                 # params whose gradient is in the buffer
+        self.handle = None
+        self.launched = None                # the hpcdl-cuda thread's job for a staged bucket
+        if self.local:
+            return
+        self.flat = _tensors.host_buffer(numel, dtype, self.device if staged else torch.device("cpu"))
+        self.flat.zero_()
+        self.array, self.core_dtype = _tensors.numpy_view(self.flat)
+        self.gather = torch.zeros(numel, dtype=dtype, device=self.device) if staged else self.flat
+        self.encoder = device_codec(compression) if staged and dtype == torch.float32 else None
+        if self.encoder is not None:
+            self.residual = torch.zeros(numel, dtype=dtype, device=self.device)
+            self.wire = _tensors.host_buffer(self.encoder.encoded_size(numel), torch.uint8, self.device)
+
+    def view(self, offset, numel, param):
+        """Where param's gradient is gathered (on its device for a staged bucket)."""
+        return self.gather[offset:offset + numel].view(param.shape)
+
+    def launch(self):
+        """All gradients are in: let the data move (for a staged bucket, once it reached the host)."""
+        if not self.staged:
+            self.handle.mark_ready()
+            return
+        with _tensors.SideWork(self.device) as work:
+            if self.encoder is None:
+                self.flat.copy_(self.gather, non_blocking=True)
+            else:
+                self.wire.copy_(self.encoder.encode(self.gather, self.residual), non_blocking=True)
+            work.keep(self.gather)
+        self.launched = _tensors.launcher().submit(self._land, work)
+
+    def _land(self, work):
+        """On the hpcdl-cuda thread: the copy reached the host; the ring may start."""
+        try:
+            work.wait_host()
+            if self.encoder is not None:
+                self.encoder.codec.decode_into(self.wire.numpy(), self.array)
+        finally:  # a failure here is raised by wait_launched(); the ring must not wait forever for it
+            self.handle.mark_ready()
+
+    def wait_launched(self):
+        """Raise what launching failed with (the CPU never waits for the device here)."""
+        if self.launched is not None:
+            launched, self.launched = self.launched, None
+            launched.result()
+
+    def result(self):
+        """The reduced gradients, where the parameters live: for a staged bucket the copy back
+        is queued on the side stream and the caller's stream waits for it."""
+        if self.staged:
+            _tensors.copy_async(self.gather, self.flat, self.device).order_current_stream()
+        return self.gather
+
+
+def make_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, compression, size):
+    """Reverse registration order (the order backward produces gradients), one dtype and
+    device per bucket, a new bucket once bucket_bytes is reached: the same on every rank."""
+    open_slots, buckets = {}, []
+
+    def close(key):
+        slots = open_slots.pop(key)
+        index = first_index + len(buckets)
+        buckets.append(Bucket(index, f"{name}.bucket.{index}", key[0], slots, staged_of(slots[0][0]),
+                              compression, size))
+
+    for pname, p in reversed(named):
+        if p.dtype not in reducible:
+            raise TypeError(f"parameter '{pname}' has dtype {p.dtype}; hpcdl reduces "
+                            f"{', '.join(str(t) for t in reducible)}")
+        key = (p.dtype, p.device)
+        slots = open_slots.setdefault(key, [])
+        offset = sum(n for _, _, n in slots)
+        slots.append((p, offset, p.numel()))
+        if (offset + p.numel()) * p.element_size() >= bucket_bytes:
+            close(key)
+    for key in list(open_slots):
+        close(key)
+    return buckets
+
+
+def submit(bucket, op, comm, compression, deferred):
+    return hpcdl.allreduce_async(bucket.array, op=op, comm=comm, name=bucket.name, dtype=bucket.core_dtype,
+                                 deferred=deferred, **({} if compression is None else {"compression": compression}))

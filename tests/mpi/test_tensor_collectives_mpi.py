@@ -1,0 +1,78 @@
+"""hpcdl.allreduce / broadcast over torch tensors under MPI: CPU tensors in place, staged
+tensors ([cuda] on the GPU, [staged-cpu] the same path on CPU) in place, the results of
+numpy arrays bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpcdl
+from conftest import agree, collective, outcome
+from helpers.device import device  # noqa: F401 - the fixture
+
+WORLD = MPI.COMM_WORLD
+
+
+def rank_values(rank, n=1000, dtype=torch.float32):
+    g = torch.Generator().manual_seed(50 + rank)
+    return torch.randn(n, generator=g).to(dtype)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_allreduce_of_tensors_equals_that_of_arrays(device, dtype, op):
+    rank = WORLD.Get_rank()
+    t = rank_values(rank, dtype=dtype).to(device)
+    ptr = t.data_ptr()
+    # the same bytes as numpy (bfloat16: its bits, read as bfloat16)
+    mine = rank_values(rank, dtype=dtype)
+    array = mine.view(torch.int16).numpy().copy() if dtype == torch.bfloat16 else mine.numpy().copy()
+    out = collective(WORLD, hpcdl.allreduce, t, op=op, name=f"tensor.{dtype}.{op}")
+    collective(WORLD, hpcdl.allreduce, array, op=op, name=f"array.{dtype}.{op}",
+               dtype="bfloat16" if dtype == torch.bfloat16 else None)
+    got = t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    digests = WORLD.allgather(got)
+    agree(WORLD, out is t and t.data_ptr() == ptr and got == array.tobytes() and len(set(digests)) == 1,
+          f"in place {out is t and t.data_ptr() == ptr}, equals numpy {got == array.tobytes()}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_async_collectives_of_tensors_overlap_and_land_in_place(device):
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    tensors = [torch.full((300 + i,), float(rank + i), device=device) for i in range(4)]
+    handles = [hpcdl.allreduce_async(t, name=f"async.{i}") for i, t in enumerate(tensors)]
+    b = torch.full((5,), float(rank), device=device, dtype=torch.float64)
+    hb = hpcdl.broadcast_async(b, root=size - 1, name="async.bcast")
+    results = collective(WORLD, lambda: [h.wait() for h in handles] + [hb.wait()])
+    total = sum(range(size))
+    ok = (all(r is t for r, t in zip(results, tensors + [b]))
+          and all(torch.all(t.cpu() == total + i * size) for i, t in enumerate(tensors))
+          and torch.all(b.cpu() == size - 1))
+    agree(WORLD, ok, [t[:2].tolist() for t in tensors] + [b.tolist()])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_compressed_allreduce_of_a_tensor_is_identical_on_every_rank(device):
+    t = rank_values(WORLD.Get_rank(), n=4096).to(device)
+    collective(WORLD, hpcdl.allreduce, t, op="average", name="tensor.int8", compression=hpcdl.compression.Int8())
+    exact = sum(rank_values(r, n=4096) for r in range(WORLD.Get_size())) / WORLD.Get_size()
+    err = float((t.cpu() - exact).abs().max())
+    digests = WORLD.allgather(t.cpu().numpy().tobytes())
+    agree(WORLD, len(set(digests)) == 1 and err < 0.1, f"max error {err}, {len(set(digests))} distinct")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_non_contiguous_tensor_raises_on_every_rank(device):
+    _, err = outcome(hpcdl.allreduce, torch.ones(4, 6, device=device).t())
+    agree(WORLD, isinstance(err, ValueError) and "contiguous" in str(err), repr(err))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cpu_tensor_is_zero_copy():
+    """The core reads and writes the tensor's own memory (no staging for CPU tensors)."""
+    t = torch.full((8,), float(WORLD.Get_rank()))
+    view = t.numpy()  # shares memory with t
+    collective(WORLD, hpcdl.allreduce, t, name="zero.copy")
+    agree(WORLD, np.all(view == sum(range(WORLD.Get_size()))), view.tolist())

@@ -1,0 +1,209 @@
+"""hpcdl.torch with device tensors: [cuda] on the GPU (ranks share it round-robin), [staged-cpu]
+the same staging path (device gathering, side-stream copies, device codecs, the hpcdl-cuda
+thread) on CPU tensors. Every rank computes its reference itself; ranks agree before asserting."""
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from mpi4py import MPI
+
+import hpcdl
+import hpcdl.torch as hvt
+from conftest import agree, collective
+from hpcdl import _tensors
+from hpcdl.compression import FP16, Int8, TopK
+from helpers.device import device  # noqa: F401 - the fixture
+from helpers.torch_adapter import full_batch, loss_of, make_model, max_difference, params_digest, train_reference
+
+WORLD = MPI.COMM_WORLD
+
+
+@contextlib.contextmanager
+def host_path():
+    """The reference: the same training through the plain host path (no staging)."""
+    old = _tensors.staging_cpu_tensors(False)
+    try:
+        yield
+    finally:
+        _tensors.staging_cpu_tensors(old)
+
+
+def train(device, steps=5, per_rank=6, comm=WORLD, **kw):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = make_model().to(device)
+    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
+                                   bucket_bytes=512, comm=comm, **kw)
+    for step in range(steps):
+        x, y = full_batch(step, per_rank, size)
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        loss_of(model, x[mine].to(device), y[mine].to(device)).backward()
+        opt.step()
+    opt.remove_hooks()
+    return model.cpu()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec,tol", [(None, 2e-5), (FP16(), 1e-2), (Int8(), 5e-2), (TopK(0.2), 5e-2)], ids=str)
+def test_distributed_optimizer_on_device_equals_the_host_run(device, codec, tol):
+    got = collective(WORLD, train, device, compression=codec)
+    with host_path():
+        want = collective(WORLD, train, torch.device("cpu"), compression=codec)
+    diff = max_difference(got, want)
+    digests = WORLD.allgather(params_digest(got))
+    agree(WORLD, diff < tol and len(set(digests)) == 1, f"max diff {diff} to the host run, "
+                                                         f"{len(set(digests))} distinct results")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_one_rank_keeps_gradients_on_the_device_untouched(device):
+    """COMM_SELF: no exchange, no copy; the same bits as the plain optimizer."""
+    hpcdl.stats(reset=True)
+    got = train(device, comm=MPI.COMM_SELF)
+    ops = hpcdl.stats().get("allreduce", {}).get("none", {}).get("ops", 0)
+    model = make_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(5):
+        x, y = full_batch(step, 6, 1)
+        opt.zero_grad()
+        loss_of(model, x.to(device), y.to(device)).backward()
+        opt.step()
+    same = params_digest(got) == params_digest(model.cpu())
+    agree(WORLD, same and ops == 0, f"same bits {same}, allreduce ops {ops}")
+
+
+def train_amp(device, size, distributed, steps=4, per_rank=6):
+    """autocast + GradScaler on the device; distributed=False: one process, the whole batch."""
+    rank = WORLD.Get_rank() if distributed else 0
+    kind, low = ("cuda", torch.float16) if device.type == "cuda" else ("cpu", torch.bfloat16)
+    model = make_model().to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    if distributed:
+        opt = hvt.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=512, name="amp.device")
+    scaler = torch.amp.GradScaler(kind, init_scale=2.0 ** 10, growth_interval=2)
+    shares = [rank] if distributed else list(range(size))
+    scales = []
+    for step in range(steps):
+        x, y = full_batch(step, per_rank, size)
+        opt.zero_grad()
+        with torch.autocast(kind, dtype=low):
+            losses = [loss_of(model, x[r * per_rank:(r + 1) * per_rank].to(device),
+                              y[r * per_rank:(r + 1) * per_rank].to(device)) for r in shares]
+        scaler.scale(sum(losses) / len(losses)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    if distributed:
+        opt.remove_hooks()
+    return model.cpu(), scales
+
+
+@pytest.mark.mpi(min_size=2)
+def test_amp_on_device_equals_single_process_amp(device):
+    size = WORLD.Get_size()
+    got, scales = collective(WORLD, train_amp, device, size, True)
+    want, want_scales = train_amp(device, size, False)
+    diff = max_difference(got, want)
+    views = WORLD.allgather((params_digest(got), scales))
+    agree(WORLD, diff < 2e-3 and scales == want_scales and len({repr(v) for v in views}) == 1,
+          f"max diff {diff}, scales {scales} vs {want_scales}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_parameters_of_device_state_with_buffers(device):
+    rank, root = WORLD.Get_rank(), WORLD.Get_size() - 1
+    torch.manual_seed(rank)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4)).to(device)
+    model(torch.randn(8, 6, device=device))  # running statistics and num_batches_tracked differ per rank
+    model.register_buffer("mask", torch.tensor([rank % 2 == 0, True], device=device))
+    collective(WORLD, hvt.broadcast_parameters, model.state_dict(), root_rank=root)
+    state = {k: v.cpu() for k, v in model.state_dict().items()}
+    digest = repr([(k, v.contiguous().view(-1).view(torch.uint8).tolist()) for k, v in state.items()])
+    digests = WORLD.allgather(digest)
+    on_device = all(t.device.type == device.type for t in model.state_dict().values())
+    agree(WORLD, len(set(digests)) == 1 and on_device and state["mask"].tolist() == [root % 2 == 0, True],
+          f"{len(set(digests))} distinct states, on device {on_device}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pipeline_with_device_stages_equals_single_process(device):
+    from helpers.pipeline import make_model as pipeline_model, train_pipeline, train_single
+    from helpers.pipeline import max_difference as pipeline_difference
+
+    pair = WORLD.Split(color=WORLD.Get_rank() // 2, key=WORLD.Get_rank())
+    try:
+        def run():
+            pipe = hvt.Pipeline(pipeline_model(), F.cross_entropy, micro_batches=4, comm=pair)
+            pipe.module.to(device)
+            losses = train_pipeline(pipe, 3)
+            pipe.module.cpu()
+            return pipe, losses
+
+        pipe, losses = collective(WORLD, run)
+        diff = pipeline_difference(pipe, train_single(3))
+    finally:
+        pair.Free()
+    agree(WORLD, diff < 1e-4, f"stage {pipe.stage}: max diff {diff}, losses {losses}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ddp_comm_hook_on_device_equals_reference(device):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    port = WORLD.bcast(29700 + os.getpid() % 1000 if rank == 0 else None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        ids = [device] if device.type == "cuda" else None
+        model = DistributedDataParallel(make_model().to(device), device_ids=ids, bucket_cap_mb=0.001)
+        model.register_comm_hook(None, hvt.ddp_comm_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+
+        def run():
+            for step in range(4):
+                x, y = full_batch(step, 6, size)
+                opt.zero_grad()
+                loss_of(model, x[rank * 6:(rank + 1) * 6].to(device), y[rank * 6:(rank + 1) * 6].to(device)).backward()
+                opt.step()
+
+        collective(WORLD, run)
+        diff = max_difference(model.module.cpu(), train_reference(4, 6, size))
+    finally:
+        dist.destroy_process_group()
+    agree(WORLD, diff < 2e-5, f"max diff {diff}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_frozen_and_added_parameters_on_the_device(device):
+    """A layer frozen after wrapping keeps .grad None and does not move; a head added with
+    add_param_group is averaged (the ranks end bitwise identical), on the device path too."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    model = make_model().to(device)
+    torch.manual_seed(7)
+    head = torch.nn.Linear(5, 3).to(device)
+    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+                                   model.named_parameters(), bucket_bytes=256, name="device.frozen")
+    opt.add_param_group({"params": head.parameters()})
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    frozen = [p.detach().cpu().clone() for p in model[0].parameters()]
+
+    def run():
+        for step in range(3):
+            x, _ = full_batch(step, 4, size)
+            opt.zero_grad(set_to_none=True)
+            head(model(x[rank * 4:(rank + 1) * 4].to(device))).pow(2).mean().backward()
+            opt.step()
+
+    collective(WORLD, run)
+    opt.remove_hooks()
+    moved = max(float((p.detach().cpu() - f).abs().max()) for p, f in zip(model[0].parameters(), frozen))
+    none = all(p.grad is None for p in model[0].parameters())
+    digests = WORLD.allgather(head.weight.detach().cpu().numpy().tobytes() + params_digest(model.cpu()).encode())
+    agree(WORLD, moved == 0 and none and len(set(digests)) == 1,
+          f"frozen moved {moved}, grads None {none}, {len(set(digests))} distinct results")
