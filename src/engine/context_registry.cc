@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <string>
+#include <thread>
 
 #include "hpcdl/engine/comm_context.hpp"
 #include "hpcdl/engine/submission_queue.hpp"
@@ -12,6 +13,11 @@
 #include "hpcdl/util/mpi_util.hpp"
 
 namespace hpcdl {
+
+#ifdef OPEN_MPI
+// How long freeing a communicator waits for hpcdl's duplication of it (on_comm_freed).
+constexpr int kFreeWaitsForSetupSeconds = 10;
+#endif
 
 Status ContextRegistry::context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out) {
   if (comm == MPI_COMM_NULL) return Status::Invalid("communicator is MPI_COMM_NULL");
@@ -98,6 +104,16 @@ std::vector<std::shared_ptr<CommContext>> ContextRegistry::all() {
 int ContextRegistry::on_comm_freed(MPI_Comm, int, void* context, void* extra_state) {
   static_cast<CommContext*>(context)->freed = true;
   static_cast<SubmissionQueue*>(extra_state)->wake_from_mpi();
+#ifdef OPEN_MPI
+  // Open MPI crashes when a communicator is freed while an MPI_Comm_idup of
+  // it is in flight (MPICH keeps the parent alive): let the engine thread
+  // complete the duplication first. Bounded: a rank that never submitted on
+  // this communicator never joins the duplication.
+  const auto* ctx = static_cast<CommContext*>(context);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(kFreeWaitsForSetupSeconds);
+  while (!ctx->set_up && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+#endif
   return MPI_SUCCESS;
 }
 

@@ -265,6 +265,7 @@ bool EngineLoop::release_freed(CommContext& ctx) {
   int set_up = ctx.set_up;
   if (!set_up) MPI_Testall(2, ctx.setup, &set_up, MPI_STATUSES_IGNORE);
   if (!set_up) return false;
+  ctx.set_up = true;
   MPI_Comm_free(&ctx.ctl);
   MPI_Comm_free(&ctx.data);
   return true;
