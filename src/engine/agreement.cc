@@ -2,6 +2,8 @@
 // binomial report tree to the coordinator (rank 0), which plans what every
 // rank reported the same way and sends the plan down the tree
 // (agreement.hpp describes it; op_wire.hpp the messages).
+#include "hpcdl/engine/agreement.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -12,11 +14,10 @@
 #include <vector>
 
 #include "hpcdl/engine/comm_context.hpp"
-#include "hpcdl/util/dtype.hpp"
-#include "hpcdl/engine/agreement.hpp"
-#include "hpcdl/engine/stats.hpp"
-#include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/engine/op_wire.hpp"
+#include "hpcdl/engine/stats.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {
@@ -309,8 +310,8 @@ std::string CommContext::describe_missing(const std::string& name, const std::ve
   std::vector<int> never, gave_up;
   auto earlier = given_up.find(name);
   for (int r : missing) {
-    const bool had = earlier != given_up.end() && std::binary_search(earlier->second.submitted.begin(),
-                                                                     earlier->second.submitted.end(), r);
+    const bool had = earlier != given_up.end() &&
+                     std::binary_search(earlier->second.submitted.begin(), earlier->second.submitted.end(), r);
     (had ? gave_up : never).push_back(r);
   }
   std::string text;
@@ -331,9 +332,9 @@ Status Agreement::receive(CommContext& ctx, int tag, bool* got, MPI_Status* prob
   if (!flag) return Status::OK();
   MPI_Get_count(probe, MPI_BYTE, &n);
   control_msg_.resize(static_cast<std::size_t>(n));
-  return mpi_status(MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe->MPI_SOURCE, probe->MPI_TAG, ctx.ctl,
-                             MPI_STATUS_IGNORE),
-                    "MPI_Recv(control)");
+  return mpi_status(
+      MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe->MPI_SOURCE, probe->MPI_TAG, ctx.ctl, MPI_STATUS_IGNORE),
+      "MPI_Recv(control)");
 }
 
 Status Agreement::poll(CommContext& ctx, bool stall_check, const StallLimits& limits, bool* busy) {

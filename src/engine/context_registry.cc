@@ -42,8 +42,9 @@ Status ContextRegistry::context_for(MPI_Comm comm, std::shared_ptr<CommContext>*
   rc = MPI_Comm_test_inter(comm, &inter);
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_test_inter"));
   if (inter)
-    return Status::Invalid("hpcdl works on intracommunicators, got an intercommunicator: "
-                           "merge its groups first (MPI.Intercomm.Merge)");
+    return Status::Invalid(
+        "hpcdl works on intracommunicators, got an intercommunicator: "
+        "merge its groups first (MPI.Intercomm.Merge)");
   // Started here, in the caller's program order among its own collectives on
   // comm; never waited for here: a rank that submits later must not block
   // this one (nor the engine, which runs what is already agreed meanwhile).
@@ -131,12 +132,12 @@ Status ContextRegistry::finish_setup(CommContext& ctx, const StallLimits& limits
   // this communicator can be reported, so the coordinator cannot name the late
   // ranks: the waiting ranks warn (or fail) on their own.
   const double waited = seconds_since(ctx.setup_since);
-  const std::string what = " for the other ranks to submit their first operation on this communicator "
-                           "(hpcdl sets up its channels with the first operation every rank submits on it)";
+  const std::string what =
+      " for the other ranks to submit their first operation on this communicator "
+      "(hpcdl sets up its channels with the first operation every rank submits on it)";
   if (error_s > 0 && waited >= error_s) {
     for (auto& kv : ctx.pending) {
-      kv.second->finish(Status::Timeout("hpcdl: operation '" + kv.first + "' waited " +
-                                        seconds_text(waited) + what));
+      kv.second->finish(Status::Timeout("hpcdl: operation '" + kv.first + "' waited " + seconds_text(waited) + what));
       if (ctx.is_coordinator()) ctx.given_up[kv.first] = CommContext::GivenUp{{ctx.rank}, waited};
     }
     ctx.pending.clear();

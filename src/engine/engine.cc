@@ -99,8 +99,8 @@ Status Engine::submit_transfer(MPI_Comm comm, bool send, void* data, std::uint64
   int found = 0;
   MPI_Comm_get_attr(comm, MPI_TAG_UB, &tag_ub, &found);
   if (tag < 0 || (found && tag > *tag_ub))
-    return Status::Invalid("tag " + std::to_string(tag) + " is outside [0, " +
-                           std::to_string(found ? *tag_ub : 32767) + "]");
+    return Status::Invalid("tag " + std::to_string(tag) + " is outside [0, " + std::to_string(found ? *tag_ub : 32767) +
+                           "]");
   if (peer < 0 || peer >= ctx->size)
     return Status::Invalid("peer " + std::to_string(peer) + " is not a rank of a communicator of size " +
                            std::to_string(ctx->size));

@@ -23,7 +23,7 @@ namespace {
 // to a rank whose process ended just before the notice of its leaving arrived can
 // block in connect() for good, and a process must end rather than hang.
 constexpr auto kShutdownBound = std::chrono::seconds(30);
-constexpr auto kBusyIdle = std::chrono::microseconds(20);      // the first sleep after something moved
+constexpr auto kBusyIdle = std::chrono::microseconds(20);        // the first sleep after something moved
 constexpr auto kNothingIdle = std::chrono::microseconds(20000);  // nothing pending here: stall checks only
 
 }  // namespace
@@ -92,7 +92,8 @@ class EngineLoop::Meanwhile : public Progress {
 
 Status EngineLoop::start_locked() {
   if (queue.running) return Status::OK();
-  HPCDL_RETURN_NOT_OK(start_thread("its engine thread", [this] { run(); }, &thread_));
+  HPCDL_RETURN_NOT_OK(start_thread(
+      "its engine thread", [this] { run(); }, &thread_));
   queue.running = true;
   return Status::OK();
 }
@@ -104,8 +105,7 @@ void EngineLoop::run() {
   request_short_slice(engine_slice_us());
   auto idle = kBusyIdle;
   auto last_plan = std::chrono::steady_clock::now();
-  while (run_loop_once(&idle, &last_plan)) {
-  }
+  while (run_loop_once(&idle, &last_plan)) {}
   finish();
 }
 
@@ -182,9 +182,9 @@ void EngineLoop::idle_wait(const std::vector<std::shared_ptr<CommContext>>& live
     waiting = waiting || !ctx->outbox.empty() || (!ctx->set_up && !ctx->pending.empty());
     for (auto& kv : ctx->pending) waiting = waiting || kv.second->ready();
   }
-  const auto max_idle = waiting                       ? engine_wait_sleep()
+  const auto max_idle = waiting                      ? engine_wait_sleep()
                         : transfers_.in_flight() > 0 ? transfers_.poll_interval()
-                                                      : kNothingIdle;
+                                                     : kNothingIdle;
   waiting = waiting || transfers_.in_flight() > 0;
   // From 20 us when something just became ready (a wake() ends a 20 ms sleep).
   *idle = waiting ? std::min(*idle, max_idle) : max_idle;
@@ -216,8 +216,7 @@ void EngineLoop::finish() {
     for (auto& op : ctx->pending)
       op.second->finish(Status::Cancelled("hpcdl's engine shut down before '" + op.first + "' ran"));
     ctx->pending.clear();
-    transfers_.cancel(*ctx,
-                      Status::Cancelled("hpcdl's engine shut down before a point-to-point transfer finished"));
+    transfers_.cancel(*ctx, Status::Cancelled("hpcdl's engine shut down before a point-to-point transfer finished"));
     if (!ctx->freed) agreement_.announce_leaving(*ctx, "its process exited (its engine shut down at interpreter exit)");
   }
   {

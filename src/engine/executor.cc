@@ -1,4 +1,6 @@
 // Running what the plans say, in their order (executor.hpp).
+#include "hpcdl/engine/executor.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -6,23 +8,22 @@
 #include <string>
 #include <type_traits>
 
+#include "hpcdl/algorithms/compressed_ring.hpp"
+#include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/codecs/codec_registry.hpp"
 #include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/codecs/topk.hpp"
 #include "hpcdl/engine/comm_context.hpp"
-#include "hpcdl/algorithms/compressed_ring.hpp"
-#include "hpcdl/engine/executor.hpp"
+#include "hpcdl/engine/engine_loop.hpp"
 #include "hpcdl/engine/notices.hpp"
+#include "hpcdl/engine/op_wire.hpp"
 #include "hpcdl/engine/residual_store.hpp"
 #include "hpcdl/engine/stats.hpp"
 #include "hpcdl/engine/submission_queue.hpp"
 #include "hpcdl/engine/transfers.hpp"
-#include "hpcdl/engine/engine_loop.hpp"
 #include "hpcdl/util/env.hpp"
 #include "hpcdl/util/mpi_util.hpp"
-#include "hpcdl/engine/op_wire.hpp"
-#include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/util/timeline.hpp"
-#include "hpcdl/codecs/topk.hpp"
 #include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {
@@ -124,8 +125,8 @@ Status Executor::await_ready(CommContext& ctx, Operation& op, Progress& progress
     if (warn_s > 0 && waited - warned_at >= warn_s) {
       warned_at = waited;
       notices_.post(EngineNotice::Kind::kStall, "deferred operation '" + op.name() +
-                                             "' is agreed on every rank but has waited " + seconds_text(waited) +
-                                             " for mark_ready() here; the other ranks wait in its ring");
+                                                    "' is agreed on every rank but has waited " + seconds_text(waited) +
+                                                    " for mark_ready() here; the other ranks wait in its ring");
     }
   }
   return Status::OK();
@@ -152,8 +153,8 @@ Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* tr
     } else if constexpr (std::is_same_v<Codec, TopkCodec>) {
       cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
       if (topk_use_split(codec.algorithm, ctx.size, n, codec.count(n)))
-        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, n, codec.ratio, scale, res,
-                                    traffic, topk_scratch_, split_scratch_, progress);
+        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, n, codec.ratio, scale, res, traffic,
+                                    topk_scratch_, split_scratch_, progress);
       return topk_allreduce(ctx.data, ctx.size, data, n, codec.ratio, scale, res, traffic, topk_scratch_, progress);
     } else {
       CompressedRingPolicy<Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
@@ -194,17 +195,19 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
       MPI_Request request;
       st = mpi_status(MPI_Ibcast(p + off, n, MPI_BYTE, d.root, ctx.data, &request), "MPI_Ibcast");
       if (st.ok()) st = mpi_status(wait_politely(&request, MPI_STATUS_IGNORE, progress), "MPI_Wait(broadcast)");
-      if (ctx.rank == d.root) traffic.bytes_sent += n; else traffic.bytes_received += n;
+      if (ctx.rank == d.root)
+        traffic.bytes_sent += n;
+      else
+        traffic.bytes_received += n;
     }
   }
   // A barrier needs nothing more: it ran because every rank had entered it.
   executing_ = nullptr;
   if (stalled_s_ > 0) {
-    st = Status::Timeout("hpcdl: operation '" + op.name() + "' made no progress in its ring for " +
-                         seconds_text(stalled_s_) + " (stall_error_seconds): rank " +
-                         std::to_string((ctx.rank + ctx.size - 1) % ctx.size) + " or rank " +
-                         std::to_string((ctx.rank + 1) % ctx.size) +
-                         " of the communicator, its neighbours, may be stopped or dead");
+    st = Status::Timeout(
+        "hpcdl: operation '" + op.name() + "' made no progress in its ring for " + seconds_text(stalled_s_) +
+        " (stall_error_seconds): rank " + std::to_string((ctx.rank + ctx.size - 1) % ctx.size) + " or rank " +
+        std::to_string((ctx.rank + 1) % ctx.size) + " of the communicator, its neighbours, may be stopped or dead");
     stalled_s_ = 0;
   }
   const double end_us = now_us();

@@ -21,8 +21,7 @@ void Agreement::announce_leaving(CommContext& ctx, const std::string& why) {
   for (;;) {
     bool got = false;
     MPI_Status probe;
-    if (!receive(ctx, kTagLeave, &got, &probe).ok() || !got || !take_leave_notice(ctx, probe.MPI_SOURCE).ok())
-      break;
+    if (!receive(ctx, kTagLeave, &got, &probe).ok() || !got || !take_leave_notice(ctx, probe.MPI_SOURCE).ok()) break;
   }
   WireWriter w;
   w.put<std::int32_t>(ctx.rank);

@@ -24,7 +24,7 @@ void Operation::mark_ready() {
     ready_ = true;
     times_.ready_us = now_us();
   }
-  cv_.notify_all();  // the engine, if the plan has reached this operation
+  cv_.notify_all();           // the engine, if the plan has reached this operation
   Engine::instance().wake();  // the engine, if it idles until something is ready
 }
 

@@ -83,8 +83,8 @@ void Transfers::progress(CommContext& ctx, bool* busy) {
         int got = 0;
         MPI_Get_count(&status, MPI_BYTE, &got);
         if (got != count)
-          st = Status::Mismatch("hpcdl: " + describe_transfer(t, ctx.rank) + " got " + std::to_string(got) + " bytes: rank " +
-                                std::to_string(t.peer) + " and rank " + std::to_string(ctx.rank) +
+          st = Status::Mismatch("hpcdl: " + describe_transfer(t, ctx.rank) + " got " + std::to_string(got) +
+                                " bytes: rank " + std::to_string(t.peer) + " and rank " + std::to_string(ctx.rank) +
                                 " disagree on its size");
       }
     }

@@ -43,12 +43,17 @@ class CompressedRingPolicy {
   // stochastic rounding (unique per operation and rank).
   CompressedRingPolicy(const RingPlan& plan, float* data, const Codec& codec, double final_scale, float* residual,
                        std::uint64_t stream, RingScratch& scratch)
-      : plan_(plan), data_(data), codec_(codec), final_scale_(final_scale), residual_(residual), stream_(stream),
+      : plan_(plan),
+        data_(data),
+        codec_(codec),
+        final_scale_(final_scale),
+        residual_(residual),
+        stream_(stream),
         slot_bytes_((codec.encoded_bytes(plan.max_chunk_elems()) + 7) / 8 * 8),
         send_slots_(scratch.send_slots.get<std::uint8_t>(kPipelineDepth * slot_bytes_)),
         recv_slots_(scratch.recv_slots.get<std::uint8_t>(kPipelineDepth * slot_bytes_)),
-        gathered_(scratch.gathered.get<std::uint8_t>(static_cast<std::size_t>(plan.size()) * plan.chunks() *
-                                                     slot_bytes_)) {}
+        gathered_(
+            scratch.gathered.get<std::uint8_t>(static_cast<std::size_t>(plan.size()) * plan.chunks() * slot_bytes_)) {}
 
   RingBuffer send(std::size_t u) {
     const RingPlan::Unit x = plan_.unit(u);

@@ -17,8 +17,8 @@
 #include <utility>
 #include <vector>
 
-#include "hpcdl/util/dtype.hpp"
 #include "hpcdl/algorithms/progress.hpp"
+#include "hpcdl/util/dtype.hpp"
 #include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/util/status.hpp"
 
@@ -57,9 +57,7 @@ class RingPlan {
     const std::size_t s = static_cast<std::size_t>(seg);
     return s * base + std::min(s, extra);
   }
-  std::size_t segment_len(int seg) const {
-    return count_ / p_ + (static_cast<std::size_t>(seg) < count_ % p_ ? 1 : 0);
-  }
+  std::size_t segment_len(int seg) const { return count_ / p_ + (static_cast<std::size_t>(seg) < count_ % p_ ? 1 : 0); }
 
   // Element range [begin, begin+len) of chunk k of segment seg; len may be 0.
   void chunk_range(int seg, std::size_t k, std::size_t* begin, std::size_t* len) const {
@@ -234,7 +232,10 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
 class DenseRingPolicy {
  public:
   DenseRingPolicy(const RingPlan& plan, void* data, DType dtype, double final_scale)
-      : plan_(plan), data_(static_cast<char*>(data)), dtype_(dtype), final_scale_(final_scale),
+      : plan_(plan),
+        data_(static_cast<char*>(data)),
+        dtype_(dtype),
+        final_scale_(final_scale),
         staging_(kPipelineDepth * plan.max_chunk_elems() * plan.elem_size()) {}
 
   RingBuffer send(std::size_t u) {

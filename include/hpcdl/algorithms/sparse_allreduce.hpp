@@ -38,13 +38,13 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/codecs/codecs.hpp"
 #include "hpcdl/algorithms/progress.hpp"
-#include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/codecs/topk.hpp"
+#include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/util/scratch.hpp"
 #include "hpcdl/util/status.hpp"
-#include "hpcdl/codecs/topk.hpp"
 
 namespace hpcdl {
 
@@ -94,16 +94,20 @@ inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, c
     for (int r = 1; r < p; ++r) {
       const int to = (rank + r) % p, from = (rank - r + p) % p;
       if (recv_count[from] > 0) {  // both sides know the count: an empty block is no message
-        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Irecv(recv_idx + recv_displ[from], recv_count[from], MPI_UINT32_T, from,
-                                                 tag, comm, &rq[0]), "MPI_Irecv(top-k indices)"));
-        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Irecv(recv_val + recv_displ[from], recv_count[from], MPI_FLOAT, from, tag,
-                                                 comm, &rq[1]), "MPI_Irecv(top-k values)"));
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(MPI_Irecv(recv_idx + recv_displ[from], recv_count[from], MPI_UINT32_T, from, tag, comm, &rq[0]),
+                       "MPI_Irecv(top-k indices)"));
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(MPI_Irecv(recv_val + recv_displ[from], recv_count[from], MPI_FLOAT, from, tag, comm, &rq[1]),
+                       "MPI_Irecv(top-k values)"));
       }
       if (send_count[to] > 0) {
-        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(idx + send_displ[to], send_count[to], MPI_UINT32_T, to, tag, comm,
-                                                 &rq[2]), "MPI_Isend(top-k indices)"));
-        HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(val + send_displ[to], send_count[to], MPI_FLOAT, to, tag, comm,
-                                                 &rq[3]), "MPI_Isend(top-k values)"));
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(MPI_Isend(idx + send_displ[to], send_count[to], MPI_UINT32_T, to, tag, comm, &rq[2]),
+                       "MPI_Isend(top-k indices)"));
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(MPI_Isend(val + send_displ[to], send_count[to], MPI_FLOAT, to, tag, comm, &rq[3]),
+                       "MPI_Isend(top-k values)"));
       }
       HPCDL_RETURN_NOT_OK(wait_all(rq, 4, "MPI_Wait(top-k pairs)", progress));
     }
@@ -140,9 +144,9 @@ inline bool topk_use_split(TopkAlgorithm algorithm, int p, std::size_t n, std::s
 // The split allreduce of data[0, n) (see the top of this file). residual
 // (optional, n values) as in topk_allreduce; traffic counts the logical
 // volume of each exchange (an allreduce as a ring's 2 (p - 1)/p).
-inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, float* data, std::size_t n,
-                                   double ratio, double final_scale, float* residual, RingTraffic* traffic,
-                                   TopkScratch& topk_scratch, SplitScratch& s, Progress& progress) {
+inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, float* data, std::size_t n, double ratio,
+                                   double final_scale, float* residual, RingTraffic* traffic, TopkScratch& topk_scratch,
+                                   SplitScratch& s, Progress& progress) {
   const std::size_t k = topk_count(n, ratio);
   if (k == 0) return Status::OK();
   if (static_cast<std::uint64_t>(p) * k > static_cast<std::uint64_t>(INT_MAX))
@@ -165,9 +169,9 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   std::uint32_t* hist = s.hist.get<std::uint32_t>(std::max(bins, detail::kRadixBins));
   std::fill(hist, hist + bins, 0u);
   for (std::size_t j = 0; j < k; ++j) ++hist[idx[j] / width];
-  HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(bins), MPI_UINT32_T, MPI_SUM, comm, &rq[0]),
-      "MPI_Iallreduce(top-k balance)"));
+  HPCDL_RETURN_NOT_OK(
+      mpi_status(MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(bins), MPI_UINT32_T, MPI_SUM, comm, &rq[0]),
+                 "MPI_Iallreduce(top-k balance)"));
   received += detail::allreduce_volume(p, 4 * bins);
   sent += detail::allreduce_volume(p, 4 * bins);
   // While the histogram travels: data is no longer read (x is in val, or in the residual).
@@ -196,9 +200,9 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
     send_displ[j] = static_cast<int>(lo - idx);
     send_count[j] = static_cast<int>(hi - lo);
   }
-  HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Ialltoall(send_count.data(), 1, MPI_INT, recv_count.data(), 1, MPI_INT, comm, &rq[0]),
-      "MPI_Ialltoall(top-k counts)"));
+  HPCDL_RETURN_NOT_OK(
+      mpi_status(MPI_Ialltoall(send_count.data(), 1, MPI_INT, recv_count.data(), 1, MPI_INT, comm, &rq[0]),
+                 "MPI_Ialltoall(top-k counts)"));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k counts)", progress));
   std::size_t n_recv = 0;
   for (std::size_t r = 0; r < up; ++r) {
@@ -257,9 +261,8 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
     if (mag[c] == cut) ++mine[1];
   }
   std::vector<std::uint32_t> counts(2 * up);
-  HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Iallgather(mine, 2, MPI_UINT32_T, counts.data(), 2, MPI_UINT32_T, comm, &rq[0]),
-      "MPI_Iallgather(top-k selected counts)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgather(mine, 2, MPI_UINT32_T, counts.data(), 2, MPI_UINT32_T, comm, &rq[0]),
+                                 "MPI_Iallgather(top-k selected counts)"));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k selected counts)", progress));
   received += 8 * (up - 1);
   sent += 8 * (up - 1);
@@ -290,10 +293,9 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   // 5. Allgather of the selected pairs: ranges ascend, so the result's indices do.
   std::uint32_t* out_idx = s.out_idx.get<std::uint32_t>(std::max<std::size_t>(n_out, 1));
   float* out_val = s.out_val.get<float>(std::max<std::size_t>(n_out, 1));
-  HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Iallgatherv(sel_idx, n_sel, MPI_UINT32_T, out_idx, out_count.data(), out_displ.data(), MPI_UINT32_T, comm,
-          &rq[0]),
-      "MPI_Iallgatherv(top-k indices)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgatherv(sel_idx, n_sel, MPI_UINT32_T, out_idx, out_count.data(),
+                                                 out_displ.data(), MPI_UINT32_T, comm, &rq[0]),
+                                 "MPI_Iallgatherv(top-k indices)"));
   HPCDL_RETURN_NOT_OK(mpi_status(
       MPI_Iallgatherv(sel_val, n_sel, MPI_FLOAT, out_val, out_count.data(), out_displ.data(), MPI_FLOAT, comm, &rq[1]),
       "MPI_Iallgatherv(top-k values)"));
@@ -326,8 +328,8 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
   topk_contribution(data, residual, n, k, final_scale, scratch, idx, topk_values(mine, k));
   // Non-blocking, waited on without MPI's busy spin: ranks still selecting keep the CPU.
   MPI_Request request;
-  int rc = MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm,
-                          &request);
+  int rc =
+      MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm, &request);
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
   // While the pairs travel, the residual gives up what was sent.
   for (std::size_t j = 0; residual && j < k; ++j) residual[idx[j]] = 0.0f;

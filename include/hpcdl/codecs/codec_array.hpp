@@ -9,15 +9,14 @@
 
 #include "hpcdl/codecs/codec_registry.hpp"
 #include "hpcdl/codecs/codecs.hpp"
-#include "hpcdl/util/status.hpp"
 #include "hpcdl/codecs/topk.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 
 namespace detail {
 
-inline void encode_array(const NoCodec&, const float* x, std::size_t n, std::uint8_t* out, float* err,
-                         std::uint64_t) {
+inline void encode_array(const NoCodec&, const float* x, std::size_t n, std::uint8_t* out, float* err, std::uint64_t) {
   std::memcpy(out, x, n * sizeof(float));
   if (err) std::memset(err, 0, n * sizeof(float));
 }

@@ -27,10 +27,10 @@ enum class TopkAlgorithm : int { kAuto = 0, kAllgather = 1, kSplit = 2 };
 
 struct CodecSpec {
   CodecKind kind = CodecKind::kNone;
-  std::uint32_t block = kDefaultInt8Block;  // int8: values per scale
-  bool stochastic = false;    // int8: stochastic rounding instead of nearest
-  std::uint64_t seed = 0;     // int8 stochastic: RNG seed
-  double ratio = 0;           // topk: fraction of values kept
+  std::uint32_t block = kDefaultInt8Block;              // int8: values per scale
+  bool stochastic = false;                              // int8: stochastic rounding instead of nearest
+  std::uint64_t seed = 0;                               // int8 stochastic: RNG seed
+  double ratio = 0;                                     // topk: fraction of values kept
   TopkAlgorithm topk_algorithm = TopkAlgorithm::kAuto;  // topk: allgather, split, or auto
 };
 
@@ -96,15 +96,21 @@ inline const char* topk_algorithm_name(TopkAlgorithm algorithm) {
 inline Status parse_codec(const std::string& text, CodecSpec* out) {
   *out = CodecSpec();
   if (text.empty()) return Status::OK();
-  if (text == "fp16") { out->kind = CodecKind::kFp16; return Status::OK(); }
-  if (text == "bf16") { out->kind = CodecKind::kBf16; return Status::OK(); }
+  if (text == "fp16") {
+    out->kind = CodecKind::kFp16;
+    return Status::OK();
+  }
+  if (text == "bf16") {
+    out->kind = CodecKind::kBf16;
+    return Status::OK();
+  }
   const std::size_t open = text.find('(');
   if (open == std::string::npos || text.back() != ')') return Status::Invalid("unknown compression '" + text + "'");
   const std::string name = text.substr(0, open), args = text.substr(open + 1, text.size() - open - 2);
   std::string v;
-  const std::string unknown =
-      name == "int8" ? detail::unknown_codec_field(args, {"block", "rounding", "seed"})
-                     : name == "topk" ? detail::unknown_codec_field(args, {"ratio", "algorithm"}) : "";
+  const std::string unknown = name == "int8"   ? detail::unknown_codec_field(args, {"block", "rounding", "seed"})
+                              : name == "topk" ? detail::unknown_codec_field(args, {"ratio", "algorithm"})
+                                               : "";
   if (!unknown.empty()) return Status::Invalid("compression '" + text + "': unknown or repeated setting " + unknown);
   if (name == "int8") {
     std::uint64_t block = 0, seed = 0;

@@ -74,11 +74,15 @@ inline void add_values(float* __restrict__ dst, const float* __restrict__ add, c
 
 inline void add_decoded(float* dst, const float* add, const float* src, std::size_t n, float scale) {
   if (add) {
-    if (scale != 1.0f) add_values<true, true>(dst, add, src, n, scale);
-    else add_values<true, false>(dst, add, src, n, scale);
+    if (scale != 1.0f)
+      add_values<true, true>(dst, add, src, n, scale);
+    else
+      add_values<true, false>(dst, add, src, n, scale);
   } else {
-    if (scale != 1.0f) add_values<false, true>(dst, add, src, n, scale);
-    else add_values<false, false>(dst, add, src, n, scale);
+    if (scale != 1.0f)
+      add_values<false, true>(dst, add, src, n, scale);
+    else
+      add_values<false, false>(dst, add, src, n, scale);
   }
 }
 
@@ -101,8 +105,8 @@ constexpr std::size_t kCodecPiece = 256;  // values staged on the stack at a tim
 // The loop only ORs (exponent bits + 1 ulp of exponent), whose bit 31 is set
 // by an all-ones exponent (NaN, Inf): integer ops that vectorize with SSE2;
 // the fix-up pass runs only for a piece that holds a NaN or Inf.
-inline void residual_or_zero(const float* __restrict__ v, const float* __restrict__ d, std::size_t n,
-                             float err_scale, float* __restrict__ err) {
+inline void residual_or_zero(const float* __restrict__ v, const float* __restrict__ d, std::size_t n, float err_scale,
+                             float* __restrict__ err) {
   std::uint32_t exponents = 0;
   if (err_scale != 1.0f) {
     for (std::size_t i = 0; i < n; ++i) {
@@ -166,15 +170,15 @@ class Int8Codec {
 #ifdef HPCDL_X86_DISPATCH
   // The same kernels, everything inlined and compiled for AVX2 (2x the SSE2 width).
   __attribute__((target("avx2"), flatten)) void encode_avx2(const float* x, const float* add, std::size_t n,
-                                                           std::uint8_t* out, float* err, float err_scale,
-                                                           float* replace, std::uint64_t stream) const {
+                                                            std::uint8_t* out, float* err, float err_scale,
+                                                            float* replace, std::uint64_t stream) const {
     encode_impl(x, add, n, out, err, err_scale, replace, stream);
   }
   __attribute__((target("avx2"), flatten)) void decode_avx2(const std::uint8_t* in, std::size_t n, float* out) const {
     decode_impl(in, n, out);
   }
   __attribute__((target("avx2"), flatten)) void decode_add_avx2(const std::uint8_t* in, std::size_t n, float* dst,
-                                                               const float* add, float scale) const {
+                                                                const float* add, float scale) const {
     decode_add_impl(in, n, dst, add, scale);
   }
 #endif
@@ -311,8 +315,7 @@ class CastCodec {
     encode_impl(x, add, n, out, err, 1.0f, nullptr);
   }
 
-  void encode_in_place(float* x, std::size_t n, std::uint8_t* out, float* err, float err_scale,
-                       std::uint64_t) const {
+  void encode_in_place(float* x, std::size_t n, std::uint8_t* out, float* err, float err_scale, std::uint64_t) const {
     encode_impl(x, nullptr, n, out, err, err_scale, x);
   }
 

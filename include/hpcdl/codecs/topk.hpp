@@ -89,9 +89,7 @@ class TopkSelector {
   TopkSelector(std::size_t n, std::size_t k, TopkScratch& scratch) : n_(n), k_(k), scratch_(scratch) {}
 
   // Fills idx_out[0, k) and val_out[0, k) from x, which is only read.
-  void select(const float* x, std::uint32_t* idx_out, float* val_out) {
-    run<false>(x, nullptr, idx_out, val_out);
-  }
+  void select(const float* x, std::uint32_t* idx_out, float* val_out) { run<false>(x, nullptr, idx_out, val_out); }
 
   // x = data + residual; on return the residual holds x, with NaN and Inf
   // replaced by 0 (data is only read).
@@ -155,8 +153,8 @@ class TopkSelector {
   static constexpr std::uint32_t kLargestFinite = 0x7f7fffffu;  // magnitudes above: Inf, NaN
 
   template <bool kResidual>
-  static void group_masks(const float* in, float* residual, std::uint32_t t, std::uint32_t* above,
-                          std::uint32_t* at, std::uint32_t* non_finite) {
+  static void group_masks(const float* in, float* residual, std::uint32_t t, std::uint32_t* above, std::uint32_t* at,
+                          std::uint32_t* non_finite) {
 #if defined(__SSE2__)
     const __m128i tv = _mm_set1_epi32(static_cast<int>(t)), abs_mask = _mm_set1_epi32(0x7fffffff);
     const __m128i finite_max = _mm_set1_epi32(static_cast<int>(kLargestFinite));
@@ -172,8 +170,7 @@ class TopkSelector {
       const __m128i m = _mm_and_si128(_mm_castps_si128(v), abs_mask);
       a |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, tv)))) << (4 * j);
       e |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(m, tv)))) << (4 * j);
-      if (kResidual)
-        f |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, finite_max))));
+      if (kResidual) f |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, finite_max))));
     }
     *above = a;
     *at = e;

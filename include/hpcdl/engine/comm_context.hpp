@@ -9,8 +9,8 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <map>
 #include <memory>
@@ -40,8 +40,8 @@ class CommContext {
   int rank = 0, size = 1;
   std::uint64_t id = 0;              // never reused: keys error-feedback state
   std::uint64_t compressed_ops = 0;  // engine thread: keys stochastic rounding draws
-  std::uint64_t unnamed_seq = 0;  // advanced on submitting threads, under the submission queue's mutex
-  std::set<std::string> in_flight;  // names submitted and not finished, under the submission queue's mutex
+  std::uint64_t unnamed_seq = 0;     // advanced on submitting threads, under the submission queue's mutex
+  std::set<std::string> in_flight;   // names submitted and not finished, under the submission queue's mutex
   // The user freed the communicator. Atomic: MPI calls on_comm_freed inside any MPI call that releases
   // it, on any thread, also while another holds the submission queue's mutex (ContextRegistry).
   std::atomic<bool> freed{false};

@@ -20,6 +20,6 @@ enum class PlanResult : std::uint8_t { kRun = 0, kMismatch = 1, kStall = 2, kTim
 
 // Entries of a ready message.
 constexpr std::uint8_t kEntryDescription = 0;  // i32 rank, string: that rank's full description
-constexpr std::uint8_t kEntryCached = 1;  // u32 id, i32 first, i32 end: ranks [first, end) report it unchanged
+constexpr std::uint8_t kEntryCached = 1;       // u32 id, i32 first, i32 end: ranks [first, end) report it unchanged
 
 }  // namespace hpcdl

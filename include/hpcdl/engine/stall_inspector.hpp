@@ -48,8 +48,8 @@ class StallInspector {
   // can be cancelled: a ring); *stalled_s says how long it stalled when that
   // is why. Where a wait can be neither continued nor cancelled (an MPI
   // collective) this ends the job.
-  static bool keep_waiting(const CommContext& running, bool cancellable, double waited_s,
-                           const StallLimits& limits, double* stalled_s);
+  static bool keep_waiting(const CommContext& running, bool cancellable, double waited_s, const StallLimits& limits,
+                           double* stalled_s);
 };
 
 }  // namespace hpcdl

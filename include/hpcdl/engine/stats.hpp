@@ -28,8 +28,8 @@ struct AgreementStats {
 class StatsBoard {
  public:
   // One operation more of (kind, codec): its bytes (dense: what the dense ring would have sent) and time.
-  void count(const std::string& kind, const std::string& codec, std::uint64_t bytes_sent,
-             std::uint64_t bytes_received, std::uint64_t dense_bytes, double seconds);
+  void count(const std::string& kind, const std::string& codec, std::uint64_t bytes_sent, std::uint64_t bytes_received,
+             std::uint64_t dense_bytes, double seconds);
   // Adds a communicator's control traffic counted since the last call, and zeroes it there.
   void add_agreement(AgreementStats* counted);
   std::vector<EngineStats> rows();
@@ -39,7 +39,7 @@ class StatsBoard {
  private:
   std::mutex mu_;
   std::map<std::pair<std::string, std::string>, EngineStats> rows_;  // under mu_
-  AgreementStats agreement_;                                           // under mu_
+  AgreementStats agreement_;                                         // under mu_
 };
 
 }  // namespace hpcdl

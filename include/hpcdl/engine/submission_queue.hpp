@@ -32,9 +32,9 @@ class SubmissionQueue {
   // Under mu.
   Submissions submitted;
   std::atomic<std::uint64_t> wakeups{0};  // wake() calls: an idle loop rechecks what is ready or freed
-  bool running = false;       // the engine thread runs (and has not been told to stop)
-  bool stopped = false;       // shutdown() was called: no more submissions
-  bool loop_done = false;     // the thread's last act, so shutdown can bound its wait
+  bool running = false;                   // the engine thread runs (and has not been told to stop)
+  bool stopped = false;                   // shutdown() was called: no more submissions
+  bool loop_done = false;                 // the thread's last act, so shutdown can bound its wait
   StallLimits limits;
 
   std::atomic<int> watchers{0};  // live Engine::Watch objects

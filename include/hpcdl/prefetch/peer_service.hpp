@@ -70,7 +70,7 @@ class PeerService {
   // A reply being received: the status byte and the sample, in pieces.
   struct Pending {
     std::vector<char> buffer;
-    std::vector<MPI_Request> recvs;  // the first piece; then the rest, once it said "held"
+    std::vector<MPI_Request> recvs;    // the first piece; then the rest, once it said "held"
     std::vector<MPI_Status> statuses;  // of recvs: the bytes each piece brought
     std::uint64_t arrived = 0;         // bytes received so far, the status byte included
     int peer = 0, tag = 0;
@@ -119,7 +119,7 @@ class PeerService {
   struct Request {
     int source, tag;
     std::uint64_t sample;
-    std::unique_ptr<Reply> reply;  // its buffer sized for the sample
+    std::unique_ptr<Reply> reply;                    // its buffer sized for the sample
     std::chrono::steady_clock::time_point deadline;  // of a deferred request
   };
 

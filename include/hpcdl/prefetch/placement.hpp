@@ -13,18 +13,18 @@
 #include <limits>
 #include <vector>
 
-#include "hpcdl/util/status.hpp"
 #include "hpcdl/prefetch/stream.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 
 constexpr int kTierRam = 0, kTierDisk = 1, kTierStore = 2, kCachedTiers = 2;
 
 struct Placement {
-  std::vector<std::uint32_t> freq;   // per sample: reads in the stream
-  std::vector<std::uint64_t> first;  // per sample: first position in the stream (max when never)
-  std::vector<std::uint8_t> tier;    // per sample
-  std::vector<std::uint64_t> offset; // per sample: byte offset in its tier's region
+  std::vector<std::uint32_t> freq;                 // per sample: reads in the stream
+  std::vector<std::uint64_t> first;                // per sample: first position in the stream (max when never)
+  std::vector<std::uint8_t> tier;                  // per sample
+  std::vector<std::uint64_t> offset;               // per sample: byte offset in its tier's region
   std::vector<std::uint64_t> lists[kCachedTiers];  // sample ids per cached tier, in first-use order
   std::uint64_t used[kCachedTiers] = {0, 0};
 };

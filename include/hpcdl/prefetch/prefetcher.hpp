@@ -42,9 +42,9 @@
 
 #include "hpcdl/prefetch/peer_service.hpp"
 #include "hpcdl/prefetch/placement.hpp"
-#include "hpcdl/util/status.hpp"
-#include "hpcdl/store/store_reader.hpp"
 #include "hpcdl/prefetch/stream.hpp"
+#include "hpcdl/store/store_reader.hpp"
+#include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 
@@ -57,7 +57,8 @@ struct PrefetchConfig {
   std::uint64_t start = 0;  // first stream position to deliver (resume)
   std::uint64_t ram_bytes = 0, disk_bytes = 0;
   std::string disk_dir;
-  std::uint64_t staging_bytes = kDefaultStagingBytes;  // at least; raised to 3 of the largest local batches when smaller
+  std::uint64_t staging_bytes =
+      kDefaultStagingBytes;  // at least; raised to 3 of the largest local batches when smaller
   std::size_t staging_threads = 4, ram_threads = 2, disk_threads = 2;
   std::vector<std::uint64_t> peer_ram_bytes;   // per rank; empty: no peer tier
   std::vector<std::uint64_t> peer_disk_bytes;  // per rank (empty: no disk tiers)
@@ -90,8 +91,8 @@ struct PrefetchStats {
 };
 
 struct BatchView {
-  std::uint64_t batch = 0;       // global index of the local batch in the run
-  std::uint64_t ring_offset = 0; // where its bytes start in the staging buffer
+  std::uint64_t batch = 0;        // global index of the local batch in the run
+  std::uint64_t ring_offset = 0;  // where its bytes start in the staging buffer
   std::uint64_t bytes = 0;
   const std::uint64_t* samples = nullptr;  // local_batch sample ids
   const std::uint64_t* offsets = nullptr;  // local_batch + 1 offsets relative to ring_offset
@@ -165,7 +166,8 @@ class Prefetcher {
   bool commit_slot(int tier, std::uint64_t k, const char* bytes, bool from_peer, double t0);
   void finish_slot(int tier, std::uint64_t k, bool ok);
   Status read_store(std::uint64_t k, char* dst);
-  // Sample k from the disk tier, checked against its CRC32C in the store's index; false (warned once): read it elsewhere.
+  // Sample k from the disk tier, checked against its CRC32C in the store's index; false (warned once): read it
+  // elsewhere.
   bool read_disk(std::uint64_t k, char* dst);
   void warn_disk_read_once(const std::string& what);
   // A store filler of `tier`: loads its slots whose source is the store, in first-use order.
@@ -240,7 +242,7 @@ class Prefetcher {
   std::uint64_t L_ = 1, end_ = 0;
   std::vector<std::uint64_t> stream_;  // positions start..end of the run
   Placement placement_;
-  PeerSources sources_;                  // empty without a peer tier
+  PeerSources sources_;                    // empty without a peer tier
   std::vector<std::int32_t> fill_source_;  // per cached sample: the peer to fill it from, -1 the store
   std::vector<std::uint64_t> store_fills_[kCachedTiers], peer_fills_list_;  // fill work, in first-use order
   std::vector<std::uint64_t> store_fill_order_;  // both tiers' store fills in first-use order (coalescing)

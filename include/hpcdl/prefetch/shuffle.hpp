@@ -32,10 +32,9 @@ inline std::array<std::uint32_t, 4> philox4x32_10(std::array<std::uint32_t, 4> c
 // Draw k (a 64-bit word) of epoch `epoch` under `seed`: counter
 // (k lo, k hi, epoch lo, epoch hi), key (seed lo, seed hi); word = out0 | out1 << 32.
 inline std::uint64_t shuffle_draw(std::uint64_t seed, std::uint64_t epoch, std::uint64_t k) {
-  const auto out = philox4x32_10(
-      {static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(k >> 32), static_cast<std::uint32_t>(epoch),
-       static_cast<std::uint32_t>(epoch >> 32)},
-      {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)});
+  const auto out = philox4x32_10({static_cast<std::uint32_t>(k), static_cast<std::uint32_t>(k >> 32),
+                                  static_cast<std::uint32_t>(epoch), static_cast<std::uint32_t>(epoch >> 32)},
+                                 {static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32)});
   return static_cast<std::uint64_t>(out[0]) | (static_cast<std::uint64_t>(out[1]) << 32);
 }
 

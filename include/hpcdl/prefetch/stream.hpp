@@ -34,8 +34,8 @@ struct StreamSpec {
       return Status::Invalid("batch_size (the global batch, " + std::to_string(global_batch) +
                              ") must be a multiple of the number of ranks (" + std::to_string(ranks) + ")");
     if (drop_last && samples < global_batch)
-      return Status::Invalid("the data set (" + std::to_string(samples) + " samples) is smaller than one global batch (" +
-                             std::to_string(global_batch) +
+      return Status::Invalid("the data set (" + std::to_string(samples) +
+                             " samples) is smaller than one global batch (" + std::to_string(global_batch) +
                              ") and drop_last=True would read nothing; pass drop_last=False or a smaller batch_size");
     return Status::OK();
   }
@@ -51,7 +51,8 @@ struct StreamSpec {
   void rank_epoch(const Index* order, std::uint64_t rank, std::uint64_t* out) const {
     const std::uint64_t L = local_batch();
     for (std::uint64_t b = 0, at = 0; b < batches_per_epoch(); ++b)
-      for (std::uint64_t j = 0; j < L; ++j, ++at) out[at] = static_cast<std::uint64_t>(order[(b * global_batch + rank * L + j) % samples]);
+      for (std::uint64_t j = 0; j < L; ++j, ++at)
+        out[at] = static_cast<std::uint64_t>(order[(b * global_batch + rank * L + j) % samples]);
   }
 
   // Rank r's stream from position `from` to the end of the run.

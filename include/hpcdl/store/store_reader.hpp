@@ -27,8 +27,8 @@ constexpr std::size_t kDefaultReaderThreads = 8;
 
 struct ShardInfo {
   std::string path;
-  std::uint64_t data_offset = 0;  // file offset of the data set (h5py: dataset.id.get_offset())
-  std::uint64_t data_bytes = 0;   // length of the data set
+  std::uint64_t data_offset = 0;       // file offset of the data set (h5py: dataset.id.get_offset())
+  std::uint64_t data_bytes = 0;        // length of the data set
   std::vector<std::uint64_t> offsets;  // per sample, relative to the data set
   std::vector<std::uint64_t> sizes;
   std::vector<std::uint32_t> crc32c;

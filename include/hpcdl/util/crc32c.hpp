@@ -36,7 +36,7 @@ inline const Tables& tables() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HPCDL_CRC32C_HAVE_HW 1
 __attribute__((target("sse4.2"))) inline std::uint32_t update_hw(std::uint32_t crc, const unsigned char* p,
-                                                                  std::size_t n) {
+                                                                 std::size_t n) {
   std::uint64_t c = crc;
   while (n >= 8) {
     std::uint64_t word;
@@ -87,8 +87,7 @@ inline std::uint32_t crc32c_software(const void* data, std::size_t n, std::uint3
 // CRC32C of n bytes; `crc` continues a previous result (0 to start).
 inline std::uint32_t crc32c(const void* data, std::size_t n, std::uint32_t crc = 0) {
 #ifdef HPCDL_CRC32C_HAVE_HW
-  if (crc32c_hardware_available())
-    return ~crc32c_detail::update_hw(~crc, static_cast<const unsigned char*>(data), n);
+  if (crc32c_hardware_available()) return ~crc32c_detail::update_hw(~crc, static_cast<const unsigned char*>(data), n);
 #endif
   return crc32c_software(data, n, crc);
 }

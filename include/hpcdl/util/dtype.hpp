@@ -117,8 +117,7 @@ inline void fp16s_to_floats_scalar(const std::uint16_t* h, std::size_t n, float*
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HPCDL_X86_DISPATCH 1  // x86-64 with GCC or clang: F16C and AVX2 kernels, chosen at run time
-__attribute__((target("avx,f16c"))) inline void floats_to_fp16_f16c(const float* x, std::size_t n,
-                                                                     std::uint16_t* h) {
+__attribute__((target("avx,f16c"))) inline void floats_to_fp16_f16c(const float* x, std::size_t n, std::uint16_t* h) {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i half = _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT);
@@ -127,8 +126,7 @@ __attribute__((target("avx,f16c"))) inline void floats_to_fp16_f16c(const float*
   floats_to_fp16_scalar(x + i, n - i, h + i);
 }
 
-__attribute__((target("avx,f16c"))) inline void fp16s_to_floats_f16c(const std::uint16_t* h, std::size_t n,
-                                                                      float* x) {
+__attribute__((target("avx,f16c"))) inline void fp16s_to_floats_f16c(const std::uint16_t* h, std::size_t n, float* x) {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(x + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
@@ -222,14 +220,12 @@ inline void reduce_sum_scale(DType t, void* dst, const void* src, std::size_t n,
       detail::sum_scale(static_cast<double*>(dst), static_cast<const double*>(src), n, scale);
       break;
     case DType::kFloat16:
-      detail::sum_scale_half<fp16_to_float, float_to_fp16>(static_cast<std::uint16_t*>(dst),
-                                                           static_cast<const std::uint16_t*>(src), n,
-                                                           static_cast<float>(scale));
+      detail::sum_scale_half<fp16_to_float, float_to_fp16>(
+          static_cast<std::uint16_t*>(dst), static_cast<const std::uint16_t*>(src), n, static_cast<float>(scale));
       break;
     case DType::kBFloat16:
-      detail::sum_scale_half<bf16_to_float, float_to_bf16>(static_cast<std::uint16_t*>(dst),
-                                                           static_cast<const std::uint16_t*>(src), n,
-                                                           static_cast<float>(scale));
+      detail::sum_scale_half<bf16_to_float, float_to_bf16>(
+          static_cast<std::uint16_t*>(dst), static_cast<const std::uint16_t*>(src), n, static_cast<float>(scale));
       break;
     case DType::kInt32:
       detail::sum_wrapping(static_cast<std::int32_t*>(dst), static_cast<const std::int32_t*>(src), n);
@@ -253,8 +249,7 @@ inline void scale_buffer(DType t, void* dst, std::size_t n, double scale) {
       detail::scale_half<bf16_to_float, float_to_bf16>(static_cast<std::uint16_t*>(dst), n, static_cast<float>(scale));
       break;
     case DType::kInt32:
-    case DType::kInt64:
-      break;
+    case DType::kInt64: break;
   }
 }
 

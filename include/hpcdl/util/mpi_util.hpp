@@ -23,7 +23,8 @@ constexpr int kWaitAbandoned = -1;
 
 inline Status mpi_status(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return Status::OK();
-  if (rc == kWaitAbandoned) return Status::Cancelled(std::string(what) + ": abandoned (a rank of the communicator left)");
+  if (rc == kWaitAbandoned)
+    return Status::Cancelled(std::string(what) + ": abandoned (a rank of the communicator left)");
   char text[MPI_MAX_ERROR_STRING];
   int len = 0;
   MPI_Error_string(rc, text, &len);
@@ -74,8 +75,8 @@ inline void cancel_and_complete(std::vector<MPI_Request*> requests, double secon
       MPI_Test(r, &flag, MPI_STATUS_IGNORE);
       if (flag) break;
       if (std::chrono::steady_clock::now() > deadline)
-        abort_job(std::string(who) + ": a transfer could not be cancelled within " +
-                  seconds_text(seconds) + ", and MPI would still use memory about to be freed");
+        abort_job(std::string(who) + ": a transfer could not be cancelled within " + seconds_text(seconds) +
+                  ", and MPI would still use memory about to be freed");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }

@@ -22,8 +22,8 @@ enum class StatusCode : int {
   kMismatch = 2,         // ranks disagree about an operation
   kMpiError = 3,
   kIOError = 4,
-  kCancelled = 5,        // engine shut down before the operation ran
-  kCorrupt = 6,          // checksum or structure check failed
+  kCancelled = 5,  // engine shut down before the operation ran
+  kCorrupt = 6,    // checksum or structure check failed
   kTimeout = 7,
   kInternal = 8,
 };
@@ -71,10 +71,10 @@ class Status {
 };
 
 // Propagate a non-OK status to the caller.
-#define HPCDL_RETURN_NOT_OK(expr)          \
-  do {                                     \
-    ::hpcdl::Status _st = (expr);          \
-    if (!_st.ok()) return _st;             \
+#define HPCDL_RETURN_NOT_OK(expr) \
+  do {                            \
+    ::hpcdl::Status _st = (expr); \
+    if (!_st.ok()) return _st;    \
   } while (0)
 
 }  // namespace hpcdl

@@ -29,7 +29,10 @@ class ThreadPool {
     threads = std::max<std::size_t>(threads, 1);
     workers_.reserve(threads);
     for (std::size_t i = 0; i < threads; ++i)
-      if (!start_thread("a store reader thread", [this] { work(); }, &workers_).ok()) break;
+      if (!start_thread(
+               "a store reader thread", [this] { work(); }, &workers_)
+               .ok())
+        break;
   }
 
   ~ThreadPool() {
