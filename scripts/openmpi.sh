@@ -38,9 +38,10 @@ setup() {
       --no-binary mpi4py "$MPI4PY"
     touch "$stamp"
   fi
-  # The checkout's files as they are now (tracked and untracked, not ignored), built in place; build/
-  # stays between runs, so only what changed is recompiled.
+  # The checkout's files as they are now (tracked and untracked, not ignored), built in place. Only build/
+  # stays between runs: a file moved or deleted in the checkout must not linger in the copy.
   mkdir -p "$VENV/src"
+  find "$VENV/src" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
   git ls-files -z --cached --others --exclude-standard | tar --null -cf - -T - | tar -xf - -C "$VENV/src"
   (cd "$VENV/src" && MPICC="$MPICC" "$py" setup.py --quiet build_ext --inplace -j 2 2>&1 \
     | grep -vE "SetuptoolsDeprecationWarning|^\s*$|warnings.warn|!!|\*\*\*\*" || true)
