@@ -285,7 +285,6 @@ class _DistributedOptimizerMixin:
                 # gradient waits for the ranks' presence counts.
                 for bucket in self._buckets:
                     if not bucket.local:
-                        bucket.wait_launched()
                         bucket.handle.wait()
                         timings += bucket.timings()
                         reduced = bucket.result()

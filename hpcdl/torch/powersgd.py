@@ -190,16 +190,12 @@ class LowRankBucket(Bucket):
         with torch.no_grad():
             for mat in self.matrices:
                 project(mat)
-        self._send(self.p_host, self.p_dev)
-
-    def _send(self, host, dev):
-        """The bucket's current operation may start once host holds dev's values."""
         if not self.staged:
             self.handle.mark_ready()
             return
         with _tensors.SideWork(self.device) as work:
-            host.copy_(dev, non_blocking=True)
-            work.keep(dev)
+            self.p_host.copy_(self.p_dev, non_blocking=True)
+            work.keep(self.p_dev)
         self.launched = _tensors.launcher().submit(self._land, work)
 
     def exchange_q(self):
@@ -207,7 +203,6 @@ class LowRankBucket(Bucket):
         if not self.compressing or self.q_submitted:
             return
         self.q_submitted = True
-        self.wait_launched()
         self.handle.wait()
         self.p_timings = self.handle.timings()
         if self.staged:
@@ -215,9 +210,10 @@ class LowRankBucket(Bucket):
         with torch.no_grad():
             for mat in self.matrices:
                 project_back(mat)
-        self.handle = hpcdl.allreduce_async(self.q_array, op="average", comm=self.comm, name=f"{self.name}.Q",
-                                            deferred=self.staged)
-        self._send(self.q_host, self.q_dev)
+        if self.staged:  # Q is small: this thread waits for its copy (a deferred Q not yet marked
+            # ready would stop the wait for the next bucket's P)
+            _tensors.copy_async(self.q_host, self.q_dev, self.device).wait_host()
+        self.handle = hpcdl.allreduce_async(self.q_array, op="average", comm=self.comm, name=f"{self.name}.Q")
 
     def timings(self):
         if not self.compressing:
