@@ -188,9 +188,12 @@ class PowerSGD(Codec):
     name = "powersgd"
 
     def __init__(self, rank=1, warmup_steps=10, seed=0):
-        for setting, value, least in (("rank", rank, 1), ("warmup_steps", warmup_steps, 0), ("seed", seed, 0)):
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
-                raise ValueError(f"PowerSGD {setting} must be an integer >= {least}, got {value!r}")
+        for setting, value, least, most in (("rank", rank, 1, None), ("warmup_steps", warmup_steps, 0, None),
+                                            ("seed", seed, 0, 2**32 - 1)):  # the seed fills the generator's high word
+            if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least
+                    or (most is not None and value > most)):
+                bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+                raise ValueError(f"PowerSGD {setting} must be an integer {bound}, got {value!r}")
         self.rank, self.warmup_steps, self.seed = int(rank), int(warmup_steps), int(seed)
 
     def get_config(self):

@@ -179,6 +179,8 @@ class _DistributedOptimizerMixin:
                 bucket.view(offset, numel, param).copy_(grad)
             if len(bucket.filled) == len(bucket.slots):
                 bucket.launch()
+                if self._low_rank is not None:
+                    self._low_rank.advance()
 
     def _open_round(self):
         """First gradient of the step: submit every bucket's allreduce deferred, so the

@@ -9,7 +9,8 @@ warm-up, with r the rank and each matrix on its parameter's device:
 
     launch      (its last gradient is in, during backward)
                 M = grad + residual; P = M Q (Q: last step's); P's allreduce may start
-    exchange_q  (synchronize, bucket after bucket, while later P's still move)
+    exchange_q  (bucket after bucket: during backward, when a bucket is launched, for the
+                earlier ones whose P is summed; the rest at its end, while later P's move)
                 P <- orthogonalize(P) (Gram-Schmidt, float32); Q = M^T P; Q's allreduce starts
     result      approx = P Q^T; residual = M - approx; the gradient is approx
 
@@ -84,11 +85,9 @@ def project_back(mat):
 def finish(mat):
     """On the summed Q: approx = P Q^T becomes the gradient, residual = M - approx (0 where not
     finite: an overflow never reaches later steps); Q's dead columns restart."""
-    approx = mat.p @ mat.q.T
-    torch.sub(mat.grad, approx, out=mat.residual)
-    mat.residual.copy_(torch.where(torch.isfinite(mat.residual), mat.residual,
-                                   torch.zeros((), device=mat.residual.device)))
-    mat.grad.copy_(approx)
+    torch.addmm(mat.grad, mat.p, mat.q.T, alpha=-1, out=mat.residual)
+    mat.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # one pass (isfinite + where: ~30x slower on CPU)
+    torch.matmul(mat.p, mat.q.T, out=mat.grad)
     restart_columns(mat.q, mat.q0)
 
 
@@ -102,6 +101,16 @@ class Schedule:
 
     def compressing(self):
         return self.steps >= self.codec.warmup_steps
+
+    def advance(self):
+        """During backward: buckets whose P is already summed start their Q, in bucket order
+        (host buckets only: a staged P is waited for after all launches landed)."""
+        for bucket in self.buckets:
+            if not bucket.compressing or bucket.q_submitted:
+                continue
+            if bucket.staged or bucket.handle is None or not bucket.handle.done():
+                return
+            bucket.exchange_q()
 
     def matrices(self):
         return {m.name: m for b in self.buckets for m in b.matrices}
@@ -235,8 +244,9 @@ def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, 
     """Low-rank buckets of the matrices the codec compresses, then one dense bucket per dtype
     and device of the other parameters (their gradients are complete last)."""
     names = {p: n for n, p in named}
-    compressed = [(n, p) for n, p in named if p.dtype == torch.float32 and schedule.codec.compresses(p.shape)]
-    dense = [(n, p) for n, p in named if not (p.dtype == torch.float32 and schedule.codec.compresses(p.shape))]
+    factored = {p for _, p in named if p.dtype == torch.float32 and schedule.codec.compresses(p.shape)}
+    compressed = [(n, p) for n, p in named if p in factored]
+    dense = [(n, p) for n, p in named if p not in factored]
     buckets = make_buckets(compressed, bucket_bytes, name, first_index, reducible,
                            lambda i, bname, dtype, slots: LowRankBucket(i, bname, slots, staged_of(slots[0][0]),
                                                                         schedule, size, names))

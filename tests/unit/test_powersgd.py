@@ -17,7 +17,7 @@ from helpers.torch_adapter import full_batch, loss_of, make_model, params_digest
 
 
 @pytest.mark.parametrize("settings", [{"rank": 0}, {"rank": 1.5}, {"rank": True}, {"warmup_steps": -1},
-                                      {"seed": -2}, {"rank": "1"}])
+                                      {"seed": -2}, {"seed": 2**32}, {"rank": "1"}])
 def test_bad_settings_raise_naming_the_setting(settings):
     with pytest.raises(ValueError, match=next(iter(settings))):
         PowerSGD(**settings)
