@@ -17,7 +17,9 @@ from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode
                               parse_codec, topk_algorithm_name, topk_count as c_topk_count)
 from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CNoticeKind, COpKind,
                               COpRequest, COperation, COpTimes, CReduceOp, dtype_is_float, dtype_name, dtype_size,
-                              dtype_valid, kDefaultChunkBytes, kMaxChunkBytes, kMaxNotices, kMinChunkBytes)
+                              dtype_valid, kDefaultChunkBytes, kMaxChunkBytes, kMaxNotices, kMinChunkBytes,
+                              in_mpi_process as c_in_mpi_process, remember_mpi_process,
+                              require_mpi_process as c_require_mpi_process)
 from libhpcdl.status cimport CStatus, check_status
 
 import threading
@@ -276,6 +278,8 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     cdef COpRequest req
     cdef shared_ptr[COperation] op
     cdef CStatus st
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
     req.name = (name or "").encode()
     if not name:
         req.desc.thread = threading.current_thread().name.encode()
@@ -363,6 +367,22 @@ def reset_stats():
 def reset_compression_state():
     """Forget every error-feedback residual."""
     CEngine.instance().reset_compression_state()
+
+
+def free_residual(MPI.Comm comm, name):
+    """Free tensor `name`'s error-feedback residual; True when there was one."""
+    cdef cbool found = False
+    cdef string text = name.encode()
+    cdef CStatus st
+    with nogil:
+        st = CEngine.instance().free_residual(comm.ob_mpi, text, &found)
+    check_status(st)
+    return found
+
+
+def residual_bytes():
+    """Bytes every error-feedback residual of this process takes."""
+    return CEngine.instance().residual_bytes()
 
 
 def residual(MPI.Comm comm, name):
@@ -469,3 +489,19 @@ def shutdown():
         CEngine.instance().shutdown()
     _emit_engine_notices()  # the last ones, while Python can still issue them
 
+
+
+# ---- the process MPI belongs to (include/hpcdl/mpi_process.hpp) ----
+
+remember_mpi_process()  # at load: mpi4py has initialized MPI in this process
+
+
+def require_mpi_process(who):
+    """MPIError naming the cause when this process was forked from the one that
+    initialized MPI (`who`: the part about to make MPI calls)."""
+    check_status(c_require_mpi_process(who.encode()))
+
+
+def in_mpi_process():
+    """False in a process forked from the one that initialized MPI."""
+    return c_in_mpi_process()

@@ -5,16 +5,21 @@ small-file store and a clairvoyant prefetcher, all over mpi4py communicators.
 """
 
 import atexit
+import importlib
 import os
 import sys
 import time
 
-# The extension links libmpi through the MPI compiler wrapper; importing
-# mpi4py.MPI first puts that same libmpi in the process (and initializes MPI
-# with MPI_THREAD_MULTIPLE, which the engine thread needs).
+# The extension links the libmpi that mpi4py loads; importing mpi4py.MPI first
+# puts it in the process (and initializes MPI with MPI_THREAD_MULTIPLE, which
+# the engine thread needs). load_core fails clearly if the core brings a second one.
 from mpi4py import MPI
 
-from hpcdl import _core, compression
+from hpcdl._mpi_check import load_core
+
+_core = load_core(lambda: importlib.import_module("hpcdl._core"))
+
+from hpcdl import compression  # noqa: E402
 from hpcdl._core import EngineWarning, Handle, StallWarning
 from hpcdl.collectives import (DTYPES, allreduce, allreduce_async, barrier, broadcast, broadcast_async,
                                configure, stats)
@@ -56,6 +61,7 @@ def size():
 
 def _local_comm():
     if _world["local"] is None:
+        _core.require_mpi_process("hpcdl.local_rank")
         _world["local"] = _world["comm"].Split_type(MPI.COMM_TYPE_SHARED)
     return _world["local"]
 
@@ -84,7 +90,19 @@ def _at_exit():
     registration, so it runs last): close the prefetchers (their threads make MPI
     calls), stop the engine thread (it tells the other ranks that this one leaves,
     so that any operation of theirs waiting for it fails), then write the timeline
-    (which holds both their events). Modules never imported have nothing to close."""
+    (which holds both their events). Modules never imported have nothing to close.
+
+    A process forked from a rank ends here at once (os._exit with its exit
+    status): its MPI state, threads and prefetchers are its parent's, and
+    finalizing MPI or stopping them from the child would disturb the parent's job."""
+    if not _core.in_mpi_process():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # closed or broken: nothing more to say
+                pass
+        uncaught = getattr(sys, "last_value", None) is not None  # set as Python prints an uncaught exception
+        os._exit(1 if uncaught else _forked_child_status[0])
     prefetch = sys.modules.get("hpcdl.prefetch")
     if prefetch is not None:
         prefetch.close_all()
@@ -96,6 +114,25 @@ def _at_exit():
 
 atexit.register(_at_exit)
 
+# A forked child's exit status, for _at_exit's os._exit: sys.exit's argument
+# as Python turns it into a status (an uncaught exception: 1, found there).
+_forked_child_status = [0]
+
+
+def _child_exit(status=None):
+    _forked_child_status[0] = status if isinstance(status, int) else (0 if status is None else 1)
+    raise SystemExit(status)
+
+
+def _after_fork_in_child():
+    _forked_child_status[0] = 0
+    for name in ("last_type", "last_value", "last_traceback"):  # the parent's, if it printed one
+        sys.__dict__.pop(name, None)
+    sys.exit = _child_exit
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
 
 def _abort_job_on_uncaught_exception(kind, value, tb):
     """An exception no code caught ends the whole job (MPI_Abort), as ``python
@@ -103,6 +140,8 @@ def _abort_job_on_uncaught_exception(kind, value, tb):
     ranks wait for it in their next collective, and the job hangs until its
     time limit."""
     (_replaced_excepthook[0] if _replaced_excepthook else sys.__excepthook__)(kind, value, tb)  # the traceback
+    if not _core.in_mpi_process():  # a forked child: the job is its parent's
+        return
     comm = MPI.COMM_WORLD
     sys.stderr.write(f"[hpcdl rank {comm.Get_rank()}] uncaught {kind.__name__}: aborting the job (MPI_Abort) "
                      f"so that the other {comm.Get_size() - 1} ranks do not wait for this one\n")

@@ -14,6 +14,7 @@ rank naming the ranks of each identity and where each read it.
 
 import hashlib
 
+from hpcdl import _core
 from hpcdl.errors import HpcdlError, MismatchError
 
 _MAX_LISTED = 5
@@ -23,22 +24,32 @@ def call_on_every_rank(comm, fn, *args):
     """fn(*args) on every rank; if any rank raised, raise on every rank (the
     raising rank's own exception, the others its type and message with its rank).
     Collective over comm: one allgather of None or (type, message)."""
+    _core.require_mpi_process("hpcdl's ranks agreeing")
     try:
         result, error = fn(*args), None
     except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
         result, error = None, exc
-    errors = comm.allgather(None if error is None else (type(error), str(error)))
+    errors = comm.allgather(None if error is None else _describe(error))
     if error is not None:
         raise error
     for rank, info in enumerate(errors):
         if info is not None:
-            kind, message = info
+            kind, message, code = info
             try:
-                exc = kind(f"[hpcdl rank {rank}] {message}")
+                # An OSError keeps its errno (ENOSPC, ENOENT: what callers test for).
+                exc = kind(code, f"[hpcdl rank {rank}] {message}") if code is not None else \
+                    kind(f"[hpcdl rank {rank}] {message}")
             except Exception:  # noqa: BLE001 - a type that takes other arguments
                 exc = HpcdlError(f"[hpcdl rank {rank}] {kind.__name__}: {message}")
             raise exc
     return result
+
+
+def _describe(error):
+    """(type, message, errno or None): what the other ranks need to raise the same error."""
+    if isinstance(error, OSError) and error.errno is not None and error.strerror:
+        return type(error), error.strerror + (f": '{error.filename}'" if error.filename else ""), error.errno
+    return type(error), str(error), None
 
 
 def check_same_on_all_ranks(comm, entries, what, settings=None):
@@ -48,6 +59,7 @@ def check_same_on_all_ranks(comm, entries, what, settings=None):
     that must agree too. Collective over ``comm``: one small allgather of a
     digest, and a second one of the full lists only when the digests differ.
     """
+    _core.require_mpi_process("hpcdl's ranks agreeing")
     mine = ([(str(n), tuple(int(d) for d in s), str(t)) for n, s, t in entries], dict(settings or {}))
     digest = hashlib.sha1(repr(mine).encode()).hexdigest()
     if len(set(comm.allgather(digest))) == 1:
@@ -65,6 +77,7 @@ def check_same_identity(comm, identity, where, what, hint=""):
     allgather of the identity, and a second one of ``where`` only when the
     identities differ.
     """
+    _core.require_mpi_process("hpcdl's ranks agreeing")
     identities = comm.allgather(str(identity))
     if len(set(identities)) == 1:
         return

@@ -293,7 +293,7 @@ def _cmd_bench(args):
 
 def _parser():
     from hpcdl import __version__
-    from hpcdl.units import size_type
+    from hpcdl.units import positive_int_type, size_type
 
     parser = argparse.ArgumentParser(prog="hpcdl", description="hpcdl: distributed DL training tools")
     parser.add_argument("--version", action="version", version=f"hpcdl {__version__}")
@@ -305,11 +305,13 @@ def _parser():
                        "(class = first-level sub-directory). Run under mpiexec -n P to split the work.")
     p.add_argument("src", metavar="SRC", help="source directory")
     p.add_argument("dst", metavar="DST", help="destination directory (created)")
-    p.add_argument("--shards", type=int, default=None, help="number of shards (default: by --shard-bytes)")
+    p.add_argument("--shards", type=positive_int_type("--shards"), default=None,
+                   help="number of shards (default: by --shard-bytes)")
     p.add_argument("--shard-bytes", type=size_type(), default="1G",
                    help="target shard size when --shards is not given (default 1G)")
     p.add_argument("--force", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--threads", type=int, default=8, help="files read at once per rank (default 8)")
+    p.add_argument("--threads", type=positive_int_type("--threads"), default=8,
+                   help="files read at once per rank (default 8)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_pack)
     p = sub.add_parser("verify", help="check every sample's checksum of a store")

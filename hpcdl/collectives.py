@@ -33,6 +33,7 @@ _SETTINGS = {
     "engine_slice_us": (int, 0, 100_000, "HPCDL_ENGINE_SLICE_US"),  # Linux takes 100 us to 100 ms
     "agreement_flat": (int, 0, 1, "HPCDL_AGREEMENT_FLAT"),
     "timeline_max_events": (int, 1, 2**63 - 1, "HPCDL_TIMELINE_MAX_EVENTS"),  # hpcdl.timeline
+    "residual_ttl_ops": (int, 0, 10**18 - 1, "HPCDL_RESIDUAL_TTL_OPS"),  # error feedback (residual_store.hpp)
 }
 
 
@@ -86,7 +87,8 @@ def configure(chunk_bytes=None, stall_warning_seconds=None, stall_error_seconds=
     in MPI) and HPCDL_ENGINE_SLICE_US (the engine thread's scheduler slice on
     Linux 6.12+, default 100; 0 keeps the system's). HPCDL_AGREEMENT_FLAT=1
     sends every rank's reports to the coordinator directly instead of up a
-    binomial tree (bench/agreement.py compares the two).
+    binomial tree (bench/agreement.py compares the two). HPCDL_RESIDUAL_TTL_OPS:
+    the lifetime of an unused error-feedback residual (hpcdl.compression).
     """
     for key, value in (("chunk_bytes", chunk_bytes), ("stall_warning_seconds", stall_warning_seconds),
                        ("stall_error_seconds", stall_error_seconds)):

@@ -8,8 +8,11 @@ docs/compression.md.
 
 Error feedback: an allreduce with a ``name`` keeps, per tensor name (and
 communicator), a residual of what compression dropped and adds it back before
-the next compression of that tensor; ``reset_state()`` forgets all residuals.
-Without a name no state is kept.
+the next compression of that tensor. A name's residual is freed once
+HPCDL_RESIDUAL_TTL_OPS (default 1000) named compressed allreduces ran on its
+communicator without it, or by ``free_residual(name)``; ``reset_state()``
+forgets all residuals; ``residual_memory()`` is what they take. Without a
+name no state is kept.
 
 The C++ core owns the rules: it parses the canonical text (the one reader of
 that syntax, ``from_text``), checks every setting, sizes and runs the kernels;
@@ -26,9 +29,7 @@ import re
 from hpcdl import _core
 
 __all__ = ["Codec", "NoCompression", "FP16", "BF16", "Int8", "TopK", "PowerSGD", "from_config", "from_text",
-           "from_text_list",
-           "residual",
-           "reset_state"]
+           "from_text_list", "residual", "free_residual", "residual_memory", "reset_state"]
 
 
 def _integer(value):
@@ -267,6 +268,21 @@ def residual(name, comm=None):
     """A copy (float32) of the error-feedback residual kept for tensor ``name``, or None."""
     from mpi4py import MPI
     return _core.residual(MPI.COMM_WORLD if comm is None else comm, name)
+
+
+def free_residual(name, comm=None):
+    """Free the error-feedback residual of tensor ``name`` on ``comm`` (default
+    COMM_WORLD) now, on this rank; True when there was one. Its next compressed
+    allreduce starts from a zero residual."""
+    from mpi4py import MPI
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
+    return _core.free_residual(MPI.COMM_WORLD if comm is None else comm, name)
+
+
+def residual_memory():
+    """Bytes the error-feedback residuals of this process take (all names, all communicators)."""
+    return _core.residual_bytes()
 
 
 def reset_state():

@@ -126,6 +126,7 @@ class Link:
     duplicate of ``comm`` (collective over ``comm``), with an abort channel."""
 
     def __init__(self, comm):
+        _core.require_mpi_process("hpcdl.pipeline.Link")
         self.comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self._abort_buffer = bytearray(_ABORT_BYTES)
@@ -145,6 +146,7 @@ class Link:
         return _core.transfer(True, _core.Buffer(buffer, None, False, True), self.comm, dest, tag)
 
     def send_object(self, obj, dest):
+        _core.require_mpi_process("hpcdl.pipeline.Link")
         return self.comm.isend(obj, dest=dest, tag=_HEADER_TAG)
 
     def recv_object(self, source):
@@ -162,6 +164,7 @@ class Link:
         return self._poll(lambda: (request.wait_for(_HANDLE_WAIT_SLICE_S), None), sleeps=False)
 
     def _poll(self, test, sleeps=True):
+        _core.require_mpi_process("hpcdl.pipeline.Link")
         delay, start, cpu = 0.0, time.perf_counter(), time.thread_time()
         while True:
             done, value = test()

@@ -396,6 +396,7 @@ class Prefetcher:
     def _next(self):
         if self._core is None:
             raise ValueError("the prefetcher is closed")
+        _core.require_mpi_process("hpcdl.prefetch.Prefetcher")
         epoch, step = self.position
         try:
             batch, ring, nbytes, ids, offsets = self._core.next_batch()

@@ -30,6 +30,25 @@ def size_type(allow_zero=False):
     return size
 
 
+def positive_int(value, name):
+    """A count that must be at least 1 (shards, threads), as an int; ValueError naming it otherwise."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not hasattr(value, "__index__") or int(value) < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def positive_int_type(name):
+    """positive_int as an argparse ``type=``: its message becomes the usage error."""
+    def count(text):
+        try:
+            return positive_int(text, name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return count
+
+
 AUTO = "auto"
 
 

@@ -84,6 +84,8 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
         void reset_compression_state()
         vector[CEngineNotice] take_notices(uint64_t* dropped)
         CStatus copy_residual(MPI_Comm comm, const string& name, vector[float]* out, cbool* found)
+        CStatus free_residual(MPI_Comm comm, const string& name, cbool* found)
+        uint64_t residual_bytes()
         void shutdown()
 
     size_t kMaxNotices "hpcdl::Engine::kMaxNotices"
@@ -96,3 +98,8 @@ cdef extern from "hpcdl/dtype.hpp" namespace "hpcdl" nogil:
 
 cdef extern from "hpcdl/ring.hpp" namespace "hpcdl" nogil:
     size_t kDefaultChunkBytes, kMinChunkBytes, kMaxChunkBytes
+
+cdef extern from "hpcdl/mpi_process.hpp" namespace "hpcdl" nogil:
+    void remember_mpi_process()
+    cbool in_mpi_process()
+    CStatus require_mpi_process(const string& who)

@@ -13,6 +13,7 @@ import numpy as np
 
 from hpcdl import _core
 from hpcdl.errors import CorruptDataError
+from hpcdl.store.space import write_small_hdf5
 
 FORMAT = "hpcdl-store"
 FORMAT_VERSION = 2
@@ -86,7 +87,8 @@ def write_manifest(src, dst, label_names, summaries, skipped_listing, pack_secon
     text = h5py.string_dtype("utf-8")
     path = os.path.join(dst, MANIFEST)
     tmp = os.path.join(dst, "." + MANIFEST + _TMP_SUFFIX)
-    with h5py.File(tmp, "w") as f:
+
+    def fill(f):
         n = len(summaries)
         _create_checked(f, "shard_files", [shard_name(s["index"], n) for s in summaries], text)
         _create_checked(f, "shard_first_sample", first)
@@ -101,6 +103,7 @@ def write_manifest(src, dst, label_names, summaries, skipped_listing, pack_secon
                         "num_shards": n, "checksum": "crc32c", "source": os.path.abspath(src),
                         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                         "pack_seconds": pack_seconds})
+    write_small_hdf5(tmp, "the manifest", fill)
     _fsync_path(tmp)
     os.replace(tmp, path)
     _fsync_path(dst, directory=True)

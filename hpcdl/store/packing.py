@@ -24,6 +24,8 @@ from hpcdl.store.manifest import (_SHARD_PREFIX, _TMP_SUFFIX, FORMAT, FORMAT_VER
                                   _fsync_path, _read_checked, shard_name, write_manifest)
 from hpcdl.store.progress import _bar, _Progress
 from hpcdl.store.reader import DEFAULT_THREADS, Store
+from hpcdl.store.space import SHARD_OVERHEAD_BYTES, require_space, shard_bytes_needed, write_hdf5
+from hpcdl.units import positive_int
 
 DEFAULT_SHARD_BYTES = 1 << 30
 _LOCK = ".hpcdl-pack.lock"
@@ -287,49 +289,55 @@ def _write_shard(src, dst, plan, pool, progress):
             return summary
         os.remove(final)
     tmp = os.path.join(dst, "." + name + _TMP_SUFFIX)
-    root = os.fsencode(src)
-    files = plan["files"]
-    planned = sum(f[1] for f in files)
-    offsets, sizes, crcs, labels, names, skipped = [], [], [], [], [], []
-    with h5py.File(tmp, "w") as f:
-        # Contiguous, unchunked, unfiltered: the reader preads at its file offset.
-        data = f.create_dataset("data", shape=(planned,), dtype=np.uint8)
-        pending, start, at = [], 0, 0
-        for w in range(0, len(files), _READ_WINDOW):
-            window = files[w:w + _READ_WINDOW]
-            results = pool.map(lambda item: _read_file(root, item[0], item[1]), window)
-            for (rel, size, _, label), (content, crc, reason) in zip(window, results):
-                if reason is not None:
-                    skipped.append((_display(rel), reason))
-                else:
-                    offsets.append(at)
-                    sizes.append(len(content))
-                    crcs.append(crc)
-                    labels.append(label)
-                    names.append(rel.decode("utf-8"))
-                    pending.append(content)
-                    at += len(content)
-                    if at - start >= _WRITE_BLOCK:
-                        data[start:at] = np.frombuffer(b"".join(pending), dtype=np.uint8)
-                        pending, start = [], at
-                progress.advance(1, size)
-        if at > start:
-            data[start:at] = np.frombuffer(b"".join(pending), dtype=np.uint8)
-        _create_checked(f, "offsets", np.array(offsets, dtype=np.uint64))
-        _create_checked(f, "sizes", np.array(sizes, dtype=np.uint64))
-        _create_checked(f, "crc32c", np.array(crcs, dtype=np.uint32))
-        _create_checked(f, "labels", np.array(labels, dtype=np.int32))
-        text = h5py.string_dtype("utf-8")
-        _create_checked(f, "names", names, text)
-        _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
-        _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
-        f.attrs.update({"format": FORMAT + "-shard", "format_version": FORMAT_VERSION,
-                        "shard_index": plan["index"], "num_shards": plan["count"],
-                        "num_samples": len(offsets), "data_bytes_used": at,
-                        "checksum": "crc32c", "plan_digest": plan["digest"], "complete": 1})
+    summary = write_hdf5(tmp, shard_bytes_needed(plan["files"]), f"shard {name}",
+                         lambda f: _fill_shard(f, src, plan, pool, progress))
     _fsync_path(tmp)
     os.replace(tmp, final)
     _fsync_path(dst, directory=True)
+    return summary
+
+
+def _fill_shard(f, src, plan, pool, progress):
+    """Write plan's files and index into the open HDF5 file f; the shard's summary."""
+    root = os.fsencode(src)
+    files = plan["files"]
+    planned = sum(item[1] for item in files)
+    offsets, sizes, crcs, labels, names, skipped = [], [], [], [], [], []
+    # Contiguous, unchunked, unfiltered: the reader preads at its file offset.
+    data = f.create_dataset("data", shape=(planned,), dtype=np.uint8)
+    pending, start, at = [], 0, 0
+    for w in range(0, len(files), _READ_WINDOW):
+        window = files[w:w + _READ_WINDOW]
+        results = pool.map(lambda item: _read_file(root, item[0], item[1]), window)
+        for (rel, size, _, label), (content, crc, reason) in zip(window, results):
+            if reason is not None:
+                skipped.append((_display(rel), reason))
+            else:
+                offsets.append(at)
+                sizes.append(len(content))
+                crcs.append(crc)
+                labels.append(label)
+                names.append(rel.decode("utf-8"))
+                pending.append(content)
+                at += len(content)
+                if at - start >= _WRITE_BLOCK:
+                    data[start:at] = np.frombuffer(b"".join(pending), dtype=np.uint8)
+                    pending, start = [], at
+            progress.advance(1, size)
+    if at > start:
+        data[start:at] = np.frombuffer(b"".join(pending), dtype=np.uint8)
+    _create_checked(f, "offsets", np.array(offsets, dtype=np.uint64))
+    _create_checked(f, "sizes", np.array(sizes, dtype=np.uint64))
+    _create_checked(f, "crc32c", np.array(crcs, dtype=np.uint32))
+    _create_checked(f, "labels", np.array(labels, dtype=np.int32))
+    text = h5py.string_dtype("utf-8")
+    _create_checked(f, "names", names, text)
+    _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
+    _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
+    f.attrs.update({"format": FORMAT + "-shard", "format_version": FORMAT_VERSION,
+                    "shard_index": plan["index"], "num_shards": plan["count"],
+                    "num_samples": len(offsets), "data_bytes_used": at,
+                    "checksum": "crc32c", "plan_digest": plan["digest"], "complete": 1})
     return {"index": plan["index"], "samples": len(offsets), "bytes": at, "reused": False,
             "skipped": skipped}
 
@@ -360,6 +368,9 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
     locks = []  # rank 0's lock on dst, held until the store reads back
 
     def plan_on_rank0():
+        positive_int(threads, "threads")  # every rank its own, inside the agreement
+        if shards is not None:
+            positive_int(shards, "shards")
         if rank != 0:
             return None
         if not os.path.isdir(src_dir):
@@ -373,6 +384,9 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
             raise ValueError(f"source '{src_dir}' holds no files to pack{detail}")
         label_names, plans = _plan(src_dir, files, shards, shard_bytes, nranks)
         _remove_stale_shards(dst, plans)
+        to_write = [p for p in plans if _reuse_shard(os.path.join(dst, shard_name(p["index"], p["count"])), p) is None]
+        require_space(dst, sum(shard_bytes_needed(p["files"]) for p in to_write) + SHARD_OVERHEAD_BYTES,
+                      f"packing {sum(len(p['files']) for p in to_write)} files into {len(to_write)} shards")
         return label_names, plans, skipped, sum(f[1] for f in files)
 
     try:

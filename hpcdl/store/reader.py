@@ -174,15 +174,20 @@ class Store:
                     "sizes": read("sizes"), "crc32c": read("crc32c")}
             return info, read("labels").astype(np.int32), list(read("names"))
 
+    def _open_reader(self):
+        if self._reader is None:
+            raise ValueError(f"store '{self.root}' is closed")
+        return self._reader
+
     def __reduce__(self):
         return Store, self._args
 
     def __len__(self):
-        return len(self._reader)
+        return len(self._open_reader())
 
     def _index(self, i):
         i = int(i)
-        n = len(self._reader)
+        n = len(self._open_reader())
         if i < 0:
             i += n
         if not 0 <= i < n:
@@ -203,7 +208,7 @@ class Store:
     def read(self, i):
         i = self._index(i)
         try:
-            return self._reader.read(i)
+            return self._open_reader().read(i)
         except (CorruptDataError, OSError) as exc:
             raise self._named(exc) from None
 
@@ -211,7 +216,7 @@ class Store:
         """Read sample i into the start of a writable buffer (numpy uint8, bytearray); returns its size."""
         i = self._index(i)
         try:
-            return self._reader.read_into(i, buffer)
+            return self._open_reader().read_into(i, buffer)
         except (CorruptDataError, OSError) as exc:
             raise self._named(exc) from None
 
@@ -225,7 +230,7 @@ class Store:
         out: an optional preallocated uint8 array of at least the total size.
         """
         idx = np.asarray(indices, dtype=np.int64).ravel()
-        n = len(self._reader)
+        n = len(self._open_reader())
         if idx.size and (idx.min() < -n or idx.max() >= n):
             bad = idx[(idx < -n) | (idx >= n)][0]
             raise IndexError(f"sample index {bad} out of range [0, {n})")
@@ -238,7 +243,7 @@ class Store:
         elif out.nbytes < total:
             raise ValueError(f"out holds {out.nbytes} bytes, the samples need {total}")
         try:
-            self._reader.read_many(idx, out, offsets[:-1])
+            self._open_reader().read_many(idx, out, offsets[:-1])
         except (CorruptDataError, OSError) as exc:
             raise self._named(exc) from None
         return out[:total], offsets
@@ -291,7 +296,7 @@ class Store:
         for k in range(len(self.shard_paths)):
             if "damaged" in self.shard_infos[k]:
                 continue
-            bad, reasons, nbytes = self._reader.verify_shard(k)
+            bad, reasons, nbytes = self._open_reader().verify_shard(k)
             problems.extend((i, self.names[i], r) for i, r in zip(bad, reasons))
             bytes_read += nbytes
             bar.update(int(self.sizes[self.shard_first[k]:self.shard_first[k] + self.shard_counts[k]].sum()))
@@ -309,4 +314,6 @@ class Store:
         self.close()
 
     def __repr__(self):
+        if self._reader is None:
+            return f"<hpcdl.store.Store '{self.root}' (closed)>"
         return f"<hpcdl.store.Store '{self.root}': {len(self)} samples in {len(self.shard_paths)} shards>"

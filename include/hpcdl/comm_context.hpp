@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
@@ -46,7 +47,7 @@ class CommContext {
   // (collective: it completes once every rank submitted on the communicator);
   // the engine thread completes it and only then uses them.
   MPI_Request setup[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  bool set_up = false;
+  std::atomic<bool> set_up{false};  // written by the engine thread; read by on_comm_freed too
   std::chrono::steady_clock::time_point setup_since;
   double setup_warned_at = 0;
 
@@ -110,6 +111,16 @@ class CommContext {
   std::vector<std::vector<std::string>> last_desc;  // [id][rank] serialized desc
   std::vector<char> announced;                      // [id] name already sent in a plan
   std::map<std::uint32_t, Entry> table;
+  // Coordinator: names whose operation timed out, with the ranks that had
+  // submitted it then (sorted) and how long they waited; until that name runs.
+  struct GivenUp {
+    std::vector<int> submitted;
+    double waited_s = 0;
+  };
+  std::map<std::string, GivenUp> given_up;
+  // Who of `missing` never submitted `name` and who gave up on it earlier, for
+  // a stall warning (still_waiting) or a timeout.
+  std::string describe_missing(const std::string& name, const std::vector<int>& missing, bool still_waiting) const;
 
   struct Outgoing {
     MPI_Request req;

@@ -108,6 +108,10 @@ class Engine {
   // A copy of tensor `name`'s error-feedback residual on `comm`; *found is
   // false when there is none (never compressed with that name, or reset).
   Status copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found);
+  // Frees it (hpcdl.compression.free_residual); *found: there was one.
+  Status free_residual(MPI_Comm comm, const std::string& name, bool* found);
+  // Bytes every error-feedback residual of this process takes.
+  std::uint64_t residual_bytes();
   // Joins the thread; operations not yet run finish with kCancelled, and the
   // other ranks of every communicator hpcdl used are told that this one left
   // (their operations waiting for it fail instead of waiting forever).
@@ -117,6 +121,8 @@ class Engine {
   Engine() = default;
   void loop();
   Status context_for(MPI_Comm comm, std::shared_ptr<CommContext>* out);
+  // The id of comm's context, if it has one (looked up only: making one is collective).
+  Status residual_context(MPI_Comm comm, std::uint64_t* id, bool* found);
   static int on_comm_freed(MPI_Comm comm, int keyval, void* context, void* extra_state);
   bool drain_submissions();
   // Starts the engine thread if it is not running (under mu_); on failure

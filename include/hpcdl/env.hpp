@@ -40,4 +40,13 @@ inline bool agreement_flat() {
   return flat;
 }
 
+// How many named compressed allreduces may run on a communicator without a
+// name before that name's error-feedback residual is freed
+// (HPCDL_RESIDUAL_TTL_OPS, default 1000; 0 keeps residuals until the
+// communicator is freed or reset_state()).
+inline long residual_ttl_ops() {
+  static const long ops = env_long("HPCDL_RESIDUAL_TTL_OPS", 1000);
+  return ops;
+}
+
 }  // namespace hpcdl

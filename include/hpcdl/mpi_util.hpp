@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "hpcdl/env.hpp"
+#include "hpcdl/mpi_process.hpp"
 #include "hpcdl/status.hpp"
 
 namespace hpcdl {
@@ -30,8 +31,11 @@ inline Status mpi_status(int rc, const char* what) {
   return Status::Mpi(std::string(what) + ": " + std::string(text, static_cast<std::size_t>(len)));
 }
 
-// `who` and `why` name the part and why it needs MPI_THREAD_MULTIPLE.
+// `who` and `why` name the part and why it needs MPI_THREAD_MULTIPLE. Every
+// part that takes work to make MPI calls with checks here, so the process
+// check (a forked child) is here too.
 inline Status require_thread_multiple(const std::string& who, const std::string& why) {
+  HPCDL_RETURN_NOT_OK(require_mpi_process(who));
   int initialized = 0, finalized = 0, level = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);

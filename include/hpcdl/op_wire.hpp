@@ -12,6 +12,10 @@ constexpr int kTagPlan = 2;   // down the report tree, from the coordinator: wha
 constexpr int kTagData = 3;
 constexpr int kTagLeave = 4;  // a rank leaves the communicator (exit, free): to the coordinator, which forwards it
 
+// A plan entry: u32 id, u8 result, u8 with_name, [string name], then for all
+// but kRun a string message, and for kTimeout the ranks that had not submitted
+// it (u32 count, i32 each): on those the operation, if pending, came too late
+// for that decision and stays pending (its report makes a new entry).
 enum class PlanResult : std::uint8_t { kRun = 0, kMismatch = 1, kStall = 2, kTimeout = 3 };
 
 // Entries of a ready message.

@@ -87,6 +87,11 @@ void CommContext::set_tree(bool flat) {
 }
 
 Status CommContext::report() {
+  // An operation given up before it was reported (while the communicator
+  // was being set up) is not pending any more: nothing to report for it.
+  unreported.erase(std::remove_if(unreported.begin(), unreported.end(),
+                                  [this](const std::string& name) { return pending.count(name) == 0; }),
+                   unreported.end());
   if (unreported.empty()) return Status::OK();
   WireWriter w;
   w.put<std::uint32_t>(static_cast<std::uint32_t>(unreported.size()));
@@ -267,6 +272,7 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
         same = same && last_desc[id][r] == last_desc[id][0];
       }
       if (same) {
+        given_up.erase(coord_names[id]);
         put_entry(id, PlanResult::kRun, "");
       } else {
         put_entry(id, PlanResult::kMismatch,
@@ -279,23 +285,52 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
     std::vector<int> missing;
     for (int r = 0; r < size; ++r)
       if (!e.ready[r]) missing.push_back(r);
+    const std::string& name = coord_names[id];
     if (error_s > 0 && waited >= error_s) {
       put_entry(id, PlanResult::kTimeout,
-                "hpcdl: operation '" + coord_names[id] + "' was never submitted by " + rank_list(missing) +
-                    " (gave up after " + seconds_text(waited) + ")");
+                "hpcdl: operation '" + name + "' " + describe_missing(name, missing, false) + " (gave up after " +
+                    seconds_text(waited) + ")");
+      w->put<std::uint32_t>(static_cast<std::uint32_t>(missing.size()));
+      for (int r : missing) w->put<std::int32_t>(r);
+      std::vector<int> submitted;
+      for (int r = 0; r < size; ++r)
+        if (e.ready[r]) submitted.push_back(r);
+      given_up[name] = GivenUp{submitted, waited};
       it = table.erase(it);
       continue;
     }
     if (warn_s > 0 && waited >= warn_s && waited - e.warned_at >= warn_s) {
       e.warned_at = waited;
       std::ostringstream os;
-      os << "hpcdl: operation '" << coord_names[id] << "' has waited " << seconds_text(waited)
-         << " for " << rank_list(missing) << ", which have not submitted it (ready on "
-         << e.ready_count << " of " << size << " ranks)";
+      os << "hpcdl: operation '" << name << "' has waited " << seconds_text(waited) << " for "
+         << describe_missing(name, missing, true) << " (ready on " << e.ready_count << " of " << size << " ranks)";
       put_entry(id, PlanResult::kStall, os.str());
     }
     ++it;
   }
+}
+
+std::string CommContext::describe_missing(const std::string& name, const std::vector<int>& missing,
+                                          bool still_waiting) const {
+  // Ranks that submitted this name before and gave up on it are not waiting
+  // any more: a late rank's operation waits for them in vain, and the message
+  // says so rather than that they never submitted it.
+  std::vector<int> never, gave_up;
+  auto earlier = given_up.find(name);
+  for (int r : missing) {
+    const bool had = earlier != given_up.end() && std::binary_search(earlier->second.submitted.begin(),
+                                                                     earlier->second.submitted.end(), r);
+    (had ? gave_up : never).push_back(r);
+  }
+  std::string text;
+  if (!never.empty())
+    text = still_waiting ? rank_list(never) + ", which have not submitted it"
+                         : "was never submitted by " + rank_list(never);
+  if (!gave_up.empty())
+    text += std::string(never.empty() ? "" : "; ") + (still_waiting ? "" : "waited for ") + rank_list(gave_up) +
+            ", which submitted it earlier and gave up on it after " + seconds_text(earlier->second.waited_s) +
+            " (this one came too late for them)";
+  return text;
 }
 
 Status Engine::receive_control(CommContext& ctx, int tag, bool* got, MPI_Status* probe) {

@@ -14,6 +14,7 @@
 #include "hpcdl/codecs.hpp"
 #include "hpcdl/comm_context.hpp"
 #include "hpcdl/env.hpp"
+#include "hpcdl/mpi_process.hpp"
 #include "hpcdl/mpi_util.hpp"
 #include "hpcdl/thread_setup.hpp"
 #include "hpcdl/timeline.hpp"
@@ -408,6 +409,9 @@ void Engine::loop() {
 }
 
 void Engine::shutdown() {
+  // A forked child has a copy of the engine's state but not its thread, which
+  // is its parent's to stop: there is nothing to wait for or to tell anyone.
+  if (!in_mpi_process()) return;
   {
     std::unique_lock<std::mutex> g(mu_);
     stopped_ = true;

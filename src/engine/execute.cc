@@ -50,8 +50,19 @@ Status Engine::run_plans(CommContext& ctx) {
       } else {
         r.get_string(&message);
       }
+      bool too_late = false;  // this rank had not submitted it when the coordinator gave up on it
+      if (static_cast<PlanResult>(result) == PlanResult::kTimeout) {
+        std::uint32_t missing = 0;
+        r.get(&missing);
+        for (std::uint32_t k = 0; k < missing; ++k) {
+          std::int32_t rank = -1;
+          r.get(&rank);
+          too_late = too_late || rank == ctx.rank;
+        }
+      }
       auto it = ctx.pending.find(name);
       if (it == ctx.pending.end()) continue;  // a stall notice for an op this rank never submitted
+      if (too_late) continue;  // submitted since: its own report decides (a new entry at the coordinator)
       std::shared_ptr<Operation> op = it->second;
       if (static_cast<PlanResult>(result) == PlanResult::kStall) {
         op->notify(message);

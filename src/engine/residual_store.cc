@@ -2,57 +2,113 @@
 // added back by the next compressed allreduce of that tensor.
 #include "hpcdl/residual_store.hpp"
 
-#include <iterator>
-
 #include "hpcdl/comm_context.hpp"
 #include "hpcdl/engine.hpp"
+#include "hpcdl/env.hpp"
 #include "hpcdl/mpi_util.hpp"
 
 namespace hpcdl {
 
+void ResidualStore::erase(Context& c, std::map<std::string, Slot>::iterator it) {
+  bytes_ -= it->second.values->size() * sizeof(float);
+  c.by_last_use.erase(it->second.in_order);
+  c.slots.erase(it);
+}
+
 std::shared_ptr<std::vector<float>> ResidualStore::get(std::uint64_t context_id, const std::string& name,
                                                        std::size_t count) {
   std::lock_guard<std::mutex> g(mu_);
-  auto& slot = residuals_[{context_id, name}];
-  if (!slot || slot->size() != count) slot = std::make_shared<std::vector<float>>(count, 0.0f);
-  return slot;
+  Context& c = contexts_[context_id];
+  const std::uint64_t use = ++c.uses;
+  auto it = c.slots.find(name);
+  if (it == c.slots.end()) {
+    it = c.slots.emplace(name, Slot()).first;
+    it->second.in_order = c.by_last_use.insert(c.by_last_use.end(), name);
+  } else {
+    c.by_last_use.splice(c.by_last_use.end(), c.by_last_use, it->second.in_order);
+  }
+  Slot& slot = it->second;
+  slot.last_use = use;
+  if (!slot.values || slot.values->size() != count) {
+    if (slot.values) bytes_ -= slot.values->size() * sizeof(float);
+    slot.values = std::make_shared<std::vector<float>>(count, 0.0f);
+    bytes_ += count * sizeof(float);
+  }
+  const auto values = slot.values;
+  const std::uint64_t ttl = static_cast<std::uint64_t>(residual_ttl_ops());
+  while (ttl > 0 && use - c.slots.at(c.by_last_use.front()).last_use > ttl)
+    erase(c, c.slots.find(c.by_last_use.front()));
+  return values;
 }
 
 bool ResidualStore::copy(std::uint64_t context_id, const std::string& name, std::vector<float>* out) {
   std::lock_guard<std::mutex> g(mu_);
-  auto it = residuals_.find({context_id, name});
-  if (it == residuals_.end()) return false;
-  *out = *it->second;
+  auto c = contexts_.find(context_id);
+  if (c == contexts_.end()) return false;
+  auto it = c->second.slots.find(name);
+  if (it == c->second.slots.end()) return false;
+  *out = *it->second.values;
   return true;
+}
+
+bool ResidualStore::free(std::uint64_t context_id, const std::string& name) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto c = contexts_.find(context_id);
+  if (c == contexts_.end()) return false;
+  auto it = c->second.slots.find(name);
+  if (it == c->second.slots.end()) return false;
+  erase(c->second, it);
+  return true;
+}
+
+std::uint64_t ResidualStore::bytes() {
+  std::lock_guard<std::mutex> g(mu_);
+  return bytes_;
 }
 
 void ResidualStore::forget_context(std::uint64_t context_id) {
   std::lock_guard<std::mutex> g(mu_);
-  for (auto it = residuals_.begin(); it != residuals_.end();)
-    it = it->first.first == context_id ? residuals_.erase(it) : std::next(it);
+  auto c = contexts_.find(context_id);
+  if (c == contexts_.end()) return;
+  for (auto& kv : c->second.slots) bytes_ -= kv.second.values->size() * sizeof(float);
+  contexts_.erase(c);
 }
 
 void ResidualStore::clear() {
   std::lock_guard<std::mutex> g(mu_);
-  residuals_.clear();
+  contexts_.clear();
+  bytes_ = 0;
 }
 
 void Engine::reset_compression_state() { residuals_.clear(); }
 
-Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found) {
+std::uint64_t Engine::residual_bytes() { return residuals_.bytes(); }
+
+Status Engine::residual_context(MPI_Comm comm, std::uint64_t* id, bool* found) {
   *found = false;
   // Look the context up only: making one is collective (MPI_Comm_dup).
+  std::lock_guard<std::mutex> g(mu_);
+  if (keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
+  void* attr = nullptr;
+  int has = 0;
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, keyval_, &attr, &has), "MPI_Comm_get_attr"));
+  if (!has) return Status::OK();
+  *id = static_cast<CommContext*>(attr)->id;
+  *found = true;
+  return Status::OK();
+}
+
+Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found) {
   std::uint64_t id = 0;
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
-    void* attr = nullptr;
-    int has = 0;
-    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, keyval_, &attr, &has), "MPI_Comm_get_attr"));
-    if (!has) return Status::OK();
-    id = static_cast<CommContext*>(attr)->id;
-  }
-  *found = residuals_.copy(id, name, out);
+  HPCDL_RETURN_NOT_OK(residual_context(comm, &id, found));
+  if (*found) *found = residuals_.copy(id, name, out);
+  return Status::OK();
+}
+
+Status Engine::free_residual(MPI_Comm comm, const std::string& name, bool* found) {
+  std::uint64_t id = 0;
+  HPCDL_RETURN_NOT_OK(residual_context(comm, &id, found));
+  if (*found) *found = residuals_.free(id, name);
   return Status::OK();
 }
 

@@ -573,3 +573,35 @@ def test_an_intercommunicator_is_refused_on_every_rank():
     inter.Free()
     half.Free()
     agree(WORLD, isinstance(error, ValueError) and "intercommunicator" in str(error), repr(error))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_stall_error_names_a_rank_that_gave_up_not_one_that_never_submitted():
+    """Every rank but the last submits 'given.up' and gives up on it (stall limit);
+    the last submits it afterwards. Its error names the others as having given up,
+    not as never having submitted it; the engine goes on working."""
+    rank, last = WORLD.Get_rank(), WORLD.Get_size() - 1
+    collective(WORLD, hpcdl.barrier)  # the channels exist whichever test ran before
+    hpcdl.configure(stall_error_seconds=1.0)
+    try:
+        a = np.ones(8, dtype=np.float32)
+        first = second = None
+        if rank != last:
+            _, first = outcome(hpcdl.allreduce, a, name="given.up")
+        WORLD.Barrier()
+        if rank == last:
+            _, second = outcome(hpcdl.allreduce, a, name="given.up")
+        WORLD.Barrier()
+        others = f"rank {last - 1}" if last == 1 else "ranks " + ", ".join(map(str, range(last)))
+        if rank != last:
+            ok = isinstance(first, hpcdl.StallTimeoutError) and f"never submitted by rank {last}" in str(first)
+            err = first
+        else:
+            ok = (isinstance(second, hpcdl.StallTimeoutError) and "never submitted" not in str(second)
+                  and f"{others}, which submitted it earlier and gave up on it" in str(second))
+            err = second
+        b = np.ones(8, dtype=np.float32)
+        collective(WORLD, hpcdl.allreduce, b, name="after.given.up")
+        agree(WORLD, ok and np.all(b == WORLD.Get_size()), repr(err))
+    finally:
+        hpcdl.configure(stall_error_seconds=0)

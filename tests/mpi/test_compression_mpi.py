@@ -295,3 +295,22 @@ def test_stats_measure_compressed_bytes_exactly(comm):
           and int8["dense_bytes"] == dense["bytes_sent"] == topk["dense_bytes"]
           and int8["dense_bytes"] / int8["bytes_sent"] > 3.9 and int8["ops"] == 1 and int8["seconds"] > 0)
     agree(comm, ok, f"{rows}, totals {totals} vs {expected_int8}, {expected_topk}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_free_residual_and_residual_memory():
+    """300 uniquely named 1 MiB tensors, each freed after its step: the residuals'
+    memory stays at one tensor's instead of growing by 1 MiB per name."""
+    hpcdl.compression.reset_state()
+    count = 1 << 18  # 1 MiB of float32
+    g = contribution(WORLD.Get_rank(), count)
+    peak, freed_all = 0, True
+    for i in range(300):
+        name = f"unique.{i}"
+        hpcdl.allreduce(g.copy(), name=name, compression=Int8())
+        peak = max(peak, hpcdl.compression.residual_memory())
+        freed_all = freed_all and hpcdl.compression.free_residual(name) and hpcdl.compression.residual(name) is None
+    left = hpcdl.compression.residual_memory()
+    again = hpcdl.compression.free_residual("unique.0")
+    agree(WORLD, peak == 4 * count and freed_all and left == 0 and again is False,
+          f"peak {peak} bytes, every one freed {freed_all}, left {left}, freed twice {again}")

@@ -59,6 +59,13 @@ def test_bad_op_and_average_of_integers():
         hpcdl.allreduce(np.zeros(4, dtype=np.int32), op="average")
 
 
+@pytest.mark.parametrize("name", [123, b"grad", 1.5])
+def test_a_name_that_is_not_text_is_named_in_the_error(name):
+    for call in (hpcdl.allreduce, hpcdl.allreduce_async, hpcdl.broadcast):
+        with pytest.raises(TypeError, match=r"name must be a str or None, got"):
+            call(np.zeros(4, dtype=np.float32), name=name)
+
+
 def test_bad_communicator_and_configuration():
     with pytest.raises(TypeError, match="mpi4py.MPI.Comm"):
         hpcdl.allreduce(np.zeros(4, dtype=np.float32), comm="world")

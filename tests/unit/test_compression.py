@@ -6,13 +6,17 @@ against the documented error bound, for bitwise equality across ranks, and
 the error-feedback identity.
 """
 
+import json
 import math
+import os
+import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import hpcdl
+from conftest import MPIEXEC, finish_job, start_job
 from hpcdl import _core
 from hpcdl.compression import BF16, FP16, Int8, NoCompression, TopK, from_config, from_text, from_text_list
 from helpers.compression import ODD_COUNTS, k_largest
@@ -283,3 +287,46 @@ def test_topk_algorithm_setting_round_trips_and_is_checked():
     with pytest.raises(ValueError, match="algorithm"):
         _core.codec_encoded_size("topk(ratio=0.01,algorithm=ring)", 10)
     assert split.encoded_size(1000) == TopK(0.01).encoded_size(1000) == 80
+
+
+RESIDUAL_LIFETIME_JOB = """
+import json, sys
+import numpy as np
+from mpi4py import MPI
+import hpcdl
+from hpcdl.compression import Int8, residual, residual_memory
+
+seen = []
+def step(name):
+    hpcdl.allreduce(np.ones(1000, np.float32) / 3, name=name, compression=Int8())
+    seen.append([residual("a") is not None, residual_memory()])
+
+step("a")
+for k in range(4):
+    step(f"b{k}")  # "a" unused for 1, 2, 3, then 4 named compressed allreduces
+if MPI.COMM_WORLD.Get_rank() == 0:
+    json.dump(seen, open(sys.argv[1], "w"))
+"""
+
+
+def test_residuals_of_names_no_longer_used_are_freed(tmp_path):
+    """With HPCDL_RESIDUAL_TTL_OPS=3 a name's residual lives while at most 3 other
+    named compressed allreduces ran on its communicator since its last use, and is
+    freed at the 4th; what the others take stays bounded by the lifetime too."""
+    script = tmp_path / "job.py"
+    script.write_text(RESIDUAL_LIFETIME_JOB)
+    env = dict(os.environ, HPCDL_RESIDUAL_TTL_OPS="3")
+    rc, out, _ = finish_job(start_job([MPIEXEC, "-n", "2", sys.executable, str(script), str(tmp_path / "seen")],
+                                      env=env), 90)
+    assert rc == 0, out
+    seen = json.loads((tmp_path / "seen").read_text())
+    one = 4 * 1000
+    assert seen == [[True, one], [True, 2 * one], [True, 3 * one], [True, 4 * one], [False, 4 * one]], seen
+
+
+@pytest.mark.parametrize("value", ["-1", "ten", "1e3", " 5"])
+def test_residual_lifetime_setting_is_checked_at_import(value):
+    """A value the core could not read fails at import, naming the variable."""
+    proc = start_job([sys.executable, "-c", "import hpcdl"], env=dict(os.environ, HPCDL_RESIDUAL_TTL_OPS=value))
+    rc, out, _ = finish_job(proc, 60)
+    assert rc != 0 and "HPCDL_RESIDUAL_TTL_OPS" in out, out

@@ -372,3 +372,36 @@ def test_a_deferred_operation_not_marked_ready_warns_through_warning_filters(tmp
     assert "warned: True" in out, out
     assert "silenced: 0" in out and "'silenced'" not in out, out
     assert "flood: 64 ['[hpcdl rank 0] " in out, out
+
+
+def test_a_first_operation_given_up_during_set_up_leaves_the_engine_working(tmp_path):
+    """Rank 0 gives up (stall limit) on the first operation of a new communicator
+    while its channels are still being set up; rank 1 submits that operation later,
+    which completes the set-up. Rank 0's engine must not report the operation it
+    gave up on (it once aborted with std::out_of_range there): rank 1's fails with a
+    stall error, and the next operation on the communicator sums right."""
+    rc, out = run_job(tmp_path, 2, """
+        hpcdl.configure(stall_error_seconds=1.0)
+        comm = WORLD.Dup()
+        a = np.ones(4, np.float32)
+        if RANK == 0:
+            try:
+                hpcdl.allreduce(a, comm=comm, name="first")
+            except hpcdl.StallTimeoutError as exc:
+                print(f"rank 0 gave up: {exc}", flush=True)
+        WORLD.Barrier()
+        if RANK == 1:
+            try:
+                hpcdl.allreduce(a, comm=comm, name="first")
+            except hpcdl.StallTimeoutError as exc:
+                print(f"rank 1 gave up: {exc}", flush=True)
+        WORLD.Barrier()
+        b = np.full(4, RANK + 1.0, np.float32)
+        hpcdl.allreduce(b, comm=comm, name="second")
+        print(f"rank {RANK} second {b.tolist()}", flush=True)
+    """, bound=60)
+    assert rc == 0, out
+    assert "rank 0 gave up:" in out and "rank 1 gave up:" in out, out
+    assert "rank 0, which submitted it earlier and gave up on it" in out, out
+    assert "rank 0 second [3.0, 3.0, 3.0, 3.0]" in out and "rank 1 second [3.0, 3.0, 3.0, 3.0]" in out, out
+    assert "out_of_range" not in out, out

@@ -559,3 +559,32 @@ def test_cli_pack_under_mpiexec(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "with 2 rank(s)" in proc.stdout
     check_round_trip(store.Store(tmp_path / "dst"), content)
+
+
+def test_a_closed_store_says_so(tree, tmp_path):
+    src, _ = tree
+    store.pack(src, tmp_path / "dst", progress=False)
+    st = store.Store(tmp_path / "dst")
+    st.close()
+    for use in (len, lambda s: s[0], lambda s: s.read_many([0]), lambda s: s.read_into(0, bytearray(1 << 20)),
+                lambda s: s.verify()):
+        with pytest.raises(ValueError, match="is closed"):
+            use(st)
+    assert "closed" in repr(st)
+
+
+@pytest.mark.parametrize("option", [["--shards", "0"], ["--shards", "-3"], ["--threads", "-5"], ["--threads", "0"],
+                                    ["--shards", "two"]])
+def test_pack_rejects_counts_below_one(tree, tmp_path, option):
+    src, _ = tree
+    proc = hpcdl_cli("pack", str(src), str(tmp_path / "dst"), "-q", *option)
+    assert proc.returncode == 2 and f"{option[0]} must be a positive integer, got" in proc.stderr, proc.stderr
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("setting", [{"shards": 0}, {"shards": -3}, {"threads": -5}, {"threads": 2.5}])
+def test_pack_api_rejects_counts_below_one(tree, tmp_path, setting):
+    src, _ = tree
+    with pytest.raises(ValueError, match=f"{next(iter(setting))} must be a positive integer"):
+        store.pack(src, tmp_path / "dst", progress=False, **setting)
+    assert not (tmp_path / "dst" / "manifest.h5").exists()
