@@ -39,7 +39,8 @@ def test_an_allreduce_of_one_buffer_refuses_it_naming_the_optimizer():
 
 @pytest.mark.parametrize("shape,rank,factored", [((10,), 1, False), ((4, 4), 1, True), ((4, 4), 2, False),
                                                  ((2, 2), 1, False), ((3, 2), 1, True),
-                                                 ((8, 3, 3, 3), 6, True), ((8, 3, 3, 3), 7, False), ((1, 100), 1, False)])
+                                                 ((8, 3, 3, 3), 6, True), ((8, 3, 3, 3), 7, False),
+                                                 ((1, 100), 1, False)])
 def test_a_matrix_is_factored_only_where_the_factors_are_smaller(shape, rank, factored):
     assert PowerSGD(rank=rank).compresses(shape) == factored
 
