@@ -61,6 +61,14 @@ class Bucket:
         """Where param's gradient is gathered (on its device for a staged bucket)."""
         return self.gather[offset:offset + numel].view(param.shape)
 
+    def put(self, offset, numel, param, grad):
+        """Gather param's gradient (None: zeros) into the bucket."""
+        slot = self.view(offset, numel, param)
+        if grad is None:
+            slot.zero_()
+        else:
+            slot.copy_(grad)
+
     def launch(self):
         """All gradients are in: let the data move (for a staged bucket, once it reached the host)."""
         if not self.staged:

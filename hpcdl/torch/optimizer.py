@@ -176,7 +176,7 @@ class _DistributedOptimizerMixin:
             if not self._round_open:
                 self._open_round()
             with torch.no_grad():
-                bucket.view(offset, numel, param).copy_(grad)
+                bucket.put(offset, numel, param, grad)
             if len(bucket.filled) == len(bucket.slots):
                 bucket.launch()
                 if self._low_rank is not None:
@@ -227,12 +227,11 @@ class _DistributedOptimizerMixin:
         with torch.no_grad():
             for p, offset, numel in bucket.slots:
                 if p not in bucket.filled:
-                    slot = bucket.view(offset, numel, p)
                     if p.grad is None or zeros:
-                        slot.zero_()
+                        bucket.put(offset, numel, p, None)
                     else:
                         bucket.filled.add(p)
-                        slot.copy_(_dense(self._name_of[p], p.grad, self._sparse_as_dense))
+                        bucket.put(offset, numel, p, _dense(self._name_of[p], p.grad, self._sparse_as_dense))
 
     def _submit(self, bucket, deferred):
         return bucket.submit(self._op, self._comm, deferred)
@@ -271,8 +270,8 @@ class _DistributedOptimizerMixin:
             self._release_incomplete()  # backward raised before its end
             for bucket in self._buckets:
                 if bucket.handle is None and not bucket.local:  # no backward this step
+                    bucket.handle = self._submit(bucket, deferred=True)  # (fixes the bucket's mode)
                     self._fill_missing(bucket)
-                    bucket.handle = self._submit(bucket, deferred=True)
                     bucket.launch()
             for bucket in self._buckets:
                 bucket.wait_launched()

@@ -7,8 +7,9 @@ low-rank bucket (bucket_bytes as usual); every other parameter goes densely into
 one fused bucket per dtype and device. Per low-rank bucket and step after the
 warm-up, with r the rank and each matrix on its parameter's device:
 
+    put         (each gradient, as backward produces it) M = grad + residual, into the bucket
     launch      (its last gradient is in, during backward)
-                M = grad + residual; P = M Q (Q: last step's); P's allreduce may start
+                P = M Q (Q: last step's); P's allreduce may start
     exchange_q  (bucket after bucket: during backward, when a bucket is launched, for the
                 earlier ones whose P is summed; the rest at its end, while later P's move)
                 P <- orthogonalize(P) (Gram-Schmidt, float32); Q = M^T P; Q's allreduce starts
@@ -70,9 +71,16 @@ def restart_columns(q, q0):
     q.copy_(torch.where(dead, q0, q))
 
 
+def take(mat, grad):
+    """A gradient arrives (None: zeros): M = grad + residual, in one pass into the bucket."""
+    if grad is None:
+        mat.grad.copy_(mat.residual)
+    else:
+        torch.add(grad.reshape(mat.grad.shape), mat.residual, out=mat.grad)
+
+
 def project(mat):
-    """First half, before P's allreduce: M = grad + residual (in grad's place); P = M Q."""
-    mat.grad.add_(mat.residual)
+    """First half, before P's allreduce, once the bucket's M are in: P = M Q."""
     torch.matmul(mat.grad, mat.q, out=mat.p)
 
 
@@ -160,7 +168,7 @@ class LowRankBucket(Bucket):
         self.can_compress = not self.local and size > 1  # one rank: the gradients stay exact
         self.compressing = False   # this step's mode, fixed when its allreduce is submitted
         self.q_submitted = False
-        self.matrices, self.p_timings = [], None
+        self.matrices, self.p_timings, self.matrix_of = [], None, {}
         if not self.can_compress:
             return
         rank, device = schedule.codec.rank, self.device
@@ -180,6 +188,7 @@ class LowRankBucket(Bucket):
             self.matrices.append(Matrix(names[param], n, m, self.gather[offset:offset + numel],
                                          self.residual[offset:offset + numel], self.p_dev[p_at:p_at + n * rank],
                                          self.q_dev[q_at:q_at + m * rank], self.q0[q_at:q_at + m * rank]))
+            self.matrix_of[param] = self.matrices[-1]
             p_at, q_at = p_at + n * rank, q_at + m * rank
         schedule.buckets.append(self)
 
@@ -192,6 +201,11 @@ class LowRankBucket(Bucket):
                                             deferred=deferred)
         self.comm = comm
         return self.handle
+
+    def put(self, offset, numel, param, grad):
+        if not self.compressing:
+            return super().put(offset, numel, param, grad)
+        take(self.matrix_of[param], grad)
 
     def launch(self):
         if not self.compressing:

@@ -1,5 +1,5 @@
 """PowerSGD in one process: its settings, the matrix kernels DistributedOptimizer runs
-(hpcdl.torch.powersgd's project / project_back / finish) over simulated ranks against a
+(hpcdl.torch.powersgd's take / project / project_back / finish) over simulated ranks against a
 float64 reference of the documented semantics, and the one-rank rule (under MPI:
 tests/mpi/test_powersgd_mpi.py)."""
 
@@ -80,7 +80,7 @@ def _simulate(ranks, shapes, rank, steps, seed=0, poison=None):
                 grads[0][0, 0] = np.inf
             group = mats[name]
             for mat, g in zip(group, grads):
-                mat.grad.copy_(torch.from_numpy(g.astype(np.float32)))
+                powersgd.take(mat, torch.from_numpy(g.astype(np.float32)))
                 powersgd.project(mat)
             m_sent = [mat.grad.clone() for mat in group]
             p = torch.stack([mat.p for mat in group]).sum(0) / ranks
