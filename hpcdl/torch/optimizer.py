@@ -322,7 +322,7 @@ class _DistributedOptimizerMixin:
 
     def load_state_dict(self, state_dict):
         """The wrapped optimizer's load_state_dict(); a PowerSGD state in it is loaded too (its
-        codec settings, names and shapes checked first)."""
+        codec settings, names and shapes checked: a mismatch raises ValueError)."""
         state_dict = dict(state_dict)
         low_rank = state_dict.pop("hpcdl_powersgd", None)
         self._base_class.load_state_dict(self, state_dict)
