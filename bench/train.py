@@ -1,5 +1,5 @@
 """Training step time and accuracy: hpcdl.torch.DistributedOptimizer (dense and
-its codecs) vs DistributedDataParallel over gloo, plain and with its
+its codecs, PowerSGD rank 1 among them) vs DistributedDataParallel over gloo, plain and with its
 communication hooks (fp16/bf16 compression, PowerSGD rank 1 and 4), and the
 same step with no gradient exchange at all: the floor no data-parallel system
 can beat on these cores.
@@ -10,9 +10,9 @@ can beat on these cores.
 
 The same MLP (CPU), the same data and step on every system; systems alternate
 in rounds of a few steps so that machine noise hits them alike; the figure is
-the median step time over all timed steps (random data). PowerSGD compresses
-from step POWERSGD_START_ITER on; the warm-up round runs at least that many
-steps, so every timed step is compressed. PowerSGD's DDP gets one bucket for
+the median step time over all timed steps (random data). PowerSGD (DDP's hook
+and hpcdl's codec alike) compresses from step POWERSGD_START_ITER on; the
+warm-up round runs at least that many steps, so every timed step is compressed. PowerSGD's DDP gets one bucket for
 all gradients: over gloo its hook deadlocks with two (see build_systems). A separate, untimed phase trains a
 fresh copy of every system for --train-steps steps on the scikit-learn digits
 (each rank on its shard, the same batches for every system) and reports the
@@ -43,7 +43,7 @@ from hpcdl.measure import cell, rate, ratio, save_figure, show
 WORLD = MPI.COMM_WORLD
 POWERSGD_START_ITER = 10  # PowerSGDState's warm-up: plain allreduce before this step (its default is 1000)
 DDP_HOOKS = ("fp16", "bf16", "powersgd-r1", "powersgd-r4")
-CODECS = ("dense", "fp16", "int8", "topk")
+CODECS = ("dense", "fp16", "int8", "topk", "powersgd")
 FEATURES, CLASSES = 784, 10  # the timed steps' random data
 FLOOR = "no-exchange"
 FLOOR_NOTE = "step-time floor: no gradient exchange, not trained"
@@ -110,7 +110,8 @@ def codecs(names):
             if WORLD.Get_rank() == 0:
                 print(f"[hpcdl rank 0] hpcdl.compression missing: {name} left out", file=sys.stderr)
             continue
-        out.append((name, {"fp16": c.FP16, "int8": lambda: c.Int8(), "topk": lambda: c.TopK(ratio=0.01)}[name]()))
+        out.append((name, {"fp16": c.FP16, "int8": lambda: c.Int8(), "topk": lambda: c.TopK(ratio=0.01),
+                           "powersgd": lambda: c.PowerSGD(rank=1, warmup_steps=POWERSGD_START_ITER)}[name]()))
     return out
 
 
@@ -199,7 +200,7 @@ def main():
     parser.add_argument("--batch", type=int, default=32, help="per rank")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per system and round")
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--codecs", default="dense,int8,topk", help=f"hpcdl codecs: {','.join(CODECS)}")
+    parser.add_argument("--codecs", default="dense,int8,topk,powersgd", help=f"hpcdl codecs: {','.join(CODECS)}")
     parser.add_argument("--ddp-hooks", default=",".join(DDP_HOOKS),
                         help=f"DDP communication hooks, from {','.join(DDP_HOOKS)} ('' for plain DDP only)")
     parser.add_argument("--train-steps", type=int, default=200, help="steps of every system in the accuracy phase")

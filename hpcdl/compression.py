@@ -16,7 +16,11 @@ name no state is kept.
 
 The C++ core owns the rules: it parses the canonical text (the one reader of
 that syntax, ``from_text``), checks every setting, sizes and runs the kernels;
-the classes here only spell settings as that text.
+the classes here only spell settings as that text. One codec is not the core's:
+PowerSGD factors each gradient matrix with the framework's own matmul and
+sends the factors through the dense ring, so its settings are checked here and
+it works through a framework adapter (``hpcdl.torch.DistributedOptimizer``),
+not ``hpcdl.allreduce``.
 """
 
 import numbers
@@ -24,8 +28,8 @@ import re
 
 from hpcdl import _core
 
-__all__ = ["Codec", "NoCompression", "FP16", "BF16", "Int8", "TopK", "from_config", "from_text", "from_text_list",
-           "residual", "free_residual", "residual_memory", "reset_state"]
+__all__ = ["Codec", "NoCompression", "FP16", "BF16", "Int8", "TopK", "PowerSGD", "from_config", "from_text",
+           "from_text_list", "residual", "free_residual", "residual_memory", "reset_state"]
 
 
 def _integer(value):
@@ -168,7 +172,53 @@ class TopK(Codec):
         return _core.topk_count(int(count), self.ratio)
 
 
-_CODECS = {c.name: c for c in (NoCompression, FP16, BF16, Int8, TopK)}
+class PowerSGD(Codec):
+    """Low-rank gradients (PowerSGD, Vogels et al. 2019) for DistributedOptimizer.
+
+    Each gradient of 2+ dimensions, viewed as an n x m matrix (n = its first
+    dimension), for which rank * (n + m) < n * m, is sent as two factors: P
+    (n x rank), summed and orthogonalized, and Q (m x rank), warm-started from
+    the last step's Q (the first from a generator seeded with ``seed``, the
+    same on every rank). What the approximation P Q^T missed is kept per rank
+    and added next step (error feedback). The other gradients (biases, norms,
+    matrices whose factors would not be smaller) are averaged densely in one
+    fused bucket, and the first ``warmup_steps`` steps are dense altogether.
+    Semantics, state, costs and wire format: docs/compression.md.
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank=1, warmup_steps=10, seed=0):
+        for setting, value, least, most in (("rank", rank, 1, None), ("warmup_steps", warmup_steps, 0, None),
+                                            ("seed", seed, 0, 2**32 - 1)):  # the seed fills the generator's high word
+            if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least
+                    or (most is not None and value > most)):
+                bound = f">= {least}" if most is None else f"in [{least}, {most}]"
+                raise ValueError(f"PowerSGD {setting} must be an integer {bound}, got {value!r}")
+        self.rank, self.warmup_steps, self.seed = int(rank), int(warmup_steps), int(seed)
+
+    def get_config(self):
+        return {"name": self.name, "rank": self.rank, "warmup_steps": self.warmup_steps, "seed": self.seed}
+
+    def canonical(self):
+        return f"powersgd(rank={self.rank},warmup_steps={self.warmup_steps},seed={self.seed})"
+
+    def compresses(self, shape):
+        """Whether a gradient of this shape is sent as low-rank factors."""
+        if len(shape) < 2:
+            return False
+        n, m = shape[0], 1
+        for d in shape[1:]:
+            m *= d
+        return self.rank * (n + m) < n * m
+
+    def encoded_size(self, count):
+        raise TypeError("PowerSGD's size depends on the matrix shape: rank * (n + m) float32 values per "
+                        "n x m gradient (docs/compression.md)")
+
+
+_CODECS = {c.name: c for c in (NoCompression, FP16, BF16, Int8, TopK, PowerSGD)}
+_FRAMEWORK_CODECS = (PowerSGD,)  # run by the framework adapters, not by the core
 
 
 def from_config(config):
@@ -183,11 +233,17 @@ def from_config(config):
 def from_text(text):
     """The codec that a canonical text names (``str(codec)``: "none", "fp16", "bf16",
     "int8(block=64)", "int8(block=256,rounding=stochastic,seed=7)", "topk(ratio=0.01)",
-    "topk(ratio=0.01,algorithm=split)"), read by the core's parser; a bare name
-    ("int8", "topk") is that codec with its default settings."""
+    "topk(ratio=0.01,algorithm=split)"), read by the core's parser, or
+    "powersgd(rank=1,warmup_steps=10,seed=0)", whose integer settings PowerSGD
+    checks; a bare name ("int8", "topk", "powersgd") is that codec with its
+    default settings."""
     text = text.strip()
     if text in _CODECS:
         return _CODECS[text]()
+    framework = re.fullmatch(r"(\w+)\(((?:\w+=\d+,?)*)\)", text)
+    if framework and framework.group(1) in {c.name for c in _FRAMEWORK_CODECS}:
+        settings = dict(item.split("=") for item in framework.group(2).split(",") if item)
+        return from_config(dict({k: int(v) for k, v in settings.items()}, name=framework.group(1)))
     return from_config(_core.codec_config(text))
 
 
@@ -202,6 +258,9 @@ def canonical(compression):
         return ""
     if not isinstance(compression, Codec):
         raise TypeError(f"compression must be an hpcdl.compression codec or None, got {type(compression).__name__}")
+    if isinstance(compression, _FRAMEWORK_CODECS):
+        raise TypeError(f"{compression!r} factors gradient matrices of a model: pass it to "
+                        "hpcdl.torch.DistributedOptimizer(..., compression=...), not to an allreduce of one buffer")
     return compression.canonical()
 
 

@@ -25,6 +25,7 @@ from tensorflow.python.ops import control_flow_util  # XLA context check (no pub
 
 import hpcdl
 from hpcdl._agree import check_same_on_all_ranks
+from hpcdl.compression import PowerSGD
 
 __all__ = ["DistributedGradientTape", "broadcast_variables"]
 
@@ -47,6 +48,9 @@ class _GradientAllreduce:
     """
 
     def __init__(self, compression, op, comm, name, what):
+        if isinstance(compression, PowerSGD):
+            raise TypeError("PowerSGD runs in hpcdl.torch.DistributedOptimizer; the TensorFlow adapter does not "
+                            "factor gradients yet: use Int8, TopK, FP16 or BF16 here")
         self.compression = compression
         self.op = op
         self.comm = MPI.COMM_WORLD if comm is None else comm

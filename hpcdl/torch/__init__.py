@@ -10,7 +10,7 @@ parallelism, and the prefetcher as a Dataset.
 
 optimizer (DistributedOptimizer, the broadcasts, ddp_comm_hook; its fusion
 buckets and CUDA staging in _buckets, its on-device encoders in
-device_codecs), pipeline (Pipeline, PipeSplit) and data (TorchDataset) are its
+device_codecs, PowerSGD's low-rank buckets in powersgd), pipeline (Pipeline, PipeSplit) and data (TorchDataset) are its
 modules; hpcdl's core API never imports them.
 """
 

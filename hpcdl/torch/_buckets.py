@@ -24,6 +24,7 @@ class Bucket:
     def __init__(self, index, name, dtype, slots, staged, compression, size):
         self.index = index
         self.name = name
+        self.compression = compression
         self.slots = slots                  # [(param, offset, numel)]
         self.staged = staged
         self.device = slots[0][0].device
@@ -45,9 +46,28 @@ class Bucket:
             self.residual = torch.zeros(numel, dtype=dtype, device=self.device)
             self.wire = _tensors.host_buffer(self.encoder.encoded_size(numel), torch.uint8, self.device)
 
+    def submit(self, op, comm, deferred):
+        """Announce this step's allreduce of the bucket; returns its handle (also kept in self.handle)."""
+        self.handle = hpcdl.allreduce_async(self.array, op=op, comm=comm, name=self.name, dtype=self.core_dtype,
+                                            deferred=deferred, **({} if self.compression is None
+                                                                  else {"compression": self.compression}))
+        return self.handle
+
+    def timings(self):
+        """The timings of this step's operations (hpcdl's Handle.timings() with their names)."""
+        return [dict(self.handle.timings(), name=self.name)]
+
     def view(self, offset, numel, param):
         """Where param's gradient is gathered (on its device for a staged bucket)."""
         return self.gather[offset:offset + numel].view(param.shape)
+
+    def put(self, offset, numel, param, grad):
+        """Gather param's gradient (None: zeros) into the bucket."""
+        slot = self.view(offset, numel, param)
+        if grad is None:
+            slot.zero_()
+        else:
+            slot.copy_(grad)
 
     def launch(self):
         """All gradients are in: let the data move (for a staged bucket, once it reached the host)."""
@@ -85,16 +105,16 @@ class Bucket:
         return self.gather
 
 
-def make_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, compression, size):
+def make_buckets(named, bucket_bytes, name, first_index, reducible, build):
     """Reverse registration order (the order backward produces gradients), one dtype and
-    device per bucket, a new bucket once bucket_bytes is reached: the same on every rank."""
+    device per bucket, a new bucket once bucket_bytes is reached: the same on every rank.
+    build(index, bucket name, dtype, slots) makes each bucket."""
     open_slots, buckets = {}, []
 
     def close(key):
         slots = open_slots.pop(key)
         index = first_index + len(buckets)
-        buckets.append(Bucket(index, f"{name}.bucket.{index}", key[0], slots, staged_of(slots[0][0]),
-                              compression, size))
+        buckets.append(build(index, f"{name}.bucket.{index}", key[0], slots))
 
     for pname, p in reversed(named):
         if p.dtype not in reducible:
@@ -109,8 +129,3 @@ def make_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, c
     for key in list(open_slots):
         close(key)
     return buckets
-
-
-def submit(bucket, op, comm, compression, deferred):
-    return hpcdl.allreduce_async(bucket.array, op=op, comm=comm, name=bucket.name, dtype=bucket.core_dtype,
-                                 deferred=deferred, **({} if compression is None else {"compression": compression}))

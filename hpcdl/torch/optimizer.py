@@ -22,7 +22,8 @@ from mpi4py import MPI
 import hpcdl
 from hpcdl import _tensors
 from hpcdl._agree import check_same_on_all_ranks
-from hpcdl.torch import _buckets
+from hpcdl.compression import PowerSGD
+from hpcdl.torch import _buckets, powersgd
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "ddp_comm_hook"]
 
@@ -74,6 +75,8 @@ class _DistributedOptimizerMixin:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        if isinstance(compression, PowerSGD) and op != "average":
+            raise ValueError(f"PowerSGD averages its factors: op must be 'average', got {op!r}")
         self._comm = MPI.COMM_WORLD if comm is None else comm
         self._compression = compression
         self._op = op
@@ -96,6 +99,7 @@ class _DistributedOptimizerMixin:
         self._name = name
         _names_in_use[(_comm_key(self._comm), name)] = weakref.ref(self)
         self._size = self._comm.Get_size()
+        self._low_rank = powersgd.Schedule(compression) if isinstance(compression, PowerSGD) else None
         self._lock = threading.Lock()
         self._buckets, self._bucket_of, self._passes, self._name_of = [], {}, {}, {}
         self._round_open = False            # this step's bucket allreduces are submitted
@@ -104,8 +108,14 @@ class _DistributedOptimizerMixin:
         self._add_parameters(named)
 
     def _add_parameters(self, named):
-        buckets = _buckets.make_buckets(named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
-                                        _tensors.staged, self._compression, self._size)
+        if self._low_rank is not None:
+            buckets = powersgd.build_buckets(named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
+                                             _tensors.staged, self._low_rank, self._size)
+        else:
+            buckets = _buckets.make_buckets(
+                named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
+                lambda i, bname, dtype, slots: _buckets.Bucket(i, bname, dtype, slots, _tensors.staged(slots[0][0]),
+                                                               self._compression, self._size))
         self._buckets += buckets
         self._bucket_of.update((p, (b, off, n)) for b in buckets for p, off, n in b.slots)
         self._passes.update((p, 0) for _, p in named)
@@ -166,9 +176,11 @@ class _DistributedOptimizerMixin:
             if not self._round_open:
                 self._open_round()
             with torch.no_grad():
-                bucket.view(offset, numel, param).copy_(grad)
+                bucket.put(offset, numel, param, grad)
             if len(bucket.filled) == len(bucket.slots):
                 bucket.launch()
+                if self._low_rank is not None:
+                    self._low_rank.advance()
 
     def _open_round(self):
         """First gradient of the step: submit every bucket's allreduce deferred, so the
@@ -215,15 +227,14 @@ class _DistributedOptimizerMixin:
         with torch.no_grad():
             for p, offset, numel in bucket.slots:
                 if p not in bucket.filled:
-                    slot = bucket.view(offset, numel, p)
                     if p.grad is None or zeros:
-                        slot.zero_()
+                        bucket.put(offset, numel, p, None)
                     else:
                         bucket.filled.add(p)
-                        slot.copy_(_dense(self._name_of[p], p.grad, self._sparse_as_dense))
+                        bucket.put(offset, numel, p, _dense(self._name_of[p], p.grad, self._sparse_as_dense))
 
     def _submit(self, bucket, deferred):
-        return _buckets.submit(bucket, self._op, self._comm, self._compression, deferred)
+        return bucket.submit(self._op, self._comm, deferred)
 
     def _presence(self):
         """(the parameters some rank produced a gradient for this step, as a started int32
@@ -259,11 +270,14 @@ class _DistributedOptimizerMixin:
             self._release_incomplete()  # backward raised before its end
             for bucket in self._buckets:
                 if bucket.handle is None and not bucket.local:  # no backward this step
+                    bucket.handle = self._submit(bucket, deferred=True)  # (fixes the bucket's mode)
                     self._fill_missing(bucket)
-                    bucket.handle = self._submit(bucket, deferred=True)
                     bucket.launch()
             for bucket in self._buckets:
                 bucket.wait_launched()
+            if self._low_rank is not None:
+                for bucket in self._low_rank.buckets:  # each Q moves while the next P is orthogonalized
+                    bucket.exchange_q()
             params, present, presence = self._presence()
             timings, late = [], []
             with torch.no_grad():
@@ -273,7 +287,7 @@ class _DistributedOptimizerMixin:
                 for bucket in self._buckets:
                     if not bucket.local:
                         bucket.handle.wait()
-                        timings.append(dict(bucket.handle.timings(), name=bucket.name))
+                        timings += bucket.timings()
                         reduced = bucket.result()
                         for p, offset, numel in bucket.slots:
                             flat = reduced[offset:offset + numel].view(p.shape)
@@ -294,6 +308,26 @@ class _DistributedOptimizerMixin:
             self._round_open = False
             self._last_timings = timings
             self._synchronized = True
+            if self._low_rank is not None:
+                self._low_rank.steps += 1
+
+    def state_dict(self):
+        """The wrapped optimizer's state_dict(); with PowerSGD also its state under
+        "hpcdl_powersgd": the steps reduced, and per compressed parameter name its Q (the
+        same on every rank) and this rank's residual."""
+        state = self._base_class.state_dict(self)
+        if self._low_rank is not None:
+            state["hpcdl_powersgd"] = self._low_rank.state_dict()
+        return state
+
+    def load_state_dict(self, state_dict):
+        """The wrapped optimizer's load_state_dict(); a PowerSGD state in it is loaded too (its
+        codec settings, names and shapes checked: a mismatch raises ValueError)."""
+        state_dict = dict(state_dict)
+        low_rank = state_dict.pop("hpcdl_powersgd", None)
+        self._base_class.load_state_dict(self, state_dict)
+        if low_rank is not None and self._low_rank is not None:
+            self._low_rank.load_state_dict(low_rank)
 
     def step(self, closure=None):
         """Average the gradients over all ranks (unless synchronize() already did), then step."""
@@ -310,7 +344,8 @@ class _DistributedOptimizerMixin:
         """Per bucket of the last synchronize(): name and wall-clock microseconds
         submitted_us (announced, when backward began) / agreed_us / ready_us
         (bucket full) / started_us (data moving) / finished_us (the clock of
-        time.time())."""
+        time.time()). A PowerSGD bucket past its warm-up has two: "{bucket}.P" and
+        "{bucket}.Q"."""
         return list(self._last_timings)
 
     def remove_hooks(self):
@@ -336,6 +371,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
         every rank.
     compression: a codec from hpcdl.compression (None: dense). Bucket operations
         are named "{name}.bucket.{i}", so error feedback follows each bucket.
+        PowerSGD(rank, warmup_steps) sends low-rank factors of the gradient
+        matrices (hpcdl.torch.powersgd; op must be "average"); its Q and
+        residuals are part of state_dict().
     bucket_bytes: a bucket is closed once it holds this many bytes.
     op: "average" (default) or "sum".
     backward_passes_per_step: gradients accumulate locally over this many

@@ -16,7 +16,7 @@ import torch
 from conftest import MPIEXEC, ROOT, finish_job, start_job
 
 SYSTEMS = {"ddp-gloo", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
-           "hpcdl-dense", "hpcdl-int8", "hpcdl-topk", "no-exchange"}
+           "hpcdl-dense", "hpcdl-int8", "hpcdl-topk", "hpcdl-powersgd", "no-exchange"}
 STEP_FIGURES = ("median_step_ms", "samples_per_s", "throughput_vs_ddp", "throughput_vs_fastest_hook")
 FIGURES = (*STEP_FIGURES, "test_acc", "test_loss")
 

@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 from mpi4py import MPI
 
+import hpcdl.compression
 import hpcdl.tensorflow as hvd_tf
 from conftest import ROOT
 from helpers.tf_adapter import max_difference, train_distributed, train_reference
@@ -49,3 +50,10 @@ def test_tf_example_learns_the_digits(tmp_path):
     assert [e["epoch"] for e in epochs] == [0, 1, 2] and epochs[-1]["test_acc"] > 0.6, run.stdout
     assert all(e["stall_s"] >= 0 and e["samples_per_s"] > 0 for e in epochs), epochs
     assert len(re.findall(r"epoch +\d+ .* stall \d+\.\d+ s \(", run.stdout)) == 3, run.stdout
+
+
+def test_powersgd_is_refused_at_construction_naming_the_torch_optimizer():
+    with tf.GradientTape() as tape:
+        pass
+    with pytest.raises(TypeError, match="hpcdl.torch.DistributedOptimizer"):
+        hvd_tf.DistributedGradientTape(tape, compression=hpcdl.compression.PowerSGD(), comm=MPI.COMM_SELF)

@@ -1,0 +1,269 @@
+"""PowerSGD (hpcdl.compression.PowerSGD) inside DistributedOptimizer: low-rank factors
+of the gradient matrices, summed with hpcdl's dense ring.
+
+Every float32 parameter the codec compresses (PowerSGD.compresses: 2+ dimensions,
+viewed as n x m with n its first dimension, rank (n + m) < n m) goes into a
+low-rank bucket (bucket_bytes as usual); every other parameter goes densely into
+one fused bucket per dtype and device. Per low-rank bucket and step after the
+warm-up, with r the rank and each matrix on its parameter's device:
+
+    put         (each gradient, as backward produces it) M = grad + residual, into the bucket
+    launch      (its last gradient is in, during backward)
+                P = M Q (Q: last step's); P's allreduce may start
+    exchange_q  (bucket after bucket: during backward, when a bucket is launched, for the
+                earlier ones whose P is summed; the rest at its end, while later P's move)
+                P <- orthogonalize(P) (Gram-Schmidt, float32); Q = M^T P; Q's allreduce starts
+    result      approx = P Q^T; residual = M - approx; the gradient is approx
+
+P and Q are averaged. Every rank orthogonalizes the same P with the same code
+and multiplies by the same Q, so every rank ends with the same bits. During
+the warm-up (the first warmup_steps steps) and on a one-rank communicator a
+low-rank bucket is a plain dense bucket (nothing compressed). On the staged
+path (CUDA) the matrix products run on the device and only P and Q travel
+through pinned host memory.
+"""
+
+import zlib
+
+import torch
+
+import hpcdl
+from hpcdl import _tensors
+from hpcdl.torch._buckets import Bucket, make_buckets
+
+# A P column whose norm is below this is left as it is (zero stays zero) instead of blowing up.
+MIN_NORM = 1e-30
+_DENSE_BUCKET = float("inf")  # the dense parameters share one bucket per dtype and device
+
+
+def matrix_shape(shape):
+    """(n, m): a gradient of this shape viewed as a matrix (n its first dimension)."""
+    n = shape[0]
+    m = 1
+    for d in shape[1:]:
+        m *= d
+    return n, m
+
+
+def initial_q(seed, name, m, rank):
+    """Q before the first compressed step: float32 normals from a CPU generator seeded by
+    the codec's seed and the parameter's name (the same on every rank and device)."""
+    g = torch.Generator().manual_seed((seed << 32) | zlib.crc32(name.encode()))
+    return torch.randn(m, rank, generator=g)
+
+
+def orthogonalize(p):
+    """Gram-Schmidt on the columns of the n x r matrix p, in place: each column minus its
+    projection on the earlier ones, then divided by its norm (unless below MIN_NORM)."""
+    for i in range(p.shape[1]):
+        col = p[:, i:i + 1]
+        if i:
+            done = p[:, :i]
+            col -= done @ (done.T @ col)
+        col /= torch.linalg.vector_norm(col).clamp_min(MIN_NORM)
+    return p
+
+
+def restart_columns(q, q0):
+    """Columns of Q that are all zero (a zero M) or not finite would stay so from step to
+    step; they start again from the seeded Q. Same Q on every rank, same decision."""
+    dead = ~torch.isfinite(q).all(dim=0) | (q == 0).all(dim=0)
+    q.copy_(torch.where(dead, q0, q))
+
+
+def take(mat, grad):
+    """A gradient arrives (None: zeros): M = grad + residual, in one pass into the bucket."""
+    if grad is None:
+        mat.grad.copy_(mat.residual)
+    else:
+        torch.add(grad.reshape(mat.grad.shape), mat.residual, out=mat.grad)
+
+
+def project(mat):
+    """First half, before P's allreduce, once the bucket's M are in: P = M Q."""
+    torch.matmul(mat.grad, mat.q, out=mat.p)
+
+
+def project_back(mat):
+    """Second half, on the summed P, before Q's allreduce: P orthogonalized; Q = M^T P."""
+    orthogonalize(mat.p)
+    torch.matmul(mat.grad.T, mat.p, out=mat.q)
+
+
+def finish(mat):
+    """On the summed Q: approx = P Q^T becomes the gradient, residual = M - approx (0 where not
+    finite: an overflow never reaches later steps); Q's dead columns restart."""
+    torch.addmm(mat.grad, mat.p, mat.q.T, alpha=-1, out=mat.residual)
+    mat.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # one pass (isfinite + where: ~30x slower on CPU)
+    torch.matmul(mat.p, mat.q.T, out=mat.grad)
+    restart_columns(mat.q, mat.q0)
+
+
+class Schedule:
+    """The codec, the steps reduced so far (the warm-up counts them) and the low-rank buckets."""
+
+    def __init__(self, codec):
+        self.codec = codec
+        self.steps = 0
+        self.buckets = []
+
+    def compressing(self):
+        return self.steps >= self.codec.warmup_steps
+
+    def advance(self):
+        """During backward: buckets whose P is already summed start their Q, in bucket order
+        (host buckets only: a staged P is waited for after all launches landed)."""
+        for bucket in self.buckets:
+            if not bucket.compressing or bucket.q_submitted:
+                continue
+            if bucket.staged or bucket.handle is None or not bucket.handle.done():
+                return
+            bucket.exchange_q()
+
+    def matrices(self):
+        return {m.name: m for b in self.buckets for m in b.matrices}
+
+    def state_dict(self):
+        """This rank's state: steps, and per compressed matrix its Q (the same on every rank) and
+        its residual (this rank's own)."""
+        return {"codec": self.codec.get_config(), "steps": self.steps,
+                "matrices": {name: {"q": m.q.detach().clone(), "residual": m.residual.detach().clone()}
+                             for name, m in self.matrices().items()}}
+
+    def load_state_dict(self, state):
+        if state.get("codec") != self.codec.get_config():
+            raise ValueError(f"the PowerSGD state is for {state.get('codec')!r}, this optimizer runs "
+                             f"{self.codec.get_config()!r}")
+        saved = state["matrices"]
+        mine = self.matrices()
+        missing = sorted(set(mine) - set(saved))
+        if missing:
+            raise ValueError(f"the PowerSGD state has no Q and residual for {missing}")
+        for name, m in mine.items():
+            for key, tensor in (("q", m.q), ("residual", m.residual)):
+                if tuple(saved[name][key].shape) != tuple(tensor.shape):
+                    raise ValueError(f"the PowerSGD state's {key} of '{name}' has shape "
+                                     f"{tuple(saved[name][key].shape)}, not {tuple(tensor.shape)}")
+        with torch.no_grad():
+            for name, m in mine.items():
+                m.q.copy_(saved[name]["q"])
+                m.residual.copy_(saved[name]["residual"])
+        self.steps = int(state["steps"])
+
+
+class Matrix:
+    """One compressed parameter: n x m views of its gradient (M, then the approximation) and
+    residual, n x r of P, m x r of Q and of the seeded Q (views into its bucket's buffers)."""
+
+    def __init__(self, name, n, m, grad, residual, p, q, q0):
+        self.name = name
+        self.grad, self.residual = grad.view(n, m), residual.view(n, m)  # grad: M, then approx
+        self.p, self.q, self.q0 = p.view(n, -1), q.view(m, -1), q0.view(m, -1)
+
+
+class LowRankBucket(Bucket):
+    def __init__(self, index, name, slots, staged, schedule, size, names):
+        super().__init__(index, name, torch.float32, slots, staged, None, size)
+        self.schedule = schedule
+        self.can_compress = not self.local and size > 1  # one rank: the gradients stay exact
+        self.compressing = False   # this step's mode, fixed when its allreduce is submitted
+        self.q_submitted = False
+        self.matrices, self.p_timings, self.matrix_of = [], None, {}
+        if not self.can_compress:
+            return
+        rank, device = schedule.codec.rank, self.device
+        shapes = [matrix_shape(p.shape) for p, _, _ in slots]
+        host = device if staged else torch.device("cpu")
+        self.p_host = _tensors.host_buffer(rank * sum(n for n, _ in shapes), torch.float32, host)
+        self.q_host = _tensors.host_buffer(rank * sum(m for _, m in shapes), torch.float32, host)
+        self.p_array, self.q_array = self.p_host.numpy(), self.q_host.numpy()
+        self.p_dev = torch.empty_like(self.p_host, device=device) if staged else self.p_host
+        self.q_dev = torch.empty_like(self.q_host, device=device) if staged else self.q_host
+        self.q0 = torch.cat([initial_q(schedule.codec.seed, names[p], m, rank).view(-1)
+                             for (p, _, _), (_, m) in zip(slots, shapes)]).to(device)
+        self.q_dev.copy_(self.q0)
+        self.residual = torch.zeros(self.gather.numel(), dtype=torch.float32, device=device)
+        p_at = q_at = 0
+        for (param, offset, numel), (n, m) in zip(slots, shapes):
+            self.matrices.append(Matrix(names[param], n, m, self.gather[offset:offset + numel],
+                                         self.residual[offset:offset + numel], self.p_dev[p_at:p_at + n * rank],
+                                         self.q_dev[q_at:q_at + m * rank], self.q0[q_at:q_at + m * rank]))
+            self.matrix_of[param] = self.matrices[-1]
+            p_at, q_at = p_at + n * rank, q_at + m * rank
+        schedule.buckets.append(self)
+
+    def submit(self, op, comm, deferred):
+        self.compressing = self.can_compress and self.schedule.compressing()
+        self.q_submitted = False
+        if not self.compressing:
+            return super().submit(op, comm, deferred)
+        self.handle = hpcdl.allreduce_async(self.p_array, op="average", comm=comm, name=f"{self.name}.P",
+                                            deferred=deferred)
+        self.comm = comm
+        return self.handle
+
+    def put(self, offset, numel, param, grad):
+        if not self.compressing:
+            return super().put(offset, numel, param, grad)
+        take(self.matrix_of[param], grad)
+
+    def launch(self):
+        if not self.compressing:
+            return super().launch()
+        with torch.no_grad():
+            for mat in self.matrices:
+                project(mat)
+        if not self.staged:
+            self.handle.mark_ready()
+            return
+        with _tensors.SideWork(self.device) as work:
+            self.p_host.copy_(self.p_dev, non_blocking=True)
+            work.keep(self.p_dev)
+        self.launched = _tensors.launcher().submit(self._land, work)
+
+    def exchange_q(self):
+        """P is summed: orthogonalize it, compute this rank's Q and start Q's allreduce."""
+        if not self.compressing or self.q_submitted:
+            return
+        self.q_submitted = True
+        self.handle.wait()
+        self.p_timings = self.handle.timings()
+        if self.staged:
+            _tensors.copy_async(self.p_dev, self.p_host, self.device).order_current_stream()
+        with torch.no_grad():
+            for mat in self.matrices:
+                project_back(mat)
+        if self.staged:  # Q is small: this thread waits for its copy (a deferred Q not yet marked
+            # ready would stop the wait for the next bucket's P)
+            _tensors.copy_async(self.q_host, self.q_dev, self.device).wait_host()
+        self.handle = hpcdl.allreduce_async(self.q_array, op="average", comm=self.comm, name=f"{self.name}.Q")
+
+    def timings(self):
+        if not self.compressing:
+            return super().timings()
+        return [dict(self.p_timings, name=f"{self.name}.P"), dict(self.handle.timings(), name=f"{self.name}.Q")]
+
+    def result(self):
+        if not self.compressing:
+            return super().result()
+        if self.staged:
+            _tensors.copy_async(self.q_dev, self.q_host, self.device).order_current_stream()
+        with torch.no_grad():
+            for mat in self.matrices:
+                finish(mat)
+        return self.gather
+
+
+def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, schedule, size):
+    """Low-rank buckets of the matrices the codec compresses, then one dense bucket per dtype
+    and device of the other parameters (their gradients are complete last)."""
+    names = {p: n for n, p in named}
+    factored = {p for _, p in named if p.dtype == torch.float32 and schedule.codec.compresses(p.shape)}
+    compressed = [(n, p) for n, p in named if p in factored]
+    dense = [(n, p) for n, p in named if p not in factored]
+    buckets = make_buckets(compressed, bucket_bytes, name, first_index, reducible,
+                           lambda i, bname, dtype, slots: LowRankBucket(i, bname, slots, staged_of(slots[0][0]),
+                                                                        schedule, size, names))
+    return buckets + make_buckets(dense, _DENSE_BUCKET, name, first_index + len(buckets), reducible,
+                                  lambda i, bname, dtype, slots: Bucket(i, bname, dtype, slots,
+                                                                        staged_of(slots[0][0]), None, size))
