@@ -1,0 +1,148 @@
+"""Horovod's torch collectives over hpcdl.allreduce_async / hpcdl.broadcast_async.
+
+Out-of-place forms reduce a contiguous copy (any input layout is taken);
+in-place forms (``_``) work on the tensor itself, which must be contiguous.
+Handles are integers for poll()/synchronize(), as in Horovod. allreduce and
+broadcast are autograd functions: the gradient of an allreduce is the
+allreduce of the gradient, and a broadcast's gradient is summed onto the root.
+"""
+
+import torch
+
+import hpcdl
+from hpcdl.horovod import common
+from hpcdl.horovod.common import Average, Sum, poll, synchronize  # noqa: F401 - Horovod's names
+from hpcdl.horovod.torch.compression import Compression
+
+_CORE_DTYPES = {getattr(torch, name) for name in hpcdl.DTYPES}
+
+
+def _name(kind, name):
+    return None if name is None else f"{kind}.{name}"
+
+
+def _allreduce_async(tensor, output, average, name, op, prescale_factor, postscale_factor):
+    op_name = common.reduce_op(op, average)
+    integer = not tensor.dtype.is_floating_point
+    common.check_scale(prescale_factor, postscale_factor, integer)
+    with torch.no_grad():
+        if output is not tensor:
+            output.copy_(tensor)
+        if prescale_factor != 1.0:
+            output.mul_(prescale_factor)
+    # the core averages floating types; integers are summed and floor-divided, as Horovod does
+    floor_average = integer and op_name == "average"
+    handle = common.call(hpcdl.allreduce_async, output, "sum" if floor_average else op_name, common.comm(),
+                         _name("allreduce", name))
+
+    def finish(result):
+        with torch.no_grad():
+            if floor_average:
+                result.floor_divide_(common.size())
+            if postscale_factor != 1.0:
+                result.mul_(postscale_factor)
+        return result
+
+    return common.register(handle, finish)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Start an average (or sum, op=hvd.Sum) of ``tensor`` over the ranks into a new
+    tensor; ``tensor`` is not modified. Returns a handle for poll()/synchronize()."""
+    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _allreduce_async(tensor, output, average, name, op, prescale_factor, postscale_factor)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Start an in-place allreduce of ``tensor``; returns a handle."""
+    return _allreduce_async(tensor, tensor, average, name, op, prescale_factor, postscale_factor)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
+    """Allreduce ``tensor`` in place and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor))
+
+
+class HorovodAllreduce(torch.autograd.Function):
+    """An allreduce autograd knows: the gradient is the same allreduce of the output's gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor):
+        ctx.settings = (average, op, prescale_factor, postscale_factor)
+        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        average, op, prescale_factor, postscale_factor = ctx.settings
+        grad = allreduce(grad_output, average=average, op=op, prescale_factor=prescale_factor,
+                         postscale_factor=postscale_factor)
+        return grad, None, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0):
+    """The average (or sum, op=hvd.Sum) of ``tensor`` over the ranks, as a new tensor.
+    Differentiable: backward allreduces the gradient the same way."""
+    compressed, ctx = compression.compress(tensor)
+    reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor)
+    return compression.decompress(reduced, ctx)
+
+
+def _broadcast_async(tensor, output, root_rank, name):
+    with torch.no_grad():
+        if output is not tensor:
+            output.copy_(tensor)
+    if output.dtype in _CORE_DTYPES:
+        handle = common.call(hpcdl.broadcast_async, output, root_rank, common.comm(), _name("broadcast", name))
+        return common.register(handle, lambda result: result)
+    # bool, uint8, int8, int16...: their bytes, through the engine all the same
+    if not output.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    host = output.detach().cpu()
+    data = host.view(-1).view(torch.uint8).numpy()
+    common.broadcast_bytes(data, root_rank, _name("broadcast", name) or "broadcast.bytes")
+    if host.data_ptr() != output.data_ptr():
+        with torch.no_grad():
+            output.copy_(host)
+    return common.register(common.Finished(output), lambda result: result)
+
+
+def broadcast_async(tensor, root_rank, name=None):
+    """Start copying rank ``root_rank``'s ``tensor`` into a new tensor on every rank; returns a handle."""
+    return _broadcast_async(tensor, torch.empty_like(tensor, memory_format=torch.contiguous_format), root_rank,
+                            name)
+
+
+def broadcast_async_(tensor, root_rank, name=None):
+    """Start an in-place broadcast of ``tensor`` from ``root_rank``; returns a handle."""
+    return _broadcast_async(tensor, tensor, root_rank, name)
+
+
+def broadcast_(tensor, root_rank, name=None):
+    """Broadcast ``tensor`` from ``root_rank`` in place and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name))
+
+
+class HorovodBroadcast(torch.autograd.Function):
+    """A broadcast autograd knows: the ranks' gradients are summed onto the root (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name):
+        ctx.root_rank = root_rank
+        return synchronize(broadcast_async(tensor, root_rank, name))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output, op=Sum)
+        if common.rank() != ctx.root_rank:
+            grad = torch.zeros_like(grad)
+        return grad, None, None
+
+
+def broadcast(tensor, root_rank, name=None):
+    """Rank ``root_rank``'s ``tensor`` as a new tensor on every rank (differentiable)."""
+    return HorovodBroadcast.apply(tensor, root_rank, name)
+
+
+__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
+           "broadcast_async", "broadcast_async_", "poll", "synchronize", "HorovodAllreduce", "HorovodBroadcast"]
