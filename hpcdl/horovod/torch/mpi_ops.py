@@ -25,15 +25,18 @@ def _allreduce_async(tensor, output, average, name, op, prescale_factor, postsca
     op_name = common.reduce_op(op, average)
     integer = not tensor.dtype.is_floating_point
     common.check_scale(prescale_factor, postscale_factor, integer)
-    with torch.no_grad():
-        if output is not tensor:
-            output.copy_(tensor)
-        if prescale_factor != 1.0:
-            output.mul_(prescale_factor)
+    if output is not tensor or prescale_factor != 1.0:
+        with torch.no_grad():
+            if output is not tensor:
+                output.copy_(tensor)
+            if prescale_factor != 1.0:
+                output.mul_(prescale_factor)
     # the core averages floating types; integers are summed and floor-divided, as Horovod does
     floor_average = integer and op_name == "average"
     handle = common.call(hpcdl.allreduce_async, output, "sum" if floor_average else op_name, common.comm(),
                          _name("allreduce", name))
+    if not floor_average and postscale_factor == 1.0:
+        return common.register(handle, _as_is)
 
     def finish(result):
         with torch.no_grad():
@@ -44,6 +47,10 @@ def _allreduce_async(tensor, output, average, name, op, prescale_factor, postsca
         return result
 
     return common.register(handle, finish)
+
+
+def _as_is(result):
+    return result
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -84,7 +91,10 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """The average (or sum, op=hvd.Sum) of ``tensor`` over the ranks, as a new tensor.
     Differentiable: backward allreduces the gradient the same way."""
     compressed, ctx = compression.compress(tensor)
-    reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor)
+    else:  # nothing for autograd to record: the same operation without its bookkeeping
+        reduced = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor))
     return compression.decompress(reduced, ctx)
 
 
@@ -94,7 +104,7 @@ def _broadcast_async(tensor, output, root_rank, name):
             output.copy_(tensor)
     if output.dtype in _CORE_DTYPES:
         handle = common.call(hpcdl.broadcast_async, output, root_rank, common.comm(), _name("broadcast", name))
-        return common.register(handle, lambda result: result)
+        return common.register(handle, _as_is)
     # bool, uint8, int8, int16...: their bytes, through the engine all the same
     if not output.is_contiguous():
         raise ValueError("Tensor is required to be contiguous.")
@@ -104,7 +114,7 @@ def _broadcast_async(tensor, output, root_rank, name):
     if host.data_ptr() != output.data_ptr():
         with torch.no_grad():
             output.copy_(host)
-    return common.register(common.Finished(output), lambda result: result)
+    return common.register(common.Finished(output), _as_is)
 
 
 def broadcast_async(tensor, root_rank, name=None):
