@@ -2,15 +2,15 @@
 
     mpiexec -n 2 python bench/horovod_overhead.py --elements 256 --calls 2000 --runs 7 --out bench/results/horovod_overhead.csv
 
-Systems, interleaved within each run (each run starting with the next one) so
-that drift and load from other processes hit all alike:
+Systems:
   numpy       hpcdl.allreduce(array, op="average") on a float32 numpy buffer (the baseline)
   torch       hpcdl.allreduce on a float32 torch tensor (hpcdl's own tensor intake)
   hvd_inplace hvd.allreduce_(tensor)          (hpcdl.horovod.torch, in place)
   hvd         hvd.allreduce(tensor)           (out of place: a copy, autograd)
   hvd_async   hvd.synchronize(hvd.allreduce_async_(tensor))
-A run times ``--calls`` consecutive calls per system after a barrier; its figure is
-the slowest rank's wall time divided by the calls. Rank 0 writes one CSV row per
+A run makes ``--calls`` rounds of one call per system, the systems in turn (each
+round starting with the next one), so that load from other processes hits all
+alike; a run's figure per system is the slowest rank's median call time. Rank 0 writes one CSV row per
 system and run, and prints each system's median over the runs and its ratio to numpy.
 """
 
@@ -59,16 +59,17 @@ def main(argv=None):
             call()
     rows = []
     for run in range(args.runs):
-        for system in SYSTEMS[run % len(SYSTEMS):] + SYSTEMS[:run % len(SYSTEMS)]:  # each goes first in turn
-            call = calls[system]
-            comm.Barrier()
-            start = time.perf_counter()
-            for _ in range(args.calls):
-                call()
-            mine = time.perf_counter() - start
-            slowest = comm.allreduce(mine, op=MPI.MAX)
+        times = {s: [] for s in SYSTEMS}
+        comm.Barrier()
+        for i in range(args.calls):
+            for system in SYSTEMS[i % len(SYSTEMS):] + SYSTEMS[:i % len(SYSTEMS)]:  # each goes first in turn
+                start = time.perf_counter()
+                calls[system]()
+                times[system].append(time.perf_counter() - start)
+        for system in SYSTEMS:
+            slowest = comm.allreduce(statistics.median(times[system]), op=MPI.MAX)
             rows.append({"system": system, "run": run, "ranks": comm.Get_size(), "elements": args.elements,
-                         "calls": args.calls, "us_per_call": slowest / args.calls * 1e6})
+                         "calls": args.calls, "us_per_call": slowest * 1e6})
     if comm.Get_rank() != 0:
         return
     if args.out:
@@ -78,7 +79,7 @@ def main(argv=None):
             writer.writerows(rows)
     medians = {s: statistics.median(r["us_per_call"] for r in rows if r["system"] == s) for s in SYSTEMS}
     print(f"{comm.Get_size()} ranks, {args.elements} float32, {args.calls} calls x {args.runs} runs "
-          "(median over runs of the slowest rank's time per call)")
+          "(median over runs of the slowest rank's median call time)")
     for system in SYSTEMS:
         print(f"{system:12s} {medians[system]:8.2f} us/call  {medians[system] / medians['numpy']:.3f}x numpy")
 

@@ -21,16 +21,13 @@ def _name(kind, name):
     return None if name is None else f"{kind}.{name}"
 
 
-def _allreduce_async(tensor, output, average, name, op, prescale_factor, postscale_factor):
+def _allreduce_async(output, average, name, op, prescale_factor, postscale_factor):
+    """Start reducing ``output`` in place (the caller's tensor, or its copy for the out-of-place forms)."""
     op_name = common.reduce_op(op, average)
-    integer = not tensor.dtype.is_floating_point
+    integer = not output.dtype.is_floating_point
     common.check_scale(prescale_factor, postscale_factor, integer)
-    if output is not tensor or prescale_factor != 1.0:
-        with torch.no_grad():
-            if output is not tensor:
-                output.copy_(tensor)
-            if prescale_factor != 1.0:
-                output.mul_(prescale_factor)
+    if prescale_factor != 1.0:
+        output.detach().mul_(prescale_factor)  # detach: the same memory, outside autograd
     # the core averages floating types; integers are summed and floor-divided, as Horovod does
     floor_average = integer and op_name == "average"
     handle = common.call(hpcdl.allreduce_async, output, "sum" if floor_average else op_name, common.comm(),
@@ -39,11 +36,10 @@ def _allreduce_async(tensor, output, average, name, op, prescale_factor, postsca
         return common.register(handle, _as_is)
 
     def finish(result):
-        with torch.no_grad():
-            if floor_average:
-                result.floor_divide_(common.size())
-            if postscale_factor != 1.0:
-                result.mul_(postscale_factor)
+        if floor_average:
+            result.detach().floor_divide_(common.size())
+        if postscale_factor != 1.0:
+            result.detach().mul_(postscale_factor)
         return result
 
     return common.register(handle, finish)
@@ -53,16 +49,20 @@ def _as_is(result):
     return result
 
 
+def _copy(tensor):
+    """A contiguous copy outside autograd, for the out-of-place forms (any input layout)."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Start an average (or sum, op=hvd.Sum) of ``tensor`` over the ranks into a new
     tensor; ``tensor`` is not modified. Returns a handle for poll()/synchronize()."""
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    return _allreduce_async(tensor, output, average, name, op, prescale_factor, postscale_factor)
+    return _allreduce_async(_copy(tensor), average, name, op, prescale_factor, postscale_factor)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
     """Start an in-place allreduce of ``tensor``; returns a handle."""
-    return _allreduce_async(tensor, tensor, average, name, op, prescale_factor, postscale_factor)
+    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor)
 
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0):
@@ -98,10 +98,8 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     return compression.decompress(reduced, ctx)
 
 
-def _broadcast_async(tensor, output, root_rank, name):
-    with torch.no_grad():
-        if output is not tensor:
-            output.copy_(tensor)
+def _broadcast_async(output, root_rank, name):
+    """Start broadcasting into ``output`` in place (the caller's tensor, or its copy)."""
     if output.dtype in _CORE_DTYPES:
         handle = common.call(hpcdl.broadcast_async, output, root_rank, common.comm(), _name("broadcast", name))
         return common.register(handle, _as_is)
@@ -112,20 +110,18 @@ def _broadcast_async(tensor, output, root_rank, name):
     data = host.view(-1).view(torch.uint8).numpy()
     common.broadcast_bytes(data, root_rank, _name("broadcast", name) or "broadcast.bytes")
     if host.data_ptr() != output.data_ptr():
-        with torch.no_grad():
-            output.copy_(host)
+        output.detach().copy_(host)
     return common.register(common.Finished(output), _as_is)
 
 
 def broadcast_async(tensor, root_rank, name=None):
     """Start copying rank ``root_rank``'s ``tensor`` into a new tensor on every rank; returns a handle."""
-    return _broadcast_async(tensor, torch.empty_like(tensor, memory_format=torch.contiguous_format), root_rank,
-                            name)
+    return _broadcast_async(_copy(tensor), root_rank, name)
 
 
 def broadcast_async_(tensor, root_rank, name=None):
     """Start an in-place broadcast of ``tensor`` from ``root_rank``; returns a handle."""
-    return _broadcast_async(tensor, tensor, root_rank, name)
+    return _broadcast_async(tensor, root_rank, name)
 
 
 def broadcast_(tensor, root_rank, name=None):
