@@ -5,6 +5,7 @@
 Systems:
   numpy       hpcdl.allreduce(array, op="average") on a float32 numpy buffer (the baseline)
   torch       hpcdl.allreduce on a float32 torch tensor (hpcdl's own tensor intake)
+  torch_copy  hpcdl.allreduce(tensor.clone()): a new tensor per call, as the out-of-place form makes
   hvd_inplace hvd.allreduce_(tensor)          (hpcdl.horovod.torch, in place)
   hvd         hvd.allreduce(tensor)           (out of place: a copy, autograd)
   hvd_async   hvd.synchronize(hvd.allreduce_async_(tensor))
@@ -26,7 +27,7 @@ from mpi4py import MPI
 import hpcdl
 import hpcdl.horovod.torch as hvd
 
-SYSTEMS = ("numpy", "torch", "hvd_inplace", "hvd", "hvd_async")
+SYSTEMS = ("numpy", "torch", "torch_copy", "hvd_inplace", "hvd", "hvd_async")
 
 
 def calls_of(system, array, tensor):
@@ -34,6 +35,8 @@ def calls_of(system, array, tensor):
         return lambda: hpcdl.allreduce(array, op="average")
     if system == "torch":
         return lambda: hpcdl.allreduce(tensor, op="average")
+    if system == "torch_copy":
+        return lambda: hpcdl.allreduce(tensor.clone(), op="average")
     if system == "hvd_inplace":
         return lambda: hvd.allreduce_(tensor)
     if system == "hvd":
