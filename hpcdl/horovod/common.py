@@ -40,12 +40,15 @@ def init(comm=None):
     """Start Horovod over ``comm`` (an mpi4py communicator or a list of world ranks;
     default COMM_WORLD). Collective: every rank of the communicator calls it, as in
     Horovod. Node-local and cross-node communicators are split here once."""
-    if isinstance(comm, (list, tuple)):
-        group = MPI.COMM_WORLD.Get_group().Incl(list(comm))
+    if isinstance(comm, (list, tuple)):  # collective over COMM_WORLD, as in Horovod
+        ranks = [int(r) for r in comm]
+        group = MPI.COMM_WORLD.Get_group().Incl(ranks)
         comm = MPI.COMM_WORLD.Create(group)
         group.Free()
         if comm == MPI.COMM_NULL:
-            raise ValueError(f"init(comm={comm!r}): this rank ({MPI.COMM_WORLD.Get_rank()}) is not in the list")
+            raise ValueError(f"init(comm={ranks}): this rank ({MPI.COMM_WORLD.Get_rank()}) is not in the list")
+    if _state["initialized"]:
+        shutdown()  # init() again: the communicators split for the last one are freed first
     comm = hpcdl.init(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())

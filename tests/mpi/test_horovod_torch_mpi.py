@@ -51,6 +51,23 @@ def test_basics_describe_the_job():
           str(layout))
 
 
+@pytest.mark.mpi(min_size=3)
+def test_init_over_a_list_of_ranks():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    members = list(range(1, size))  # every rank but 0
+
+    def on_the_subset():
+        _, error = outcome(hvd.init, comm=members)
+        if rank == 0:
+            return isinstance(error, ValueError) and "not in the list" in str(error)
+        summed = hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum)
+        return error is None and (hvd.rank(), hvd.size()) == (rank - 1, size - 1) and summed.item() == sum(members)
+
+    ok = on_the_subset()
+    hvd.init()  # back to COMM_WORLD on every rank
+    agree(WORLD, ok and hvd.size() == size, "init over a list of ranks")
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allreduce_values_against_float64_reference(dtype):
