@@ -147,3 +147,22 @@ def test_keras_fit_with_horovod_callbacks_equals_hpcdls_own_fit():
     losses = WORLD.allgather(history.history["loss"])
     ok = digest(ours) == digest(theirs) and history.history["loss"] == own.history["loss"]
     agree(WORLD, ok and all(loss == losses[0] for loss in losses), f"losses {losses}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_learning_rate_warmup_rises_from_a_size_th_to_the_initial_rate():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    x, y = global_data(size)
+    seen = []
+
+    class Record(tf.keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    steps = len(quarter(x, rank, size)) // LOCAL_BATCH
+    collective(WORLD, fit, make_model(), hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
+               quarter(x, rank, size), quarter(y, rank, size), LOCAL_BATCH, epochs=3,
+               callbacks=[hvd_keras.callbacks.LearningRateWarmupCallback(0.8, warmup_epochs=2), Record()])
+    want = [0.8 / size * ((e + (b + 1) / steps) * (size - 1) / 2 + 1) for e in range(2) for b in range(steps)]
+    want += [want[-1]] * steps  # after the warm-up the rate stays
+    agree(WORLD, np.allclose(seen, want) and np.isclose(want[-1], 0.8), f"seen {seen}, want {want}")

@@ -176,3 +176,37 @@ def test_one_rank_collectives_forms_and_handles():
     half, ctx = hvd.Compression.fp16.compress(torch.ones(2))
     assert half.dtype == torch.float16 and hvd.Compression.fp16.decompress(half, ctx).dtype == torch.float32
     assert hvd_keras.allreduce(np.array([1.5], np.float32)).tolist() == [1.5]
+
+
+class RecordLearningRate(tf.keras.callbacks.Callback):
+    """Placed after the schedule: the learning rate each batch trains with."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen.append(float(self.model.optimizer.learning_rate.numpy()))
+
+
+def fit_with(callbacks, optimizer, epochs=3, batches=4):
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(optimizer), loss="mse")
+    x = np.ones((8 * batches, 3), np.float32)
+    return model.fit(x, x[:, :1], batch_size=8, epochs=epochs, verbose=0, callbacks=callbacks)
+
+
+def test_learning_rate_schedule_callbacks():
+    staircase, record = hvd_keras.callbacks.LearningRateScheduleCallback(0.4, lambda e: 0.5 ** e), RecordLearningRate()
+    history = fit_with([staircase, record], tf.keras.optimizers.Adam(0.1))
+    assert np.allclose(history.history["lr"], [0.4, 0.2, 0.1])
+    assert np.allclose(record.seen, np.repeat([0.4, 0.2, 0.1], 4))
+    smooth, record = hvd_keras.callbacks.LearningRateScheduleCallback(
+        1.0, lambda e: e, start_epoch=1, end_epoch=2, staircase=False), RecordLearningRate()
+    fit_with([smooth, record], tf.keras.optimizers.Adam(0.1))
+    assert np.allclose(record.seen, [0.1] * 4 + [1.0, 1.25, 1.5, 1.75] + [1.75] * 4)
+    warmup, record = hvd_keras.callbacks.LearningRateWarmupCallback(0.3, warmup_epochs=2), RecordLearningRate()
+    fit_with([warmup, record], tf.keras.optimizers.Adam(0.1))
+    assert np.allclose(record.seen, 0.3)  # one rank: initial_lr / size() is initial_lr
+    with pytest.raises(ValueError, match="momentum_correction"):
+        fit_with([hvd_keras.callbacks.LearningRateWarmupCallback(0.3)], tf.keras.optimizers.SGD(0.1, momentum=0.9))
