@@ -5,16 +5,21 @@ small-file store and a clairvoyant prefetcher, all over mpi4py communicators.
 """
 
 import atexit
+import importlib
 import os
 import sys
 import time
 
-# The extension links libmpi through the MPI compiler wrapper; importing
-# mpi4py.MPI first puts that same libmpi in the process (and initializes MPI
-# with MPI_THREAD_MULTIPLE, which the engine thread needs).
+# The extension links the libmpi that mpi4py loads; importing mpi4py.MPI first
+# puts it in the process (and initializes MPI with MPI_THREAD_MULTIPLE, which
+# the engine thread needs). load_core fails clearly if the core brings a second one.
 from mpi4py import MPI
 
-from hpcdl import _core, compression
+from hpcdl._mpi_check import load_core
+
+_core = load_core(lambda: importlib.import_module("hpcdl._core"))
+
+from hpcdl import compression  # noqa: E402
 from hpcdl._core import EngineWarning, Handle, StallWarning
 from hpcdl.collectives import (DTYPES, allreduce, allreduce_async, barrier, broadcast, broadcast_async,
                                configure, stats)

@@ -8,6 +8,7 @@
 
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdint>
@@ -46,7 +47,7 @@ class CommContext {
   // (collective: it completes once every rank submitted on the communicator);
   // the engine thread completes it and only then uses them.
   MPI_Request setup[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
-  bool set_up = false;
+  std::atomic<bool> set_up{false};  // written by the engine thread; read by on_comm_freed too
   std::chrono::steady_clock::time_point setup_since;
   double setup_warned_at = 0;
 

@@ -15,6 +15,11 @@
 
 namespace hpcdl {
 
+#ifdef OPEN_MPI
+// How long freeing a communicator waits for hpcdl's duplication of it (on_comm_freed).
+constexpr int kFreeWaitsForSetupSeconds = 10;
+#endif
+
 Status CommContext::send(int dest, int tag, std::vector<char> bytes) {
   if (has_left(dest)) return Status::OK();  // see `left`: a message there could block for good
   auto out = std::make_unique<Outgoing>();
@@ -91,6 +96,16 @@ int Engine::on_comm_freed(MPI_Comm, int, void* context, void* extra_state) {
     static_cast<CommContext*>(context)->freed = true;
   }
   engine->wake();
+#ifdef OPEN_MPI
+  // Open MPI crashes when a communicator is freed while an MPI_Comm_idup of
+  // it is in flight (MPICH keeps the parent alive): let the engine thread
+  // complete the duplication first. Bounded: a rank that never submitted on
+  // this communicator never joins the duplication.
+  const auto* ctx = static_cast<CommContext*>(context);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(kFreeWaitsForSetupSeconds);
+  while (!ctx->set_up && std::chrono::steady_clock::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+#endif
   return MPI_SUCCESS;
 }
 
@@ -110,6 +125,7 @@ bool Engine::release_freed(CommContext& ctx) {
   int set_up = ctx.set_up;
   if (!set_up) MPI_Testall(2, ctx.setup, &set_up, MPI_STATUSES_IGNORE);
   if (!set_up) return false;
+  ctx.set_up = true;
   MPI_Comm_free(&ctx.ctl);
   MPI_Comm_free(&ctx.data);
   return true;

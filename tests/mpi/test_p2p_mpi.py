@@ -188,3 +188,30 @@ def test_receive_posted_long_before_its_send_completes(pair_comm):
         return (received["ops"], received["bytes_received"]) == (1, nbytes), f"receive counters {received}"
 
     settle(comm, run)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(300)
+def test_freeing_a_pair_right_after_its_transfer_then_making_more():
+    """A communicator freed as soon as its first transfer completes, while hpcdl's duplication of it
+    (MPI_Comm_idup, started by that transfer) may still be in flight, five times over; then an
+    allreduce on the world still runs. Open MPI crashed here (signal 11 in MPI_Comm_free)."""
+    world = MPI.COMM_WORLD
+
+    def run():
+        for round_ in range(5):
+            pair = world.Split(world.Get_rank() // 2, world.Get_rank())
+            peer = partner(pair)
+            if peer is not None:
+                data = pattern(4096, round_)
+                got = np.zeros_like(data)
+                handle = send(data, pair, peer, 7) if pair.Get_rank() == 0 else recv(got, pair, peer, 7)
+                handle.wait(60)
+                if pair.Get_rank() == 1 and not np.array_equal(got, data):
+                    return False, f"round {round_}: the transfer's bytes differ"
+            pair.Free()
+        total = np.ones(8, dtype=np.float64)
+        hpcdl.allreduce(total, op="sum")
+        return bool(np.all(total == world.Get_size())), f"allreduce after the frees gave {total[:2]}"
+
+    settle(world, run)
