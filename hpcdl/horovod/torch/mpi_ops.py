@@ -11,7 +11,7 @@ import torch
 
 import hpcdl
 from hpcdl.horovod import common
-from hpcdl.horovod.common import Average, Sum, poll, synchronize  # noqa: F401 - Horovod's names
+from hpcdl.horovod.common import Sum, poll, synchronize  # noqa: F401 - Horovod's names
 from hpcdl.horovod.torch.compression import Compression
 
 _CORE_DTYPES = {getattr(torch, name) for name in hpcdl.DTYPES}
