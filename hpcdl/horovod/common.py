@@ -34,12 +34,44 @@ _OP_NAMES = {Average: "average", Sum: "sum"}
 _state = {"initialized": False, "comm": None, "local": None, "cross": None, "homogeneous": None}
 _handles = {}
 _handle_ids = itertools.count(1)
+_process_sets = {}  # id -> registered ProcessSet (the global one aside)
+_process_set_ids = [itertools.count(1)]
 
 
-def init(comm=None):
+class ProcessSet:
+    """Horovod's process set: some of init()'s ranks (by their rank there), reducing among
+    themselves over an mpi4py sub-communicator. Registered on every rank, in the same
+    order, by init(process_sets=...) or add_process_set()."""
+
+    def __init__(self, ranks):
+        if isinstance(ranks, MPI.Comm):
+            raise TypeError("hpcdl.horovod builds a process set from its list of ranks: pass the ranks")
+        self.ranks = sorted({int(r) for r in ranks})
+        self.process_set_id = None
+        self.mpi_comm = None  # this rank's sub-communicator; None where it is not a member
+
+    def size(self):
+        return None if self.process_set_id is None else len(self.ranks)
+
+    def rank(self):
+        """This rank's index in the set, None when it is not a member."""
+        return self.ranks.index(rank()) if self.process_set_id is not None and self.included() else None
+
+    def included(self):
+        return rank() in self.ranks
+
+    def __repr__(self):
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])  # init()'s communicator, id 0
+
+
+def init(comm=None, process_sets=None):
     """Start Horovod over ``comm`` (an mpi4py communicator or a list of world ranks;
-    default COMM_WORLD). Collective: every rank of the communicator calls it, as in
-    Horovod. Node-local and cross-node communicators are split here once."""
+    default COMM_WORLD) and register ``process_sets`` (ProcessSets or lists of ranks).
+    Collective: every rank of the communicator calls it, as in Horovod. Node-local and
+    cross-node communicators are split here once."""
     if isinstance(comm, (list, tuple)):  # collective over COMM_WORLD, as in Horovod
         ranks = [int(r) for r in comm]
         group = MPI.COMM_WORLD.Get_group().Incl(ranks)
@@ -54,15 +86,88 @@ def init(comm=None):
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
     local_sizes = set(comm.allgather(local.Get_size()))
     _state.update(initialized=True, comm=comm, local=local, cross=cross, homogeneous=len(local_sizes) == 1)
+    global_process_set.ranks, global_process_set.process_set_id = list(range(comm.Get_size())), 0
+    global_process_set.mpi_comm = comm
+    for process_set in process_sets or []:
+        add_process_set(process_set)
+
+
+def add_process_set(process_set):
+    """Register a ProcessSet (or a list of ranks) on every rank and return it. Collective
+    over init()'s communicator: every rank passes the same ranks (ValueError on every rank
+    otherwise)."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    world = comm()
+    seen = world.allgather((process_set.ranks, process_set.process_set_id))
+    problem = None
+    if any(ranks != process_set.ranks for ranks, _ in seen):
+        problem = f"the ranks differ across ranks: {[ranks for ranks, _ in seen]}"
+    elif any(set_id is not None for _, set_id in seen):
+        problem = "it is already registered"
+    elif not process_set.ranks or not set(process_set.ranks) <= set(range(world.Get_size())):
+        problem = f"its ranks must be some of 0..{world.Get_size() - 1}"
+    elif any(p.ranks == process_set.ranks for p in _process_sets.values()):
+        problem = "a process set with these ranks is registered"
+    if problem:
+        raise ValueError(f"add_process_set({process_set.ranks}): {problem}")
+    group = world.Get_group().Incl(process_set.ranks)
+    sub = world.Create(group)
+    group.Free()
+    process_set.mpi_comm = None if sub == MPI.COMM_NULL else sub
+    process_set.process_set_id = next(_process_set_ids[0])
+    _process_sets[process_set.process_set_id] = process_set
+    return process_set
+
+
+def remove_process_set(process_set):
+    """Unregister a process set on every rank (collective); False for the global one or one not registered."""
+    if process_set is global_process_set or _process_sets.get(process_set.process_set_id) is not process_set:
+        return False
+    comm().Barrier()  # every rank lets go of it together
+    _forget(process_set)
+    return True
+
+
+def _forget(process_set):
+    if process_set.mpi_comm is not None:
+        process_set.mpi_comm.Free()
+    _process_sets.pop(process_set.process_set_id, None)
+    process_set.process_set_id, process_set.mpi_comm = None, None
+
+
+def comm_of(process_set):
+    """The communicator a collective on ``process_set`` runs over (this rank must be a member)."""
+    if process_set is global_process_set:
+        return comm()
+    if _process_sets.get(process_set.process_set_id) is not process_set:
+        raise ValueError(f"{process_set!r} is not registered: pass it to add_process_set() first")
+    if process_set.mpi_comm is None:
+        raise ValueError(f"rank {rank()} is not in {process_set!r}")
+    return process_set.mpi_comm
+
+
+def root_in(process_set, root_rank):
+    """``root_rank`` (a rank of init()'s communicator, as in Horovod) as a rank of the set's communicator."""
+    if process_set is global_process_set:
+        return root_rank
+    if root_rank not in process_set.ranks:
+        raise ValueError(f"root_rank {root_rank} is not in {process_set!r}")
+    return process_set.ranks.index(root_rank)
 
 
 def shutdown():
-    """Horovod's shutdown: the module is uninitialized (init() may be called again).
-    hpcdl's engine itself runs until the interpreter exits (its exit hook stops it)."""
+    """Horovod's shutdown: the module is uninitialized (init() may be called again) and its
+    process sets are forgotten. hpcdl's engine itself runs until the interpreter exits
+    (its exit hook stops it)."""
+    for process_set in list(_process_sets.values()):
+        _forget(process_set)
+    _process_set_ids[0] = itertools.count(1)
     for key in ("local", "cross"):
         if _state[key] is not None:
             _state[key].Free()
     _state.update(initialized=False, comm=None, local=None, cross=None, homogeneous=None)
+    global_process_set.ranks, global_process_set.process_set_id, global_process_set.mpi_comm = [], None, None
 
 
 def is_initialized():
@@ -247,28 +352,29 @@ def wait(handle):
     return call(handle.wait)
 
 
-def barrier():
-    call(hpcdl.barrier, comm())
+def barrier(process_set=global_process_set):
+    call(hpcdl.barrier, comm_of(process_set))
 
 
-def broadcast_bytes(data, root_rank, name):
+def broadcast_bytes(data, root_rank, name, process_set=global_process_set):
     """Rank ``root_rank``'s bytes (a uint8 array of a length every rank knows) in every
     rank's array, through hpcdl's engine (agreed, stall-checked): the core broadcasts
     4-byte and 8-byte types, so the bytes travel padded to whole int32s."""
     padded = np.zeros(-(-data.size // 4), np.int32)
     padded.view(np.uint8)[:data.size] = data
-    wait(hpcdl.broadcast_async(padded, root=root_rank, comm=comm(), name=name))
+    wait(hpcdl.broadcast_async(padded, root=root_in(process_set, root_rank), comm=comm_of(process_set), name=name))
     data[...] = padded.view(np.uint8)[:data.size]
     return data
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """Rank ``root_rank``'s ``obj`` (pickled) on every rank."""
+def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
+    """Rank ``root_rank``'s ``obj`` (pickled) on every rank of ``process_set``."""
     name = name or "broadcast_object"
     is_root = rank() == root_rank
     payload = np.frombuffer(pickle.dumps(obj), np.uint8).copy() if is_root else None
     length = np.array([payload.size if is_root else 0], np.int64)
-    wait(hpcdl.broadcast_async(length, root=root_rank, comm=comm(), name=f"{name}.length"))
+    wait(hpcdl.broadcast_async(length, root=root_in(process_set, root_rank), comm=comm_of(process_set),
+                               name=f"{name}.length"))
     data = payload if is_root else np.empty(int(length[0]), np.uint8)
-    broadcast_bytes(data, root_rank, f"{name}.bytes")
+    broadcast_bytes(data, root_rank, f"{name}.bytes", process_set)
     return pickle.loads(data.tobytes())  # a copy on every rank, the root too, as in Horovod

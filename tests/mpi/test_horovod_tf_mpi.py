@@ -166,3 +166,23 @@ def test_learning_rate_warmup_rises_from_a_size_th_to_the_initial_rate():
     want = [0.8 / size * ((e + (b + 1) / steps) * (size - 1) / 2 + 1) for e in range(2) for b in range(steps)]
     want += [want[-1]] * steps  # after the warm-up the rate stays
     agree(WORLD, np.allclose(seen, want) and np.isclose(want[-1], 0.8), f"seen {seen}, want {want}")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_process_sets_in_tensorflow():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    halves = [list(range(size // 2)), list(range(size // 2, size))]
+
+    def run():
+        sets = [hvd.add_process_set(ranks) for ranks in halves]
+        mine = sets[0] if rank < size // 2 else sets[1]
+        summed = hvd.allreduce(tf.constant([float(rank)]), op=hvd.Sum, process_set=mine)
+        variable = tf.Variable([float(rank)])
+        hvd.broadcast_variables([variable], root_rank=mine.ranks[0], process_set=mine)
+        for s in sets:
+            hvd.remove_process_set(s)
+        return mine.ranks, summed, variable
+
+    members, summed, variable = collective(WORLD, run)
+    agree(WORLD, summed.numpy()[0] == sum(members) and variable.numpy()[0] == members[0],
+          f"{members} {summed} {variable}")

@@ -244,3 +244,29 @@ def test_broadcast_parameters_and_optimizer_state():
     steps = WORLD.allgather(len(opt.state_dict()["state"]))
     agree(WORLD, len(set(digests)) == 1 and set(lrs) == {0.01} and len(set(steps)) == 1 and steps[0] > 0,
           f"{lrs} {steps}")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_process_sets_reduce_and_broadcast_among_their_members():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    evens, odds = list(range(0, size, 2)), list(range(1, size, 2))
+
+    def run():
+        sets = [hvd.add_process_set(evens), hvd.add_process_set(hvd.ProcessSet(odds))]
+        mine, other = (sets[0], sets[1]) if rank % 2 == 0 else (sets[1], sets[0])
+        summed = hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum, process_set=mine, name="ps.sum")
+        average = hvd.allreduce(torch.tensor([rank], dtype=torch.int64), process_set=mine)
+        root = mine.ranks[-1]  # a rank of init()'s communicator, as in Horovod
+        got = hvd.broadcast(torch.tensor([float(rank)]), root_rank=root, process_set=mine)
+        obj = hvd.broadcast_object({"from": rank}, root_rank=root, process_set=mine)
+        hvd.barrier(process_set=mine)
+        _, not_member = outcome(hvd.allreduce, torch.ones(1), process_set=other)
+        removed = [hvd.remove_process_set(s) for s in sets]
+        return mine, summed, average, got, obj, not_member, removed, root
+
+    mine, summed, average, got, obj, not_member, removed, root = collective(WORLD, run)
+    members = evens if rank % 2 == 0 else odds
+    ok = (summed.item() == sum(members) and average.item() == sum(members) // len(members)
+          and got.item() == root and obj == {"from": root} and mine.size() is None and removed == [True, True])
+    agree(WORLD, ok and isinstance(not_member, ValueError) and "is not in" in str(not_member),
+          f"{summed} {average} {got} {obj} {not_member!r}")

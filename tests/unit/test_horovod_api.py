@@ -13,42 +13,49 @@ import hpcdl.horovod.keras as hvd_keras_alias
 import hpcdl.horovod.tensorflow as hvd_tf
 import hpcdl.horovod.tensorflow.keras as hvd_keras
 import hpcdl.horovod.torch as hvd
+from conftest import outcome
 from hpcdl.errors import HpcdlError, MismatchError
 from hpcdl.horovod import common
 
-# Horovod 0.28's parameters (process_set aside: process sets are not in hpcdl.horovod yet).
+# Horovod 0.28's parameters.
 TORCH_SIGNATURES = {
-    "init": ["comm"],
-    "allreduce": ["tensor", "average", "name", "compression", "op", "prescale_factor", "postscale_factor"],
-    "allreduce_": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor"],
-    "allreduce_async": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor"],
-    "allreduce_async_": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor"],
-    "broadcast": ["tensor", "root_rank", "name"],
-    "broadcast_": ["tensor", "root_rank", "name"],
-    "broadcast_async": ["tensor", "root_rank", "name"],
-    "broadcast_async_": ["tensor", "root_rank", "name"],
+    "init": ["comm", "process_sets"],
+    "allreduce": ["tensor", "average", "name", "compression", "op", "prescale_factor", "postscale_factor",
+                  "process_set"],
+    "allreduce_": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
+    "allreduce_async": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
+    "allreduce_async_": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
+    "broadcast": ["tensor", "root_rank", "name", "process_set"],
+    "broadcast_": ["tensor", "root_rank", "name", "process_set"],
+    "broadcast_async": ["tensor", "root_rank", "name", "process_set"],
+    "broadcast_async_": ["tensor", "root_rank", "name", "process_set"],
     "poll": ["handle"],
     "synchronize": ["handle"],
-    "broadcast_object": ["obj", "root_rank", "name"],
+    "barrier": ["process_set"],
+    "add_process_set": ["process_set"],
+    "remove_process_set": ["process_set"],
+    "broadcast_object": ["obj", "root_rank", "name", "process_set"],
     "broadcast_parameters": ["params", "root_rank", "prefix"],
     "broadcast_optimizer_state": ["optimizer", "root_rank", "model"],
     "DistributedOptimizer": ["optimizer", "named_parameters", "compression", "backward_passes_per_step", "op",
-                             "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense"],
+                             "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense", "process_set"],
     "start_timeline": ["file_path", "mark_cycles"],
 }
 TF_SIGNATURES = {
     "allreduce": ["tensor", "average", "device_dense", "device_sparse", "compression", "op", "prescale_factor",
-                  "postscale_factor", "name", "ignore_name_scope"],
-    "broadcast": ["tensor", "root_rank", "name", "ignore_name_scope"],
-    "broadcast_variables": ["variables", "root_rank", "inplace"],
-    "broadcast_object": ["obj", "root_rank", "session", "name"],
+                  "postscale_factor", "name", "process_set", "ignore_name_scope"],
+    "broadcast": ["tensor", "root_rank", "name", "process_set", "ignore_name_scope"],
+    "broadcast_variables": ["variables", "root_rank", "process_set", "inplace"],
+    "broadcast_object": ["obj", "root_rank", "session", "name", "process_set"],
     "DistributedGradientTape": ["gradtape", "device_dense", "device_sparse", "compression", "sparse_as_dense", "op",
-                                "gradient_predivide_factor", "num_groups", "groups", "scale_local_gradients"],
+                                "gradient_predivide_factor", "num_groups", "groups", "process_set",
+                                "scale_local_gradients"],
 }
 KERAS_SIGNATURES = {
     "DistributedOptimizer": ["optimizer", "name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
                              "gradient_predivide_factor", "op", "backward_passes_per_step",
-                             "average_aggregated_gradients", "num_groups", "groups", "scale_local_gradients"],
+                             "average_aggregated_gradients", "num_groups", "groups", "process_set",
+                             "scale_local_gradients"],
     "allreduce": ["value", "name", "average", "prescale_factor", "postscale_factor", "op", "compression"],
     "broadcast": ["value", "root_rank", "name"],
     "load_model": ["filepath", "custom_optimizers", "custom_objects", "compression"],
@@ -57,7 +64,8 @@ KERAS_SIGNATURES = {
 BASICS = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
           "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
           "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
-          "stop_timeline", "barrier", "Average", "Sum", "Adasum", "Compression", "HorovodInternalError"]
+          "stop_timeline", "barrier", "Average", "Sum", "Adasum", "Compression", "HorovodInternalError", "ProcessSet",
+          "add_process_set", "remove_process_set"]
 # Need hpcdl's core collectives (docs/horovod.md): absent, so a script fails at the name, not later.
 NOT_YET = ["allgather", "allgather_async", "grouped_allreduce", "alltoall", "reducescatter", "join", "Min", "Max",
            "Product", "allgather_object", "SyncBatchNorm"]
@@ -210,3 +218,18 @@ def test_learning_rate_schedule_callbacks():
     assert np.allclose(record.seen, 0.3)  # one rank: initial_lr / size() is initial_lr
     with pytest.raises(ValueError, match="momentum_correction"):
         fit_with([hvd_keras.callbacks.LearningRateWarmupCallback(0.3)], tf.keras.optimizers.SGD(0.1, momentum=0.9))
+
+
+def test_process_sets_in_one_process():
+    assert hvd.global_process_set.ranks == [0] and hvd.global_process_set.process_set_id == 0
+    mine = hvd.add_process_set([0])
+    _, again = outcome(hvd.add_process_set, mine)
+    _, outside = outcome(hvd.add_process_set, [0, 1])
+    assert mine.process_set_id == 1 and (mine.size(), mine.rank(), mine.included()) == (1, 0, True)
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=mine).tolist() == [1.0, 1.0]
+    assert isinstance(again, ValueError) and "already registered" in str(again)
+    assert isinstance(outside, ValueError) and "some of 0..0" in str(outside)
+    assert hvd.remove_process_set(mine) and not hvd.remove_process_set(mine)
+    assert not hvd.remove_process_set(hvd.global_process_set)
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(torch.ones(2), process_set=mine)

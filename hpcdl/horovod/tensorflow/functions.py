@@ -5,16 +5,17 @@ import tensorflow as tf
 
 import hpcdl.tensorflow
 from hpcdl.horovod import common
-from hpcdl.horovod.common import Average
+from hpcdl.horovod.common import Average, global_process_set
 from hpcdl.horovod.tensorflow.compression import Compression, codec
 from hpcdl.horovod.tensorflow.mpi_ops import _check_device
 
 _FUSION = "hpcdl fuses the gradients of one dtype into one buffer"
 
 
-def broadcast_variables(variables, root_rank, inplace=False):
+def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
     """Assign rank ``root_rank``'s values to every rank's variables (eagerly; in place either way)."""
-    common.call(hpcdl.tensorflow.broadcast_variables, variables, root_rank, common.comm())
+    common.call(hpcdl.tensorflow.broadcast_variables, variables, common.root_in(process_set, root_rank),
+                common.comm_of(process_set))
 
 
 def broadcast_global_variables(root_rank):
@@ -23,10 +24,10 @@ def broadcast_global_variables(root_rank):
                        "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead.")
 
 
-def broadcast_object(obj, root_rank=0, session=None, name=None):
-    """Rank ``root_rank``'s ``obj`` (any picklable object) on every rank."""
+def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
+    """Rank ``root_rank``'s ``obj`` (any picklable object) on every rank of ``process_set``."""
     common.check_default("session", session, None, "TF1 sessions are not supported")
-    return common.broadcast_object(obj, root_rank, name)
+    return common.broadcast_object(obj, root_rank, name, process_set)
 
 
 def _gradient_settings(device_dense, device_sparse, compression, op, gradient_predivide_factor, num_groups, groups,
@@ -47,7 +48,7 @@ def _gradient_settings(device_dense, device_sparse, compression, op, gradient_pr
 
 def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
                             sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                            groups=None, scale_local_gradients=True):
+                            groups=None, process_set=global_process_set, scale_local_gradients=True):
     """hpcdl.tensorflow.DistributedGradientTape over init()'s communicator.
 
     IndexedSlices gradients are always made dense (sparse_as_dense=False gives the
@@ -57,12 +58,13 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
     compression, op_name = _gradient_settings(device_dense, device_sparse, compression, op,
                                               gradient_predivide_factor, num_groups, groups, scale_local_gradients)
     return hpcdl.tensorflow.DistributedGradientTape(gradtape, compression=compression, op=op_name,
-                                                    comm=common.comm())
+                                                    comm=common.comm_of(process_set))
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
-                         average_aggregated_gradients=False, num_groups=0, groups=None, scale_local_gradients=True):
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
     """hpcdl.tensorflow.DistributedOptimizer (a Keras optimizer) over init()'s communicator.
 
     backward_passes_per_step > 1 (local gradient aggregation) is not in hpcdl's Keras
@@ -76,8 +78,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a Keras optimizer (TF1 tf.compat.v1.train optimizers are not "
                         f"supported), not {type(optimizer).__name__}")
-    return common.call(hpcdl.tensorflow.DistributedOptimizer, optimizer, compression, op_name, common.comm(),
-                       name or "keras")
+    return common.call(hpcdl.tensorflow.DistributedOptimizer, optimizer, compression, op_name,
+                       common.comm_of(process_set), name or "keras")
 
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "DistributedGradientTape",

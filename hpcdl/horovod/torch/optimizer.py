@@ -5,7 +5,7 @@ import contextlib
 
 import hpcdl.torch
 from hpcdl.horovod import common
-from hpcdl.horovod.common import Average
+from hpcdl.horovod.common import Average, global_process_set
 from hpcdl.horovod.torch.compression import Compression, codec
 
 
@@ -33,8 +33,9 @@ class _SkipSynchronize:
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False):
-    """Horovod's DistributedOptimizer: hpcdl.torch.DistributedOptimizer over init()'s communicator.
+                         sparse_as_dense=False, process_set=global_process_set):
+    """Horovod's DistributedOptimizer: hpcdl.torch.DistributedOptimizer over init()'s communicator
+    (or ``process_set``'s).
 
     compression: Compression.none, Compression.fp16 (hpcdl's FP16 codec, float32
     gradients) or an hpcdl.compression codec. op: hvd.Average or hvd.Sum.
@@ -54,8 +55,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     common.check_default("groups", groups, None, "hpcdl fuses gradients by size: use "
                          "hpcdl.torch.DistributedOptimizer(bucket_bytes=...)")
     wrapped = common.call(hpcdl.torch.DistributedOptimizer, optimizer, named_parameters, codec(compression),
-                          hpcdl.torch.DEFAULT_BUCKET_BYTES, op_name, backward_passes_per_step, common.comm(), None,
-                          sparse_as_dense)
+                          hpcdl.torch.DEFAULT_BUCKET_BYTES, op_name, backward_passes_per_step,
+                          common.comm_of(process_set), None, sparse_as_dense)
     base = type(wrapped)
     wrapped.__class__ = type(base.__name__, (_SkipSynchronize, base), {})
     return wrapped

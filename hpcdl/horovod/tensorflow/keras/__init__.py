@@ -9,11 +9,11 @@
 
 import hpcdl.tensorflow
 from hpcdl.horovod import common
-from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, Sum, barrier,
-                                  ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built,
-                                  gloo_enabled, init, is_homogeneous, is_initialized, local_rank, local_size,
-                                  mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built,
-                                  shutdown, size, start_timeline, stop_timeline)
+from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, ProcessSet, Sum,
+                                  add_process_set, barrier, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+                                  global_process_set, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
+                                  local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
+                                  rank, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
 from hpcdl.horovod.tensorflow import mpi_ops
 from hpcdl.horovod.tensorflow.compression import Compression, codec
 from hpcdl.horovod.tensorflow.functions import DistributedOptimizer, broadcast_global_variables, broadcast_object
@@ -46,5 +46,6 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
            "stop_timeline", "Average", "Sum", "Adasum", "Compression", "HorovodInternalError",
-           "HostsUpdatedInterrupt", "allreduce", "broadcast", "barrier", "broadcast_global_variables",
+           "HostsUpdatedInterrupt", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
+           "allreduce", "broadcast", "barrier", "broadcast_global_variables",
            "broadcast_object", "DistributedOptimizer", "load_model", "callbacks"]
