@@ -13,6 +13,7 @@ import hpcdl.compression
 import hpcdl.horovod.torch as hvd
 import hpcdl.torch as hvt
 from conftest import agree, collective, outcome
+from helpers.device import device  # noqa: F401 - the fixture
 from helpers.torch_adapter import full_batch, loss_of, make_model, params_digest
 
 WORLD = MPI.COMM_WORLD
@@ -270,3 +271,31 @@ def test_process_sets_reduce_and_broadcast_among_their_members():
           and got.item() == root and obj == {"from": root} and mine.size() is None and removed == [True, True])
     agree(WORLD, ok and isinstance(not_member, ValueError) and "is not in" in str(not_member),
           f"{summed} {average} {got} {obj} {not_member!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_collectives_on_device_tensors(device):
+    """[cuda] on the GPU, [staged-cpu] the same staging path on CPU tensors."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    root = size - 1
+
+    def run():
+        floats = as_tensor(rank_data(rank, torch.float64), torch.float64).to(device)
+        ints = as_tensor(rank_data(rank, torch.int64), torch.int64).to(device)
+        summed = hvd.allreduce(floats, op=hvd.Sum, postscale_factor=0.5)
+        in_place = floats.clone()
+        hvd.allreduce_(in_place)
+        averaged_ints = hvd.synchronize(hvd.allreduce_async(ints))
+        flags = torch.tensor([rank % 2 == 0, True, rank == root], device=device)
+        hvd.broadcast_(flags, root_rank=root)
+        x = torch.full((3,), float(rank + 1), dtype=torch.float64, device=device, requires_grad=True)
+        hvd.allreduce(x, op=hvd.Sum).sum().backward()
+        return [t.detach().cpu() for t in (summed, in_place, averaged_ints, flags, x.grad)], floats.device
+
+    (summed, in_place, averaged_ints, flags, x_grad), where = collective(WORLD, run)
+    want = reference_sum(torch.float64)
+    ok = (where.type == device.type and np.allclose(summed.numpy(), want * 0.5, rtol=1e-12)
+          and np.allclose(in_place.numpy(), want / size, rtol=1e-12)
+          and np.array_equal(averaged_ints.numpy(), np.floor_divide(reference_sum(torch.int64), size))
+          and flags.tolist() == [root % 2 == 0, True, True] and np.allclose(x_grad.numpy(), size))
+    agree(WORLD, ok, f"on {device}: flags {flags.tolist()}, grad {x_grad}")
