@@ -377,4 +377,4 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
                                name=f"{name}.length"))
     data = payload if is_root else np.empty(int(length[0]), np.uint8)
     broadcast_bytes(data, root_rank, f"{name}.bytes", process_set)
-    return pickle.loads(data.tobytes())  # a copy on every rank, the root too, as in Horovod
+    return obj if is_root else pickle.loads(data.tobytes())  # the root keeps its own, as in Horovod

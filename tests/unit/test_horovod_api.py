@@ -17,7 +17,7 @@ from conftest import outcome
 from hpcdl.errors import HpcdlError, MismatchError
 from hpcdl.horovod import common
 
-# Horovod 0.28's parameters.
+# Horovod's parameters, in Horovod's order (0.28's process_set included).
 TORCH_SIGNATURES = {
     "init": ["comm", "process_sets"],
     "allreduce": ["tensor", "average", "name", "compression", "op", "prescale_factor", "postscale_factor",
