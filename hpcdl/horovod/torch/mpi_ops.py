@@ -26,11 +26,11 @@ def _allreduce_async(output, average, name, op, prescale_factor, postscale_facto
     op_name = common.reduce_op(op, average)
     integer = not output.dtype.is_floating_point
     common.check_scale(prescale_factor, postscale_factor, integer)
+    comm = common.comm_of(process_set)  # every check before the tensor is touched
     if prescale_factor != 1.0:
         output.detach().mul_(prescale_factor)  # detach: the same memory, outside autograd
     # the core averages floating types; integers are summed and floor-divided, as Horovod does
     floor_average = integer and op_name == "average"
-    comm = common.comm_of(process_set)
     handle = common.call(hpcdl.allreduce_async, output, "sum" if floor_average else op_name, comm,
                          _name("allreduce", name))
     if not floor_average and postscale_factor == 1.0:
