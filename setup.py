@@ -191,7 +191,8 @@ def extensions():
         extra_compile_args=["-std=c++17", "-O3", "-Wall", "-Wno-unused-function"]
         + os.environ.get("HPCDL_CXXFLAGS", "").split(),
         extra_link_args=["-lstdc++", "-pthread"],
-        depends=sorted(glob.glob("include/hpcdl/*.hpp") + glob.glob("ext/*.pxi") + glob.glob("ext/libhpcdl/*.pxd")),
+        depends=sorted(glob.glob("include/hpcdl/**/*.hpp", recursive=True) + glob.glob("ext/*.pxi")
+                       + glob.glob("ext/libhpcdl/*.pxd")),
     )
     return cythonize([core], include_path=["ext"], compiler_directives={"language_level": 3})
 

@@ -1,4 +1,4 @@
-# The collective engine (include/hpcdl/engine.hpp): Buffer, Handle, submit,
+# The collective engine (include/hpcdl/engine/engine.hpp): Buffer, Handle, submit,
 # counters, error-feedback residuals and the whole-array codec kernels.
 # The Pythonic layer is hpcdl/collectives.py.
 
@@ -14,22 +14,44 @@ from libcpp.vector cimport vector
 from mpi4py cimport MPI
 
 from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode, codec_encoded_bytes, codec_name,
-                              parse_codec, topk_algorithm_name, topk_count as c_topk_count)
-from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CNoticeKind, COpKind,
-                              COpRequest, COperation, COpTimes, CReduceOp, dtype_is_float, dtype_name, dtype_size,
-                              dtype_valid, kDefaultChunkBytes, kMaxChunkBytes, kMaxNotices, kMinChunkBytes,
-                              in_mpi_process as c_in_mpi_process, remember_mpi_process,
-                              require_mpi_process as c_require_mpi_process)
+                              kDefaultInt8Block, parse_codec, topk_algorithm_name, topk_count as c_topk_count)
+from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting,
+                              CNoticeKind, COpKind, COpRequest, COperation, COpTimes, CReduceOp, dtype_is_float,
+                              dtype_name, dtype_size, dtype_valid, in_mpi_process as c_in_mpi_process,
+                              kDefaultChunkBytes, kDefaultStallErrorSeconds, kDefaultStallWarningSeconds,
+                              kEnvSettingCount, kEnvSettings, kMaxChunkBytes, kMaxNotices, kMinChunkBytes,
+                              kUnbounded, remember_mpi_process, require_mpi_process as c_require_mpi_process)
 from libhpcdl.status cimport CStatus, check_status
 
 import threading
 
 from hpcdl._warn import warn as _warn
 
-# The ring's chunk size: default and bounds (include/hpcdl/ring.hpp; the engine checks them).
+# The ring's chunk size: default and bounds (include/hpcdl/algorithms/ring.hpp; the engine checks them).
 DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
 MIN_CHUNK_BYTES = kMinChunkBytes
 MAX_CHUNK_BYTES = kMaxChunkBytes
+# hpcdl.configure()'s stall limits unless set (include/hpcdl/engine/stall_inspector.hpp).
+DEFAULT_STALL_WARNING_SECONDS = kDefaultStallWarningSeconds
+DEFAULT_STALL_ERROR_SECONDS = kDefaultStallErrorSeconds
+# Int8's values per scale unless set (include/hpcdl/codecs/codec_spec.hpp).
+DEFAULT_INT8_BLOCK = kDefaultInt8Block
+
+
+cdef dict _env_settings():
+    table = {}
+    cdef size_t i
+    cdef const CEnvSetting* s
+    for i in range(kEnvSettingCount):
+        s = &kEnvSettings[i]
+        table[s.key.decode()] = (int if s.integer else float, s.low, None if s.high == kUnbounded else s.high,
+                                 s.variable.decode())
+    return table
+
+
+# Every HPCDL_* setting: key -> (type, low, high or None, variable), from the
+# one table (include/hpcdl/engine/settings.hpp); hpcdl.collectives checks them.
+ENV_SETTINGS = _env_settings()
 
 
 cdef dict _dtype_table():
@@ -41,7 +63,7 @@ cdef dict _dtype_table():
     return table
 
 
-# The element types the core reduces (include/hpcdl/dtype.hpp): name -> (core code,
+# The element types the core reduces (include/hpcdl/util/dtype.hpp): name -> (core code,
 # item size, floating point); read through hpcdl.collectives.DTYPES.
 DTYPES = _dtype_table()
 _FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "l": "int64", "q": "int64"}
@@ -405,7 +427,7 @@ def residual(MPI.Comm comm, name):
     return arr
 
 
-# ---- the codec registry (include/hpcdl/codecs.hpp, codec_registry.hpp) ----
+# ---- the codec registry (include/hpcdl/codecs/codec_spec.hpp, codec_registry.hpp) ----
 
 def codec_config(text):
     """The settings of a codec text as hpcdl.compression's get_config() spells them;
@@ -491,7 +513,7 @@ def shutdown():
 
 
 
-# ---- the process MPI belongs to (include/hpcdl/mpi_process.hpp) ----
+# ---- the process MPI belongs to (include/hpcdl/util/mpi_process.hpp) ----
 
 remember_mpi_process()  # at load: mpi4py has initialized MPI in this process
 

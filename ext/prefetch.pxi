@@ -1,4 +1,4 @@
-# The shuffle, streams, placement and the prefetcher (include/hpcdl/shuffle.hpp,
+# The shuffle, streams, placement and the prefetcher (include/hpcdl/prefetch/shuffle.hpp,
 # stream.hpp, placement.hpp, prefetcher.hpp). The Pythonic layer is hpcdl/prefetch.py.
 # A stream spec is checked by the core (StreamSpec::validate) once per call: here
 # where a function computes with it, else by make_plan (plan(), Prefetcher::create).
@@ -14,11 +14,14 @@ from libcpp.vector cimport vector
 from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_Comm, MPI_COMM_NULL
 
-from libhpcdl.prefetch cimport (CBatchView, CPeerService, CPlacement, CPrefetchConfig, CPrefetcher, CPrefetchStats,
+from libhpcdl.prefetch cimport (CBatchView, kDefaultStagingBytes, CPeerService, CPlacement, CPrefetchConfig, CPrefetcher, CPrefetchStats,
                                 CStreamSpec, epoch_order as c_epoch_order, CPeerSources, CPlan, make_plan,
                                 place as c_place, shuffle_draw as c_shuffle_draw)
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.store cimport CShardInfo, CStoreReader, shard_infos
+
+# The staging ring's size unless told otherwise (include/hpcdl/prefetch/prefetcher.hpp).
+DEFAULT_STAGING_BYTES = kDefaultStagingBytes
 
 SOURCES = ("ram", "disk", "peer", "store")
 

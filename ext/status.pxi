@@ -1,14 +1,5 @@
-# The core's status codes (include/hpcdl/status.hpp) by name, for hpcdl.errors.
+# The core's status codes (include/hpcdl/util/status.hpp) by name, for hpcdl.errors.
 
-from libhpcdl.status cimport CStatusCode
+from libhpcdl.status cimport CStatusCode, kLastStatusCode, status_code_name
 
-STATUS_CODES = {
-    "invalid_argument": <int>CStatusCode.kInvalidArgument,
-    "mismatch": <int>CStatusCode.kMismatch,
-    "mpi_error": <int>CStatusCode.kMpiError,
-    "io_error": <int>CStatusCode.kIOError,
-    "cancelled": <int>CStatusCode.kCancelled,
-    "corrupt": <int>CStatusCode.kCorrupt,
-    "timeout": <int>CStatusCode.kTimeout,
-    "internal": <int>CStatusCode.kInternal,
-}
+STATUS_CODES = {status_code_name(<CStatusCode>code).decode(): code for code in range(1, kLastStatusCode + 1)}

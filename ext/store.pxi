@@ -1,5 +1,5 @@
-# The store reader (include/hpcdl/store_reader.hpp) and CRC32C
-# (include/hpcdl/crc32c.hpp). The Pythonic layer is hpcdl/store/.
+# The store reader (include/hpcdl/store/store_reader.hpp) and CRC32C
+# (include/hpcdl/util/crc32c.hpp). The Pythonic layer is hpcdl/store/.
 
 import os
 
@@ -15,7 +15,10 @@ from libcpp.vector cimport vector
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.store cimport (CShardInfo, CStoreReader, CThreadPool, crc32c as c_crc32c,
                              crc32c_hardware_available, crc32c_software as c_crc32c_software,
-                             shard_infos)
+                             kDefaultReaderThreads, shard_infos)
+
+# Files a rank reads at once unless told otherwise (include/hpcdl/store/store_reader.hpp).
+DEFAULT_READER_THREADS = kDefaultReaderThreads
 
 
 def crc32c(const unsigned char[::1] data, uint32_t crc=0):
@@ -53,7 +56,7 @@ cdef class Reader:
     cdef int pool_pid
     cdef readonly int threads
 
-    def __cinit__(self, shards, int threads=8, bint verify_checksums=True):
+    def __cinit__(self, shards, int threads=kDefaultReaderThreads, bint verify_checksums=True):
         cdef vector[CShardInfo] infos = shard_infos(shards)
         cdef CStatus st
         self.pool = NULL

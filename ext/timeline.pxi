@@ -1,4 +1,4 @@
-# The one trace event list (include/hpcdl/timeline.hpp) that the engine and the
+# The one trace event list (include/hpcdl/util/timeline.hpp) that the engine and the
 # prefetcher record into; hpcdl/timeline.py writes it.
 
 from libc.stdint cimport uint64_t

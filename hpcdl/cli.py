@@ -62,7 +62,8 @@ def _cmd_pack(args):
     comm = MPI.COMM_WORLD
     try:
         result = store.pack(args.src, args.dst, shards=args.shards, shard_bytes=args.shard_bytes,
-                            comm=comm, force=args.force, progress=not args.quiet, threads=args.threads)
+                            comm=comm, force=args.force, progress=not args.quiet,
+                            threads=args.threads or store.DEFAULT_THREADS)
     except (OSError, ValueError) as exc:
         if comm.Get_rank() == 0:
             print(f"hpcdl pack: error: {exc}", file=sys.stderr)
@@ -310,8 +311,8 @@ def _parser():
     p.add_argument("--shard-bytes", type=size_type(), default="1G",
                    help="target shard size when --shards is not given (default 1G)")
     p.add_argument("--force", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--threads", type=positive_int_type("--threads"), default=8,
-                   help="files read at once per rank (default 8)")
+    p.add_argument("--threads", type=positive_int_type("--threads"), default=None,
+                   help="files read at once per rank (default: hpcdl.store.DEFAULT_THREADS)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_pack)
     p = sub.add_parser("verify", help="check every sample's checksum of a store")

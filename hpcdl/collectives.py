@@ -17,30 +17,22 @@ from hpcdl import _core, _tensors
 from hpcdl.compression import canonical as _codec_text
 
 # The element types allreduce and broadcast take, as the core defines them
-# (include/hpcdl/dtype.hpp), by numpy name; FLOAT_DTYPES those that op="average" takes.
+# (include/hpcdl/util/dtype.hpp), by numpy name; FLOAT_DTYPES those that op="average" takes.
 DTYPES = tuple(_core.DTYPES)
 FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if is_float)
 
 
-# Engine tunables: type, lower and upper bound, environment variable. Some
-# are read by the engine thread itself (C++) or by hpcdl.timeline and only
-# checked here.
-_SETTINGS = {
-    "chunk_bytes": (int, _core.MIN_CHUNK_BYTES, _core.MAX_CHUNK_BYTES, "HPCDL_CHUNK_BYTES"),
-    "stall_warning_seconds": (float, 0, None, "HPCDL_STALL_WARNING_SECONDS"),
-    "stall_error_seconds": (float, 0, None, "HPCDL_STALL_ERROR_SECONDS"),
-    "wait_sleep_us": (int, 0, 1_000_000, "HPCDL_WAIT_SLEEP_US"),
-    "engine_slice_us": (int, 0, 100_000, "HPCDL_ENGINE_SLICE_US"),  # Linux takes 100 us to 100 ms
-    "agreement_flat": (int, 0, 1, "HPCDL_AGREEMENT_FLAT"),
-    "timeline_max_events": (int, 1, 2**63 - 1, "HPCDL_TIMELINE_MAX_EVENTS"),  # hpcdl.timeline
-    "residual_ttl_ops": (int, 0, 10**18 - 1, "HPCDL_RESIDUAL_TTL_OPS"),  # error feedback (residual_store.hpp)
-}
+# Engine tunables: type, lower and upper bound, environment variable, from the
+# core's one table (include/hpcdl/engine/settings.hpp). Some are read by the
+# engine thread itself (C++), by hpcdl.timeline or by the error feedback
+# (residual_store.hpp) and only checked here.
+_SETTINGS = _core.ENV_SETTINGS
 
 
 def _checked(key, value, source):
     """value as the setting's type, or ValueError naming source when it is not a number in bounds.
     Integer text must be decimal digits only (no sign, space or '_'): the rule
-    the C++ side (include/hpcdl/env.hpp) reads the same variables by."""
+    the C++ side (include/hpcdl/util/env.hpp) reads the same variables by."""
     kind, low, high, _ = _SETTINGS[key]
     try:
         if kind is int and isinstance(value, str) and not re.fullmatch(r"[0-9]+", value):
@@ -65,7 +57,8 @@ def _from_environment():
     return found
 
 
-_config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": 60.0, "stall_error_seconds": 0.0}
+_config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": _core.DEFAULT_STALL_WARNING_SECONDS,
+           "stall_error_seconds": _core.DEFAULT_STALL_ERROR_SECONDS}
 _config.update((k, v) for k, v in _from_environment().items() if k in _config)
 
 

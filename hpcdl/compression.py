@@ -122,7 +122,7 @@ class Int8(Codec):
 
     name = "int8"
 
-    def __init__(self, block=256, rounding="nearest", seed=0):
+    def __init__(self, block=_core.DEFAULT_INT8_BLOCK, rounding="nearest", seed=0):
         # Every setting checked by the core (the seed too, which nearest rounding leaves out of the text).
         _core.codec_config(f"int8(block={_integer(block)},rounding={_word(rounding)},seed={_integer(seed)})")
         self.block, self.rounding, self.seed = int(block), rounding, int(seed)

@@ -41,5 +41,5 @@ _BY_CODE = {_core.STATUS_CODES[name]: error for name, error in _BY_NAME.items()}
 
 
 def from_status(code, message):
-    """The exception for a core Status (see include/hpcdl/status.hpp)."""
+    """The exception for a core Status (see include/hpcdl/util/status.hpp)."""
     return _BY_CODE.get(code, HpcdlError)(message)

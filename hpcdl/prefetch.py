@@ -15,7 +15,7 @@ from hpcdl.units import AUTO, count_or_auto, size_or_auto
 
 Tiers (docs/prefetch.md): RAM (ram_bytes), node-local disk (disk_dir,
 disk_bytes), a peer rank's RAM (over MPI, when comm has several ranks), and
-the backing store. The C++ core (include/hpcdl/prefetcher.hpp) runs every
+the backing store. The C++ core (include/hpcdl/prefetch/prefetcher.hpp) runs every
 thread with the GIL released.
 """
 
@@ -35,7 +35,7 @@ from hpcdl.store import Store, probe
 from hpcdl.units import AUTO, count_or_auto, size_or_auto
 
 DEFAULT_RAM_BYTES = 1 << 30
-DEFAULT_STAGING_BYTES = 64 << 20
+DEFAULT_STAGING_BYTES = _core.DEFAULT_STAGING_BYTES
 # Coalesced store fills (docs/prefetch.md): the largest read, the largest gap
 # read through to merge two samples, how far ahead the fill list is gathered.
 # "auto": derived from the store's measured IOPS and bandwidth (hpcdl.store.probe);

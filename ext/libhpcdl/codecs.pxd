@@ -3,12 +3,12 @@ from libcpp.string cimport string
 
 from libhpcdl.status cimport CStatus
 
-cdef extern from "hpcdl/codec_array.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/codecs/codec_array.hpp" namespace "hpcdl" nogil:
     CStatus codec_encoded_bytes(const string& text, size_t n, size_t* out)
     CStatus codec_encode(const string& text, const float* x, size_t n, uint8_t* out, float* err, uint64_t stream)
     CStatus codec_decode(const string& text, const uint8_t* data, size_t n, float* out)
 
-cdef extern from "hpcdl/codecs.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/codecs/codec_spec.hpp" namespace "hpcdl" nogil:
     cdef enum class CCodecKind "hpcdl::CodecKind":
         kNone
         kFp16
@@ -30,8 +30,9 @@ cdef extern from "hpcdl/codecs.hpp" namespace "hpcdl" nogil:
         CTopkAlgorithm topk_algorithm
 
     CStatus parse_codec(const string& text, CCodecSpec* out)
+    uint32_t kDefaultInt8Block
     const char* codec_name(CCodecKind kind)
     const char* topk_algorithm_name(CTopkAlgorithm algorithm)
 
-cdef extern from "hpcdl/topk.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/codecs/topk.hpp" namespace "hpcdl" nogil:
     size_t topk_count(size_t n, double ratio)

@@ -1,4 +1,4 @@
-from libc.stdint cimport int32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
@@ -7,7 +7,7 @@ from mpi4py.libmpi cimport MPI_Comm
 
 from libhpcdl.status cimport CStatus
 
-cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
     cdef enum class COpKind "hpcdl::OpKind":
         kAllreduce
         kBroadcast
@@ -90,16 +90,30 @@ cdef extern from "hpcdl/engine.hpp" namespace "hpcdl" nogil:
 
     size_t kMaxNotices "hpcdl::Engine::kMaxNotices"
 
-cdef extern from "hpcdl/dtype.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/engine/stall_inspector.hpp" namespace "hpcdl" nogil:
+    double kDefaultStallWarningSeconds, kDefaultStallErrorSeconds
+
+cdef extern from "hpcdl/engine/settings.hpp" namespace "hpcdl" nogil:
+    cdef cppclass CEnvSetting "hpcdl::EnvSetting":
+        const char* key
+        const char* variable
+        cbool integer
+        int64_t low, high
+
+    const CEnvSetting* kEnvSettings
+    size_t kEnvSettingCount
+    int64_t kUnbounded
+
+cdef extern from "hpcdl/util/dtype.hpp" namespace "hpcdl" nogil:
     size_t dtype_size(CDType t)
     const char* dtype_name(CDType t)
     cbool dtype_is_float(CDType t)
     cbool dtype_valid(int t)
 
-cdef extern from "hpcdl/ring.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/algorithms/ring.hpp" namespace "hpcdl" nogil:
     size_t kDefaultChunkBytes, kMinChunkBytes, kMaxChunkBytes
 
-cdef extern from "hpcdl/mpi_process.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/util/mpi_process.hpp" namespace "hpcdl" nogil:
     void remember_mpi_process()
     cbool in_mpi_process()
     CStatus require_mpi_process(const string& who)

@@ -9,11 +9,11 @@ from mpi4py.libmpi cimport MPI_Comm
 from libhpcdl.status cimport CStatus
 from libhpcdl.store cimport CStoreReader
 
-cdef extern from "hpcdl/shuffle.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/prefetch/shuffle.hpp" namespace "hpcdl" nogil:
     uint64_t shuffle_draw(uint64_t seed, uint64_t epoch, uint64_t k)
     void epoch_order[T](uint64_t n, uint64_t seed, uint64_t epoch, T* out)
 
-cdef extern from "hpcdl/stream.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/prefetch/stream.hpp" namespace "hpcdl" nogil:
     cdef cppclass CStreamSpec "hpcdl::StreamSpec":
         uint64_t samples, global_batch, ranks, epochs, seed
         cbool drop_last
@@ -24,7 +24,7 @@ cdef extern from "hpcdl/stream.hpp" namespace "hpcdl" nogil:
         uint64_t length()
         vector[uint64_t] rank_stream(uint64_t rank, uint64_t start)
 
-cdef extern from "hpcdl/placement.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/prefetch/placement.hpp" namespace "hpcdl" nogil:
     cdef cppclass CPlacement "hpcdl::Placement":
         vector[uint32_t] freq
         vector[uint64_t] first
@@ -45,12 +45,14 @@ cdef extern from "hpcdl/placement.hpp" namespace "hpcdl" nogil:
                       const uint64_t* own_caps, const vector[uint64_t]& ram_capacity,
                       const vector[uint64_t]& disk_capacity, CPlan* out)
 
-cdef extern from "hpcdl/peer_service.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/prefetch/peer_service.hpp" namespace "hpcdl" nogil:
     cdef cppclass CPeerService "hpcdl::PeerService":
         @staticmethod
         vector[pair[uint64_t, uint64_t]] pieces(uint64_t total, uint64_t max_message)
 
-cdef extern from "hpcdl/prefetcher.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/prefetch/prefetcher.hpp" namespace "hpcdl" nogil:
+    uint64_t kDefaultStagingBytes
+
     cdef cppclass CPrefetchConfig "hpcdl::PrefetchConfig":
         CStreamSpec spec
         uint64_t rank, start, ram_bytes, disk_bytes, staging_bytes

@@ -1,22 +1,17 @@
 from libcpp.string cimport string
 
-cdef extern from "hpcdl/status.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/util/status.hpp" namespace "hpcdl" nogil:
     cdef enum class CStatusCode "hpcdl::StatusCode":
-        kOk
-        kInvalidArgument
-        kMismatch
-        kMpiError
-        kIOError
-        kCancelled
-        kCorrupt
-        kTimeout
-        kInternal
+        pass
 
     cdef cppclass CStatus "hpcdl::Status":
         CStatus()
         bint ok()
         int code_int()
         const string& message()
+
+    const char* status_code_name(CStatusCode code)
+    int kLastStatusCode
 
 
 # The one place a core Status becomes a Python exception (call with the GIL held).

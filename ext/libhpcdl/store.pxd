@@ -7,17 +7,19 @@ from libcpp.vector cimport vector
 
 from libhpcdl.status cimport CStatus
 
-cdef extern from "hpcdl/crc32c.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/util/crc32c.hpp" namespace "hpcdl" nogil:
     uint32_t crc32c(const void* data, size_t n, uint32_t crc)
     uint32_t crc32c_software(const void* data, size_t n, uint32_t crc)
     cbool crc32c_hardware_available()
 
-cdef extern from "hpcdl/thread_pool.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/util/thread_pool.hpp" namespace "hpcdl" nogil:
     cdef cppclass CThreadPool "hpcdl::ThreadPool":
         CThreadPool(size_t threads)
         size_t size()
 
-cdef extern from "hpcdl/store_reader.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/store/store_reader.hpp" namespace "hpcdl" nogil:
+    size_t kDefaultReaderThreads
+
     cdef cppclass CShardInfo "hpcdl::ShardInfo":
         string path
         uint64_t data_offset

@@ -3,7 +3,7 @@ from libcpp.string cimport string
 from libc.stdint cimport uint64_t
 from libcpp.vector cimport vector
 
-cdef extern from "hpcdl/timeline.hpp" namespace "hpcdl" nogil:
+cdef extern from "hpcdl/util/timeline.hpp" namespace "hpcdl" nogil:
     cdef cppclass CTraceEvent "hpcdl::TraceEvent":
         string name, category
         double start_us, duration_us

@@ -11,6 +11,8 @@ import random
 import threading
 import time
 
+from hpcdl import _core
+
 PROBE_SECONDS = 0.2          # the one-stream probe's budget: 40% small reads, 60% the sequential read
 SMALL_READ = 4096            # one request's worth: its time is the per-request cost
 SMALL_READS = 64
@@ -35,7 +37,7 @@ def _clamp(value, low, high):
     return int(min(max(value, low), max(high, low)))
 
 
-def read_settings(iops, bandwidth, staging_bytes=64 << 20, tier_bytes=1 << 62, parallel_gain=None):
+def read_settings(iops, bandwidth, staging_bytes=_core.DEFAULT_STAGING_BYTES, tier_bytes=1 << 62, parallel_gain=None):
     """{read_gap, read_bytes, lookahead_bytes, read_concurrency} for a store doing
     ``iops`` reads/s at ``bandwidth`` bytes/s: the gap whose bytes take as long
     as one more request (bandwidth / iops, within [4 KiB, 4 MiB]); spans

@@ -1,6 +1,6 @@
 """Reading a packed store: open it once, then read samples by index with plain
 positioned reads. Reading never calls HDF5 after open: the C++ reader
-(include/hpcdl/store_reader.hpp) preads at the data set's file offset, checks
+(include/hpcdl/store/store_reader.hpp) preads at the data set's file offset, checks
 the CRC32C and releases the GIL.
 """
 
@@ -19,7 +19,7 @@ from hpcdl.errors import CorruptDataError, HpcdlError
 from hpcdl.store.manifest import _FIRST_CHECKED_VERSION, FORMAT, FORMAT_VERSION, MANIFEST, _manifest_path, _read_checked
 from hpcdl.store.progress import _bar
 
-DEFAULT_THREADS = 8
+DEFAULT_THREADS = _core.DEFAULT_READER_THREADS
 
 
 class StoreWarning(UserWarning):

@@ -18,10 +18,9 @@ import math
 
 import torch
 
-from hpcdl import _core
 from hpcdl.compression import BF16, FP16, Int8, TopK
 
-_TINY_ABSMAX = 2.0 ** -100  # blocks below it are staged at 2^64 times their values (include/hpcdl/codecs.hpp)
+_TINY_ABSMAX = 2.0 ** -100  # blocks below it are staged at 2^64 times their values (include/hpcdl/codecs/codecs.hpp)
 _TINY_SHIFT = 2.0 ** 64
 
 
@@ -104,7 +103,7 @@ class TopKEncoder(_Encoder):
 
     def _encode(self, v):
         n = v.numel()
-        k = _core.topk_count(n, self.ratio)
+        k = self.codec.k(n)  # the core's topk_count
         magnitude = (v.view(torch.int32) & 0x7FFFFFFF).to(torch.int64)  # float order, NaN above Inf
         position = torch.arange(n, device=v.device, dtype=torch.int64)
         key = (magnitude << 32) | ((1 << 32) - 1 - position)  # equal magnitudes: the lower index wins

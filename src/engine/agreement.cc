@@ -1,7 +1,9 @@
 // The agreement protocol: ranks report the operations ready on them up a
 // binomial report tree to the coordinator (rank 0), which plans what every
 // rank reported the same way and sends the plan down the tree
-// (include/hpcdl/engine.hpp describes it; op_wire.hpp the messages).
+// (agreement.hpp describes it; op_wire.hpp the messages).
+#include "hpcdl/engine/agreement.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -11,26 +13,16 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/comm_context.hpp"
-#include "hpcdl/dtype.hpp"
-#include "hpcdl/engine.hpp"
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/op_wire.hpp"
-#include "hpcdl/wire.hpp"
+#include "hpcdl/engine/comm_context.hpp"
+#include "hpcdl/engine/op_wire.hpp"
+#include "hpcdl/engine/stats.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {
 
 namespace {
-
-// How long a rank holds its subtree's partial reports of an operation before
-// sending them up as they are (rank by rank): a quarter of the stall limits,
-// so the coordinator names the missing ranks at most that much later.
-double report_hold_seconds(double warn_s, double error_s) {
-  double hold = std::numeric_limits<double>::infinity();
-  if (warn_s > 0) hold = std::min(hold, warn_s / 4);
-  if (error_s > 0) hold = std::min(hold, error_s / 4);
-  return hold;
-}
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::ostringstream os;
@@ -318,8 +310,8 @@ std::string CommContext::describe_missing(const std::string& name, const std::ve
   std::vector<int> never, gave_up;
   auto earlier = given_up.find(name);
   for (int r : missing) {
-    const bool had = earlier != given_up.end() && std::binary_search(earlier->second.submitted.begin(),
-                                                                     earlier->second.submitted.end(), r);
+    const bool had = earlier != given_up.end() &&
+                     std::binary_search(earlier->second.submitted.begin(), earlier->second.submitted.end(), r);
     (had ? gave_up : never).push_back(r);
   }
   std::string text;
@@ -333,26 +325,26 @@ std::string CommContext::describe_missing(const std::string& name, const std::ve
   return text;
 }
 
-Status Engine::receive_control(CommContext& ctx, int tag, bool* got, MPI_Status* probe) {
+Status Agreement::receive(CommContext& ctx, int tag, bool* got, MPI_Status* probe) {
   int flag = 0, n = 0;
   HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iprobe(MPI_ANY_SOURCE, tag, ctx.ctl, &flag, probe), "MPI_Iprobe"));
   *got = flag != 0;
   if (!flag) return Status::OK();
   MPI_Get_count(probe, MPI_BYTE, &n);
   control_msg_.resize(static_cast<std::size_t>(n));
-  return mpi_status(MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe->MPI_SOURCE, probe->MPI_TAG, ctx.ctl,
-                             MPI_STATUS_IGNORE),
-                    "MPI_Recv(control)");
+  return mpi_status(
+      MPI_Recv(control_msg_.data(), n, MPI_BYTE, probe->MPI_SOURCE, probe->MPI_TAG, ctx.ctl, MPI_STATUS_IGNORE),
+      "MPI_Recv(control)");
 }
 
-Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, double error_s, bool* busy) {
+Status Agreement::poll(CommContext& ctx, bool stall_check, const StallLimits& limits, bool* busy) {
   const bool reported = !ctx.unreported.empty();
   HPCDL_RETURN_NOT_OK(ctx.report());
   bool arrived = false;
   for (;;) {
     bool got = false;
     MPI_Status probe;
-    HPCDL_RETURN_NOT_OK(receive_control(ctx, MPI_ANY_TAG, &got, &probe));
+    HPCDL_RETURN_NOT_OK(receive(ctx, MPI_ANY_TAG, &got, &probe));
     if (!got) break;
     arrived = true;
     if (probe.MPI_TAG != kTagLeave) ++ctx.counted.messages_received;
@@ -370,22 +362,24 @@ Status Engine::poll_control(CommContext& ctx, bool stall_check, double warn_s, d
   *busy = *busy || arrived || reported;
   HPCDL_RETURN_NOT_OK(forward_leave_notice(ctx));
   if (!ctx.is_coordinator() && ctx.gone.ok()) {
-    ctx.release_held(report_hold_seconds(warn_s, error_s));
+    ctx.release_held(limits.report_hold_seconds());
     HPCDL_RETURN_NOT_OK(ctx.send_upward());
   }
   if (ctx.is_coordinator() && ctx.gone.ok() && (arrived || reported || stall_check) && !ctx.table.empty()) {
     WireWriter w;
     std::uint32_t entries = 0;
     w.put<std::uint32_t>(0);
-    ctx.plan(warn_s, error_s, &w, &entries);
+    ctx.plan(limits.warn_s, limits.error_s, &w, &entries);
     if (entries) {
       std::memcpy(w.buffer().data(), &entries, sizeof(entries));
       for (int child : ctx.children) HPCDL_RETURN_NOT_OK(ctx.send(child, kTagPlan, w.buffer()));
       ctx.plans.push_back(std::move(w.buffer()));
     }
   }
-  publish_agreement_stats(ctx);
+  publish_stats(ctx);
   return ctx.flush_outbox();
 }
+
+void Agreement::publish_stats(CommContext& ctx) { stats_.add_agreement(&ctx.counted); }
 
 }  // namespace hpcdl

@@ -2,8 +2,8 @@
 #include <cstdint>
 #include <string>
 
-#include "hpcdl/engine.hpp"
-#include "hpcdl/wire.hpp"
+#include "hpcdl/engine/operation.hpp"
+#include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {
 

@@ -1,11 +1,8 @@
 // Error feedback: per communicator and tensor name, what compression dropped,
 // added back by the next compressed allreduce of that tensor.
-#include "hpcdl/residual_store.hpp"
+#include "hpcdl/engine/residual_store.hpp"
 
-#include "hpcdl/comm_context.hpp"
-#include "hpcdl/engine.hpp"
-#include "hpcdl/env.hpp"
-#include "hpcdl/mpi_util.hpp"
+#include "hpcdl/util/env.hpp"
 
 namespace hpcdl {
 
@@ -78,38 +75,6 @@ void ResidualStore::clear() {
   std::lock_guard<std::mutex> g(mu_);
   contexts_.clear();
   bytes_ = 0;
-}
-
-void Engine::reset_compression_state() { residuals_.clear(); }
-
-std::uint64_t Engine::residual_bytes() { return residuals_.bytes(); }
-
-Status Engine::residual_context(MPI_Comm comm, std::uint64_t* id, bool* found) {
-  *found = false;
-  // Look the context up only: making one is collective (MPI_Comm_dup).
-  std::lock_guard<std::mutex> g(mu_);
-  if (keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
-  void* attr = nullptr;
-  int has = 0;
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, keyval_, &attr, &has), "MPI_Comm_get_attr"));
-  if (!has) return Status::OK();
-  *id = static_cast<CommContext*>(attr)->id;
-  *found = true;
-  return Status::OK();
-}
-
-Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found) {
-  std::uint64_t id = 0;
-  HPCDL_RETURN_NOT_OK(residual_context(comm, &id, found));
-  if (*found) *found = residuals_.copy(id, name, out);
-  return Status::OK();
-}
-
-Status Engine::free_residual(MPI_Comm comm, const std::string& name, bool* found) {
-  std::uint64_t id = 0;
-  HPCDL_RETURN_NOT_OK(residual_context(comm, &id, found));
-  if (*found) *found = residuals_.free(id, name);
-  return Status::OK();
 }
 
 }  // namespace hpcdl

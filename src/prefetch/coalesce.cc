@@ -1,4 +1,4 @@
-// The prefetcher's coalesced store fills (include/hpcdl/prefetcher.hpp).
+// The prefetcher's coalesced store fills (include/hpcdl/prefetch/prefetcher.hpp).
 //
 // The store fills (tier slots no peer serves) are known for the whole run.
 // Instead of one read per sample in first-use order, a filler takes the next
@@ -18,9 +18,9 @@
 #include <tuple>
 #include <vector>
 
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/thread_setup.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/thread_setup.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

@@ -1,4 +1,4 @@
-// The prefetcher's peer fills (include/hpcdl/prefetcher.hpp): samples from
+// The prefetcher's peer fills (include/hpcdl/prefetch/prefetcher.hpp): samples from
 // the source peer's tiers over PeerService, each checked on arrival, a peer
 // given up on after a timeout, an MPI error or bytes that fail the check.
 #include <algorithm>
@@ -8,10 +8,10 @@
 #include <thread>
 #include <vector>
 
-#include "hpcdl/crc32c.hpp"
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/thread_setup.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/crc32c.hpp"
+#include "hpcdl/util/thread_setup.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 
@@ -61,8 +61,9 @@ bool Prefetcher::peer_bytes_ok(int peer, std::uint64_t k, const char* bytes, std
   if (!peer_gone_[peer].exchange(true))
     warn("peer tier: rank " + std::to_string(peer) + " sent sample " + std::to_string(k) + " with " + problem +
          " (the ranks agreed on the store's fingerprint at start, so its tier or the transfer damaged it); "
-         "read from this rank's store ('" + reader_->shard_path(reader_->shard_of(k)) + "') instead, and rank " +
-         std::to_string(peer) + "'s samples come from the store for the rest of the run");
+         "read from this rank's store ('" +
+         reader_->shard_path(reader_->shard_of(k)) + "') instead, and rank " + std::to_string(peer) +
+         "'s samples come from the store for the rest of the run");
   return false;
 }
 
@@ -112,8 +113,7 @@ void Prefetcher::peer_fill_loop() {
       char* dst = f.tier == kTierRam ? ram_.get() + placement_.offset[f.k] : f.scratch.data();
       const int source = fill_source_[f.k];
       // A source given up on is not polled: its late answer is matched at shutdown.
-      const PeerService::Outcome o =
-          peer_gone_[source] ? PeerService::Outcome::kWaiting : peers_->poll(f.ticket, dst);
+      const PeerService::Outcome o = peer_gone_[source] ? PeerService::Outcome::kWaiting : peers_->poll(f.ticket, dst);
       if (o == PeerService::Outcome::kWaiting && !peer_gone_[source]) {
         ++i;
         continue;
@@ -130,7 +130,8 @@ void Prefetcher::peer_fill_loop() {
       if (o == PeerService::Outcome::kGot && peer_bytes_ok(source, f.k, dst, f.ticket.received)) {
         ok = commit_slot(f.tier, f.k, dst, true, f.t0);
       } else {
-        if (o == PeerService::Outcome::kWaiting) peers_->abandon(f.ticket);  // its source was given up on
+        if (o == PeerService::Outcome::kWaiting)
+          peers_->abandon(f.ticket);  // its source was given up on
         else if (o != PeerService::Outcome::kLater && o != PeerService::Outcome::kGot)
           count_outcome(source, o, f.ticket.error);
         ok = fill_from_store(f.tier, f.k, dst, f.t0);

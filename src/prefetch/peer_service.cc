@@ -1,13 +1,13 @@
-// PeerService (include/hpcdl/peer_service.hpp): the peer tier's requests,
+// PeerService (include/hpcdl/prefetch/peer_service.hpp): the peer tier's requests,
 // replies in pieces, the server thread and the collective shutdown.
-#include "hpcdl/peer_service.hpp"
+#include "hpcdl/prefetch/peer_service.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <string>
 
-#include "hpcdl/mpi_util.hpp"
-#include "hpcdl/thread_setup.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/thread_setup.hpp"
 
 namespace hpcdl {
 
@@ -20,8 +20,9 @@ std::chrono::steady_clock::time_point deadline_after(double seconds) {
 
 Status test_all(std::vector<MPI_Request>* requests, bool* done) {
   int flag = 0;
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &flag,
-                                             MPI_STATUSES_IGNORE), "peer tier: MPI_Testall"));
+  HPCDL_RETURN_NOT_OK(
+      mpi_status(MPI_Testall(static_cast<int>(requests->size()), requests->data(), &flag, MPI_STATUSES_IGNORE),
+                 "peer tier: MPI_Testall"));
   *done = flag != 0;
   return Status::OK();
 }
@@ -51,7 +52,7 @@ Status test_receives(PeerService::Pending* p, bool* done) {
   }
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "peer tier: MPI_Testall"));
   *done = flag != 0;
-  if (*done && !p->too_long)  // too long: the length check fails whatever the count
+  if (*done && !p->too_long)                    // too long: the length check fails whatever the count
     for (const MPI_Status& st : p->statuses) {  // an already completed (null) request: an empty status, 0 bytes
       int count = 0;
       HPCDL_RETURN_NOT_OK(mpi_status(MPI_Get_count(&st, MPI_BYTE, &count), "peer tier: MPI_Get_count"));
@@ -80,8 +81,8 @@ bool wait_until(std::chrono::steady_clock::time_point deadline, Pred pred) {
 
 Status PeerService::create(MPI_Comm user, ServeFn serve, SizeFn size_of, double timeout_s, double serve_delay_s,
                            std::uint64_t max_message_bytes, std::unique_ptr<PeerService>* out) {
-  HPCDL_RETURN_NOT_OK(require_thread_multiple("the prefetcher's peer tier",
-                                              "a server thread answers other ranks while yours run"));
+  HPCDL_RETURN_NOT_OK(
+      require_thread_multiple("the prefetcher's peer tier", "a server thread answers other ranks while yours run"));
   std::unique_ptr<PeerService> s(new PeerService());
   HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_dup(user, &s->comm_), "peer tier: MPI_Comm_dup"));
   s->max_message_ = std::clamp<std::uint64_t>(max_message_bytes, 1, std::numeric_limits<int>::max());
@@ -94,7 +95,8 @@ Status PeerService::create(MPI_Comm user, ServeFn serve, SizeFn size_of, double 
   // OS refuses fails the agreement too. It only answers requests, and no rank
   // sends one before the agreement has passed.
   if (local.ok())
-    local = start_thread("the prefetcher's peer-tier server thread", [p = s.get()] { p->serve_loop(); }, &s->server_);
+    local = start_thread(
+        "the prefetcher's peer-tier server thread", [p = s.get()] { p->serve_loop(); }, &s->server_);
   // The ranks agree on the set-up before anyone uses the duplicate. A failure
   // anywhere: all of them stop their servers and free it together
   // (MPI_Comm_free is collective) and all return an error, rather than one
@@ -124,14 +126,14 @@ Status PeerService::create(MPI_Comm user, ServeFn serve, SizeFn size_of, double 
 }
 
 Status PeerService::set_up_comm() {
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN),
-                                 "peer tier: MPI_Comm_set_errhandler"));
+  HPCDL_RETURN_NOT_OK(
+      mpi_status(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "peer tier: MPI_Comm_set_errhandler"));
   HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_rank(comm_, &rank_), "peer tier: MPI_Comm_rank"));
   HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_size(comm_, &size_), "peer tier: MPI_Comm_size"));
   int* ub = nullptr;
   int found = 0;
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &found),
-                                 "peer tier: MPI_Comm_get_attr(MPI_TAG_UB)"));
+  HPCDL_RETURN_NOT_OK(
+      mpi_status(MPI_Comm_get_attr(comm_, MPI_TAG_UB, &ub, &found), "peer tier: MPI_Comm_get_attr(MPI_TAG_UB)"));
   tag_limit_ = found ? std::min(*ub, 1 << 20) : 32767;
   return Status::OK();
 }
@@ -154,8 +156,8 @@ Status PeerService::request(int peer, std::uint64_t k, std::uint64_t size, Ticke
   p.tag = kReplyTagBase + static_cast<int>(next_tag_++ % static_cast<std::uint64_t>(tag_limit_ - kReplyTagBase));
   t->size = size;
   const std::uint64_t message[2] = {k, static_cast<std::uint64_t>(p.tag)};
-  Status st = post_pieces(false, p.buffer.data(), 0, std::min<std::uint64_t>(max_message_, p.buffer.size()),
-                          peer, p.tag, &p.recvs);
+  Status st = post_pieces(false, p.buffer.data(), 0, std::min<std::uint64_t>(max_message_, p.buffer.size()), peer,
+                          p.tag, &p.recvs);
   MPI_Request send = MPI_REQUEST_NULL;
   if (st.ok())
     st = mpi_status(MPI_Isend(message, 2, MPI_UINT64_T, peer, kRequestTag, comm_, &send), "peer tier: MPI_Isend");
@@ -216,21 +218,21 @@ Status PeerService::shutdown(double timeout_s) {
   }
   const auto deadline = deadline_after(timeout_s);
   bool in_time = error.ok() && wait_until(deadline, [&] {
-    bool all = false;
-    error = test_all(&sends, &all);
-    return !error.ok() || (all && server_finished_.load());
-  });
+                   bool all = false;
+                   error = test_all(&sends, &all);
+                   return !error.ok() || (all && server_finished_.load());
+                 });
   // Every server answers every request before it stops: the abandoned receives get their replies.
   in_time = in_time && error.ok() && wait_until(deadline, [&] {
-    std::lock_guard<std::mutex> g(mu_);
-    for (auto& p : abandoned_) {
-      bool all = false;
-      error = progress(*p, &all);
-      if (!error.ok()) return true;
-      if (!all) return false;
-    }
-    return true;
-  });
+              std::lock_guard<std::mutex> g(mu_);
+              for (auto& p : abandoned_) {
+                bool all = false;
+                error = progress(*p, &all);
+                if (!error.ok()) return true;
+                if (!all) return false;
+              }
+              return true;
+            });
   abandon_ = true;
   server_.join();
   if (!in_time || !error.ok()) {
@@ -302,12 +304,13 @@ Status PeerService::serve_requests(std::vector<std::unique_ptr<Reply>>* replies)
   for (int idle_us = 5; !abandon_;) {
     int flag = 0;
     MPI_Status status;
-    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iprobe(MPI_ANY_SOURCE, kRequestTag, comm_, &flag, &status),
-                                   "peer tier server: MPI_Iprobe"));
+    HPCDL_RETURN_NOT_OK(
+        mpi_status(MPI_Iprobe(MPI_ANY_SOURCE, kRequestTag, comm_, &flag, &status), "peer tier server: MPI_Iprobe"));
     if (flag) {
       std::uint64_t request[2];
-      HPCDL_RETURN_NOT_OK(mpi_status(MPI_Recv(request, 2, MPI_UINT64_T, status.MPI_SOURCE, kRequestTag, comm_,
-                                              MPI_STATUS_IGNORE), "peer tier server: MPI_Recv"));
+      HPCDL_RETURN_NOT_OK(
+          mpi_status(MPI_Recv(request, 2, MPI_UINT64_T, status.MPI_SOURCE, kRequestTag, comm_, MPI_STATUS_IGNORE),
+                     "peer tier server: MPI_Recv"));
       if (request[0] == kDoneSample) {
         ++dones;
       } else {

@@ -1,4 +1,4 @@
-// Planning (include/hpcdl/placement.hpp): one rank's placement and the peer
+// Planning (include/hpcdl/prefetch/placement.hpp): one rank's placement and the peer
 // sources of every sample; the prefetcher's use of them is Prefetcher::plan().
 #include <algorithm>
 #include <atomic>
@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "hpcdl/placement.hpp"
-#include "hpcdl/prefetcher.hpp"
+#include "hpcdl/prefetch/placement.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
 
 namespace hpcdl {
 
@@ -61,8 +61,8 @@ namespace {
 // disk tier from there. Visiting a rank's first uses in global order visits
 // each class in first-use order, so the cut is decided sample by sample.
 struct Cut {
-  std::uint32_t ram_class = 0;   // 0: every sample the rank reads fits in RAM
-  std::uint64_t ram_left = 0;    // RAM room left when ram_class starts
+  std::uint32_t ram_class = 0;  // 0: every sample the rank reads fits in RAM
+  std::uint64_t ram_left = 0;   // RAM room left when ram_class starts
   bool ram_open = true;
   std::uint32_t disk_class = 0;  // 0: the disk tier takes the rest
   std::uint64_t disk_left = 0;
@@ -116,13 +116,15 @@ Status make_plan(const StreamSpec& spec, std::uint64_t from, std::uint64_t self,
   HPCDL_RETURN_NOT_OK(spec.validate());
   const std::uint64_t N = spec.samples, B = spec.global_batch, P = spec.ranks, L = spec.local_batch();
   const std::uint64_t batches = spec.batches_per_epoch(), M = batches * B, S = spec.per_epoch();
-  if (self >= P) return Status::Invalid("rank " + std::to_string(self) + " out of range [0, " + std::to_string(P) + ")");
+  if (self >= P)
+    return Status::Invalid("rank " + std::to_string(self) + " out of range [0, " + std::to_string(P) + ")");
   if (from % L != 0 || from > spec.length()) return Status::Invalid("resume position is not a batch start of the run");
   if (N > std::numeric_limits<std::uint32_t>::max() || M > std::numeric_limits<std::uint32_t>::max())
     return Status::Invalid("the planner supports up to 2^32-1 samples and positions per epoch");
   const bool peers = !ram_capacity.empty();
   if (peers && ram_capacity.size() != P) return Status::Invalid("ram_capacity needs one entry per rank");
-  if (!disk_capacity.empty() && disk_capacity.size() != P) return Status::Invalid("disk_capacity needs one entry per rank");
+  if (!disk_capacity.empty() && disk_capacity.size() != P)
+    return Status::Invalid("disk_capacity needs one entry per rank");
   const std::uint64_t copies = (M + N - 1) / N;  // reads of one sample per epoch (padding repeats the first ones)
   const std::uint64_t s0 = from / L, e0 = batches ? s0 / batches : spec.epochs;  // global steps done, first epoch
   const std::uint64_t p0 = batches ? s0 % batches * B : 0;  // first position of epoch e0 still to read
@@ -254,8 +256,10 @@ Status Prefetcher::plan() {
     for (std::uint64_t k : placement_.lists[t]) {
       if (!sources_.rank.empty())
         fill_source_[k] = sources_.for_read(k, global_key(spec, placement_.first[k], cfg_.rank));
-      if (fill_source_[k] < 0) store_fills_[t].push_back(k);
-      else peer_fills_list_.push_back(k);
+      if (fill_source_[k] < 0)
+        store_fills_[t].push_back(k);
+      else
+        peer_fills_list_.push_back(k);
     }
   const auto by_first_use = [&](std::uint64_t a, std::uint64_t b) { return placement_.first[a] < placement_.first[b]; };
   std::sort(peer_fills_list_.begin(), peer_fills_list_.end(), by_first_use);

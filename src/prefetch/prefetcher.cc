@@ -1,5 +1,5 @@
-// Prefetcher (include/hpcdl/prefetcher.hpp): set-up, threads, shutdown.
-#include "hpcdl/prefetcher.hpp"
+// Prefetcher (include/hpcdl/prefetch/prefetcher.hpp): set-up, threads, shutdown.
+#include "hpcdl/prefetch/prefetcher.hpp"
 
 #include <unistd.h>
 
@@ -7,12 +7,11 @@
 #include <cstdlib>
 #include <utility>
 
-#include "hpcdl/thread_setup.hpp"
+#include "hpcdl/util/thread_setup.hpp"
 
 namespace hpcdl {
 
-Status Prefetcher::create(std::unique_ptr<StoreReader> reader, PrefetchConfig cfg,
-                          std::unique_ptr<Prefetcher>* out) {
+Status Prefetcher::create(std::unique_ptr<StoreReader> reader, PrefetchConfig cfg, std::unique_ptr<Prefetcher>* out) {
   if (cfg.spec.samples != reader->count())
     return Status::Invalid("stream spec and store disagree on the number of samples");
   std::unique_ptr<Prefetcher> p(new Prefetcher());
@@ -81,8 +80,7 @@ Status Prefetcher::start_threads() {
       for (std::size_t i = 0; i < std::max<std::size_t>(cfg_.disk_threads, 1); ++i)
         start("the prefetcher's disk fill thread", [this] { fill_loop(kTierDisk); });
   }
-  if (peers_ && !peer_fills_list_.empty())
-    start("the prefetcher's peer fill thread", [this] { peer_fill_loop(); });
+  if (peers_ && !peer_fills_list_.empty()) start("the prefetcher's peer fill thread", [this] { peer_fill_loop(); });
   if (!st.ok()) stop();  // the threads already started must not run on a prefetcher that failed
   return st;
 }
@@ -94,9 +92,7 @@ void Prefetcher::stop() {
   }
   ready_cv_.notify_all();
   space_cv_.notify_all();
-  {
-    std::lock_guard<std::mutex> g(slot_mu_);
-  }
+  { std::lock_guard<std::mutex> g(slot_mu_); }
   slot_cv_.notify_all();
   for (auto& t : threads_) t.join();
   threads_.clear();

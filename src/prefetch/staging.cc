@@ -1,13 +1,13 @@
-// The prefetcher's staging ring and consumer (include/hpcdl/prefetcher.hpp):
+// The prefetcher's staging ring and consumer (include/hpcdl/prefetch/prefetcher.hpp):
 // staging threads claim stream positions in order, reserve each batch's ring
 // space, and fill it from the best source; the consumer takes whole batches.
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/thread_setup.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/thread_setup.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

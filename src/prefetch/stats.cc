@@ -1,12 +1,12 @@
-// What the prefetcher reports (include/hpcdl/prefetcher.hpp): per-source
+// What the prefetcher reports (include/hpcdl/prefetch/prefetcher.hpp): per-source
 // counters and their trace events, the stats snapshot, and warnings.
 #include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 

@@ -1,4 +1,4 @@
-// The prefetcher's tiers (include/hpcdl/prefetcher.hpp): the RAM arena and
+// The prefetcher's tiers (include/hpcdl/prefetch/prefetcher.hpp): the RAM arena and
 // the disk tier's unnamed file, their per-sample slots, the store fillers,
 // and serving a loaded slot to a peer.
 #include <fcntl.h>
@@ -10,10 +10,10 @@
 #include <cstring>
 #include <string>
 
-#include "hpcdl/crc32c.hpp"
-#include "hpcdl/prefetcher.hpp"
-#include "hpcdl/thread_setup.hpp"
-#include "hpcdl/timeline.hpp"
+#include "hpcdl/prefetch/prefetcher.hpp"
+#include "hpcdl/util/crc32c.hpp"
+#include "hpcdl/util/thread_setup.hpp"
+#include "hpcdl/util/timeline.hpp"
 
 namespace hpcdl {
 
@@ -126,7 +126,8 @@ bool Prefetcher::read_disk(std::uint64_t k, char* dst) {
     const ssize_t r = ::pread(disk_fd_, dst + done, size - done, static_cast<off_t>(at + done));
     if (r < 0 && errno == EINTR) continue;
     if (r <= 0) {
-      warn_disk_read_once(std::string("reading the disk tier failed: ") + (r < 0 ? std::strerror(errno) : "short read"));
+      warn_disk_read_once(std::string("reading the disk tier failed: ") +
+                          (r < 0 ? std::strerror(errno) : "short read"));
       return false;
     }
     done += static_cast<std::uint64_t>(r);

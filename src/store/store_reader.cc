@@ -1,5 +1,5 @@
-// StoreReader (include/hpcdl/store_reader.hpp): one pread per sample, CRC32C checked.
-#include "hpcdl/store_reader.hpp"
+// StoreReader (include/hpcdl/store/store_reader.hpp): one pread per sample, CRC32C checked.
+#include "hpcdl/store/store_reader.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -14,7 +14,7 @@
 #include <numeric>
 #include <utility>
 
-#include "hpcdl/crc32c.hpp"
+#include "hpcdl/util/crc32c.hpp"
 
 namespace hpcdl {
 
@@ -72,8 +72,8 @@ StoreReader::~StoreReader() {
 
 Status StoreReader::read(std::size_t i, void* dst) const {
   if (i >= size_.size())
-    return Status::Invalid("sample index " + std::to_string(i) + " out of range [0, " +
-                           std::to_string(size_.size()) + ")");
+    return Status::Invalid("sample index " + std::to_string(i) + " out of range [0, " + std::to_string(size_.size()) +
+                           ")");
   const Shard& sh = shards_[shard_of_[i]];
   if (!sh.damaged.empty()) return Status::Corrupt(where(i) + " is unreadable: " + sh.damaged);
   HPCDL_RETURN_NOT_OK(pread_all(sh, i, file_offset_[i], size_[i], dst));
@@ -141,15 +141,16 @@ Status StoreReader::read_many(const std::uint64_t* idx, std::size_t n, void* dst
   return first_error;
 }
 
-Status StoreReader::verify_shard(std::size_t shard, std::vector<std::uint64_t>* bad,
-                                 std::vector<std::string>* reasons, std::uint64_t* bytes_read) const {
+Status StoreReader::verify_shard(std::size_t shard, std::vector<std::uint64_t>* bad, std::vector<std::string>* reasons,
+                                 std::uint64_t* bytes_read) const {
   if (shard >= shards_.size()) return Status::Invalid("shard index out of range");
   const Shard& sh = shards_[shard];
   *bytes_read = 0;
   if (!sh.damaged.empty()) return Status::Corrupt(sh.damaged);
   std::vector<std::size_t> order(sh.count);
   std::iota(order.begin(), order.end(), sh.first);
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return file_offset_[a] < file_offset_[b]; });
+  std::sort(order.begin(), order.end(),
+            [&](std::size_t a, std::size_t b) { return file_offset_[a] < file_offset_[b]; });
   const std::uint64_t shard_end = last_byte(shard);
   // A scan gets its own descriptor with read-ahead on (the shared one is set for random reads).
   Shard scan = sh;

@@ -1,4 +1,4 @@
-"""Top-k's split allreduce (include/hpcdl/sparse_allreduce.hpp): its result and
+"""Top-k's split allreduce (include/hpcdl/algorithms/sparse_allreduce.hpp): its result and
 residuals against a reference of the documented semantics, bitwise identity
 across ranks, on the world and on sub-communicators, and its bytes per rank
 flat in p. Run under 4 ranks and, by scripts/test.sh, under 3 and 5."""

@@ -63,7 +63,7 @@ def test_sdist_carries_every_source_and_no_generated_cpp(installed):
     sdist = installed[0]
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    sources = [os.path.relpath(p, ROOT) for pattern in ("ext/_*.pyx", "ext/libhpcdl/*.pxd", "include/hpcdl/*.hpp",
+    sources = [os.path.relpath(p, ROOT) for pattern in ("ext/_*.pyx", "ext/libhpcdl/*.pxd", "include/hpcdl/**/*.hpp",
                                                         "src/**/*.cc")
                for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)]
     assert len(sources) > 20 and set(sources) <= names, sorted(set(sources) - names)

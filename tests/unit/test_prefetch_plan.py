@@ -1,5 +1,5 @@
 """The prefetcher's start-up plan (hpcdl.prefetch.plan: make_plan in
-include/hpcdl/placement.hpp) and resuming a checkpoint on another number of
+include/hpcdl/prefetch/placement.hpp) and resuming a checkpoint on another number of
 ranks, single process: plan() against a direct reading of the rule (every
 rank's own placement, computed one by one), and a state resuming in one
 process. tests/mpi/test_prefetch_plan_mpi.py checks that a 4-rank Prefetcher

@@ -1,0 +1,60 @@
+// What a thread does while the requests of an algorithm it runs are in
+// flight, and the polite wait that calls it. The engine passes its own
+// (engine/engine_loop.cc): it reads the control channels there, so the next
+// operation is agreed while this one's data moves, and it decides when a wait
+// that stopped progressing is given up.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include "hpcdl/util/env.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+
+namespace hpcdl {
+
+class Progress {
+ public:
+  virtual ~Progress() = default;
+  // Called between the polls of a wait that has lasted a few sleeps, with
+  // how long it has lasted (from its first call). Must not wait on MPI
+  // itself. False: abandon the wait (a rank it waits for has left).
+  virtual bool waiting(double waited_s) = 0;
+};
+
+// MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
+// core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the
+// rank's own compute and from the neighbours the ring waits for. Test, then
+// sleep with a backoff doubling from 1 us up to the cap; once the wait has
+// lasted a few sleeps, run progress.waiting before each further sleep (with
+// the cap at 0 MPI blocks, and progress never runs). Returns kWaitAbandoned,
+// the requests still posted, when progress says so.
+inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Status* status, Progress& progress) {
+  const long cap_us = wait_sleep_cap_us();
+  if (cap_us <= 0) return MPI_Waitany(n, requests, index, status);
+  long sleep_us = 1;
+  std::chrono::steady_clock::time_point since;  // read only once progress runs: none on short waits
+  for (;;) {
+    int flag = 0;
+    const int rc = MPI_Testany(n, requests, index, &flag, status);
+    if (rc != MPI_SUCCESS || flag) return rc;
+    if (sleep_us >= 16) {
+      const auto now = std::chrono::steady_clock::now();
+      if (since.time_since_epoch().count() == 0) since = now;
+      if (!progress.waiting(std::chrono::duration<double>(now - since).count())) return kWaitAbandoned;
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    sleep_us = std::min(sleep_us * 2, cap_us);
+  }
+}
+
+// One request, the same way (non-blocking collectives included).
+inline int wait_politely(MPI_Request* request, MPI_Status* status, Progress& progress) {
+  int index = MPI_UNDEFINED;
+  return wait_any_politely(1, request, &index, status, progress);
+}
+
+}  // namespace hpcdl

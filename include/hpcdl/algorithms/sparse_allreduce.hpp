@@ -1,0 +1,344 @@
+// Top-k's allreduces: the sparse allgather (topk_allreduce, described in
+// codecs/topk.hpp), the split allreduce: bytes per rank flat in p (Ok-Topk's
+// scheme, Li & Hoefler PPoPP'22, with an exact global selection), and the
+// choice between the two.
+//
+// Result: the exact top-k (by magnitude, NaN largest, lower index wins ties)
+// of s = the sum, in rank order, of every rank's scaled local top-k, i.e. the
+// top-k of what the allgather variant returns. Steps, all on the engine's
+// data communicator, non-blocking collectives waited on politely:
+//   1. each rank selects its local top-k of x = data (+ residual) (TopkSelector);
+//   2. balance: a histogram of the selected indices over B equal bins is summed
+//      (Iallreduce); the index space is cut into p contiguous ranges holding
+//      about p k / p = k selected pairs each (cuts interpolated inside bins);
+//   3. reduce-scatter: each rank sends the pairs of range j to rank j
+//      (Ialltoall of the counts, then a pairwise exchange of the pairs); rank
+//      j sums them in rank order: its candidates are the union of received
+//      indices. The counts go first, together (4 bytes a peer: one round),
+//      so the pairs land in a buffer of exactly their size;
+//   4. global selection: the k-th largest candidate magnitude m is found by a
+//      radix select over the 32 magnitude bits, 8 at a time (4 Iallreduces of
+//      256 counts); ties at m go to the lowest indices (an Iallgather of each
+//      range's counts above and at m: ranges ascend, so lower ranges take
+//      their ties first, and every rank knows every range's selected count);
+//   5. an Iallgatherv of the selected pairs (k in all) gives every rank the
+//      same bytes, written into the cleared buffer: bitwise identical results.
+// Error feedback: a rank's residual keeps x except where its own pair made it
+// into the result (residual = 0 there): residual + what was applied of this
+// rank's contribution = x, per rank, in sum units.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "hpcdl/algorithms/progress.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/codecs/topk.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/scratch.hpp"
+#include "hpcdl/util/status.hpp"
+
+namespace hpcdl {
+
+// Working memory of the split allreduce, reused from call to call.
+struct SplitScratch {
+  Scratch mine_idx, mine_val, hist, recv_idx, recv_val, cand, cand_mag, sel_idx, sel_val, out_idx, out_val;
+};
+
+namespace detail {
+
+constexpr std::size_t kRadixBits = 8, kRadixBins = 1u << kRadixBits, kRadixRounds = 32 / kRadixBits;
+
+// Bins of the balance histogram: fine enough that one bin (about 64 p
+// selected pairs when they spread evenly) is small against a range's k, and at
+// least 4 per range.
+inline std::size_t split_balance_bins(int p, std::size_t n, std::size_t k) {
+  return std::min(n, std::max<std::size_t>(4 * static_cast<std::size_t>(p), k / 64));
+}
+
+// The logical volume a rank receives (and sends) in an allreduce of `bytes`: a ring's.
+inline std::uint64_t allreduce_volume(int p, std::size_t bytes) {
+  return 2 * static_cast<std::uint64_t>(p - 1) * bytes / static_cast<std::uint64_t>(p);
+}
+
+inline Status wait_all(MPI_Request* requests, int count, const char* what, Progress& progress) {
+  for (int i = 0; i < count; ++i)
+    HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&requests[i], MPI_STATUS_IGNORE, progress), what));
+  return Status::OK();
+}
+
+// The pairs of the reduce-scatter, one peer at a time: in round r = 1..p-1 a
+// rank sends to rank + r and receives from rank - r (its indices, then its
+// values: one stream on the link), and waits for both before the next round.
+// An all-to-all puts p - 1 messages on each rank's link at once; on a link
+// that polices its rate (a token bucket, a switch's shallow buffers) those
+// bursts are dropped and resent. Blocks land at their rank-order displacement
+// (this rank's own is copied), so the sum that follows runs in rank order.
+inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, const std::uint32_t* idx,
+                                      const float* val, const std::vector<int>& send_count,
+                                      const std::vector<int>& send_displ, std::uint32_t* recv_idx, float* recv_val,
+                                      const std::vector<int>& recv_count, const std::vector<int>& recv_displ,
+                                      Progress& progress) {
+  std::memcpy(recv_idx + recv_displ[rank], idx + send_displ[rank], send_count[rank] * sizeof(std::uint32_t));
+  std::memcpy(recv_val + recv_displ[rank], val + send_displ[rank], send_count[rank] * sizeof(float));
+  MPI_Request rq[4] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  auto rounds = [&]() -> Status {
+    for (int r = 1; r < p; ++r) {
+      const int to = (rank + r) % p, from = (rank - r + p) % p;
+      if (recv_count[from] > 0) {  // both sides know the count: an empty block is no message
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(MPI_Irecv(recv_idx + recv_displ[from], recv_count[from], MPI_UINT32_T, from, tag, comm, &rq[0]),
+                       "MPI_Irecv(top-k indices)"));
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(MPI_Irecv(recv_val + recv_displ[from], recv_count[from], MPI_FLOAT, from, tag, comm, &rq[1]),
+                       "MPI_Irecv(top-k values)"));
+      }
+      if (send_count[to] > 0) {
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(MPI_Isend(idx + send_displ[to], send_count[to], MPI_UINT32_T, to, tag, comm, &rq[2]),
+                       "MPI_Isend(top-k indices)"));
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(MPI_Isend(val + send_displ[to], send_count[to], MPI_FLOAT, to, tag, comm, &rq[3]),
+                       "MPI_Isend(top-k values)"));
+      }
+      HPCDL_RETURN_NOT_OK(wait_all(rq, 4, "MPI_Wait(top-k pairs)", progress));
+    }
+    return Status::OK();
+  };
+  Status st = rounds();
+  // A failed round leaves requests posted into the scratch buffers the next call reuses.
+  if (!st.ok()) cancel_and_complete({&rq[0], &rq[1], &rq[2], &rq[3]}, 10.0, "top-k split");
+  return st;
+}
+
+}  // namespace detail
+
+// Bytes a rank receives in one split allreduce with evenly spread pairs: the
+// reduce-scatter's and the allgather's (p - 1)/p * 8k each, plus the balance
+// histogram, the radix select and the count exchanges.
+inline std::uint64_t topk_split_model_bytes(int p, std::size_t n, std::size_t k) {
+  const std::uint64_t pairs = 2 * static_cast<std::uint64_t>(p - 1) * topk_encoded_bytes(k) / p;
+  return pairs + detail::allreduce_volume(p, 4 * detail::split_balance_bins(p, n, k)) +
+         detail::kRadixRounds * detail::allreduce_volume(p, 4 * detail::kRadixBins) +
+         static_cast<std::uint64_t>(p - 1) * (4 + 8);
+}
+
+// Split or allgather: the algorithm named, or with "auto" the one whose
+// bytes received per rank are fewer ((p - 1) 8k for the allgather); auto
+// keeps the allgather where the split's counts (p k pairs: MPI's int counts,
+// uint32 histograms) would not fit.
+inline bool topk_use_split(TopkAlgorithm algorithm, int p, std::size_t n, std::size_t k) {
+  if (algorithm != TopkAlgorithm::kAuto) return algorithm == TopkAlgorithm::kSplit;
+  if (static_cast<std::uint64_t>(p) * k > static_cast<std::uint64_t>(INT_MAX)) return false;
+  return topk_split_model_bytes(p, n, k) < static_cast<std::uint64_t>(p - 1) * topk_encoded_bytes(k);
+}
+
+// The split allreduce of data[0, n) (see the top of this file). residual
+// (optional, n values) as in topk_allreduce; traffic counts the logical
+// volume of each exchange (an allreduce as a ring's 2 (p - 1)/p).
+inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, float* data, std::size_t n, double ratio,
+                                   double final_scale, float* residual, RingTraffic* traffic, TopkScratch& topk_scratch,
+                                   SplitScratch& s, Progress& progress) {
+  const std::size_t k = topk_count(n, ratio);
+  if (k == 0) return Status::OK();
+  if (static_cast<std::uint64_t>(p) * k > static_cast<std::uint64_t>(INT_MAX))
+    return Status::Invalid("top-k split: p * k = " + std::to_string(static_cast<std::uint64_t>(p) * k) +
+                           " pairs exceed MPI's int counts; use algorithm=allgather");
+  const std::size_t up = static_cast<std::size_t>(p);
+  std::uint64_t received = 0, sent = 0;
+  MPI_Request rq[2];
+
+  // 1. Local selection, scaled as in topk_allreduce (the sums are the result).
+  std::uint32_t* idx = s.mine_idx.get<std::uint32_t>(k);
+  float* val = s.mine_val.get<float>(k);
+  topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val);
+
+  // 2. Balance: range j ends where the running count of all p k pairs reaches
+  // (j + 1) k, interpolated linearly inside that bin (pairs assumed even there).
+  std::size_t bins = detail::split_balance_bins(p, n, k);
+  const std::size_t width = (n + bins - 1) / bins;
+  bins = (n + width - 1) / width;
+  std::uint32_t* hist = s.hist.get<std::uint32_t>(std::max(bins, detail::kRadixBins));
+  std::fill(hist, hist + bins, 0u);
+  for (std::size_t j = 0; j < k; ++j) ++hist[idx[j] / width];
+  HPCDL_RETURN_NOT_OK(
+      mpi_status(MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(bins), MPI_UINT32_T, MPI_SUM, comm, &rq[0]),
+                 "MPI_Iallreduce(top-k balance)"));
+  received += detail::allreduce_volume(p, 4 * bins);
+  sent += detail::allreduce_volume(p, 4 * bins);
+  // While the histogram travels: data is no longer read (x is in val, or in the residual).
+  std::memset(data, 0, n * sizeof(float));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k balance)", progress));
+  std::vector<std::size_t> bound(up + 1, n);
+  bound[0] = 0;
+  {
+    const std::uint64_t total = static_cast<std::uint64_t>(p) * k;
+    std::uint64_t cum = 0;
+    std::size_t bin = 0;
+    for (int j = 1; j < p; ++j) {
+      const std::uint64_t target = total * static_cast<std::uint64_t>(j) / up;
+      while (bin < bins && cum + hist[bin] < target) cum += hist[bin++];
+      std::size_t at = n;
+      if (bin < bins) at = bin * width + (hist[bin] ? (target - cum) * width / hist[bin] : 0);
+      bound[j] = std::min(n, at);
+    }
+  }
+
+  // 3. Reduce-scatter: the pairs of range j to rank j, summed there in rank order.
+  std::vector<int> send_count(up), send_displ(up), recv_count(up), recv_displ(up);
+  for (std::size_t j = 0; j < up; ++j) {
+    std::uint32_t* lo = std::lower_bound(idx, idx + k, bound[j]);
+    std::uint32_t* hi = std::lower_bound(lo, idx + k, bound[j + 1]);
+    send_displ[j] = static_cast<int>(lo - idx);
+    send_count[j] = static_cast<int>(hi - lo);
+  }
+  HPCDL_RETURN_NOT_OK(
+      mpi_status(MPI_Ialltoall(send_count.data(), 1, MPI_INT, recv_count.data(), 1, MPI_INT, comm, &rq[0]),
+                 "MPI_Ialltoall(top-k counts)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k counts)", progress));
+  std::size_t n_recv = 0;
+  for (std::size_t r = 0; r < up; ++r) {
+    recv_displ[r] = static_cast<int>(n_recv);
+    n_recv += static_cast<std::size_t>(recv_count[r]);
+    if (r != static_cast<std::size_t>(rank)) {
+      received += 8 * static_cast<std::uint64_t>(recv_count[r]) + 4;
+      sent += 8 * static_cast<std::uint64_t>(send_count[r]) + 4;
+    }
+  }
+  std::uint32_t* recv_idx = s.recv_idx.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
+  float* recv_val = s.recv_val.get<float>(std::max<std::size_t>(n_recv, 1));
+  HPCDL_RETURN_NOT_OK(detail::exchange_pairs_pairwise(comm, p, rank, tag, idx, val, send_count, send_displ, recv_idx,
+                                                      recv_val, recv_count, recv_displ, progress));
+  const std::size_t lo = bound[rank], hi = bound[rank + 1];
+  for (std::size_t c = 0; c < n_recv; ++c) {  // blocks arrive in rank order: the sums are too
+    if (recv_idx[c] < lo || recv_idx[c] >= hi) return Status::Internal("top-k split: a pair outside its range");
+    data[recv_idx[c]] += recv_val[c];
+  }
+  std::uint32_t* cand = s.cand.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
+  std::memcpy(cand, recv_idx, n_recv * sizeof(std::uint32_t));
+  std::sort(cand, cand + n_recv);
+  const std::size_t n_cand = static_cast<std::size_t>(std::unique(cand, cand + n_recv) - cand);
+  std::uint32_t* mag = s.cand_mag.get<std::uint32_t>(std::max<std::size_t>(n_cand, 1));
+  for (std::size_t c = 0; c < n_cand; ++c) mag[c] = detail::topk_magnitude(data[cand[c]]);
+
+  // 4. Radix select of the k-th largest candidate magnitude over all ranges.
+  std::uint64_t need = k;
+  std::uint32_t prefix = 0;
+  for (std::size_t round = 0; round < detail::kRadixRounds; ++round) {
+    const unsigned shift = static_cast<unsigned>(32 - detail::kRadixBits * (round + 1));
+    std::fill(hist, hist + detail::kRadixBins, 0u);
+    for (std::size_t c = 0; c < n_cand; ++c)
+      if (round == 0 || (mag[c] >> (shift + detail::kRadixBits)) == prefix) ++hist[(mag[c] >> shift) & 0xffu];
+    HPCDL_RETURN_NOT_OK(mpi_status(
+        MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(detail::kRadixBins), MPI_UINT32_T, MPI_SUM, comm, &rq[0]),
+        "MPI_Iallreduce(top-k select)"));
+    HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k select)", progress));
+    received += detail::allreduce_volume(p, 4 * detail::kRadixBins);
+    sent += detail::allreduce_volume(p, 4 * detail::kRadixBins);
+    if (round == 0) {  // every rank's k pairs are distinct indices, so the union holds at least k
+      std::uint64_t total = 0;
+      for (std::size_t b = 0; b < detail::kRadixBins; ++b) total += hist[b];
+      need = std::min<std::uint64_t>(need, total);
+    }
+    std::size_t b = detail::kRadixBins - 1;
+    for (; b > 0 && hist[b] < need; --b) need -= hist[b];
+    prefix = (prefix << detail::kRadixBits) | static_cast<std::uint32_t>(b);
+  }
+  const std::uint32_t cut = prefix;  // `need` candidates equal to it complete the k
+  // Every range's (above, equal) counts: each rank derives all ranges' selected
+  // counts from them, so one exchange serves the ties and the allgather's sizes.
+  std::uint32_t mine[2] = {0, 0};
+  for (std::size_t c = 0; c < n_cand; ++c) {
+    if (mag[c] > cut) ++mine[0];
+    if (mag[c] == cut) ++mine[1];
+  }
+  std::vector<std::uint32_t> counts(2 * up);
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgather(mine, 2, MPI_UINT32_T, counts.data(), 2, MPI_UINT32_T, comm, &rq[0]),
+                                 "MPI_Iallgather(top-k selected counts)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k selected counts)", progress));
+  received += 8 * (up - 1);
+  sent += 8 * (up - 1);
+  // Ties go to the lowest indices: range r takes what ranges 0..r-1 left.
+  std::vector<int> out_count(up), out_displ(up);
+  std::uint64_t ties_left = need, take = 0;
+  std::size_t n_out = 0;
+  for (std::size_t r = 0; r < up; ++r) {
+    const std::uint64_t ties = std::min<std::uint64_t>(ties_left, counts[2 * r + 1]);
+    ties_left -= ties;
+    if (r == static_cast<std::size_t>(rank)) take = ties;
+    out_count[r] = static_cast<int>(counts[2 * r] + ties);
+    out_displ[r] = static_cast<int>(n_out);
+    n_out += static_cast<std::size_t>(out_count[r]);
+  }
+  std::uint32_t* sel_idx = s.sel_idx.get<std::uint32_t>(std::max<std::size_t>(n_cand, 1));
+  float* sel_val = s.sel_val.get<float>(std::max<std::size_t>(n_cand, 1));
+  const int n_sel = out_count[rank];
+  for (std::size_t c = 0, out = 0; c < n_cand; ++c) {
+    if (mag[c] > cut || (mag[c] == cut && take > 0)) {
+      if (mag[c] == cut) --take;
+      sel_idx[out] = cand[c];
+      sel_val[out++] = data[cand[c]];
+    }
+    data[cand[c]] = 0.0f;  // the buffer is cleared again; the gathered result lands in it
+  }
+
+  // 5. Allgather of the selected pairs: ranges ascend, so the result's indices do.
+  std::uint32_t* out_idx = s.out_idx.get<std::uint32_t>(std::max<std::size_t>(n_out, 1));
+  float* out_val = s.out_val.get<float>(std::max<std::size_t>(n_out, 1));
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgatherv(sel_idx, n_sel, MPI_UINT32_T, out_idx, out_count.data(),
+                                                 out_displ.data(), MPI_UINT32_T, comm, &rq[0]),
+                                 "MPI_Iallgatherv(top-k indices)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Iallgatherv(sel_val, n_sel, MPI_FLOAT, out_val, out_count.data(), out_displ.data(), MPI_FLOAT, comm, &rq[1]),
+      "MPI_Iallgatherv(top-k values)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k allgather)", progress));
+  received += 8 * static_cast<std::uint64_t>(n_out - static_cast<std::size_t>(n_sel));
+  sent += 8 * static_cast<std::uint64_t>(n_sel) * (up - 1);
+  for (std::size_t g = 0; g < n_out; ++g) data[out_idx[g]] = out_val[g];
+  // The residual gives up this rank's pairs that made it into the result (both lists ascend).
+  for (std::size_t j = 0, g = 0; residual && j < k; ++j) {
+    while (g < n_out && out_idx[g] < idx[j]) ++g;
+    if (g < n_out && out_idx[g] == idx[j]) residual[idx[j]] = 0.0f;
+  }
+  traffic->bytes_received += received;
+  traffic->bytes_sent += sent;
+  return Status::OK();
+}
+
+// Allreduce of data[0, n) through top-k on every rank. residual (optional,
+// n values): added to the data before selection; on return, what this
+// rank's contribution dropped, in sum units.
+inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n, double ratio, double final_scale,
+                             float* residual, RingTraffic* traffic, TopkScratch& scratch, Progress& progress) {
+  const std::size_t k = topk_count(n, ratio);
+  const std::size_t bytes = topk_encoded_bytes(k);
+  if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+    return Status::Invalid("top-k message of " + std::to_string(bytes) + " bytes exceeds one MPI message");
+  std::uint8_t* mine = scratch.mine.get<std::uint8_t>(bytes);
+  std::uint8_t* all = scratch.all.get<std::uint8_t>(bytes * static_cast<std::size_t>(size));
+  std::uint32_t* idx = topk_indices(mine);
+  topk_contribution(data, residual, n, k, final_scale, scratch, idx, topk_values(mine, k));
+  // Non-blocking, waited on without MPI's busy spin: ranks still selecting keep the CPU.
+  MPI_Request request;
+  int rc =
+      MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm, &request);
+  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
+  // While the pairs travel, the residual gives up what was sent.
+  for (std::size_t j = 0; residual && j < k; ++j) residual[idx[j]] = 0.0f;
+  HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&request, MPI_STATUS_IGNORE, progress), "MPI_Wait(top-k allgather)"));
+  // The logical volume of an allgather: every other rank's pairs in, ours out to each.
+  traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
+  traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
+  topk_sum_into(all, size, k, data, n, scratch);
+  return Status::OK();
+}
+
+}  // namespace hpcdl

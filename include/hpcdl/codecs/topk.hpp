@@ -1,0 +1,327 @@
+// Top-k sparsification: the selection and the (index, value) pairs. Its
+// allreduces are in algorithms/sparse_allreduce.hpp; the first, the sparse
+// allgather:
+//
+// Each rank keeps its k = max(1, ceil(ratio * n)) largest magnitudes (NaN
+// counts as the largest, so it propagates), sends them as (index, value)
+// pairs with one MPI_Allgather, and every rank sums the p contributions in
+// rank order into the cleared buffer, so all ranks compute bitwise identical
+// results. Cost per rank: (p - 1) * 8k bytes received, against
+// 2 (p - 1) / p * 4n for the dense ring: worth it while ratio < 1 / p.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/scratch.hpp"
+#include "hpcdl/util/status.hpp"
+
+namespace hpcdl {
+
+inline std::size_t topk_count(std::size_t n, double ratio) {
+  if (n == 0) return 0;
+  const double k = std::ceil(ratio * static_cast<double>(n));
+  return std::min(n, std::max<std::size_t>(1, static_cast<std::size_t>(k)));
+}
+
+inline std::size_t topk_encoded_bytes(std::size_t k) { return k * (sizeof(std::uint32_t) + sizeof(float)); }
+
+// One encoded contribution. Wire: k x uint32 index (ascending), then k x
+// float32 value.
+inline std::uint32_t* topk_indices(std::uint8_t* msg) { return reinterpret_cast<std::uint32_t*>(msg); }
+inline const std::uint32_t* topk_indices(const std::uint8_t* msg) {
+  return reinterpret_cast<const std::uint32_t*>(msg);
+}
+inline float* topk_values(std::uint8_t* msg, std::size_t k) {
+  return reinterpret_cast<float*>(msg + k * sizeof(std::uint32_t));
+}
+inline const float* topk_values(const std::uint8_t* msg, std::size_t k) {
+  return reinterpret_cast<const float*>(msg + k * sizeof(std::uint32_t));
+}
+
+namespace detail {
+
+// Magnitude used for ranking: the bits of |x|, whose integer order is the
+// float order with NaN above +Inf.
+inline std::uint32_t topk_magnitude(float v) { return float_to_bits(v) & 0x7fffffffu; }
+
+}  // namespace detail
+
+// Working memory of one selection, reused from call to call by the engine.
+struct TopkScratch {
+  Scratch above, above_x, at, at_x, mags, all_indices, mine, all, cursors;
+};
+
+// Selects the k largest magnitudes of x = data (+ residual): their indices,
+// ascending, and values; among equal magnitudes at the cut, lower indices
+// win. O(n), one pass over memory (as Deep Gradient Compression does, made
+// exact):
+//   1. a fixed-size strided sample of x guesses a threshold t a little below
+//      the k-th largest magnitude (about 1.5k values at or above it);
+//   2. one scan collects, in index order, the indices and values with
+//      magnitude > t and the first k with magnitude == t (so ties on t cost
+//      nothing);
+//   3. if at least k lie above t, the k-th largest magnitude m among them is
+//      found with nth_element on a copy of their magnitudes, and one walk
+//      over the collected pairs keeps those above m and the lowest-index ones
+//      equal to m; otherwise t itself is the k-th largest and the first
+//      k - |above| equal to t join.
+//   If the sample guessed too high (fewer than k at or above t) or too low
+//   (over 4k + 64 above t), an exact selection over all n values runs instead.
+// With a residual (error feedback) the scan also leaves x in the residual
+// and notes whether any x is NaN or Inf; if so, those residual entries are
+// cleared after the selection (a NaN or Inf is sent this step if it is among
+// the k, and never added back at later steps). data is only read (the caller
+// overwrites it with the sum).
+class TopkSelector {
+ public:
+  TopkSelector(std::size_t n, std::size_t k, TopkScratch& scratch) : n_(n), k_(k), scratch_(scratch) {}
+
+  // Fills idx_out[0, k) and val_out[0, k) from x, which is only read.
+  void select(const float* x, std::uint32_t* idx_out, float* val_out) { run<false>(x, nullptr, idx_out, val_out); }
+
+  // x = data + residual; on return the residual holds x, with NaN and Inf
+  // replaced by 0 (data is only read).
+  void select_with_residual(const float* data, float* residual, std::uint32_t* idx_out, float* val_out) {
+    run<true>(data, residual, idx_out, val_out);
+    if (!any_non_finite_) return;
+    for (std::size_t i = 0; i < n_; ++i)
+      if (!std::isfinite(residual[i])) residual[i] = 0.0f;
+  }
+
+ private:
+  template <bool kResidual>
+  void run(const float* in, float* residual, std::uint32_t* idx_out, float* val_out) {
+    if (k_ == 0) return;
+    const float* x = kResidual ? residual : in;  // where x lies after the scan
+    if (k_ == n_) {
+      for (std::size_t i = 0; kResidual && i < n_; ++i) residual[i] += in[i];
+      for (std::size_t i = 0; i < n_; ++i) idx_out[i] = static_cast<std::uint32_t>(i);
+      std::memcpy(val_out, x, n_ * sizeof(float));
+      return;
+    }
+    scan<kResidual>(in, residual, sample_threshold(in, residual));
+    if (n_above_ > cap_ || n_above_ + n_at_ < k_) {
+      select_exact(x, idx_out, val_out);
+    } else if (n_above_ >= k_) {
+      cut_above(idx_out, val_out);
+    } else {
+      // Both lists ascend and share no index: merge them with their values.
+      std::size_t a = 0, e = 0;
+      const std::size_t ties = k_ - n_above_;
+      for (std::size_t out = 0; out < k_; ++out) {
+        const bool take_above = e == ties || (a < n_above_ && above_[a] < at_[e]);
+        idx_out[out] = take_above ? above_[a] : at_[e];
+        val_out[out] = take_above ? above_x_[a++] : at_x_[e++];
+      }
+    }
+  }
+
+  std::uint32_t sample_threshold(const float* data, const float* residual) {
+    const std::size_t samples = std::min<std::size_t>(n_, 16384), stride = n_ / samples;
+    std::uint32_t* sample = scratch_.mags.get<std::uint32_t>(samples);
+    for (std::size_t s = 0; s < samples; ++s) {
+      const std::size_t i = s * stride;
+      sample[s] = detail::topk_magnitude(residual ? data[i] + residual[i] : data[i]);
+    }
+    // Aim for about 1.5k candidates: the (1.5k/n)-quantile from the top of
+    // the sample (16384 samples put the k-th largest within a few percent
+    // for the ratios top-k is for, so falling short of k is rare).
+    const std::size_t want = std::min(samples - 1, (3 * k_ * samples) / (2 * n_));
+    std::nth_element(sample, sample + want, sample + samples, std::greater<std::uint32_t>());
+    return sample[want];
+  }
+
+  // Groups of 16 values: x (+ the residual fold) and bit masks, lanes with
+  // magnitude > t, == t and (with the residual) NaN or Inf, from vector compares (magnitudes have the
+  // sign bit clear, so signed 32-bit compares order them). Only set bits are
+  // visited, so the scan costs about one pass over memory however many ties
+  // the data has.
+  static constexpr std::size_t kGroup = 16;
+
+  static constexpr std::uint32_t kLargestFinite = 0x7f7fffffu;  // magnitudes above: Inf, NaN
+
+  template <bool kResidual>
+  static void group_masks(const float* in, float* residual, std::uint32_t t, std::uint32_t* above, std::uint32_t* at,
+                          std::uint32_t* non_finite) {
+#if defined(__SSE2__)
+    const __m128i tv = _mm_set1_epi32(static_cast<int>(t)), abs_mask = _mm_set1_epi32(0x7fffffff);
+    const __m128i finite_max = _mm_set1_epi32(static_cast<int>(kLargestFinite));
+    std::uint32_t a = 0, e = 0, f = 0;
+    for (int j = 0; j < 4; ++j) {
+      __m128 v;
+      if (kResidual) {
+        v = _mm_add_ps(_mm_loadu_ps(in + 4 * j), _mm_loadu_ps(residual + 4 * j));
+        _mm_storeu_ps(residual + 4 * j, v);
+      } else {
+        v = _mm_loadu_ps(in + 4 * j);
+      }
+      const __m128i m = _mm_and_si128(_mm_castps_si128(v), abs_mask);
+      a |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, tv)))) << (4 * j);
+      e |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpeq_epi32(m, tv)))) << (4 * j);
+      if (kResidual) f |= static_cast<std::uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(_mm_cmpgt_epi32(m, finite_max))));
+    }
+    *above = a;
+    *at = e;
+    *non_finite = f;
+#else
+    group_masks_scalar<kResidual>(in, residual, kGroup, t, above, at, non_finite);
+#endif
+  }
+
+  template <bool kResidual>
+  static void group_masks_scalar(const float* in, float* residual, std::size_t len, std::uint32_t t,
+                                 std::uint32_t* above, std::uint32_t* at, std::uint32_t* non_finite) {
+    std::uint32_t a = 0, e = 0, f = 0;
+    for (std::size_t j = 0; j < len; ++j) {
+      float v;
+      if (kResidual) {
+        v = in[j] + residual[j];
+        residual[j] = v;
+      } else {
+        v = in[j];
+      }
+      const std::uint32_t m = detail::topk_magnitude(v);
+      a |= static_cast<std::uint32_t>(m > t) << j;
+      e |= static_cast<std::uint32_t>(m == t) << j;
+      f |= static_cast<std::uint32_t>(m > kLargestFinite);
+    }
+    *above = a;
+    *at = e;
+    *non_finite = f;
+  }
+
+  // With kResidual, x ends up in residual; else x = in. Candidates are kept
+  // with their values, so the cut never reads x again.
+  template <bool kResidual>
+  void scan(const float* in, float* residual, std::uint32_t t) {
+    cap_ = 4 * k_ + 64;
+    above_ = scratch_.above.get<std::uint32_t>(cap_);
+    above_x_ = scratch_.above_x.get<float>(cap_);
+    at_ = scratch_.at.get<std::uint32_t>(k_);
+    at_x_ = scratch_.at_x.get<float>(k_);
+    const float* x = kResidual ? residual : in;
+    std::size_t na = 0, ne = 0;
+    std::uint32_t non_finite = 0;
+    for (std::size_t lo = 0; lo < n_; lo += kGroup) {
+      const std::size_t len = std::min(kGroup, n_ - lo);
+      std::uint32_t a, e, f;
+      float* r = kResidual ? residual + lo : nullptr;
+      if (len == kGroup) {
+        group_masks<kResidual>(in + lo, r, t, &a, &e, &f);
+      } else {
+        group_masks_scalar<kResidual>(in + lo, r, len, t, &a, &e, &f);
+      }
+      non_finite |= f;
+      for (; a; a &= a - 1, ++na) {
+        if (na >= cap_) continue;
+        const std::size_t i = lo + __builtin_ctz(a);
+        above_[na] = static_cast<std::uint32_t>(i);
+        above_x_[na] = x[i];
+      }
+      for (; e && ne < k_; e &= e - 1, ++ne) {
+        const std::size_t i = lo + __builtin_ctz(e);
+        at_[ne] = static_cast<std::uint32_t>(i);
+        at_x_[ne] = x[i];
+      }
+    }
+    n_above_ = na;
+    n_at_ = ne;
+    any_non_finite_ = non_finite != 0;
+  }
+
+  void cut_above(std::uint32_t* idx_out, float* val_out) {
+    std::uint32_t* mags = scratch_.mags.get<std::uint32_t>(n_above_);
+    for (std::size_t j = 0; j < n_above_; ++j) mags[j] = detail::topk_magnitude(above_x_[j]);
+    std::nth_element(mags, mags + (k_ - 1), mags + n_above_, std::greater<std::uint32_t>());
+    const std::uint32_t m = mags[k_ - 1];
+    std::size_t over = 0;
+    for (std::size_t j = 0; j < n_above_; ++j) over += detail::topk_magnitude(above_x_[j]) > m;
+    std::size_t equal_left = k_ - over, out = 0;
+    for (std::size_t j = 0; j < n_above_; ++j) {
+      const std::uint32_t mj = detail::topk_magnitude(above_x_[j]);
+      if (mj > m || (mj == m && equal_left > 0)) {
+        if (mj == m) --equal_left;
+        idx_out[out] = above_[j];
+        val_out[out++] = above_x_[j];
+      }
+    }
+  }
+
+  void select_exact(const float* x, std::uint32_t* idx_out, float* val_out) {
+    std::uint32_t* all = scratch_.all_indices.get<std::uint32_t>(n_);
+    for (std::size_t i = 0; i < n_; ++i) all[i] = static_cast<std::uint32_t>(i);
+    auto larger = [x](std::uint32_t a, std::uint32_t b) {
+      const std::uint32_t ma = detail::topk_magnitude(x[a]), mb = detail::topk_magnitude(x[b]);
+      return ma > mb || (ma == mb && a < b);
+    };
+    std::nth_element(all, all + (k_ - 1), all + n_, larger);
+    std::sort(all, all + k_);
+    std::memcpy(idx_out, all, k_ * sizeof(std::uint32_t));
+    for (std::size_t j = 0; j < k_; ++j) val_out[j] = x[idx_out[j]];
+  }
+
+  std::size_t n_, k_;
+  TopkScratch& scratch_;
+  std::uint32_t *above_ = nullptr, *at_ = nullptr;
+  float *above_x_ = nullptr, *at_x_ = nullptr;
+  std::size_t cap_ = 0, n_above_ = 0, n_at_ = 0;
+  bool any_non_finite_ = false;
+};
+
+inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8_t* out, TopkScratch& scratch) {
+  TopkSelector(n, k, scratch).select(x, topk_indices(out), topk_values(out, k));
+}
+
+// data[0, n) = the sum of p encoded contributions, added in rank order (so
+// every rank computes the same bits). Written a block at a time: the block is
+// cleared, then each rank's pairs that fall in it are added, a cursor per
+// rank walking its ascending indices. Memory is written once, in order,
+// instead of p passes of scattered read-modify-writes over the whole buffer.
+inline void topk_sum_into(const std::uint8_t* all, int p, std::size_t k, float* data, std::size_t n,
+                          TopkScratch& scratch) {
+  constexpr std::size_t kBlock = 4096;  // floats: 16 KiB, stays in L1 while the adds land
+  const std::size_t bytes = topk_encoded_bytes(k);
+  std::size_t* cursor = scratch.cursors.get<std::size_t>(static_cast<std::size_t>(p));
+  std::fill(cursor, cursor + p, std::size_t(0));
+  for (std::size_t lo = 0; lo < n; lo += kBlock) {
+    const std::size_t hi = std::min(n, lo + kBlock);
+    std::memset(data + lo, 0, (hi - lo) * sizeof(float));
+    for (int r = 0; r < p; ++r) {
+      const std::uint8_t* in = all + static_cast<std::size_t>(r) * bytes;
+      const std::uint32_t* idx = topk_indices(in);
+      const float* val = topk_values(in, k);
+      std::size_t j = cursor[r];
+      for (; j < k && idx[j] < hi; ++j) data[idx[j]] += val[j];
+      cursor[r] = j;
+    }
+  }
+}
+
+// This rank's contribution to a top-k allreduce: the k pairs of data (+ residual,
+// which keeps what is not selected), each value scaled before it is sent
+// (average: 1/p), so that the sum of the contributions is the result.
+inline void topk_contribution(const float* data, float* residual, std::size_t n, std::size_t k, double final_scale,
+                              TopkScratch& scratch, std::uint32_t* idx, float* val) {
+  TopkSelector selector(n, k, scratch);
+  if (residual) {
+    selector.select_with_residual(data, residual, idx, val);
+  } else {
+    selector.select(data, idx, val);
+  }
+  if (final_scale != 1.0)
+    for (std::size_t j = 0; j < k; ++j) val[j] *= static_cast<float>(final_scale);
+}
+
+}  // namespace hpcdl

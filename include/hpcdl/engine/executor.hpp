@@ -1,0 +1,58 @@
+// Running what the plans say, in their order: waiting for a deferred
+// operation's data, then the dense ring, a codec's compressed scheme or the
+// broadcast, their counters and timeline spans. Owns the working memory the
+// algorithms reuse from one operation to the next.
+#pragma once
+
+#include "hpcdl/algorithms/compressed_ring.hpp"
+#include "hpcdl/algorithms/progress.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/algorithms/sparse_allreduce.hpp"
+#include "hpcdl/codecs/topk.hpp"
+#include "hpcdl/util/status.hpp"
+
+namespace hpcdl {
+
+class CommContext;
+class NoticeBoard;
+class Operation;
+class ResidualStore;
+class StatsBoard;
+class SubmissionQueue;
+class Transfers;
+
+class Executor {
+ public:
+  Executor(SubmissionQueue& queue, NoticeBoard& notices, StatsBoard& stats, ResidualStore& residuals,
+           const Transfers& transfers)
+      : queue_(queue), notices_(notices), stats_(stats), residuals_(residuals), transfers_(transfers) {}
+  // Runs or fails the entries of ctx's queued plans, in order; waits call progress.
+  Status run_plans(CommContext& ctx, Progress& progress);
+  // The context whose operation moves data now (nullptr: none).
+  const CommContext* executing() const { return executing_; }
+  // That operation's requests can be cancelled (a ring).
+  bool cancellable() const { return cancellable_; }
+  // That operation's wait is abandoned after `seconds` without progress.
+  void stalled(double seconds) { stalled_s_ = seconds; }
+
+ private:
+  // Waits until a deferred operation the plan has reached is marked ready.
+  Status await_ready(CommContext& ctx, Operation& op, Progress& progress);
+  Status execute(CommContext& ctx, Operation& op, Progress& progress);  // the caller finishes op
+  Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
+  void record(const Operation& op, const RingTraffic& traffic, double seconds);
+
+  SubmissionQueue& queue_;
+  NoticeBoard& notices_;
+  StatsBoard& stats_;
+  ResidualStore& residuals_;
+  const Transfers& transfers_;
+  CommContext* executing_ = nullptr;
+  bool cancellable_ = false;
+  double stalled_s_ = 0;  // > 0: that ring was abandoned after this long without progress
+  RingScratch ring_scratch_;
+  TopkScratch topk_scratch_;
+  SplitScratch split_scratch_;
+};
+
+}  // namespace hpcdl

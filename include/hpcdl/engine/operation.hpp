@@ -1,0 +1,92 @@
+// An operation submitted to the engine: what every rank must agree on
+// (OpDesc), the caller's request, and the handle both sides share.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "hpcdl/codecs/codec_spec.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/status.hpp"
+
+namespace hpcdl {
+
+enum class OpKind : int { kAllreduce = 0, kBroadcast = 1, kBarrier = 2 };
+
+const char* op_kind_name(OpKind k);
+
+// What every rank must agree on for one operation.
+struct OpDesc {
+  OpKind kind = OpKind::kAllreduce;
+  DType dtype = DType::kFloat32;
+  ReduceOp reduce_op = ReduceOp::kSum;
+  std::int32_t root = 0;
+  std::uint64_t count = 0;
+  std::uint64_t chunk_bytes = 0;
+  std::string codec;  // codec config, canonical text; empty = none
+  // Unnamed operations: the submitting thread's name. Unnamed operations pair
+  // by submission order; threads racing to submit would pair one thread's
+  // operation with another's, so the thread is part of what ranks agree on.
+  std::string thread;
+
+  std::string serialize(const std::string& name) const;
+  static bool parse(const std::string& bytes, std::string* name, OpDesc* out);
+};
+
+struct OpRequest {
+  std::string name;  // empty: named by submission order on this communicator
+  OpDesc desc;
+  void* data = nullptr;
+  bool deferred = false;  // data not in place yet: run only after Operation::mark_ready()
+  CodecSpec codec_spec;   // desc.codec as Engine::submit parsed it (the engine's own copy)
+};
+
+struct OpTimes {
+  double submitted_us = 0, ready_us = 0, agreed_us = 0, started_us = 0;
+  double reduce_scatter_end_us = 0, finished_us = 0;
+};
+
+class Operation {
+ public:
+  explicit Operation(std::string name, OpRequest req)
+      : name_(std::move(name)), req_(std::move(req)), ready_(!req_.deferred) {}
+  const std::string& name() const { return name_; }
+  bool done();
+  // A deferred operation's data is in place: the engine may run it. Idempotent.
+  void mark_ready();
+  bool ready();
+  // Waits up to `seconds`; true once the operation has finished.
+  bool wait_for(double seconds);
+  Status status();
+  // Warnings for whoever waits on this operation (stalls), oldest first.
+  std::vector<std::string> take_notices();
+  OpTimes times();
+
+ private:
+  // The engine's parts that record its times and finish it.
+  friend class CommContext;
+  friend class ContextRegistry;
+  friend class Engine;
+  friend class EngineLoop;
+  friend class Executor;
+  friend class Transfers;
+  void finish(Status st);
+  void notify(std::string message);
+  bool wait_ready_for(double seconds);
+
+  std::string name_;
+  OpRequest req_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  bool ready_;
+  Status status_;
+  std::vector<std::string> notices_;
+  OpTimes times_;
+};
+
+}  // namespace hpcdl

@@ -1,0 +1,242 @@
+// Running what the plans say, in their order (executor.hpp).
+#include "hpcdl/engine/executor.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+
+#include "hpcdl/algorithms/compressed_ring.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/codecs/codec_registry.hpp"
+#include "hpcdl/codecs/codecs.hpp"
+#include "hpcdl/codecs/topk.hpp"
+#include "hpcdl/engine/comm_context.hpp"
+#include "hpcdl/engine/engine_loop.hpp"
+#include "hpcdl/engine/notices.hpp"
+#include "hpcdl/engine/op_wire.hpp"
+#include "hpcdl/engine/residual_store.hpp"
+#include "hpcdl/engine/stats.hpp"
+#include "hpcdl/engine/submission_queue.hpp"
+#include "hpcdl/engine/transfers.hpp"
+#include "hpcdl/util/env.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/timeline.hpp"
+#include "hpcdl/util/wire.hpp"
+
+namespace hpcdl {
+
+Status Executor::run_plans(CommContext& ctx, Progress& progress) {
+  while (!ctx.plans.empty() && ctx.control_error.ok()) {
+    // Taken off the queue first: running an entry may queue the next plans.
+    std::vector<char> plan = std::move(ctx.plans.front());
+    ctx.plans.pop_front();
+    WireReader r(plan.data(), plan.size());
+    std::uint32_t entries = 0;
+    r.get(&entries);
+    for (std::uint32_t i = 0; i < entries; ++i) {
+      std::uint32_t id = 0;
+      std::uint8_t result = 0, with_name = 0;
+      std::string name, message;
+      r.get(&id);
+      r.get(&result);
+      r.get(&with_name);
+      if (with_name) {
+        r.get_string(&name);
+      } else if (id < ctx.names_by_id.size()) {
+        name = ctx.names_by_id[id];
+      }
+      if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+        if (id >= ctx.names_by_id.size()) ctx.names_by_id.resize(id + 1);
+        ctx.names_by_id[id] = name;
+        ctx.ids[name] = id;
+      } else {
+        r.get_string(&message);
+      }
+      bool too_late = false;  // this rank had not submitted it when the coordinator gave up on it
+      if (static_cast<PlanResult>(result) == PlanResult::kTimeout) {
+        std::uint32_t missing = 0;
+        r.get(&missing);
+        for (std::uint32_t k = 0; k < missing; ++k) {
+          std::int32_t rank = -1;
+          r.get(&rank);
+          too_late = too_late || rank == ctx.rank;
+        }
+      }
+      auto it = ctx.pending.find(name);
+      if (it == ctx.pending.end()) continue;  // a stall notice for an op this rank never submitted
+      if (too_late) continue;  // submitted since: its own report decides (a new entry at the coordinator)
+      std::shared_ptr<Operation> op = it->second;
+      if (static_cast<PlanResult>(result) == PlanResult::kStall) {
+        op->notify(message);
+        continue;
+      }
+      ctx.pending.erase(it);
+      Status st;
+      if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+        {
+          std::lock_guard<std::mutex> g(op->mu_);
+          op->times_.agreed_us = now_us();
+        }
+        st = await_ready(ctx, *op, progress);
+        if (st.ok()) st = execute(ctx, *op, progress);
+        if (!st.ok() && !ctx.gone.ok()) st = ctx.gone;  // abandoned because a rank left: say which
+      } else {
+        ctx.last_reported.erase(name);  // report it in full next time
+        st = static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
+                                                                     : Status::Mismatch(message);
+      }
+      {
+        // Retire the name before the waiter wakes: its next step may reuse it at once.
+        std::lock_guard<std::mutex> g(queue_.mu);
+        ctx.in_flight.erase(name);
+      }
+      op->finish(st);
+    }
+  }
+  return ctx.control_error;
+}
+
+// The other ranks wait in this operation's ring meanwhile; the control
+// channel is still read, so later operations are agreed.
+Status Executor::await_ready(CommContext& ctx, Operation& op, Progress& progress) {
+  const auto since = std::chrono::steady_clock::now();
+  double warned_at = 0;
+  // Its data comes from the caller's computation: wake rarely meanwhile,
+  // unless point-to-point transfers move (each wake progresses them); at least
+  // every 1 ms then, since a thread that starts to wait for one cannot wake
+  // this wait (a hybrid pipeline's stage during its backward).
+  auto wake_every = [&] {
+    return transfers_.in_flight() > 0 ? std::min(1e-3, 1e-6 * transfers_.poll_interval().count()) : 0.02;
+  };
+  while (!op.wait_ready_for(wake_every())) {
+    progress.waiting(0);
+    if (!ctx.gone.ok()) return ctx.gone;
+    double warn_s;
+    {
+      std::lock_guard<std::mutex> g(queue_.mu);
+      if (!queue_.running)
+        return Status::Cancelled("hpcdl's engine shut down before '" + op.name() + "' was marked ready");
+      warn_s = queue_.limits.warn_s;
+    }
+    const double waited = seconds_since(since);
+    if (warn_s > 0 && waited - warned_at >= warn_s) {
+      warned_at = waited;
+      notices_.post(EngineNotice::Kind::kStall, "deferred operation '" + op.name() +
+                                                    "' is agreed on every rank but has waited " + seconds_text(waited) +
+                                                    " for mark_ready() here; the other ranks wait in its ring");
+    }
+  }
+  return Status::OK();
+}
+
+// A compressed allreduce (p > 1) with the codec's scheme; named tensors keep
+// an error-feedback residual, which the scheme adds where it first touches
+// each element (no separate pass over the tensor).
+Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress) {
+  const OpDesc& d = op.req_.desc;
+  float* data = static_cast<float*>(op.req_.data);
+  const std::size_t n = d.count;
+  const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
+  std::shared_ptr<std::vector<float>> residual;  // kept alive even if reset_state() runs meanwhile
+  if (!op.req_.name.empty()) residual = residuals_.get(ctx.id, op.req_.name, n);
+  float* res = residual ? residual->data() : nullptr;
+  RingPlan plan(ctx.size, ctx.rank, n, sizeof(float), d.chunk_bytes);
+  traffic->dense_bytes = plan.dense_bytes_sent();
+  const std::uint64_t stream = mix64((ctx.compressed_ops++ << 20) ^ static_cast<std::uint64_t>(ctx.rank)) << 32;
+  return visit_codec(op.req_.codec_spec, [&](const auto& codec) -> Status {
+    using Codec = std::decay_t<decltype(codec)>;
+    if constexpr (std::is_same_v<Codec, NoCodec>) {
+      return Status::Internal("run_compressed without a codec");
+    } else if constexpr (std::is_same_v<Codec, TopkCodec>) {
+      cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
+      if (topk_use_split(codec.algorithm, ctx.size, n, codec.count(n)))
+        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, n, codec.ratio, scale, res, traffic,
+                                    topk_scratch_, split_scratch_, progress);
+      return topk_allreduce(ctx.data, ctx.size, data, n, codec.ratio, scale, res, traffic, topk_scratch_, progress);
+    } else {
+      CompressedRingPolicy<Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
+      return run_ring(plan, policy, ctx.data, kTagData, traffic, progress);
+    }
+  });
+}
+
+Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
+  const OpDesc& d = op.req_.desc;
+  const double t0 = MPI_Wtime();
+  const double start_us = now_us();
+  {
+    std::lock_guard<std::mutex> g(op.mu_);
+    op.times_.started_us = start_us;
+  }
+  Status st;
+  RingTraffic traffic;
+  executing_ = &ctx;
+  cancellable_ = d.kind == OpKind::kAllreduce;  // a ring's point-to-point requests can be cancelled
+  if (d.kind == OpKind::kAllreduce) {
+    const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
+    if (ctx.size == 1) {
+      scale_buffer(d.dtype, op.req_.data, d.count, scale);
+    } else if (!d.codec.empty()) {
+      st = run_compressed(ctx, op, &traffic, progress);
+    } else {
+      RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
+      DenseRingPolicy policy(plan, op.req_.data, d.dtype, scale);
+      traffic.dense_bytes = plan.dense_bytes_sent();
+      st = run_ring(plan, policy, ctx.data, kTagData, &traffic, progress);
+    }
+  } else if (d.kind == OpKind::kBroadcast) {
+    const std::size_t total = d.count * dtype_size(d.dtype);
+    char* p = static_cast<char*>(op.req_.data);
+    for (std::size_t off = 0; off < total && st.ok(); off += kMaxChunkBytes) {
+      const int n = static_cast<int>(std::min(kMaxChunkBytes, total - off));
+      MPI_Request request;
+      st = mpi_status(MPI_Ibcast(p + off, n, MPI_BYTE, d.root, ctx.data, &request), "MPI_Ibcast");
+      if (st.ok()) st = mpi_status(wait_politely(&request, MPI_STATUS_IGNORE, progress), "MPI_Wait(broadcast)");
+      if (ctx.rank == d.root)
+        traffic.bytes_sent += n;
+      else
+        traffic.bytes_received += n;
+    }
+  }
+  // A barrier needs nothing more: it ran because every rank had entered it.
+  executing_ = nullptr;
+  if (stalled_s_ > 0) {
+    st = Status::Timeout(
+        "hpcdl: operation '" + op.name() + "' made no progress in its ring for " + seconds_text(stalled_s_) +
+        " (stall_error_seconds): rank " + std::to_string((ctx.rank + ctx.size - 1) % ctx.size) + " or rank " +
+        std::to_string((ctx.rank + 1) % ctx.size) + " of the communicator, its neighbours, may be stopped or dead");
+    stalled_s_ = 0;
+  }
+  const double end_us = now_us();
+  {
+    std::lock_guard<std::mutex> g(op.mu_);
+    op.times_.reduce_scatter_end_us =
+        traffic.reduce_scatter_end > 0 ? start_us + (traffic.reduce_scatter_end - t0) * 1e6 : 0;
+  }
+  record(op, traffic, MPI_Wtime() - t0);
+  Timeline& tl = Timeline::instance();
+  if (tl.enabled()) {
+    const OpTimes t = op.times();
+    // A deferred operation's wait for its data is not negotiation: its own span.
+    if (op.req_.deferred) tl.record(op.name(), "deferred", t.submitted_us, t.ready_us, 0);
+    tl.record(op.name(), "negotiate", op.req_.deferred ? t.ready_us : t.submitted_us, start_us, 0);
+    if (t.reduce_scatter_end_us > 0) {
+      tl.record(op.name(), "reduce_scatter", start_us, t.reduce_scatter_end_us, 0);
+      tl.record(op.name(), "allgather", t.reduce_scatter_end_us, end_us, 0);
+    } else {
+      tl.record(op.name(), op_kind_name(d.kind), start_us, end_us, 0);
+    }
+  }
+  return st;
+}
+
+void Executor::record(const Operation& op, const RingTraffic& traffic, double seconds) {
+  const OpDesc& d = op.req_.desc;
+  stats_.count(op_kind_name(d.kind), d.kind == OpKind::kAllreduce ? (d.codec.empty() ? "none" : d.codec) : "",
+               traffic.bytes_sent, traffic.bytes_received, traffic.dense_bytes, seconds);
+}
+
+}  // namespace hpcdl
