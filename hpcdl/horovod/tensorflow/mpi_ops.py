@@ -1,0 +1,119 @@
+"""Horovod's TensorFlow collectives over hpcdl.allreduce / hpcdl.broadcast.
+
+Eagerly a tensor's values go to the core as a numpy copy; inside a tf.function
+through ``tf.numpy_function`` (not XLA-compilable), as hpcdl.tensorflow does.
+An unnamed operation inside a tf.function is named after the graph's unique
+name for it (the same on every rank that traced the same function), since
+unnamed operations are otherwise matched by the submitting thread, and TF runs
+numpy_function on pool threads. Both are differentiable, as in Horovod.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+import hpcdl
+from hpcdl.horovod import common
+from hpcdl.horovod.common import global_process_set
+from hpcdl.horovod.tensorflow.compression import Compression
+from hpcdl.tensorflow.tape import _core_view
+
+
+def _check_device(device_dense, device_sparse):
+    common.check_default("device_dense", device_dense, "", "hpcdl reduces in host memory")
+    common.check_default("device_sparse", device_sparse, "", "hpcdl reduces in host memory")
+
+
+def _dense_only(tensor):
+    if isinstance(tensor, tf.IndexedSlices):
+        raise TypeError("hpcdl.horovod allreduces dense tensors: pass tf.convert_to_tensor(slices) (the "
+                        "allgather of IndexedSlices comes with hpcdl's core collectives, docs/horovod.md)")
+    return tf.convert_to_tensor(tensor)
+
+
+def _op_name(kind, name):
+    if name is not None:
+        return f"{kind}.{name}"
+    if tf.executing_eagerly():
+        return None  # matched by submission order
+    return f"{kind}.{tf.compat.v1.get_default_graph().unique_name('graph')}"
+
+
+def _run(fn, tensor):
+    """fn(numpy array) -> array: eagerly, or as a stateful numpy_function in a graph."""
+    if tf.executing_eagerly():
+        return tf.convert_to_tensor(fn(tensor.numpy()))
+    out = tf.numpy_function(fn, [tensor], tensor.dtype, stateful=True, name="hpcdl_horovod")
+    out.set_shape(tensor.shape)
+    return out
+
+
+def _allreduce(tensor, op_name, name, prescale_factor, postscale_factor, process_set):
+    integer = not (tensor.dtype.is_floating or tensor.dtype == tf.bfloat16)
+    common.check_scale(prescale_factor, postscale_factor, integer)
+    floor_average = integer and op_name == "average"
+    op_key = _op_name("allreduce", name)
+    comm = common.comm_of(process_set)
+
+    def reduce(array):
+        array = np.array(array, copy=True)
+        if prescale_factor != 1.0:
+            array *= array.dtype.type(prescale_factor)
+        buffer, core_dtype = _core_view(array)
+        common.call(hpcdl.allreduce, buffer, "sum" if floor_average else op_name, comm, op_key, core_dtype)
+        if floor_average:
+            array //= comm.Get_size()
+        if postscale_factor != 1.0:
+            array *= array.dtype.type(postscale_factor)
+        return array
+
+    @tf.custom_gradient
+    def differentiable(x):
+        def grad(dy):
+            return _allreduce(tf.convert_to_tensor(dy), op_name, None if name is None else f"{name}.grad",
+                              prescale_factor, postscale_factor, process_set)
+        return _run(reduce, x), grad
+
+    return differentiable(tensor)
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
+              ignore_name_scope=False):
+    """The average (or sum, op=hvd.Sum) of ``tensor`` over the ranks, as a new tensor (differentiable).
+    Integers average with floor division, as in Horovod's torch API."""
+    _check_device(device_dense, device_sparse)
+    op_name = common.reduce_op(op, average)
+    compressed, ctx = compression.compress(_dense_only(tensor))
+    reduced = _allreduce(compressed, op_name, name, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def _broadcast_array(array, root_rank, op_key, process_set):
+    array = np.array(array, copy=True)
+    if array.dtype.name in hpcdl.DTYPES or array.dtype.name == "bfloat16":
+        buffer, core_dtype = _core_view(array)
+        common.call(hpcdl.broadcast, buffer, common.root_in(process_set, root_rank), common.comm_of(process_set),
+                    op_key, core_dtype)
+    else:  # bool, uint8, int8, int16...: their bytes
+        common.broadcast_bytes(array.reshape(-1).view(np.uint8), root_rank, op_key or "broadcast.bytes", process_set)
+    return array
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set, ignore_name_scope=False):
+    """Rank ``root_rank``'s ``tensor`` as a new tensor on every rank (differentiable: the
+    ranks' gradients are summed onto the root)."""
+    op_key = _op_name("broadcast", name)
+    common.comm_of(process_set)  # a clear error now, not from inside a graph
+
+    @tf.custom_gradient
+    def differentiable(x):
+        def grad(dy):
+            summed = _allreduce(tf.convert_to_tensor(dy), "sum", None if name is None else f"{name}.grad", 1.0, 1.0,
+                                process_set)
+            return summed if common.rank() == root_rank else tf.zeros_like(summed)
+        return _run(lambda array: _broadcast_array(array, root_rank, op_key, process_set), x), grad
+
+    return differentiable(tf.convert_to_tensor(tensor))
+
+
+__all__ = ["allreduce", "broadcast"]

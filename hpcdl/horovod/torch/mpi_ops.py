@@ -1,0 +1,161 @@
+"""Horovod's torch collectives over hpcdl.allreduce_async / hpcdl.broadcast_async.
+
+Out-of-place forms reduce a contiguous copy (any input layout is taken);
+in-place forms (``_``) work on the tensor itself, which must be contiguous.
+Handles are integers for poll()/synchronize(), as in Horovod. allreduce and
+broadcast are autograd functions: the gradient of an allreduce is the
+allreduce of the gradient, and a broadcast's gradient is summed onto the root.
+"""
+
+import torch
+
+import hpcdl
+from hpcdl.horovod import common
+from hpcdl.horovod.common import Sum, global_process_set, poll, synchronize  # noqa: F401 - Horovod's names
+from hpcdl.horovod.torch.compression import Compression
+
+_CORE_DTYPES = {getattr(torch, name) for name in hpcdl.DTYPES}
+
+
+def _name(kind, name):
+    return None if name is None else f"{kind}.{name}"
+
+
+def _allreduce_async(output, average, name, op, prescale_factor, postscale_factor, process_set):
+    """Start reducing ``output`` in place (the caller's tensor, or its copy for the out-of-place forms)."""
+    op_name = common.reduce_op(op, average)
+    integer = not output.dtype.is_floating_point
+    common.check_scale(prescale_factor, postscale_factor, integer)
+    comm = common.comm_of(process_set)  # every check before the tensor is touched
+    if prescale_factor != 1.0:
+        output.detach().mul_(prescale_factor)  # detach: the same memory, outside autograd
+    # the core averages floating types; integers are summed and floor-divided, as Horovod does
+    floor_average = integer and op_name == "average"
+    handle = common.call(hpcdl.allreduce_async, output, "sum" if floor_average else op_name, comm,
+                         _name("allreduce", name))
+    if not floor_average and postscale_factor == 1.0:
+        return common.register(handle, _as_is)
+
+    def finish(result):
+        if floor_average:
+            result.detach().floor_divide_(comm.Get_size())
+        if postscale_factor != 1.0:
+            result.detach().mul_(postscale_factor)
+        return result
+
+    return common.register(handle, finish)
+
+
+def _as_is(result):
+    return result
+
+
+def _copy(tensor):
+    """A contiguous copy outside autograd, for the out-of-place forms (any input layout)."""
+    return tensor.detach().clone(memory_format=torch.contiguous_format)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                    process_set=global_process_set):
+    """Start an average (or sum, op=hvd.Sum) of ``tensor`` over the ranks into a new
+    tensor; ``tensor`` is not modified. Returns a handle for poll()/synchronize()."""
+    return _allreduce_async(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                     process_set=global_process_set):
+    """Start an in-place allreduce of ``tensor``; returns a handle."""
+    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+               process_set=global_process_set):
+    """Allreduce ``tensor`` in place and return it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+class HorovodAllreduce(torch.autograd.Function):
+    """An allreduce autograd knows: the gradient is the same allreduce of the output's gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor, average, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.settings = (average, op, prescale_factor, postscale_factor, process_set)
+        return synchronize(allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        average, op, prescale_factor, postscale_factor, process_set = ctx.settings
+        grad = allreduce(grad_output, average=average, op=op, prescale_factor=prescale_factor,
+                         postscale_factor=postscale_factor, process_set=process_set)
+        return grad, None, None, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set):
+    """The average (or sum, op=hvd.Sum) of ``tensor`` over the ranks, as a new tensor.
+    Differentiable: backward allreduces the gradient the same way."""
+    compressed, ctx = compression.compress(tensor)
+    if compressed.requires_grad and torch.is_grad_enabled():
+        reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
+                                         process_set)
+    else:  # nothing for autograd to record: the same operation without its bookkeeping
+        reduced = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
+                                              process_set))
+    return compression.decompress(reduced, ctx)
+
+
+def _broadcast_async(output, root_rank, name, process_set):
+    """Start broadcasting into ``output`` in place (the caller's tensor, or its copy)."""
+    if output.dtype in _CORE_DTYPES:
+        handle = common.call(hpcdl.broadcast_async, output, common.root_in(process_set, root_rank),
+                             common.comm_of(process_set), _name("broadcast", name))
+        return common.register(handle, _as_is)
+    # bool, uint8, int8, int16...: their bytes, through the engine all the same
+    if not output.is_contiguous():
+        raise ValueError("Tensor is required to be contiguous.")
+    host = output.detach().cpu()
+    data = host.view(-1).view(torch.uint8).numpy()
+    common.broadcast_bytes(data, root_rank, _name("broadcast", name) or "broadcast.bytes", process_set)
+    if host.data_ptr() != output.data_ptr():
+        output.detach().copy_(host)
+    return common.register(common.Finished(output), _as_is)
+
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start copying rank ``root_rank``'s ``tensor`` into a new tensor on every rank; returns a handle."""
+    return _broadcast_async(_copy(tensor), root_rank, name, process_set)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start an in-place broadcast of ``tensor`` from ``root_rank``; returns a handle."""
+    return _broadcast_async(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Broadcast ``tensor`` from ``root_rank`` in place and return it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class HorovodBroadcast(torch.autograd.Function):
+    """A broadcast autograd knows: the ranks' gradients are summed onto the root (zeros elsewhere)."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output, op=Sum, process_set=ctx.process_set)
+        if common.rank() != ctx.root_rank:
+            grad = torch.zeros_like(grad)
+        return grad, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Rank ``root_rank``'s ``tensor`` as a new tensor on every rank (differentiable)."""
+    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+
+
+__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
+           "broadcast_async", "broadcast_async_", "poll", "synchronize", "HorovodAllreduce", "HorovodBroadcast"]

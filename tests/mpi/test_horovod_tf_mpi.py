@@ -1,0 +1,188 @@
+"""hpcdl.horovod.tensorflow and .keras on several ranks: values against float64
+references computed on every rank locally, eager and tf.function, gradients through
+the collectives, object and variable broadcast, the tape and Keras fit against
+hpcdl.tensorflow's own."""
+
+import hashlib
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from mpi4py import MPI
+
+import hpcdl.horovod.tensorflow as hvd
+import hpcdl.horovod.tensorflow.keras as hvd_keras
+import hpcdl.tensorflow as hvd_tf
+from conftest import agree, collective, outcome
+from helpers.keras_fit import LOCAL_BATCH, LOSS, fit, global_data, make_model
+
+WORLD = MPI.COMM_WORLD
+
+
+@pytest.fixture(autouse=True)
+def initialized():
+    hvd.init()
+    yield
+
+
+def rank_data(rank, dtype, shape=(13, 4)):
+    values = np.random.default_rng(300 + rank).integers(-40, 40, shape).astype(np.float64)
+    if dtype.is_floating:
+        values += np.random.default_rng(400 + rank).random(shape)
+    return values
+
+
+def reference_sum(dtype, shape=(13, 4)):
+    return sum(rank_data(r, dtype, shape) for r in range(WORLD.Get_size()))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.int32, tf.int64])
+def test_allreduce_eager_and_in_tf_function_against_float64_reference(dtype):
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    mine = tf.constant(rank_data(rank, dtype), dtype=dtype)
+
+    @tf.function
+    def reduced_in_graph(t):  # unnamed operations inside a tf.function
+        return hvd.allreduce(t, op=hvd.Sum), hvd.allreduce(t)
+
+    summed = collective(WORLD, hvd.allreduce, mine, op=hvd.Sum)
+    average = collective(WORLD, hvd.allreduce, mine, name=f"avg.{dtype.name}")
+    graph_sum, graph_avg = collective(WORLD, reduced_in_graph, mine)
+    want_sum = reference_sum(dtype)
+    want_avg = want_sum / size if dtype.is_floating else np.floor_divide(want_sum, size)
+    tol = 1e-4 if dtype == tf.float32 else 1e-12
+    ok = all(np.allclose(t.numpy().astype(np.float64), want, rtol=tol, atol=tol) and t.dtype == dtype
+             for t, want in ((summed, want_sum), (average, want_avg), (graph_sum, want_sum), (graph_avg, want_avg)))
+    agree(WORLD, ok, f"{dtype.name}: sum diff {np.abs(summed.numpy() - want_sum).max()}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gradients_through_allreduce_and_broadcast():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+
+    def run():
+        x = tf.Variable(tf.fill([3], float(rank + 1)))
+        z = tf.Variable(tf.fill([2], float(rank)))
+        with tf.GradientTape(persistent=True) as tape:
+            y = hvd.allreduce(x, op=hvd.Sum, name="grad.allreduce")
+            w = hvd.broadcast(z, root_rank=1, name="grad.broadcast")
+            loss_y, loss_w = tf.reduce_sum(y * (rank + 1)), tf.reduce_sum(w * (rank + 2))
+        return y, tape.gradient(loss_y, x), w, tape.gradient(loss_w, z)
+
+    y, x_grad, w, z_grad = collective(WORLD, run)
+    ranks = np.arange(size)
+    ok = np.allclose(y.numpy(), (ranks + 1).sum()) and np.allclose(x_grad.numpy(), (ranks + 1).sum())
+    ok = ok and np.allclose(w.numpy(), 1.0) and np.allclose(z_grad.numpy(), (ranks + 2).sum() if rank == 1 else 0)
+    agree(WORLD, ok, f"y {y}, dx {x_grad}, w {w}, dz {z_grad}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [tf.float32, tf.int8, tf.bool, tf.uint8, tf.bfloat16])
+def test_broadcast_dtypes_variables_and_objects(dtype):
+    rank, root = WORLD.Get_rank(), WORLD.Get_size() - 1
+
+    def data(r):
+        return tf.cast(np.random.default_rng(r).integers(0, 2, (5, 3)), dtype)
+
+    got = collective(WORLD, hvd.broadcast, data(rank), root)
+    variables = [tf.Variable(data(rank)), tf.Variable(tf.fill([4], float(rank)))]
+    collective(WORLD, hvd.broadcast_variables, variables, root_rank=root)
+    obj = collective(WORLD, hvd.broadcast_object, {"rank": rank, "dtype": dtype.name}, root_rank=root)
+    ok = np.array_equal(got.numpy(), data(root).numpy()) and got.dtype == dtype
+    ok = ok and np.array_equal(variables[0].numpy(), data(root).numpy()) and np.all(variables[1].numpy() == root)
+    agree(WORLD, ok and obj == {"rank": root, "dtype": dtype.name}, f"{dtype.name} broadcast differs")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_shapes_raise_a_horovod_error_on_every_rank():
+    _, error = outcome(hvd.allreduce, tf.ones([3 + (WORLD.Get_rank() == 1)]), name="tf.mismatch")
+    agree(WORLD, isinstance(error, hvd.HorovodInternalError), repr(error))
+
+
+def digest(model):
+    return hashlib.sha1(b"".join(v.numpy().tobytes() for v in model.variables)).hexdigest()
+
+
+def tape_steps(wrap):
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    x, y = global_data(size)
+    model, opt = make_model(), tf.keras.optimizers.SGD(0.5)
+    share = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    for step in range(3):
+        rows = slice(step * LOCAL_BATCH * size, (step + 1) * LOCAL_BATCH * size)
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[rows][share], model(x[rows][share]))
+        grads = wrap(tape).gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+    return model
+
+
+@pytest.mark.mpi(min_size=2)
+def test_distributed_gradient_tape_equals_hpcdls_own():
+    ours = collective(WORLD, tape_steps, hvd.DistributedGradientTape)
+    theirs = collective(WORLD, tape_steps, lambda tape: hvd_tf.DistributedGradientTape(tape))
+    digests = WORLD.allgather(digest(ours))
+    agree(WORLD, digest(ours) == digest(theirs) and len(set(digests)) == 1, "tape results differ")
+
+
+def quarter(array, rank, size, per_rank=LOCAL_BATCH):
+    steps = len(array) // (per_rank * size)
+    return array.reshape(steps, size, per_rank, *array.shape[1:])[:, rank].reshape(-1, *array.shape[1:])
+
+
+@pytest.mark.mpi(min_size=2)
+def test_keras_fit_with_horovod_callbacks_equals_hpcdls_own_fit():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    x, y = global_data(size)
+    mine = quarter(x, rank, size), quarter(y, rank, size)
+    ours = make_model(seed=rank)  # different on every rank: the callback starts all from rank 0's
+    history = collective(WORLD, fit, ours, hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.5)), *mine,
+                         LOCAL_BATCH, epochs=2, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                                                           hvd_keras.callbacks.MetricAverageCallback()])
+    theirs = make_model(seed=rank)
+    own = collective(WORLD, fit, theirs, hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5)), *mine,
+                     LOCAL_BATCH, epochs=2, callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0),
+                                                       hvd_tf.MetricAverageCallback()])
+    losses = WORLD.allgather(history.history["loss"])
+    ok = digest(ours) == digest(theirs) and history.history["loss"] == own.history["loss"]
+    agree(WORLD, ok and all(loss == losses[0] for loss in losses), f"losses {losses}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_learning_rate_warmup_rises_from_a_size_th_to_the_initial_rate():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    x, y = global_data(size)
+    seen = []
+
+    class Record(tf.keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            seen.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    steps = len(quarter(x, rank, size)) // LOCAL_BATCH
+    collective(WORLD, fit, make_model(), hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
+               quarter(x, rank, size), quarter(y, rank, size), LOCAL_BATCH, epochs=3,
+               callbacks=[hvd_keras.callbacks.LearningRateWarmupCallback(0.8, warmup_epochs=2), Record()])
+    want = [0.8 / size * ((e + (b + 1) / steps) * (size - 1) / 2 + 1) for e in range(2) for b in range(steps)]
+    want += [want[-1]] * steps  # after the warm-up the rate stays
+    agree(WORLD, np.allclose(seen, want) and np.isclose(want[-1], 0.8), f"seen {seen}, want {want}")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_process_sets_in_tensorflow():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    halves = [list(range(size // 2)), list(range(size // 2, size))]
+
+    def run():
+        sets = [hvd.add_process_set(ranks) for ranks in halves]
+        mine = sets[0] if rank < size // 2 else sets[1]
+        summed = hvd.allreduce(tf.constant([float(rank)]), op=hvd.Sum, process_set=mine)
+        variable = tf.Variable([float(rank)])
+        hvd.broadcast_variables([variable], root_rank=mine.ranks[0], process_set=mine)
+        for s in sets:
+            hvd.remove_process_set(s)
+        return mine.ranks, summed, variable
+
+    members, summed, variable = collective(WORLD, run)
+    agree(WORLD, summed.numpy()[0] == sum(members) and variable.numpy()[0] == members[0],
+          f"{members} {summed} {variable}")
