@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: single-process tests (tests/unit), then the MPI tests (tests/mpi)
+# The whole test suite: the C++ format check (scripts/lint.sh), single-process tests (tests/unit), then the MPI tests (tests/mpi)
 # under 4 ranks (and the ring's odd-size runs under 3 and 5 ranks), then the MPI tests again under Open
 # MPI (scripts/openmpi.sh; where it is not installed this part is skipped, except with CI=true).
 # Sets itself up first.
@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1 TF_CPP_MIN_LOG_LEVEL=2
 # A hang becomes a failure: pytest-timeout per test, `timeout` per run.
 status=0
 run() { echo "+ $*"; local start=$SECONDS; "$@" || status=1; echo "+ took $((SECONDS - start)) s: $*"; }
+run ./scripts/lint.sh
 run timeout 3000 python -m pytest -q -p no:cacheprovider -m "not mpi" "$@" tests/unit
 for n in 4 3 5; do
   files=tests/mpi
