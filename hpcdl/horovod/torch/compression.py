@@ -1,68 +1,27 @@
-"""Horovod's gradient compression for torch tensors: Compression.none and Compression.fp16.
-
-A compressor casts a tensor before a collective and back after it (Horovod's
-contract: compress(tensor) -> (tensor, ctx), decompress(tensor, ctx)).
-DistributedOptimizer maps them onto hpcdl's own codecs instead (codec()).
-"""
+"""Horovod's gradient compression for torch tensors: Compression.none and Compression.fp16
+(hpcdl.horovod.compression has the rules; this module gives them torch's dtypes)."""
 
 import torch
 
-import hpcdl.compression
+from hpcdl.horovod import compression as _compression
+from hpcdl.horovod.compression import Compressor, NoneCompressor  # noqa: F401 (Horovod's names)
 
 
-class Compressor:
-    """Interface of Horovod's compressors."""
-
-    @staticmethod
-    def compress(tensor):
-        raise NotImplementedError
+class FP16Compressor(_compression.FP16Compressor):
+    float16 = torch.float16
 
     @staticmethod
-    def decompress(tensor, ctx):
-        raise NotImplementedError
-
-
-class NoneCompressor(Compressor):
-    """The tensor as it is."""
+    def is_floating(tensor):
+        return tensor.dtype.is_floating_point
 
     @staticmethod
-    def compress(tensor):
-        return tensor, None
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor
+    def cast(tensor, dtype):
+        return tensor.type(dtype)
 
 
-class FP16Compressor(Compressor):
-    """Floating-point tensors travel as float16 (hpcdl sums float16 in float32)."""
-
-    @staticmethod
-    def compress(tensor):
-        if tensor.dtype.is_floating_point:
-            return tensor.type(torch.float16), tensor.dtype
-        return tensor, tensor.dtype
-
-    @staticmethod
-    def decompress(tensor, ctx):
-        return tensor if ctx is None or tensor.dtype == ctx else tensor.type(ctx)
-
-
-class Compression:
-    """The compressors by Horovod's names."""
-
-    none = NoneCompressor
-    fp16 = FP16Compressor
+Compression = _compression.compression_names(FP16Compressor)
 
 
 def codec(compression):
     """hpcdl's codec for a Horovod compressor (DistributedOptimizer's gradient buckets)."""
-    if compression in (None, NoneCompressor):
-        return None
-    if compression is FP16Compressor:
-        return hpcdl.compression.FP16()
-    if isinstance(compression, hpcdl.compression.Codec):
-        return compression
-    raise ValueError(f"compression={compression!r}: hpcdl's DistributedOptimizer takes Compression.none, "
-                     "Compression.fp16 or one of hpcdl.compression's codecs (a custom Compressor's "
-                     "compress/decompress cannot run inside hpcdl's fused buckets)")
+    return _compression.codec(compression, "hpcdl's DistributedOptimizer")
