@@ -146,7 +146,22 @@ def host_buffer(numel, dtype, device):
     return torch.empty(numel, dtype=dtype, pin_memory=device.type == "cuda")
 
 
-class TensorHandle:
+class _ResultHandle:
+    """A core handle whose result needs a last step once the operation is done:
+    done() and wait() run _finish() (the subclass's) once the core's handle says so."""
+
+    def done(self):
+        if not self._handle.done():
+            return False
+        self._finish()
+        return True
+
+    def wait(self, timeout=None):
+        self._handle.wait(timeout)
+        return self._finish()
+
+
+class TensorHandle(_ResultHandle):
     """The handle of a collective on a torch tensor: wait() finishes the core operation,
     for a staged tensor copies the result back asynchronously (ordered before later
     work on the caller's stream), and returns the tensor."""
@@ -163,21 +178,11 @@ class TensorHandle:
                 copy_async(self._tensor.detach().view(-1), self._host, self._tensor.device).order_current_stream()
         return self._tensor
 
-    def done(self):
-        if not self._handle.done():
-            return False
-        self._finish()
-        return True
-
-    def wait(self, timeout=None):
-        self._handle.wait(timeout)
-        return self._finish()
-
     def __getattr__(self, attribute):  # mark_ready(), ready(), timings(), wait_for()...
         return getattr(self._handle, attribute)
 
 
-class _TFResult:
+class _TFResult(_ResultHandle):
     """The handle of a collective on a TensorFlow tensor's copy: wait() returns the
     result as a tensor (assigned into a tf.Variable in place)."""
 
@@ -194,16 +199,6 @@ class _TFResult:
             else:
                 self._result = sys.modules["tensorflow"].convert_to_tensor(self._array)
         return self._result
-
-    def done(self):
-        if not self._handle.done():
-            return False
-        self._finish()
-        return True
-
-    def wait(self, timeout=None):
-        self._handle.wait(timeout)
-        return self._finish()
 
 
 def submit(obj, dtype, writable, run):
