@@ -20,14 +20,19 @@ def parse_bytes(text, allow_zero=False):
     return int(value)
 
 
-def size_type(allow_zero=False):
-    """parse_bytes as an argparse ``type=``: its message becomes the usage error."""
-    def size(text):
+def _argparse_type(parse):
+    """parse(text) as an argparse ``type=``: its ValueError's message becomes the usage error."""
+    def parse_argument(text):
         try:
-            return parse_bytes(text, allow_zero)
+            return parse(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-    return size
+    return parse_argument
+
+
+def size_type(allow_zero=False):
+    """parse_bytes as an argparse ``type=``."""
+    return _argparse_type(lambda text: parse_bytes(text, allow_zero))
 
 
 def positive_int(value, name):
@@ -40,13 +45,8 @@ def positive_int(value, name):
 
 
 def positive_int_type(name):
-    """positive_int as an argparse ``type=``: its message becomes the usage error."""
-    def count(text):
-        try:
-            return positive_int(text, name)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return count
+    """positive_int as an argparse ``type=``."""
+    return _argparse_type(lambda text: positive_int(text, name))
 
 
 AUTO = "auto"
