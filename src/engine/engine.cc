@@ -41,9 +41,11 @@ void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
   HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
   const OpDesc& d = req.desc;
-  if (d.kind == OpKind::kAllreduce && d.reduce_op == ReduceOp::kAverage && !dtype_is_float(d.dtype))
+  const bool reduces = d.kind == OpKind::kAllreduce || d.kind == OpKind::kReduceScatter;
+  const bool rings = reduces || d.kind == OpKind::kAllgather;
+  if (reduces && d.reduce_op == ReduceOp::kAverage && !dtype_is_float(d.dtype))
     return Status::Invalid(std::string("op='average' needs a floating-point dtype, got ") + dtype_name(d.dtype));
-  if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
+  if (rings && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
     return Status::Invalid("chunk_bytes must be between " + std::to_string(kMinChunkBytes) + " and " +
                            std::to_string(kMaxChunkBytes) + ", got " + std::to_string(d.chunk_bytes));
   if (d.kind == OpKind::kAllreduce && !d.codec.empty()) {
@@ -59,6 +61,14 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   if (queue.stopped) return Status::Cancelled("hpcdl's engine has shut down (interpreter exit)");
   std::shared_ptr<CommContext> ctx;
   HPCDL_RETURN_NOT_OK(loop_.contexts.context_for(comm, &ctx));
+  if (d.kind == OpKind::kAlltoall) {
+    std::uint64_t split_rows = 0;
+    for (std::uint64_t rows : req.splits) split_rows += rows;
+    if (req.splits.size() != static_cast<std::size_t>(ctx->size) || split_rows != req.rows)
+      return Status::Invalid("alltoall needs one split per rank (" + std::to_string(ctx->size) + "), summing to the " +
+                             std::to_string(req.rows) + " rows sent; got " + std::to_string(req.splits.size()) +
+                             " summing to " + std::to_string(split_rows));
+  }
   if (d.kind == OpKind::kBroadcast && (d.root < 0 || d.root >= ctx->size))
     return Status::Invalid("root " + std::to_string(d.root) + " is not a rank of a communicator of size " +
                            std::to_string(ctx->size));
