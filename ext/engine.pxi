@@ -5,7 +5,7 @@
 from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContiguous,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
@@ -23,6 +23,7 @@ from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, C
                               kUnbounded, remember_mpi_process, require_mpi_process as c_require_mpi_process)
 from libhpcdl.status cimport CStatus, check_status
 
+import math
 import threading
 
 from hpcdl._warn import warn as _warn
@@ -110,6 +111,7 @@ cdef class Buffer:
     cdef bint held
     cdef readonly str dtype
     cdef readonly Py_ssize_t count
+    cdef readonly tuple shape  # the exporter's dimensions: part of what ranks agree on
     cdef readonly object owner
 
     def __cinit__(self, obj, dtype=None, bint writable=True, bint raw=False):
@@ -130,11 +132,13 @@ cdef class Buffer:
         if not PyBuffer_IsContiguous(&self.view, b"C"):
             raise ValueError("buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)")
         if raw:  # point-to-point moves bytes: any element type, counted in bytes
-            self.dtype, self.count = "bytes", self.view.len
+            self.dtype, self.count, self.shape = "bytes", self.view.len, (self.view.len,)
             return
         fmt = self.view.format.decode() if self.view.format != NULL else "B"
         self.dtype = _resolve_dtype(obj, dtype, fmt, self.view.itemsize)
         self.count = self.view.len // self.view.itemsize if self.view.itemsize else 0
+        self.shape = tuple(self.view.shape[i] for i in range(self.view.ndim)) if self.view.shape != NULL \
+            else (self.count,)
         if DTYPES[self.dtype][1] != self.view.itemsize:
             raise TypeError(f"dtype {self.dtype} has {DTYPES[self.dtype][1]}-byte elements, "
                             f"the buffer has {self.view.itemsize}-byte items")
@@ -352,8 +356,12 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     req.desc.count = buf.count if buf is not None else 0
     if rows is not None:
         req.rows = rows
-        if kind == KIND_ALLGATHER or kind == KIND_ALLTOALL:
-            req.desc.count = buf.count // rows if rows else row_elements(buf)
+    gathers = kind == KIND_ALLGATHER or kind == KIND_ALLTOALL
+    if gathers:  # each rank its own first dimension: the ranks agree on one row
+        req.desc.count = math.prod(buf.shape[1:])
+    if buf is not None:
+        for dim in (buf.shape[1:] if gathers else buf.shape):
+            req.desc.shape.push_back(dim)
     for n in splits:
         req.splits.push_back(n)
     req.desc.reduce_op = <CReduceOp>reduce_op
@@ -411,14 +419,6 @@ KIND_ALLGATHER = <int>COpKind.kAllgather
 KIND_REDUCESCATTER = <int>COpKind.kReduceScatter
 KIND_ALLTOALL = <int>COpKind.kAlltoall
 
-
-cdef uint64_t row_elements(Buffer buf):
-    """Elements of one row (the dimensions after the first) of a buffer with no rows."""
-    cdef uint64_t n = 1
-    cdef int i
-    for i in range(1, buf.view.ndim):
-        n *= <uint64_t>buf.view.shape[i]
-    return n
 
 
 def set_stall_limits(double warn_seconds, double error_seconds):

@@ -114,6 +114,9 @@ def test_allgather_with_different_dtypes_or_row_shapes_raises_on_every_rank(comm
     b = np.ones((2, 3 if rank == 0 else 4), np.float32)
     _, err = outcome(hpcdl.allgather, b, comm=comm, name="gather.row")
     agree(comm, isinstance(err, hpcdl.MismatchError), repr(err))
+    c = np.ones((rank + 1, 6) if rank == 0 else (rank + 1, 3, 2), np.float32)  # rows of equal size, other shapes
+    _, err = outcome(hpcdl.allgather, c, comm=comm, name="gather.shape")
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "[6]" in str(err) and "[3, 2]" in str(err), repr(err))
     _, err = outcome(hpcdl.allgather, np.float32(1.0), comm=comm)
     agree(comm, isinstance(err, ValueError) and "dimension" in str(err), repr(err))
 
@@ -210,8 +213,11 @@ def test_alltoall_without_splits_splits_equally(comm):
 
 
 @multi_rank
-def test_alltoall_with_different_row_shapes_raises_on_every_rank(comm):
+def test_alltoall_and_reducescatter_with_different_shapes_raise_on_every_rank(comm):
     rank, size = comm.Get_rank(), comm.Get_size()
     a = np.ones((size, 2 if rank == 0 else 5), np.float32)
     _, err = outcome(hpcdl.alltoall, a, comm=comm, name="a2a.row")
     agree(comm, isinstance(err, hpcdl.MismatchError), repr(err))
+    b = np.ones((size, 4) if rank == 0 else (size, 2, 2), np.float32)
+    _, err = outcome(hpcdl.reducescatter, b, comm=comm, name="rs.shape")
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "shape" in str(err), repr(err))

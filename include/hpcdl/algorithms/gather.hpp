@@ -36,8 +36,8 @@ inline Status allgather_words(MPI_Comm comm, int size, int rank, int tag, const 
   all->assign(words * static_cast<std::size_t>(size), 0);
   std::copy(mine.begin(), mine.end(), all->begin() + static_cast<std::ptrdiff_t>(words * rank));
   if (size == 1) return Status::OK();
-  RingPlan plan(size, rank, RingPlan::even_offsets(size, static_cast<std::size_t>(size), words),
-                sizeof(std::uint64_t), kMaxChunkBytes, RingPhases::kAllgather);
+  RingPlan plan(size, rank, RingPlan::even_offsets(size, static_cast<std::size_t>(size), words), sizeof(std::uint64_t),
+                kMaxChunkBytes, RingPhases::kAllgather);
   DenseRingPolicy policy(plan, all->data(), DType::kInt64, 1.0);
   return run_ring(plan, policy, comm, tag, traffic, progress);
 }
@@ -99,9 +99,9 @@ inline Status pairwise_alltoallv(MPI_Comm comm, int size, int rank, int tag, con
     for (std::size_t done = 0; done < requests.size(); ++done) {
       int index = MPI_UNDEFINED;
       MPI_Status st;
-      HPCDL_RETURN_NOT_OK(mpi_status(
-          wait_any_politely(static_cast<int>(requests.size()), requests.data(), &index, &st, progress),
-          "MPI_Waitany(alltoall)"));
+      HPCDL_RETURN_NOT_OK(
+          mpi_status(wait_any_politely(static_cast<int>(requests.size()), requests.data(), &index, &st, progress),
+                     "MPI_Waitany(alltoall)"));
     }
     return Status::OK();
   };
