@@ -9,6 +9,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl.horovod.tensorflow as hvd_tf
+import hpcdl.horovod.tensorflow.keras as hvd_keras
 import hpcdl.horovod.torch as hvd
 from conftest import agree, collective
 
@@ -141,3 +142,42 @@ def test_tensorflow_allgather_gradient_is_this_ranks_rows_of_the_average():
     offset = sum(rows(r) for r in range(rank))
     expected = np.broadcast_to(weights[offset:offset + rows(rank)] * sum(range(1, size + 1)) / size, (rows(rank), 3))
     agree(WORLD, np.allclose(np.asarray(grad), expected), np.asarray(grad).tolist())
+
+
+def test_keras_allgather_and_reducescatter_return_numpy_values():
+    rank, size = hvd_keras.rank(), hvd_keras.size()
+    gathered = collective(WORLD, hvd_keras.allgather, np.full((rank + 1, 2), rank, np.float32), name="keras.ag")
+    scattered = collective(WORLD, hvd_keras.reducescatter, np.full((size, 2), rank + 1.0), name="keras.rs")
+    ok = (isinstance(gathered, np.ndarray) and gathered[:, 0].tolist() == [r for r in range(size) for _ in range(r + 1)]
+          and isinstance(scattered, np.ndarray) and np.allclose(scattered, (size + 1) / 2))
+    agree(WORLD, ok, f"{gathered.tolist()} {scattered.tolist()}")
+
+
+def test_sync_batch_norm_equals_batch_norm_over_the_global_batch():
+    """Each rank normalizes its 4 samples with the global batch's statistics: outputs, input
+    gradients, running statistics and the ranks' summed weight gradients equal BatchNorm1d
+    on the whole batch (float64)."""
+    rank, size = hvd.rank(), hvd.size()
+    g = torch.Generator().manual_seed(5)
+    full = torch.randn(4 * size, 3, 5, generator=g, dtype=torch.float64) * 2 + 1
+    dy = torch.randn(4 * size, 3, 5, generator=g, dtype=torch.float64)
+    ref, sync = torch.nn.BatchNorm1d(3).double(), hvd.SyncBatchNorm(3).double()
+    with torch.no_grad():
+        for bn in (ref, sync):
+            bn.weight.copy_(torch.tensor([0.5, 1.0, 1.5]))
+            bn.bias.copy_(torch.tensor([-1.0, 0.0, 1.0]))
+    x_ref = full.clone().requires_grad_()
+    out_ref = ref(x_ref)
+    (out_ref * dy).sum().backward()
+    mine = slice(4 * rank, 4 * rank + 4)
+    x = full[mine].clone().requires_grad_()
+    out = sync(x)
+    (out * dy[mine]).sum().backward()
+    weight_grad = WORLD.allreduce(sync.weight.grad.numpy())
+    sync.eval()
+    evaluated = sync(full[mine])
+    ok = (torch.allclose(out, out_ref[mine].detach()) and torch.allclose(x.grad, x_ref.grad[mine])
+          and torch.allclose(sync.running_mean, ref.running_mean) and torch.allclose(sync.running_var, ref.running_var)
+          and np.allclose(weight_grad, ref.weight.grad.numpy())
+          and torch.allclose(evaluated, ref.eval()(full)[mine].detach()))
+    agree(WORLD, ok, f"{(out - out_ref[mine]).abs().max()}")

@@ -26,6 +26,7 @@ from hpcdl.horovod.torch.gather_ops import (allgather, allgather_async, alltoall
                                             grouped_reducescatter_async, reducescatter, reducescatter_async)
 from hpcdl.horovod.torch.mpi_ops import (allreduce, allreduce_, allreduce_async, allreduce_async_, broadcast,
                                          broadcast_, broadcast_async, broadcast_async_)
+from hpcdl.horovod.torch.sync_batch_norm import SyncBatchNorm
 from hpcdl.horovod.torch.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
 
@@ -49,4 +50,4 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "allgather",
            "allgather_async", "grouped_allgather", "grouped_allgather_async", "allgather_object", "reducescatter",
            "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "alltoall",
-           "alltoall_async"]
+           "alltoall_async", "SyncBatchNorm"]
