@@ -185,7 +185,7 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
       st = run_compressed(ctx, op, &traffic, progress);
     } else {
       RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
-      DenseRingPolicy policy(plan, op.req_.data, d.dtype, scale);
+      DenseRingPolicy policy(plan, op.req_.data, d.dtype, d.reduce_op, ctx.size);
       traffic.dense_bytes = plan.dense_bytes_sent();
       st = run_ring(plan, policy, ctx.data, kTagData, &traffic, progress);
     }
@@ -244,18 +244,14 @@ Status Executor::run_gathering(CommContext& ctx, Operation& op, RingTraffic* tra
   if (d.kind == OpKind::kReduceScatter) {
     // In place: rank r's segment of the first dimension holds the result; the
     // caller reads where from the rows of each rank's segment.
-    const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
     const std::vector<std::size_t> split = RingPlan::even_offsets(ctx.size, req.rows, 1);
     op.result_.rows.resize(ctx.size);
     for (int r = 0; r < ctx.size; ++r) op.result_.rows[r] = split[r + 1] - split[r];
-    if (ctx.size == 1) {
-      scale_buffer(d.dtype, req.data, d.count, scale);
-      return Status::OK();
-    }
+    if (ctx.size == 1) return Status::OK();  // its own rows, reduced over one rank
     const std::size_t row_elems = req.rows ? d.count / req.rows : 0;
     RingPlan plan(ctx.size, ctx.rank, RingPlan::even_offsets(ctx.size, req.rows, row_elems), esize, d.chunk_bytes,
                   RingPhases::kReduceScatter);
-    DenseRingPolicy policy(plan, req.data, d.dtype, scale);
+    DenseRingPolicy policy(plan, req.data, d.dtype, d.reduce_op, ctx.size);
     traffic->dense_bytes = plan.dense_bytes_sent();
     Status st = run_ring(plan, policy, ctx.data, kTagData, traffic, progress);
     traffic->reduce_scatter_end = 0;  // one phase: one timeline span

@@ -3,8 +3,7 @@ over hpcdl.allgather / alltoall / reducescatter.
 
 As the allreduce (mpi_ops.py): eagerly a tensor's values go to the core as a
 numpy copy, inside a tf.function through ``tf.numpy_function``; unnamed
-operations in a graph are named after the graph's unique name. Types the core
-does not move (bool, uint8, int8, int16...) travel as int32. Differentiable
+operations in a graph are named after the graph's unique name. Differentiable
 with Horovod's gradients (see hpcdl/horovod/torch/gather_ops.py). Grouped
 forms run one operation per tensor (docs/horovod.md).
 """
@@ -22,12 +21,8 @@ from hpcdl.tensorflow.tape import _core_view
 
 def _movable(array):
     """array as the core takes it, its dtype argument, and how to restore the result's type."""
-    array = np.ascontiguousarray(array)
-    if array.dtype.name not in hpcdl.DTYPES and array.dtype.name != "bfloat16":
-        dtype = array.dtype
-        return array.astype(np.int32), None, lambda out: out.astype(dtype)
     buffer, core_dtype = _core_view(array)
-    return buffer, core_dtype, lambda out: out.view(array.dtype)
+    return buffer, core_dtype, lambda out: out.view(np.asarray(array).dtype)
 
 
 def _run(fn, tensor, outputs=None):

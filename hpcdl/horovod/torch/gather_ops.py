@@ -1,9 +1,8 @@
 """Horovod's torch allgather, alltoall and reducescatter (and their async and
 grouped forms) over hpcdl.allgather_async / alltoall_async / reducescatter_async.
 
-Inputs are never modified; results are new tensors on the input's device.
-Types the core does not move (bool, uint8, int8, int16) travel as int32 and
-come back in their own type. allgather, alltoall and reducescatter are
+Inputs are never modified; results are new tensors on the input's device,
+every type of hpcdl.DTYPES. allgather, alltoall and reducescatter are
 autograd functions, with Horovod's gradients: an allgather's is this rank's
 rows of the averaged gradient, a reducescatter's the allgather of the
 gradient (divided by the size for an average), an alltoall's the alltoall of
@@ -19,7 +18,6 @@ from hpcdl.horovod.common import Average, global_process_set, synchronize
 from hpcdl.horovod.torch.compression import Compression
 from hpcdl.horovod.torch.mpi_ops import allreduce
 
-_CORE_DTYPES = {getattr(torch, name) for name in hpcdl.DTYPES}
 
 
 def _name(kind, name):
@@ -27,12 +25,12 @@ def _name(kind, name):
 
 
 def _movable(tensor):
-    """A contiguous tensor the core moves, outside autograd, and how to restore the type."""
-    tensor = tensor.detach().contiguous()
-    if tensor.dtype in _CORE_DTYPES:
-        return tensor, lambda out: out
-    dtype = tensor.dtype
-    return tensor.to(torch.int32), lambda out: out.to(dtype)
+    """A contiguous tensor the core moves, outside autograd."""
+    return tensor.detach().contiguous()
+
+
+def _as_is(result):
+    return result
 
 
 def _rank_in(process_set):
@@ -42,9 +40,9 @@ def _rank_in(process_set):
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``tensor`` along the first dimension (which may
     differ per rank); returns a handle for poll()/synchronize()."""
-    data, restore = _movable(tensor)
-    handle = common.call(hpcdl.allgather_async, data, common.comm_of(process_set), _name("allgather", name))
-    return common.register(handle, restore)
+    handle = common.call(hpcdl.allgather_async, _movable(tensor), common.comm_of(process_set),
+                         _name("allgather", name))
+    return common.register(handle, _as_is)
 
 
 class HorovodAllgather(torch.autograd.Function):
@@ -72,13 +70,9 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start an allgather of each tensor (one operation each, submitted together); one handle."""
-    handles, restores = [], []
-    for i, tensor in enumerate(tensors):
-        data, restore = _movable(tensor)
-        handles.append(common.call(hpcdl.allgather_async, data, common.comm_of(process_set),
-                                   _name("allgather", common.group_name(name, i))))
-        restores.append(restore)
-    return common.register(common.Group(handles), lambda outs: [r(o) for r, o in zip(restores, outs)])
+    handles = [common.call(hpcdl.allgather_async, _movable(tensor), common.comm_of(process_set),
+                           _name("allgather", common.group_name(name, i))) for i, tensor in enumerate(tensors)]
+    return common.register(common.Group(handles), _as_is)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
@@ -175,10 +169,9 @@ def _splits_list(splits):
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Start sending ``splits[j]`` rows of ``tensor`` to rank j (None: equal split);
     synchronize() returns (received, received_splits as an int32 tensor)."""
-    data, restore = _movable(tensor)
-    handle = common.call(hpcdl.alltoall_async, data, _splits_list(splits), common.comm_of(process_set),
+    handle = common.call(hpcdl.alltoall_async, _movable(tensor), _splits_list(splits), common.comm_of(process_set),
                          _name("alltoall", name))
-    return common.register(handle, lambda out: (restore(out[0]), torch.tensor(out[1], dtype=torch.int32)))
+    return common.register(handle, lambda out: (out[0], torch.tensor(out[1], dtype=torch.int32)))
 
 
 class HorovodAlltoall(torch.autograd.Function):

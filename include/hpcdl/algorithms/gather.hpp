@@ -38,7 +38,7 @@ inline Status allgather_words(MPI_Comm comm, int size, int rank, int tag, const 
   if (size == 1) return Status::OK();
   RingPlan plan(size, rank, RingPlan::even_offsets(size, static_cast<std::size_t>(size), words), sizeof(std::uint64_t),
                 kMaxChunkBytes, RingPhases::kAllgather);
-  DenseRingPolicy policy(plan, all->data(), DType::kInt64, 1.0);
+  DenseRingPolicy policy(plan, all->data(), DType::kInt64, ReduceOp::kSum, 1);
   return run_ring(plan, policy, comm, tag, traffic, progress);
 }
 
@@ -54,7 +54,7 @@ inline Status ring_allgatherv(MPI_Comm comm, int size, int rank, int tag, const 
   if (mine_bytes > 0) std::memcpy(static_cast<char*>(out) + offsets[rank] * esize, mine, mine_bytes);
   if (size == 1) return Status::OK();
   RingPlan plan(size, rank, std::move(offsets), esize, chunk_bytes, RingPhases::kAllgather);
-  DenseRingPolicy policy(plan, out, dtype, 1.0);
+  DenseRingPolicy policy(plan, out, dtype, ReduceOp::kSum, 1);
   traffic->dense_bytes = plan.dense_bytes_sent();
   return run_ring(plan, policy, comm, tag, traffic, progress);
 }
