@@ -61,6 +61,10 @@ class Bucket:
         """Where param's gradient is gathered (on its device for a staged bucket)."""
         return self.gather[offset:offset + numel].view(param.shape)
 
+    def wrote_grad(self, param):
+        """Whether result() already left param's reduced gradient in param.grad (no copy back)."""
+        return False
+
     def put(self, offset, numel, param, grad):
         """Gather param's gradient (None: zeros) into the bucket."""
         slot = self.view(offset, numel, param)
@@ -105,11 +109,17 @@ class Bucket:
         return self.gather
 
 
-def make_buckets(named, bucket_bytes, name, first_index, reducible, build):
+def dense_bytes(param):
+    """What a parameter's gradient weighs in a bucket that sends it as it is."""
+    return param.numel() * param.element_size()
+
+
+def make_buckets(named, bucket_bytes, name, first_index, reducible, build, weigh=dense_bytes):
     """Reverse registration order (the order backward produces gradients), one dtype and
-    device per bucket, a new bucket once bucket_bytes is reached: the same on every rank.
-    build(index, bucket name, dtype, slots) makes each bucket."""
-    open_slots, buckets = {}, []
+    device per bucket, a new bucket once its parameters weigh bucket_bytes (weigh(param):
+    the bytes it puts on the wire): the same on every rank. build(index, bucket name,
+    dtype, slots) makes each bucket."""
+    open_slots, weights, buckets = {}, {}, []
 
     def close(key):
         slots = open_slots.pop(key)
@@ -124,7 +134,9 @@ def make_buckets(named, bucket_bytes, name, first_index, reducible, build):
         slots = open_slots.setdefault(key, [])
         offset = sum(n for _, _, n in slots)
         slots.append((p, offset, p.numel()))
-        if (offset + p.numel()) * p.element_size() >= bucket_bytes:
+        weights[key] = weights.get(key, 0) + weigh(p)
+        if weights[key] >= bucket_bytes:
+            weights.pop(key)
             close(key)
     for key in list(open_slots):
         close(key)

@@ -292,7 +292,8 @@ class _DistributedOptimizerMixin:
                         for p, offset, numel in bucket.slots:
                             flat = reduced[offset:offset + numel].view(p.shape)
                             if p in bucket.filled:
-                                self._set_grad(p, flat)
+                                if not bucket.wrote_grad(p):
+                                    self._set_grad(p, flat)
                             else:
                                 late.append((p, flat))
                     bucket.handle = None
