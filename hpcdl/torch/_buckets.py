@@ -20,8 +20,16 @@ from hpcdl import _tensors
 from hpcdl.torch.device_codecs import device_codec
 
 
+def set_grad(param, reduced):
+    """param.grad holds the reduced gradient afterwards (a copy into the existing .grad)."""
+    if param.grad is None or param.grad.layout != torch.strided:
+        param.grad = reduced.to(param.device, copy=True)
+    else:
+        param.grad.copy_(reduced)
+
+
 class Bucket:
-    def __init__(self, index, name, dtype, slots, staged, compression, size):
+    def __init__(self, index, name, dtype, slots, staged, compression, size, grad_as_view=False):
         self.index = index
         self.name = name
         self.compression = compression
@@ -35,6 +43,8 @@ class Bucket:
         self.filled = set()                 # params whose gradient is in the buffer
         self.handle = None
         self.launched = None                # the hpcdl-cuda thread's job for a staged bucket
+        # gradient_as_bucket_view: .grad becomes the parameter's slot of a host bucket (reduced in place)
+        self.grad_as_view = grad_as_view and not staged and not self.local
         if self.local:
             return
         self.flat = _tensors.host_buffer(numel, dtype, self.device if staged else torch.device("cpu"))
@@ -61,16 +71,21 @@ class Bucket:
         """Where param's gradient is gathered (on its device for a staged bucket)."""
         return self.gather[offset:offset + numel].view(param.shape)
 
-    def wrote_grad(self, param):
-        """Whether result() already left param's reduced gradient in param.grad (no copy back)."""
-        return False
+    def deliver(self, param, reduced):
+        """Leave param's reduced gradient (its slot of result()) in param.grad: a copy, or with
+        grad_as_view the slot itself becomes param.grad (backward then accumulates into it)."""
+        if not self.grad_as_view:
+            set_grad(param, reduced)
+        elif param.grad is None or not _same_memory(param.grad, reduced):
+            param.grad = reduced
 
     def put(self, offset, numel, param, grad):
-        """Gather param's gradient (None: zeros) into the bucket."""
+        """Gather param's gradient (None: zeros) into the bucket (nothing to copy when it is
+        the slot already: gradient_as_bucket_view)."""
         slot = self.view(offset, numel, param)
         if grad is None:
             slot.zero_()
-        else:
+        elif not _same_memory(grad, slot):
             slot.copy_(grad)
 
     def launch(self):
@@ -107,6 +122,10 @@ class Bucket:
         if self.staged:
             _tensors.copy_async(self.gather, self.flat, self.device).order_current_stream()
         return self.gather
+
+
+def _same_memory(a, b):
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def dense_bytes(param):

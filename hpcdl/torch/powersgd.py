@@ -277,11 +277,12 @@ class LowRankBucket(Bucket):
             return grad
         return None
 
-    def wrote_grad(self, param):
-        return param in self.in_grad
+    def deliver(self, param, reduced):
+        if param not in self.in_grad:
+            super().deliver(param, reduced)
 
 
-def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, schedule, size):
+def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, schedule, size, grad_as_view):
     """Low-rank buckets of the matrices the codec compresses, then one dense bucket per dtype
     and device of the other parameters (their gradients are complete last)."""
     names = {p: n for n, p in named}
@@ -294,4 +295,5 @@ def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, 
                            weigh=lambda p: factor_bytes(p.shape, schedule.codec.rank))
     return buckets + make_buckets(dense, _DENSE_BUCKET, name, first_index + len(buckets), reducible,
                                   lambda i, bname, dtype, slots: Bucket(i, bname, dtype, slots,
-                                                                        staged_of(slots[0][0]), None, size))
+                                                                        staged_of(slots[0][0]), None, size,
+                                                                        grad_as_view))
