@@ -5,7 +5,7 @@
 from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContiguous,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
@@ -110,6 +110,7 @@ cdef class Buffer:
     cdef bint held
     cdef readonly str dtype
     cdef readonly Py_ssize_t count
+    cdef readonly tuple shape  # the exporter's dimensions: part of what ranks agree on
     cdef readonly object owner
 
     def __cinit__(self, obj, dtype=None, bint writable=True, bint raw=False):
@@ -130,11 +131,13 @@ cdef class Buffer:
         if not PyBuffer_IsContiguous(&self.view, b"C"):
             raise ValueError("buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)")
         if raw:  # point-to-point moves bytes: any element type, counted in bytes
-            self.dtype, self.count = "bytes", self.view.len
+            self.dtype, self.count, self.shape = "bytes", self.view.len, (self.view.len,)
             return
         fmt = self.view.format.decode() if self.view.format != NULL else "B"
         self.dtype = _resolve_dtype(obj, dtype, fmt, self.view.itemsize)
         self.count = self.view.len // self.view.itemsize if self.view.itemsize else 0
+        self.shape = tuple(self.view.shape[i] for i in range(self.view.ndim)) if self.view.shape != NULL \
+            else (self.count,)
         if DTYPES[self.dtype][1] != self.view.itemsize:
             raise TypeError(f"dtype {self.dtype} has {DTYPES[self.dtype][1]}-byte elements, "
                             f"the buffer has {self.view.itemsize}-byte items")
@@ -308,6 +311,9 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     req.desc.kind = <COpKind>kind
     req.desc.dtype = <CDType>DTYPES[buf.dtype][0] if buf is not None else CDType.kInt32
     req.desc.count = buf.count if buf is not None else 0
+    if buf is not None:
+        for dim in buf.shape:
+            req.desc.shape.push_back(dim)
     req.desc.reduce_op = <CReduceOp>reduce_op
     req.desc.root = root
     req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes

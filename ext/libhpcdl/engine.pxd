@@ -31,6 +31,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         CReduceOp reduce_op
         int32_t root
         uint64_t count
+        vector[int64_t] shape
         uint64_t chunk_bytes
         string codec
         string thread

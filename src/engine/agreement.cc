@@ -49,6 +49,7 @@ std::string describe_disagreement(const std::vector<OpDesc>& descs) {
   field("operation", [](const OpDesc& d) { return std::string(op_kind_name(d.kind)); });
   field("dtype", [](const OpDesc& d) { return std::string(dtype_name(d.dtype)); });
   field("count", [](const OpDesc& d) { return std::to_string(d.count); });
+  field("shape", [](const OpDesc& d) { return shape_text(d.shape); });
   field("op", [](const OpDesc& d) { return std::string(d.reduce_op == ReduceOp::kSum ? "sum" : "average"); });
   field("root", [](const OpDesc& d) { return std::to_string(d.root); });
   field("chunk_bytes", [](const OpDesc& d) { return std::to_string(d.chunk_bytes); });

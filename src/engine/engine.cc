@@ -41,6 +41,17 @@ void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
   HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
   const OpDesc& d = req.desc;
+  if (d.kind != OpKind::kBarrier) {
+    std::uint64_t elements = 1;
+    bool negative = false;
+    for (std::int64_t dim : d.shape) {
+      negative = negative || dim < 0;
+      elements *= static_cast<std::uint64_t>(dim);
+    }
+    if (negative || elements != d.count)
+      return Status::Invalid("shape " + shape_text(d.shape) + " does not hold " + std::to_string(d.count) +
+                             " elements");
+  }
   if (d.kind == OpKind::kAllreduce && d.reduce_op == ReduceOp::kAverage && !dtype_is_float(d.dtype))
     return Status::Invalid(std::string("op='average' needs a floating-point dtype, got ") + dtype_name(d.dtype));
   if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))

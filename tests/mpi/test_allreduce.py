@@ -8,6 +8,7 @@ Every result is checked against a float64 reference and for bitwise equality
 across ranks; ranks agree on the verdict before asserting (tests/conftest.py).
 """
 
+import array
 import gc
 import hashlib
 import threading
@@ -290,6 +291,47 @@ def test_mismatched_dtype_and_op_raise_on_every_rank(comm):
     _, err2 = outcome(hpcdl.allreduce, b, op="average" if rank == 1 else "sum", name="mismatched.op", comm=comm)
     ok2 = isinstance(err2, hpcdl.MismatchError) and "op differs" in str(err2)
     agree(comm, ok and ok2, f"{err!r} / {err2!r}")
+
+
+@multi_rank
+@pytest.mark.parametrize("call", ["allreduce", "broadcast"])
+def test_mismatched_shape_with_equal_count_raises_on_every_rank(comm, call):
+    """[17, 1311] against [17, 23, 57]: the same 22287 elements, yet no sum of both."""
+    rank = comm.Get_rank()
+    shape = (17, 1311) if rank == 0 else (17, 23, 57)
+    a = np.full(shape, rank + 1, dtype=np.float32)
+    before = a.copy()
+    _, err = outcome(getattr(hpcdl, call), a, comm=comm, name=f"mismatched.shape.{call}")
+    message = str(err)
+    others = "rank 1" if comm.Get_size() == 2 else "ranks 1, "
+    ok = (isinstance(err, hpcdl.MismatchError) and "shape differs" in message and "[17, 1311] on rank 0" in message
+          and f"[17, 23, 57] on {others}" in message and "count differs" not in message and np.array_equal(a, before))
+    agree(comm, ok, repr(err))
+
+
+@multi_rank
+def test_equal_shapes_reduce_and_a_flat_buffer_is_its_count(comm):
+    size = comm.Get_size()
+    a = np.arange(2 * 3 * 4, dtype=np.float64).reshape(2, 3, 4) * (comm.Get_rank() + 1)
+    collective(comm, lambda: hpcdl.allreduce(a, comm=comm, name="equal.shape"))
+    b = array.array("f", range(6))  # a flat buffer: its shape is its count
+    collective(comm, lambda: hpcdl.allreduce(b, comm=comm, name="flat.buffer"))
+    expected = np.arange(24, dtype=np.float64).reshape(2, 3, 4) * (size * (size + 1) / 2)
+    flat = np.frombuffer(b, dtype=np.float32)
+    agree(comm, np.array_equal(a, expected) and np.array_equal(flat, np.arange(6) * size), f"{a.ravel()[:4]} {flat}")
+
+
+def test_a_cached_operation_whose_shape_changes_is_a_mismatch():
+    """An operation reported by its id (its description unchanged) is still compared by
+    shape: the rank whose array changes shape reports it in full again."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    a = np.ones((6, 10), dtype=np.float32)
+    warm = [outcome(collective, WORLD, hpcdl.allreduce, a, name="cached.shape")[1] for _ in range(5)]
+    changed = a.reshape(60) if rank == size - 1 else a
+    _, err = outcome(hpcdl.allreduce, changed, name="cached.shape")
+    ok = (all(e is None for e in warm) and isinstance(err, hpcdl.MismatchError) and "shape differs" in str(err)
+          and f"[60] on rank {size - 1}" in str(err) and f"[6, 10] on rank{'s' if size > 2 else ''} 0" in str(err))
+    agree(WORLD, ok, f"{warm} {err!r}")
 
 
 @multi_rank
