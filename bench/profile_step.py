@@ -11,7 +11,6 @@ ranks, so a profile's sample counts can be turned into milliseconds per step.
 """
 
 import argparse
-import gc
 import os
 import sys
 import time
@@ -37,9 +36,6 @@ def main():
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
     parser.add_argument("--gradient-as-bucket-view", action="store_true",
                         help="DistributedOptimizer(gradient_as_bucket_view=True): .grad is the bucket's slot")
-    parser.add_argument("--freeze-gc", action="store_true",
-                        help="gc.freeze() before the steps: what exists then (imports, model) leaves Python's "
-                             "collector, whose full collections otherwise walk it")
     parser.add_argument("--keep-grads", action="store_true",
                         help="zero_grad(set_to_none=False): backward accumulates into the existing .grad")
     args = parser.parse_args()
@@ -57,9 +53,6 @@ def main():
                                                bucket_bytes=args.bucket_bytes, name=f"profile.{args.system}",
                                                gradient_as_bucket_view=args.gradient_as_bucket_view)
     x, y = random_batch(comm.Get_rank(), args.batch)
-    if args.freeze_gc:
-        gc.collect()
-        gc.freeze()
     for i in range(WARMUP_STEPS + args.steps):
         if i == WARMUP_STEPS:
             comm.Barrier()
@@ -70,8 +63,7 @@ def main():
     walls = comm.gather(wall)
     if comm.Get_rank() == 0:
         options = "".join(f" +{flag}" for flag, on in (("gradient-as-bucket-view", args.gradient_as_bucket_view),
-                                                       ("keep-grads", args.keep_grads),
-                                                       ("freeze-gc", args.freeze_gc)) if on)
+                                                       ("keep-grads", args.keep_grads)) if on)
         print(f"[hpcdl rank 0] {args.system}{options}: {max(walls) / args.steps * 1e3:.2f} ms/step, "
               f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step "
               f"({comm.Get_size()} ranks, {args.steps} timed steps after {WARMUP_STEPS})", flush=True)
