@@ -71,7 +71,7 @@ class _DistributedOptimizerMixin:
     """Methods of the class DistributedOptimizer() builds over the user's optimizer class."""
 
     def _hpcdl_setup(self, named_parameters, compression, bucket_bytes, op, backward_passes_per_step,
-                     comm, name, sparse_as_dense):
+                     comm, name, sparse_as_dense, gradient_as_bucket_view):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if bucket_bytes < 1:
@@ -82,6 +82,7 @@ class _DistributedOptimizerMixin:
         self._compression = compression
         self._op = op
         self._sparse_as_dense = bool(sparse_as_dense)
+        self._grad_as_view = bool(gradient_as_bucket_view)
         self._bucket_bytes = int(bucket_bytes)
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._hook_handles = []
@@ -92,6 +93,7 @@ class _DistributedOptimizerMixin:
             self._comm, [(n, p.shape, p.dtype) for n, p in named], "the parameters of DistributedOptimizer",
             {"bucket_bytes": self._bucket_bytes, "op": op, "name": name, "name_in_use": in_use,
              "backward_passes_per_step": self.backward_passes_per_step, "sparse_as_dense": self._sparse_as_dense,
+             "gradient_as_bucket_view": self._grad_as_view,
              "compression": None if compression is None else repr(compression)})
         if in_use:
             raise ValueError(f"another DistributedOptimizer on this communicator is named '{name}' (bucket names "
@@ -112,12 +114,12 @@ class _DistributedOptimizerMixin:
     def _add_parameters(self, named):
         if self._low_rank is not None:
             buckets = powersgd.build_buckets(named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
-                                             _tensors.staged, self._low_rank, self._size)
+                                             _tensors.staged, self._low_rank, self._size, self._grad_as_view)
         else:
             buckets = _buckets.make_buckets(
                 named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
                 lambda i, bname, dtype, slots: _buckets.Bucket(i, bname, dtype, slots, _tensors.staged(slots[0][0]),
-                                                               self._compression, self._size))
+                                                               self._compression, self._size, self._grad_as_view))
         self._buckets += buckets
         self._bucket_of.update((p, (b, off, n)) for b in buckets for p, off, n in b.slots)
         self._passes.update((p, 0) for _, p in named)
@@ -273,13 +275,6 @@ class _DistributedOptimizerMixin:
             handle = hpcdl.allreduce_async(mine, comm=self._comm, name=f"{self._name}.presence")
         return params, mine, handle
 
-    @staticmethod
-    def _set_grad(p, reduced):
-        if p.grad is None or p.grad.layout != torch.strided:
-            p.grad = reduced.to(p.device, copy=True)
-        else:
-            p.grad.copy_(reduced)
-
     def synchronize(self):
         """Finish the gradient allreduce of this step (the end of backward does;
         step() does when no backward ran). Does nothing when the gradients are
@@ -320,17 +315,17 @@ class _DistributedOptimizerMixin:
                             if p in self._sparse:
                                 continue
                             if p in bucket.filled:
-                                self._set_grad(p, flat)
+                                bucket.deliver(p, flat)
                             else:
-                                late.append((p, flat))
+                                late.append((bucket, p, flat))
                     bucket.handle = None
                     bucket.filled.clear()
                 if presence is not None:
                     presence.wait()
                     count = dict(zip(params, present))
-                    for p, flat in late:
+                    for bucket, p, flat in late:
                         if count[p]:
-                            self._set_grad(p, flat)
+                            bucket.deliver(p, flat)
                 self._finish_sparse()
             for p in self._passes:
                 self._passes[p] = 0
@@ -385,7 +380,8 @@ class _DistributedOptimizerMixin:
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                         op="average", backward_passes_per_step=1, comm=None, name=None, sparse_as_dense=False):
+                         op="average", backward_passes_per_step=1, comm=None, name=None, sparse_as_dense=False,
+                         gradient_as_bucket_view=False):
     """Wrap a torch optimizer so step() applies the gradients averaged over all ranks.
 
     Returns an instance of a subclass of the optimizer's class that shares the
@@ -418,6 +414,15 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
         "{name}.sparse.{parameter}.indices/values") and .grad becomes the
         uncoalesced sparse sum (average: values / size); every rank must
         produce that gradient each step. Other sparse layouts raise TypeError.
+    gradient_as_bucket_view: as DDP's: after each reduction a CPU parameter's
+        .grad is its slot of the bucket (a view), so the reduced gradient is not
+        copied back, and a .grad that backward accumulates into (zero_grad(
+        set_to_none=False)) is not copied in either. zero_grad(set_to_none=True)
+        (torch's default) drops the view: that step's gradient is copied in and
+        .grad is the view again after the reduction. The gradients are the
+        same bits as without it. CUDA (staged) buckets keep their copies, and
+        PowerSGD's low-rank matrices get their approximation written into
+        .grad anyway; only the fused dense bucket takes the view there.
 
     CUDA parameters: each bucket is gathered on the device, encoded there
     (FP16, BF16, Int8 with nearest rounding, TopK: hpcdl.torch.device_codecs)
@@ -436,7 +441,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
     wrapped.optimizer = optimizer
     wrapped._base_class = type(optimizer)
     wrapped._hpcdl_setup(named_parameters, compression, bucket_bytes, op, backward_passes_per_step, comm, name,
-                         sparse_as_dense)
+                         sparse_as_dense, gradient_as_bucket_view)
     return wrapped
 
 
