@@ -12,6 +12,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kAllreduce
         kBroadcast
         kBarrier
+        kGroupedAllreduce
 
     cdef enum class CDType "hpcdl::DType":
         kFloat32
@@ -35,6 +36,11 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kMax
         kProduct
 
+    cdef cppclass CGroupMember "hpcdl::GroupMember":
+        CDType dtype
+        uint64_t count
+        vector[int64_t] shape
+
     cdef cppclass COpDesc "hpcdl::OpDesc":
         COpKind kind
         CDType dtype
@@ -45,11 +51,13 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         uint64_t chunk_bytes
         string codec
         string thread
+        vector[CGroupMember] members
 
     cdef cppclass COpRequest "hpcdl::OpRequest":
         string name
         COpDesc desc
         void* data
+        vector[void*] member_data
         cbool deferred
 
     cdef cppclass COpTimes "hpcdl::OpTimes":

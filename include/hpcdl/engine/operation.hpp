@@ -15,12 +15,28 @@
 
 namespace hpcdl {
 
-enum class OpKind : int { kAllreduce = 0, kBroadcast = 1, kBarrier = 2 };
+// Codes travel in operation descriptions.
+enum class OpKind : int {
+  kAllreduce = 0,
+  kBroadcast = 1,
+  kBarrier = 2,
+  kGroupedAllreduce = 10,  // several arrays agreed as one operation, each reduced by its own ring
+};
+
+// One array of a grouped allreduce.
+struct GroupMember {
+  DType dtype = DType::kFloat32;
+  std::uint64_t count = 0;
+  std::vector<std::int64_t> shape;
+};
 
 const char* op_kind_name(OpKind k);
 
 // "[17, 1311]": a shape as error messages spell it.
 std::string shape_text(const std::vector<std::int64_t>& shape);
+
+// Elements a shape holds; false when a dimension is negative.
+bool shape_elements(const std::vector<std::int64_t>& shape, std::uint64_t* elements);
 
 // What every rank must agree on for one operation.
 struct OpDesc {
@@ -38,6 +54,7 @@ struct OpDesc {
   // by submission order; threads racing to submit would pair one thread's
   // operation with another's, so the thread is part of what ranks agree on.
   std::string thread;
+  std::vector<GroupMember> members;  // kGroupedAllreduce: its arrays, in the caller's order
 
   std::string serialize(const std::string& name) const;
   static bool parse(const std::string& bytes, std::string* name, OpDesc* out);
@@ -47,8 +64,9 @@ struct OpRequest {
   std::string name;  // empty: named by submission order on this communicator
   OpDesc desc;
   void* data = nullptr;
-  bool deferred = false;  // data not in place yet: run only after Operation::mark_ready()
-  CodecSpec codec_spec;   // desc.codec as Engine::submit parsed it (the engine's own copy)
+  std::vector<void*> member_data;  // kGroupedAllreduce: each member's array
+  bool deferred = false;           // data not in place yet: run only after Operation::mark_ready()
+  CodecSpec codec_spec;            // desc.codec as Engine::submit parsed it (the engine's own copy)
 };
 
 struct OpTimes {
