@@ -150,7 +150,7 @@ def worker(args):
         drop_cache(comm)
         start = time.monotonic()
         with Prefetcher(st, args.batch, args.epochs, 1, comm=comm, ram_bytes=args.ram,
-                        disk_dir=args.disk_dir, disk_bytes=args.disk, threads=args.threads,
+                        disk_dir=args.disk_dir, disk_bytes=args.disk, staging_threads=args.threads,
                         read_bytes=args.read_bytes, read_gap=args.read_gap, lookahead_bytes=args.lookahead) as pf:
             startup = time.monotonic() - start
             for e, epoch in enumerate(pf.epochs()):

@@ -3,6 +3,8 @@
 # A stream spec is checked by the core (StreamSpec::validate) once per call: here
 # where a function computes with it, else by make_plan (plan(), Prefetcher::create).
 
+import os
+
 import numpy as np
 
 from libc.stdint cimport int32_t, uint8_t, uint32_t, uint64_t
@@ -14,9 +16,10 @@ from libcpp.vector cimport vector
 from mpi4py cimport MPI
 from mpi4py.libmpi cimport MPI_Comm, MPI_COMM_NULL
 
-from libhpcdl.prefetch cimport (CBatchView, kDefaultStagingBytes, CPeerService, CPlacement, CPrefetchConfig, CPrefetcher, CPrefetchStats,
-                                CStreamSpec, epoch_order as c_epoch_order, CPeerSources, CPlan, make_plan,
-                                place as c_place, shuffle_draw as c_shuffle_draw)
+from libhpcdl.prefetch cimport (CBatchView, CConfigField, CPeerService, CPeerSources, CPlacement, CPlan,
+                                CPrefetchConfig, CPrefetcher, CPrefetchStats, CStatField, CStreamSpec, config_fields,
+                                epoch_order as c_epoch_order, kDefaultStagingBytes, make_plan, place as c_place,
+                                shuffle_draw as c_shuffle_draw, stat_fields)
 from libhpcdl.status cimport CStatus, check_status
 from libhpcdl.store cimport CShardInfo, CStoreReader, shard_infos
 
@@ -180,39 +183,84 @@ cdef class _Staging:
         view.internal = NULL
 
 
+cdef class PrefetchOptions:
+    """The prefetcher's settings, hpcdl::PrefetchConfig (prefetcher.hpp): one
+    attribute per field, by the field's name, its default the struct's. A
+    new field there is one here too (config_fields lists them)."""
+    cdef CPrefetchConfig c
+
+    def __init__(self, **settings):
+        for name, value in settings.items():
+            setattr(self, name, value)
+
+    cdef CConfigField _field(self, str name) except *:
+        cdef bytes key = name.encode()
+        cdef CConfigField f
+        for f in config_fields(self.c):
+            if <bytes>f.name == key:
+                return f
+        raise AttributeError(f"the prefetcher has no setting {name!r}")
+
+    def __getattr__(self, str name):
+        cdef CConfigField f = self._field(name)
+        if f.u64:
+            return f.u64[0]
+        if f.count:
+            return f.count[0]
+        if f.seconds:
+            return f.seconds[0]
+        if f.flag:
+            return f.flag[0]
+        if f.text:
+            return f.text[0].decode()
+        return list(f.list[0])
+
+    def __setattr__(self, str name, value):
+        cdef CConfigField f = self._field(name)
+        if f.u64:
+            f.u64[0] = value
+        elif f.count:
+            f.count[0] = value
+        elif f.seconds:
+            f.seconds[0] = value
+        elif f.flag:
+            f.flag[0] = value
+        elif f.text:
+            f.text[0] = os.fsencode(value)
+        else:
+            f.list[0] = [int(v) for v in value]
+
+    def names(self):
+        """Every setting's name, in the struct's order."""
+        cdef CConfigField f
+        names = []
+        for f in config_fields(self.c):
+            names.append((<bytes>f.name).decode())
+        return names
+
+    def to_dict(self):
+        return {name: getattr(self, name) for name in self.names()}
+
+    def __repr__(self):
+        return f"PrefetchOptions({', '.join(f'{k}={v!r}' for k, v in self.to_dict().items())})"
+
+
 cdef class PrefetchCore:
     """One rank's running prefetcher. staging: the uint8 numpy array of the
-    core's staging ring (its size: cfg's staging_bytes, raised to three of the
+    core's staging ring (its size: the options' staging_bytes, raised to three of the
     largest local batches); batches are (ring offset, bytes, sample ids, offsets) into it."""
     cdef unique_ptr[CPrefetcher] core
     cdef readonly object staging
 
-    def __cinit__(self, shards, dict cfg):
+    def __cinit__(self, shards, PrefetchOptions options not None):
         cdef vector[CShardInfo] infos = shard_infos(shards)
         cdef unique_ptr[CStoreReader] reader
-        cdef CPrefetchConfig c
+        cdef CPrefetchConfig c = options.c
         cdef CStatus st
         cdef _Staging ring = _Staging()
         with nogil:
             st = CStoreReader.open(move(infos), &reader)
         check_status(st)
-        c.spec = _spec(cfg["samples"], cfg["global_batch"], cfg["ranks"], cfg["epochs"], cfg["seed"],
-                       cfg["drop_last"])
-        c.rank, c.start = cfg["rank"], cfg["start"]
-        c.ram_bytes, c.disk_bytes = cfg["ram_bytes"], cfg["disk_bytes"]
-        c.disk_dir = cfg["disk_dir"].encode() if cfg["disk_dir"] else b""
-        c.staging_bytes = cfg["staging_bytes"]
-        c.staging_threads, c.ram_threads, c.disk_threads = cfg["threads"], cfg["ram_threads"], cfg["disk_threads"]
-        for b in cfg["peer_ram_bytes"]:
-            c.peer_ram_bytes.push_back(b)
-        for b in cfg["peer_disk_bytes"]:
-            c.peer_disk_bytes.push_back(b)
-        c.peer_timeout_s, c.serve_delay_s = cfg["peer_timeout"], cfg["serve_delay"]
-        if cfg.get("peer_message_bytes"):
-            c.peer_message_bytes = cfg["peer_message_bytes"]
-        c.read_bytes, c.read_gap_bytes = cfg["read_bytes"], cfg["read_gap_bytes"]
-        c.lookahead_bytes, c.read_concurrency = cfg["lookahead_bytes"], cfg["read_concurrency"]
-        c.span_delay_s = cfg.get("span_delay", 0.0)
         with nogil:
             st = CPrefetcher.create(move(reader), move(c), &self.core)
         check_status(st)
@@ -256,18 +304,14 @@ cdef class PrefetchCore:
         if not self.core:
             return None
         cdef CPrefetchStats s = self.core.get().stats()
-        return {
-            "hits": {SOURCES[i]: s.hits[i] for i in range(4)},
-            "bytes": {SOURCES[i]: s.bytes[i] for i in range(4)},
-            "peer_misses": s.peer_misses, "peer_timeouts": s.peer_timeouts, "peer_waits": s.peer_waits,
-            "peer_fills": s.peer_fills, "store_reads": s.store_reads,
-            "store_requests": s.store_requests, "store_bytes": s.store_bytes,
-            "peer_errors": s.peer_errors, "peers_gone": s.peers_gone, "peer_damaged": s.peer_damaged,
-            "served_to_peers": s.served_to_peers, "ram_loaded": s.ram_loaded, "disk_written": s.disk_written,
-            "batches": s.batches, "stall_seconds": s.stall_s, "staging_bytes": s.staging_bytes,
-            "ram_used": s.tier_used[0], "disk_used": s.tier_used[1],
-            "ram_samples": s.tier_samples[0], "disk_samples": s.tier_samples[1],
-        }
+        cdef CStatField f
+        out = {"hits": {SOURCES[i]: s.hits[i] for i in range(4)}, "bytes": {SOURCES[i]: s.bytes[i] for i in range(4)}}
+        for f in stat_fields(s):
+            if f.count:
+                out[(<bytes>f.name).decode()] = f.count[0]
+            else:
+                out[(<bytes>f.name).decode()] = f.seconds[0]
+        return out
 
     def placement(self):
         return _placement_dict(self.core.get().placement())

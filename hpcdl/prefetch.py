@@ -3,8 +3,7 @@ sequence is a pure function of (N, B, P, rank, E, seed), so each rank knows
 before the first step what it will read, how often and when, and stages data
 ahead of use from the fastest tier that has it.
 
-    from hpcdl.store import Store, probe
-from hpcdl.units import AUTO, count_or_auto, size_or_auto
+    from hpcdl.store import Store
     from hpcdl.prefetch import Prefetcher
 
     with Prefetcher(Store(path), batch_size=256, epochs=90, seed=1, comm=MPI.COMM_WORLD,
@@ -34,6 +33,8 @@ from hpcdl.errors import HpcdlError
 from hpcdl.store import Store, probe
 from hpcdl.units import AUTO, count_or_auto, size_or_auto
 
+# Defaults of the core's settings are its own (hpcdl::PrefetchConfig), read here once.
+_CORE_DEFAULTS = _core.PrefetchOptions()
 DEFAULT_RAM_BYTES = 1 << 30
 DEFAULT_STAGING_BYTES = _core.DEFAULT_STAGING_BYTES
 # Coalesced store fills (docs/prefetch.md): the largest read, the largest gap
@@ -239,7 +240,7 @@ class Prefetcher:
     each other's RAM tier (needs MPI_THREAD_MULTIPLE).
     ram_bytes: RAM tier capacity; disk_dir, disk_bytes: node-local disk tier
     (an unnamed file in disk_dir, gone when closed); 0 turns a tier off.
-    threads: staging threads; ram_threads, disk_threads: tier fillers.
+    staging_threads: staging threads; ram_threads, disk_threads: tier fillers.
     staging_bytes: the staging buffer (raised to three of the largest local
     batches when smaller). drop_last: drop the last partial global batch of
     each epoch (else pad it with the epoch's first samples).
@@ -272,11 +273,12 @@ class Prefetcher:
     """
 
     def __init__(self, store, batch_size, epochs, seed, comm=None, ram_bytes=DEFAULT_RAM_BYTES, disk_dir=None,
-                 disk_bytes=0, threads=4, drop_last=True, start=(0, 0), staging_bytes=DEFAULT_STAGING_BYTES,
-                 ram_threads=2, disk_threads=2, peer_timeout=2.0, read_bytes=DEFAULT_READ_BYTES,
-                 read_gap=DEFAULT_READ_GAP, lookahead_bytes=DEFAULT_LOOKAHEAD_BYTES,
-                 read_concurrency=DEFAULT_READ_CONCURRENCY, _serve_delay=0.0, _span_delay=0.0,
-                 _peer_message_bytes=0):
+                 disk_bytes=0, staging_threads=_CORE_DEFAULTS.staging_threads, drop_last=True, start=(0, 0),
+                 staging_bytes=_CORE_DEFAULTS.staging_bytes, ram_threads=_CORE_DEFAULTS.ram_threads,
+                 disk_threads=_CORE_DEFAULTS.disk_threads, peer_timeout=_CORE_DEFAULTS.peer_timeout,
+                 read_bytes=DEFAULT_READ_BYTES, read_gap=DEFAULT_READ_GAP, lookahead_bytes=DEFAULT_LOOKAHEAD_BYTES,
+                 read_concurrency=DEFAULT_READ_CONCURRENCY, _serve_delay=_CORE_DEFAULTS.serve_delay,
+                 _span_delay=_CORE_DEFAULTS.span_delay, _peer_message_bytes=_CORE_DEFAULTS.peer_message_bytes):
         self._core = None
         self.comm = comm
         world = comm if comm is not None else MPI.COMM_SELF
@@ -284,7 +286,8 @@ class Prefetcher:
 
         def open_store():  # what one rank alone can get wrong raises on every rank, naming it
             for name, value in (("batch_size", batch_size), ("epochs", epochs), ("ram_bytes", ram_bytes),
-                                ("disk_bytes", disk_bytes), ("threads", threads), ("staging_bytes", staging_bytes)):
+                                ("disk_bytes", disk_bytes), ("staging_threads", staging_threads),
+                                ("staging_bytes", staging_bytes)):
                 if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
             asked = {name: size_or_auto(value, name) for name, value in
@@ -322,18 +325,15 @@ class Prefetcher:
             peer_ram = peer_disk = []
         self._position = position
         self.read_settings = _read_settings(self.store, world, asked, int(staging_bytes), int(ram_bytes) + disk_bytes)
-        read_bytes, read_gap, lookahead_bytes, read_concurrency = (self.read_settings[k] for k in asked)
-        cfg = {"samples": n, "global_batch": self.batch_size, "ranks": self.ranks, "epochs": self.num_epochs,
-               "seed": self.seed, "drop_last": self.drop_last, "rank": self.rank, "start": position,
-               "ram_bytes": int(ram_bytes), "disk_bytes": disk_bytes,
-               "disk_dir": os.fspath(disk_dir) if disk_dir else "", "staging_bytes": int(staging_bytes),
-               "threads": max(int(threads), 1),
-               "ram_threads": max(int(ram_threads), 1), "disk_threads": max(int(disk_threads), 1),
-               "peer_ram_bytes": peer_ram, "peer_disk_bytes": peer_disk, "peer_timeout": float(peer_timeout),
-               "serve_delay": float(_serve_delay), "span_delay": float(_span_delay),
-               "peer_message_bytes": int(_peer_message_bytes),
-               "read_bytes": int(read_bytes), "read_gap_bytes": int(read_gap),
-               "lookahead_bytes": int(lookahead_bytes), "read_concurrency": int(read_concurrency)}
+        options = _core.PrefetchOptions(
+            samples=n, global_batch=self.batch_size, ranks=self.ranks, epochs=self.num_epochs, seed=self.seed,
+            drop_last=self.drop_last, rank=self.rank, start=position, ram_bytes=int(ram_bytes),
+            disk_bytes=disk_bytes, disk_dir=disk_dir or "", staging_bytes=int(staging_bytes),
+            staging_threads=max(int(staging_threads), 1), ram_threads=max(int(ram_threads), 1),
+            disk_threads=max(int(disk_threads), 1), peer_ram_bytes=peer_ram, peer_disk_bytes=peer_disk,
+            peer_timeout=float(peer_timeout), serve_delay=float(_serve_delay), span_delay=float(_span_delay),
+            peer_message_bytes=int(_peer_message_bytes),
+            **{k: int(self.read_settings[k]) for k in asked})
         self._trace = os.environ.get(TRACE_ENV)
         if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
             warn(f"{TRACE_ENV} is ignored while HPCDL_TIMELINE is set: the timeline has the prefetcher's events",
@@ -343,7 +343,7 @@ class Prefetcher:
             timeline.record()
         # Local set-up (plan, staging allocation) agreed on before the peer
         # tier's collective MPI_Comm_dup, so that no rank waits there for one that failed.
-        core = call_on_every_rank(world, _core.PrefetchCore, self.store.shard_infos, cfg)
+        core = call_on_every_rank(world, _core.PrefetchCore, self.store.shard_infos, options)
         # Its threads may fail to start on one rank alone: then every rank
         # closes its peer tier together (collective) and raises.
         try:

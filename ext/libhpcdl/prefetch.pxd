@@ -54,28 +54,29 @@ cdef extern from "hpcdl/prefetch/prefetcher.hpp" namespace "hpcdl" nogil:
     uint64_t kDefaultStagingBytes
 
     cdef cppclass CPrefetchConfig "hpcdl::PrefetchConfig":
-        CStreamSpec spec
-        uint64_t rank, start, ram_bytes, disk_bytes, staging_bytes
-        string disk_dir
-        size_t staging_threads, ram_threads, disk_threads
-        vector[uint64_t] peer_ram_bytes, peer_disk_bytes
-        double peer_timeout_s, serve_delay_s
-        uint64_t peer_message_bytes
-        uint64_t read_bytes, read_gap_bytes, lookahead_bytes
-        size_t read_concurrency
-        double span_delay_s
+        pass
+
+    cdef cppclass CConfigField "hpcdl::ConfigField":
+        const char* name
+        uint64_t* u64
+        size_t* count
+        double* seconds
+        cbool* flag
+        string* text
+        vector[uint64_t]* list
+
+    vector[CConfigField] config_fields(CPrefetchConfig& c)
 
     cdef cppclass CPrefetchStats "hpcdl::PrefetchStats":
         uint64_t hits[4]
         uint64_t bytes[4]
-        uint64_t peer_misses, peer_timeouts, peer_waits, served_to_peers, peer_fills, store_reads
-        uint64_t peer_errors, peers_gone, peer_damaged
-        uint64_t store_requests, store_bytes
-        uint64_t ram_loaded, disk_written, batches
-        uint64_t tier_used[2]
-        uint64_t tier_samples[2]
-        uint64_t staging_bytes
-        double stall_s
+
+    cdef cppclass CStatField "hpcdl::StatField":
+        const char* name
+        const uint64_t* count
+        const double* seconds
+
+    vector[CStatField] stat_fields(const CPrefetchStats& s)
 
     cdef cppclass CBatchView "hpcdl::BatchView":
         uint64_t batch, ring_offset, bytes, count

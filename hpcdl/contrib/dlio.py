@@ -112,7 +112,7 @@ class HpcdlDataLoader(BaseDataLoader):
         tiers = {"ram_bytes": _env_bytes("HPCDL_DLIO_RAM", DEFAULT_RAM_BYTES),
                  "disk_dir": os.environ.get("HPCDL_DLIO_DISK_DIR") or None,
                  "disk_bytes": _env_bytes("HPCDL_DLIO_DISK", 0),
-                 "threads": int(os.environ.get("HPCDL_DLIO_THREADS", max(4, args.read_threads))),
+                 "staging_threads": int(os.environ.get("HPCDL_DLIO_THREADS", max(4, args.read_threads))),
                  "read_concurrency": os.environ.get("HPCDL_DLIO_READ_CONCURRENCY", "auto")}
         return store, tiers
 

@@ -3,7 +3,7 @@
 // The store fills (tier slots no peer serves) are known for the whole run.
 // Instead of one read per sample in first-use order, a filler takes the next
 // lookahead_bytes of them, sorts them by (shard, file offset) and reads each
-// run of neighbours as one span: samples whose gap is at most read_gap_bytes
+// run of neighbours as one span: samples whose gap is at most read_gap
 // merge, a span is at most read_bytes (a larger sample is a span alone);
 // spans are read soonest-needed first. The
 // samples go to their RAM or disk slots, each checked against its CRC32C, so
@@ -63,7 +63,7 @@ void Prefetcher::coalesced_fill_loop() {
       for (; stop < window.size(); ++stop) {
         const std::uint64_t k = window[stop], at = reader_->file_offset(k);
         const std::uint64_t k_end = std::max(end, at + reader_->size(k));
-        if (reader_->shard_of(k) != reader_->shard_of(first) || at > end + cfg_.read_gap_bytes ||
+        if (reader_->shard_of(k) != reader_->shard_of(first) || at > end + cfg_.read_gap ||
             k_end - start > cfg_.read_bytes)
           break;
         end = k_end;
@@ -136,7 +136,7 @@ void Prefetcher::load_span(const std::uint64_t* idx, std::size_t n, std::vector<
     }
     ++store_requests_;
     store_bytes_ += span;
-    if (cfg_.span_delay_s > 0) std::this_thread::sleep_for(std::chrono::duration<double>(cfg_.span_delay_s));
+    if (cfg_.span_delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(cfg_.span_delay));
   }
   for (std::size_t j = 0; j < n; ++j) {
     const std::uint64_t k = idx[j], size = reader_->size(k);

@@ -72,7 +72,7 @@ void Prefetcher::count_outcome(int peer, PeerService::Outcome o, const Status& e
   ++(o == O::kLater ? peer_waits_ : o == O::kTimeout ? peer_timeouts_ : o == O::kError ? peer_errors_ : peer_misses_);
   if ((o == O::kTimeout || o == O::kError) && !peer_gone_[peer].exchange(true))
     warn("peer tier: rank " + std::to_string(peer) +
-         (o == O::kTimeout ? " did not answer within " + seconds_text(cfg_.peer_timeout_s)
+         (o == O::kTimeout ? " did not answer within " + seconds_text(cfg_.peer_timeout)
                            : " cannot be reached (" + error.message() + ")") +
          "; its samples come from the backing store for the rest of the run");
 }

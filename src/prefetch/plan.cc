@@ -282,9 +282,11 @@ Status Prefetcher::plan() {
   batch_error_.assign(batches, Status::OK());
   next_consume_ = first_batch();
   next_claim_ = 0;
+  stats_.ram_used = placement_.used[kTierRam];
+  stats_.disk_used = placement_.used[kTierDisk];
+  stats_.ram_samples = placement_.lists[kTierRam].size();
+  stats_.disk_samples = placement_.lists[kTierDisk].size();
   for (int t = 0; t < kCachedTiers; ++t) {
-    stats_.tier_used[t] = placement_.used[t];
-    stats_.tier_samples[t] = placement_.lists[t].size();
     slots_[t].reset(new std::atomic<std::uint8_t>[spec.samples]);
     for (std::uint64_t k = 0; k < spec.samples; ++k) slots_[t][k] = kEmpty;
   }

@@ -31,7 +31,7 @@ Status Prefetcher::start(MPI_Comm comm) {
   if (!cfg_.peer_ram_bytes.empty() && end_ > cfg_.start) {
     HPCDL_RETURN_NOT_OK(PeerService::create(
         comm, [this](std::uint64_t k, char* dst) { return serve_peer(k, dst); },
-        [this](std::uint64_t k) { return reader_->size(k); }, cfg_.peer_timeout_s, cfg_.serve_delay_s,
+        [this](std::uint64_t k) { return reader_->size(k); }, cfg_.peer_timeout, cfg_.serve_delay,
         cfg_.peer_message_bytes, &peers_));
     peer_gone_.reset(new std::atomic<bool>[peers_->size()]);
     for (int q = 0; q < peers_->size(); ++q) peer_gone_[q] = false;

@@ -102,7 +102,7 @@ Status Prefetcher::next_batch(BatchView* out) {
   }
   const double t1 = now_us();
   if (stalled) {
-    stats_.stall_s += (t1 - t0) * 1e-6;
+    stats_.stall_seconds += (t1 - t0) * 1e-6;
     Timeline::instance().record("stall", "prefetch", t0, t1, 1);
   }
   if (stopping_) return Status::Cancelled("the prefetcher was closed");

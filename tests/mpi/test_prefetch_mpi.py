@@ -152,7 +152,7 @@ def test_a_peer_that_stops_answering_costs_a_few_timeouts(comm, shared_store):
     gone = 12.0 if comm.Get_rank() == 1 else 0.0
 
     def run():
-        with Prefetcher(st, 8, 4, 17, comm=comm, ram_bytes=ram, threads=4, peer_timeout=0.5,
+        with Prefetcher(st, 8, 4, 17, comm=comm, ram_bytes=ram, staging_threads=4, peer_timeout=0.5,
                         _serve_delay=gone) as pf:
             ids, right = delivered(pf, st)
             return right, pf.stats()

@@ -201,7 +201,7 @@ def test_peer_sources_are_the_earliest_other_cacher(ram, disk):
 def test_bytes_delivered_equal_the_store(st, tmp_path, ram, disk, staging, threads):
     expected = prefetch.rank_stream(len(st), 8, 1, 0, 3, 5)
     with Prefetcher(st, 8, 3, 5, ram_bytes=ram, disk_dir=str(tmp_path), disk_bytes=disk,
-                    staging_bytes=staging, threads=threads) as pf:
+                    staging_bytes=staging, staging_threads=threads) as pf:
         batches = run_all(pf)
         stats = pf.stats()
     got = np.concatenate([b[2] for b in batches])
@@ -338,7 +338,7 @@ def test_a_damaged_disk_tier_is_never_served(st, tmp_path):
     import time
 
     with Prefetcher(st, 8, 3, 3, ram_bytes=0, disk_dir=str(tmp_path), disk_bytes=10**9, staging_bytes=0,
-                    threads=1) as pf:
+                    staging_threads=1) as pf:
         deadline = time.monotonic() + 60
         while pf.stats()["disk_written"] < pf.stats()["disk_samples"] and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -417,7 +417,7 @@ def test_staging_ring_is_three_of_the_largest_batches_and_outlives_close(st):
 
 def test_break_mid_epoch_joins_threads_and_removes_files(st, tmp_path):
     before = threads_now()
-    pf = Prefetcher(st, 8, 5, 1, ram_bytes=20000, disk_dir=str(tmp_path), disk_bytes=40000, threads=3,
+    pf = Prefetcher(st, 8, 5, 1, ram_bytes=20000, disk_dir=str(tmp_path), disk_bytes=40000, staging_threads=3,
                     staging_bytes=0)  # the smallest ring: staging threads wait for the consumer
     assert threads_now() > before
     for step, batch in enumerate(pf):
@@ -491,3 +491,27 @@ def test_tf_dataset_in_stream_order(st):
         got = [(bytes(x.numpy()), int(y)) for x, y in ds]
     assert got == [(st.read(int(i)), int(st.labels[i])) for i in expected]
     assert isinstance(ds, tf.data.Dataset)
+
+
+def test_settings_have_one_name_from_python_to_cpp(st):
+    """PrefetchOptions is hpcdl::PrefetchConfig by field name; Prefetcher's
+    keywords for the core's settings are those names, their defaults the struct's."""
+    import inspect
+    options = _core.PrefetchOptions(read_gap=12345, disk_dir="/x", peer_ram_bytes=[1, 2], drop_last=False)
+    got = options.to_dict()
+    assert (got["read_gap"], got["disk_dir"], got["peer_ram_bytes"], got["drop_last"]) == (12345, "/x", [1, 2], False)
+    assert got["staging_bytes"] == _core.DEFAULT_STAGING_BYTES  # untouched fields keep the struct's default
+    with pytest.raises(AttributeError, match="no setting 'threads'"):
+        _core.PrefetchOptions(threads=4)
+    keywords = inspect.signature(Prefetcher).parameters
+    defaults = _core.PrefetchOptions()
+    for name in ("staging_threads", "ram_threads", "disk_threads", "peer_timeout", "staging_bytes"):
+        assert keywords[name].default == getattr(defaults, name), name
+    for name in ("read_bytes", "read_gap", "lookahead_bytes", "read_concurrency"):
+        assert name in options.names() and name in keywords
+    with Prefetcher(st, 8, 1, 1, ram_bytes=1 << 20, staging_threads=1) as pf:
+        for _ in pf:
+            pass
+        stats = pf.stats()
+    assert stats["batches"] == pf.steps_per_epoch and stats["stall_seconds"] >= 0
+    assert stats["ram_used"] > 0 and stats["ram_samples"] > 0 and set(stats["hits"]) == {"ram", "disk", "peer", "store"}

@@ -86,7 +86,7 @@ def test_prefetcher_threads_refused_raise_and_none_is_left_running(tmp_path):
         from hpcdl.prefetch import Prefetcher
 
         st = store.Store(sys.argv[1])
-        kwargs = dict(ram_bytes=0, staging_bytes=1 << 16, threads=4)
+        kwargs = dict(ram_bytes=0, staging_bytes=1 << 16, staging_threads=4)
         before = threads_now()
         for extra_mib in range(2, 200, 4):
             limit_address_space(extra_mib)
@@ -122,7 +122,7 @@ def test_prefetcher_thread_refused_on_one_rank_fails_it_on_every_rank(tmp_path):
         from hpcdl.prefetch import Prefetcher
 
         st = store.Store(os.environ["STORE"])
-        kwargs = dict(comm=WORLD, ram_bytes=1 << 20, staging_bytes=1 << 16, threads=1)
+        kwargs = dict(comm=WORLD, ram_bytes=1 << 20, staging_bytes=1 << 16, staging_threads=1)
         with open(os.path.join(os.environ["JOB_DIR"], f"rank{RANK}.txt"), "w") as log:
             for extra_mib in range(2, 100, 2):
                 if RANK == 1:

@@ -50,7 +50,7 @@ PREFETCH_PROGRAM = """
 import json, sys, numpy as np, hpcdl
 from mpi4py import MPI
 from hpcdl.prefetch import Prefetcher
-with Prefetcher(sys.argv[1], batch_size=8, epochs=2, seed=3, comm=MPI.COMM_WORLD, ram_bytes=1 << 20, threads=1,
+with Prefetcher(sys.argv[1], batch_size=8, epochs=2, seed=3, comm=MPI.COMM_WORLD, ram_bytes=1 << 20, staging_threads=1,
                 _span_delay=1.0) as pf:
     for epoch in pf.epochs():
         for batch in epoch:

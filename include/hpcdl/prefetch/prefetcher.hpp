@@ -51,6 +51,10 @@ namespace hpcdl {
 // The staging ring's size unless told otherwise (hpcdl.prefetch.Prefetcher(staging_bytes=)).
 constexpr std::uint64_t kDefaultStagingBytes = 64 << 20;
 
+// The prefetcher's settings. Each field's name is the one Python uses
+// (hpcdl.prefetch.Prefetcher's keyword, a leading _ there for the testing
+// ones; _core.PrefetchOptions' attribute) and its default here is the only one:
+// a new setting is a field here and its row in config_fields() below.
 struct PrefetchConfig {
   StreamSpec spec;
   std::uint64_t rank = 0;
@@ -62,20 +66,87 @@ struct PrefetchConfig {
   std::size_t staging_threads = 4, ram_threads = 2, disk_threads = 2;
   std::vector<std::uint64_t> peer_ram_bytes;   // per rank; empty: no peer tier
   std::vector<std::uint64_t> peer_disk_bytes;  // per rank (empty: no disk tiers)
-  double peer_timeout_s = 2.0, serve_delay_s = 0.0;
+  double peer_timeout = 2.0;                   // seconds
+  double serve_delay = 0.0;                    // testing: seconds a peer stalls once, before its first answer
   std::uint64_t peer_message_bytes = PeerService::kMaxMessageBytes;  // the largest MPI message of a peer reply
   // Coalesced store fills (coalesce.cc): the tiers' store fills are gathered
   // lookahead_bytes at a time (in first-use order), sorted by file offset and
   // read in spans of at most read_bytes, merging samples whose gap is at most
-  // read_gap_bytes. read_bytes = 0: one read per sample. read_concurrency:
+  // read_gap bytes. read_bytes = 0: one read per sample. read_concurrency:
   // at most that many spans read at once, soonest-needed first (0: no limit).
-  std::uint64_t read_bytes = 0, read_gap_bytes = 0, lookahead_bytes = 0;
+  std::uint64_t read_bytes = 0, read_gap = 0, lookahead_bytes = 0;
   std::size_t read_concurrency = 0;
-  double span_delay_s = 0.0;  // testing: each span read takes this much longer (a slow store)
+  double span_delay = 0.0;  // testing: seconds each span read takes longer (a slow store)
 };
+
+// One field of a PrefetchConfig by name, for the bindings (ext/prefetch.pxi):
+// exactly one pointer is set, the one of the field's type.
+struct ConfigField {
+  const char* name;
+  std::uint64_t* u64 = nullptr;
+  std::size_t* count = nullptr;
+  double* seconds = nullptr;
+  bool* flag = nullptr;
+  std::string* text = nullptr;
+  std::vector<std::uint64_t>* list = nullptr;
+};
+
+// Every field of c, the stream spec's flattened in.
+inline std::vector<ConfigField> config_fields(PrefetchConfig& c) {
+  auto u64 = [](const char* n, std::uint64_t& f) {
+    ConfigField r{n};
+    r.u64 = &f;
+    return r;
+  };
+  auto count = [](const char* n, std::size_t& f) {
+    ConfigField r{n};
+    r.count = &f;
+    return r;
+  };
+  auto seconds = [](const char* n, double& f) {
+    ConfigField r{n};
+    r.seconds = &f;
+    return r;
+  };
+  auto list = [](const char* n, std::vector<std::uint64_t>& f) {
+    ConfigField r{n};
+    r.list = &f;
+    return r;
+  };
+  ConfigField drop_last{"drop_last"}, disk_dir{"disk_dir"};
+  drop_last.flag = &c.spec.drop_last;
+  disk_dir.text = &c.disk_dir;
+  return {u64("samples", c.spec.samples),
+          u64("global_batch", c.spec.global_batch),
+          u64("ranks", c.spec.ranks),
+          u64("epochs", c.spec.epochs),
+          u64("seed", c.spec.seed),
+          drop_last,
+          u64("rank", c.rank),
+          u64("start", c.start),
+          u64("ram_bytes", c.ram_bytes),
+          u64("disk_bytes", c.disk_bytes),
+          disk_dir,
+          u64("staging_bytes", c.staging_bytes),
+          count("staging_threads", c.staging_threads),
+          count("ram_threads", c.ram_threads),
+          count("disk_threads", c.disk_threads),
+          list("peer_ram_bytes", c.peer_ram_bytes),
+          list("peer_disk_bytes", c.peer_disk_bytes),
+          seconds("peer_timeout", c.peer_timeout),
+          seconds("serve_delay", c.serve_delay),
+          u64("peer_message_bytes", c.peer_message_bytes),
+          u64("read_bytes", c.read_bytes),
+          u64("read_gap", c.read_gap),
+          u64("lookahead_bytes", c.lookahead_bytes),
+          count("read_concurrency", c.read_concurrency),
+          seconds("span_delay", c.span_delay)};
+}
 
 enum Source { kFromRam = 0, kFromDisk = 1, kFromPeer = 2, kFromStore = 3, kSources = 4 };
 
+// The prefetcher's counters; Python's stats() has them by these names
+// (hits and bytes as {"ram", "disk", "peer", "store"}).
 struct PrefetchStats {
   std::uint64_t hits[kSources] = {0, 0, 0, 0};
   std::uint64_t bytes[kSources] = {0, 0, 0, 0};
@@ -85,10 +156,37 @@ struct PrefetchStats {
   std::uint64_t peer_fills = 0, store_reads = 0;  // tier slots filled from a peer; samples read from the backing store
   std::uint64_t store_requests = 0, store_bytes = 0;  // the backing store's reads (a coalesced span is one) and bytes
   std::uint64_t ram_loaded = 0, disk_written = 0, batches = 0;
-  std::uint64_t tier_used[kCachedTiers] = {0, 0}, tier_samples[kCachedTiers] = {0, 0};
+  std::uint64_t ram_used = 0, disk_used = 0, ram_samples = 0, disk_samples = 0;  // the tiers' bytes and samples
   std::uint64_t staging_bytes = 0;
-  double stall_s = 0;
+  double stall_seconds = 0;
 };
+
+// One counter of a PrefetchStats by name (hits and bytes aside): exactly one pointer is set.
+struct StatField {
+  const char* name;
+  const std::uint64_t* count = nullptr;
+  const double* seconds = nullptr;
+};
+
+inline std::vector<StatField> stat_fields(const PrefetchStats& s) {
+  auto count = [](const char* n, const std::uint64_t& f) {
+    StatField r{n};
+    r.count = &f;
+    return r;
+  };
+  StatField stall{"stall_seconds"};
+  stall.seconds = &s.stall_seconds;
+  return {count("peer_misses", s.peer_misses),     count("peer_timeouts", s.peer_timeouts),
+          count("peer_waits", s.peer_waits),       count("served_to_peers", s.served_to_peers),
+          count("peer_errors", s.peer_errors),     count("peers_gone", s.peers_gone),
+          count("peer_damaged", s.peer_damaged),   count("peer_fills", s.peer_fills),
+          count("store_reads", s.store_reads),     count("store_requests", s.store_requests),
+          count("store_bytes", s.store_bytes),     count("ram_loaded", s.ram_loaded),
+          count("disk_written", s.disk_written),   count("batches", s.batches),
+          count("ram_used", s.ram_used),           count("disk_used", s.disk_used),
+          count("ram_samples", s.ram_samples),     count("disk_samples", s.disk_samples),
+          count("staging_bytes", s.staging_bytes), stall};
+}
 
 struct BatchView {
   std::uint64_t batch = 0;        // global index of the local batch in the run
