@@ -19,7 +19,7 @@ from hpcdl._mpi_check import load_core
 
 _core = load_core(lambda: importlib.import_module("hpcdl._core"))
 
-from hpcdl import compression  # noqa: E402
+from hpcdl import _env, compression  # noqa: E402
 from hpcdl._core import EngineWarning, Handle, StallWarning
 from hpcdl.collectives import (DTYPES, allreduce, allreduce_async, barrier, broadcast, broadcast_async,
                                configure, stats)
@@ -165,10 +165,10 @@ def abort_on_uncaught_exception(enabled=True):
         sys.excepthook = _replaced_excepthook.pop() if _replaced_excepthook else sys.__excepthook__
 
 
-if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("HPCDL_ABORT_ON_EXCEPTION", "1") != "0":
+if MPI.COMM_WORLD.Get_size() > 1 and _env.get("HPCDL_ABORT_ON_EXCEPTION", True):
     abort_on_uncaught_exception(True)
 
-if os.environ.get("HPCDL_TIMELINE"):
+if _env.get("HPCDL_TIMELINE"):
     from hpcdl import timeline as _timeline
 
-    _timeline.enable(os.environ["HPCDL_TIMELINE"])
+    _timeline.enable(_env.get("HPCDL_TIMELINE"))

@@ -8,53 +8,17 @@ protocol and must be C-contiguous; reductions happen in place. torch tensors
 tensors (a copy) are taken too: hpcdl._tensors is their one intake.
 """
 
-import os
-import re
-
 from mpi4py import MPI
 
 from hpcdl import _core, _tensors
+from hpcdl._env import check_setting as _checked
+from hpcdl._env import engine_settings as _from_environment
 from hpcdl.compression import canonical as _codec_text
 
 # The element types allreduce and broadcast take, as the core defines them
 # (include/hpcdl/util/dtype.hpp), by numpy name; FLOAT_DTYPES those that op="average" takes.
 DTYPES = tuple(_core.DTYPES)
 FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if is_float)
-
-
-# Engine tunables: type, lower and upper bound, environment variable, from the
-# core's one table (include/hpcdl/engine/settings.hpp). Some are read by the
-# engine thread itself (C++), by hpcdl.timeline or by the error feedback
-# (residual_store.hpp) and only checked here.
-_SETTINGS = _core.ENV_SETTINGS
-
-
-def _checked(key, value, source):
-    """value as the setting's type, or ValueError naming source when it is not a number in bounds.
-    Integer text must be decimal digits only (no sign, space or '_'): the rule
-    the C++ side (include/hpcdl/util/env.hpp) reads the same variables by."""
-    kind, low, high, _ = _SETTINGS[key]
-    try:
-        if kind is int and isinstance(value, str) and not re.fullmatch(r"[0-9]+", value):
-            raise ValueError(value)
-        value = kind(value)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value != value or value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise ValueError(f"{source}: expected {'an integer' if kind is int else 'a number'} {bounds}")
-    return value
-
-
-def _from_environment():
-    """Settings given in the environment, checked: every rank reads the same
-    environment, so a typo fails every rank alike at import."""
-    found = {}
-    for key, (_, _, _, variable) in _SETTINGS.items():
-        text = os.environ.get(variable)
-        if text is not None:
-            found[key] = _checked(key, text, f"environment variable {variable}={text!r}")
-    return found
 
 
 _config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": _core.DEFAULT_STALL_WARNING_SECONDS,

@@ -18,6 +18,7 @@ cdef extern from "hpcdl/prefetch/stream.hpp" namespace "hpcdl" nogil:
         uint64_t samples, global_batch, ranks, epochs, seed
         cbool drop_last
         CStatus validate()
+        CStatus check_rank(uint64_t rank)
         uint64_t local_batch()
         uint64_t batches_per_epoch()
         uint64_t per_epoch()
