@@ -275,12 +275,6 @@ cdef class PrefetchCore:
             st = self.core.get().start(mpi_comm)
         check_status(st)
 
-    def first_batch(self):
-        return self.core.get().first_batch() if self.core else 0
-
-    def end_batch(self):
-        return self.core.get().end_batch() if self.core else 0
-
     def next_batch(self):
         """(batch, ring offset, bytes, sample ids, offsets) of the next local batch; blocks until staged."""
         cdef CBatchView v

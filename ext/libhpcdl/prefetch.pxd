@@ -89,8 +89,6 @@ cdef extern from "hpcdl/prefetch/prefetcher.hpp" namespace "hpcdl" nogil:
         CStatus create(unique_ptr[CStoreReader] reader, CPrefetchConfig cfg, unique_ptr[CPrefetcher]* out)
         CStatus start(MPI_Comm comm)
         CStatus close(double timeout_s)
-        uint64_t first_batch()
-        uint64_t end_batch()
         CStatus next_batch(CBatchView* out)
         const shared_ptr[char]& staging()
         uint64_t staging_bytes()
