@@ -8,6 +8,10 @@ protocol and must be C-contiguous; reductions happen in place. torch tensors
 tensors (a copy) are taken too: hpcdl._tensors is their one intake.
 """
 
+from __future__ import annotations
+
+from typing import Any
+
 from mpi4py import MPI
 
 from hpcdl import _core, _tensors
@@ -26,7 +30,8 @@ _config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": _c
 _config.update((k, v) for k, v in _from_environment().items() if k in _config)
 
 
-def configure(chunk_bytes=None, stall_warning_seconds=None, stall_error_seconds=None):
+def configure(chunk_bytes: int | None = None, stall_warning_seconds: float | None = None,
+              stall_error_seconds: float | None = None) -> dict[str, Any]:
     """Set engine tunables for this process; returns the settings now in force.
 
     chunk_bytes: size of a ring pipeline chunk, 64 B to 1 GiB (every rank must
@@ -65,7 +70,8 @@ def _comm(comm):
     return comm
 
 
-def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression=None, deferred=False):
+def allreduce_async(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None,
+                    dtype: str | None = None, compression: Any = None, deferred: bool = False) -> Any:
     """Start an in-place allreduce of ``buf``; returns a Handle (``wait()``, ``done()``:
     whichever first sees the operation finished raises its error and lets go of ``buf``).
 
@@ -108,7 +114,8 @@ def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression
     return _tensors.submit(buf, dtype, True, run)
 
 
-def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None):
+def allreduce(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None,
+              dtype: str | None = None, compression: Any = None) -> Any:
     """Allreduce ``buf`` in place over ``comm`` and return it.
 
     Ring reduce-scatter + allgather, pipelined in chunks; every rank ends with
@@ -119,7 +126,8 @@ def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None)
     return allreduce_async(buf, op, comm, name, dtype, compression).wait()
 
 
-def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):
+def broadcast_async(buf: Any, root: int = 0, comm: MPI.Comm | None = None, name: str | None = None,
+                    dtype: str | None = None) -> Any:
     """Start an in-place broadcast of ``buf`` from ``root``; returns a Handle."""
     comm = _comm(comm)
     receives = comm.Get_rank() != root
@@ -131,17 +139,18 @@ def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):
     return _tensors.submit(buf, dtype, receives, run)
 
 
-def broadcast(buf, root=0, comm=None, name=None, dtype=None):
+def broadcast(buf: Any, root: int = 0, comm: MPI.Comm | None = None, name: str | None = None,
+              dtype: str | None = None) -> Any:
     """Broadcast ``buf`` from ``root`` into every rank's ``buf`` and return it."""
     return broadcast_async(buf, root, comm, name, dtype).wait()
 
 
-def barrier(comm=None):
+def barrier(comm: MPI.Comm | None = None) -> None:
     """Return once every rank of ``comm`` has entered the barrier."""
     _core.submit(_core.KIND_BARRIER, None, _comm(comm), None).wait()
 
 
-def stats(reset=False):
+def stats(reset: bool = False) -> dict[str, Any]:
     """Engine counters per operation kind and codec, measured on this rank.
 
     Returns {"allreduce": {"none": {"ops", "bytes_sent", "bytes_received",
