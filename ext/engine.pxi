@@ -5,7 +5,7 @@
 from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContiguous,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
-from libc.stdint cimport uint8_t, uint64_t
+from libc.stdint cimport int64_t, uint8_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport shared_ptr
 from libcpp.string cimport string
@@ -18,6 +18,7 @@ from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode
 from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting,
                               CNoticeKind, COpKind, COpRequest, COperation, COpTimes, CReduceOp, dtype_is_float,
                               dtype_name, dtype_size, dtype_valid, in_mpi_process as c_in_mpi_process,
+                              reduce_op_name, reduce_op_valid,
                               kDefaultChunkBytes, kDefaultStallErrorSeconds, kDefaultStallWarningSeconds,
                               kEnvSettingCount, kEnvSettings, kMaxChunkBytes, kMaxNotices, kMinChunkBytes,
                               kUnbounded, remember_mpi_process, require_mpi_process as c_require_mpi_process)
@@ -63,11 +64,23 @@ cdef dict _dtype_table():
     return table
 
 
-# The element types the core reduces (include/hpcdl/util/dtype.hpp): name -> (core code,
+cdef dict _op_table():
+    table = {}
+    cdef int code = 0
+    while reduce_op_valid(code):
+        table[reduce_op_name(<CReduceOp>code).decode()] = code
+        code += 1
+    return table
+
+
+# The element types the core takes (include/hpcdl/util/dtype.hpp): name -> (core code,
 # item size, floating point); read through hpcdl.collectives.DTYPES.
 DTYPES = _dtype_table()
-_FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "l": "int64", "q": "int64"}
-_OPS = {"sum": <int>CReduceOp.kSum, "average": <int>CReduceOp.kAverage}
+# Buffer-protocol format codes -> dtype names, for exporters without a dtype attribute.
+_FORMATS = {"f": "float32", "d": "float64", "e": "float16", "i": "int32", "l": "int64", "q": "int64", "?": "bool",
+            "B": "uint8", "b": "int8", "h": "int16", "H": "uint16", "I": "uint32", "L": "uint64", "Q": "uint64"}
+# The reduction ops (include/hpcdl/util/dtype.hpp): name -> core code.
+OPS = _op_table()
 
 
 class EngineWarning(UserWarning):
@@ -110,6 +123,7 @@ cdef class Buffer:
     cdef bint held
     cdef readonly str dtype
     cdef readonly Py_ssize_t count
+    cdef readonly tuple shape  # the exporter's dimensions: part of what ranks agree on
     cdef readonly object owner
 
     def __cinit__(self, obj, dtype=None, bint writable=True, bint raw=False):
@@ -130,11 +144,13 @@ cdef class Buffer:
         if not PyBuffer_IsContiguous(&self.view, b"C"):
             raise ValueError("buffer is not C-contiguous; pass a contiguous copy (numpy.ascontiguousarray)")
         if raw:  # point-to-point moves bytes: any element type, counted in bytes
-            self.dtype, self.count = "bytes", self.view.len
+            self.dtype, self.count, self.shape = "bytes", self.view.len, (self.view.len,)
             return
         fmt = self.view.format.decode() if self.view.format != NULL else "B"
         self.dtype = _resolve_dtype(obj, dtype, fmt, self.view.itemsize)
         self.count = self.view.len // self.view.itemsize if self.view.itemsize else 0
+        self.shape = tuple(self.view.shape[i] for i in range(self.view.ndim)) if self.view.shape != NULL \
+            else (self.count,)
         if DTYPES[self.dtype][1] != self.view.itemsize:
             raise TypeError(f"dtype {self.dtype} has {DTYPES[self.dtype][1]}-byte elements, "
                             f"the buffer has {self.view.itemsize}-byte items")
@@ -165,10 +181,10 @@ def _resolve_dtype(obj, dtype, str fmt, Py_ssize_t itemsize):
     else:
         code = fmt.lstrip("@=<>!")
         name = _FORMATS.get(code, f"format '{code}'")
-        if name == "int64" and itemsize != 8:
+        if name in ("int64", "uint64") and itemsize != 8:
             name = f"format '{code}' of {itemsize} bytes"
     if name not in DTYPES:
-        raise TypeError(f"unsupported dtype {name}; hpcdl reduces {', '.join(DTYPES)} "
+        raise TypeError(f"unsupported dtype {name}; hpcdl takes {', '.join(DTYPES)} "
                         "(bfloat16 through ml_dtypes, or a uint16 view with dtype='bfloat16')")
     return name
 
@@ -308,6 +324,9 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     req.desc.kind = <COpKind>kind
     req.desc.dtype = <CDType>DTYPES[buf.dtype][0] if buf is not None else CDType.kInt32
     req.desc.count = buf.count if buf is not None else 0
+    if buf is not None:
+        for dim in buf.shape:
+            req.desc.shape.push_back(dim)
     req.desc.reduce_op = <CReduceOp>reduce_op
     req.desc.root = root
     req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
@@ -351,9 +370,9 @@ def transfer(bint send, Buffer buf not None, MPI.Comm comm not None, int peer, i
 
 def parse_op(op):
     try:
-        return _OPS[op]
-    except KeyError:
-        raise ValueError(f"op must be one of {sorted(_OPS)}, got {op!r}") from None
+        return OPS[op]
+    except (KeyError, TypeError):
+        raise ValueError(f"op must be one of {', '.join(map(repr, OPS))}, got {op!r}") from None
 
 
 KIND_ALLREDUCE = <int>COpKind.kAllreduce

@@ -222,4 +222,5 @@ def _submit_torch(tensor, dtype, writable, run):
     # the ring needs the bytes: this thread waits for this copy only, not the device
     copy_async(host, tensor.detach().view(-1), tensor.device).wait_host()
     array, core_dtype = numpy_view(host)
+    array = array.reshape(tuple(tensor.shape))  # a view: the tensor's shape is part of what ranks agree on
     return TensorHandle(run(array, dtype or core_dtype), tensor, host, copy_back=writable)

@@ -19,10 +19,10 @@ from hpcdl._env import check_setting as _checked
 from hpcdl._env import engine_settings as _from_environment
 from hpcdl.compression import canonical as _codec_text
 
-# The element types allreduce and broadcast take, as the core defines them
-# (include/hpcdl/util/dtype.hpp), by numpy name; FLOAT_DTYPES those that op="average" takes.
+# The element types allreduce and broadcast take and the reduction ops, as the core
+# defines them (include/hpcdl/util/dtype.hpp), by numpy name.
 DTYPES = tuple(_core.DTYPES)
-FLOAT_DTYPES = tuple(name for name, (_, _, is_float) in _core.DTYPES.items() if is_float)
+OPS = tuple(_core.OPS)
 
 
 _config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": _core.DEFAULT_STALL_WARNING_SECONDS,
@@ -81,7 +81,10 @@ def allreduce_async(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, nam
         before later work on the current stream), or a TensorFlow tensor (reduced
         on a copy: wait() returns a new tensor, or assigns a tf.Variable).
 
-    op: "sum" or "average" (average needs a floating dtype).
+    op: "sum", "average", "min", "max" or "product". Integers wrap on overflow
+        (sum, product) and average with floor division (sum // size, as Horovod's
+        torch API); floats: NaN wins min and max. bool takes min, max and
+        product (and, or, and). Compression takes sum and average only.
     name: identifies the operation across ranks. Named operations may be
         submitted in any order on different ranks: the engine agrees on one
         order before running them. Unnamed ones are matched by submission order
@@ -119,7 +122,7 @@ def allreduce(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str
     """Allreduce ``buf`` in place over ``comm`` and return it.
 
     Ring reduce-scatter + allgather, pipelined in chunks; every rank ends with
-    bitwise identical values. 16-bit floats are summed in fp32. With
+    bitwise identical values. 16-bit floats are reduced in fp32, rounded once per hop. With
     ``compression`` (see allreduce_async) the result is approximate but still
     bitwise identical on every rank.
     """

@@ -20,10 +20,20 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kBFloat16
         kInt32
         kInt64
+        kBool
+        kUInt8
+        kInt8
+        kInt16
+        kUInt16
+        kUInt32
+        kUInt64
 
     cdef enum class CReduceOp "hpcdl::ReduceOp":
         kSum
         kAverage
+        kMin
+        kMax
+        kProduct
 
     cdef cppclass COpDesc "hpcdl::OpDesc":
         COpKind kind
@@ -31,6 +41,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         CReduceOp reduce_op
         int32_t root
         uint64_t count
+        vector[int64_t] shape
         uint64_t chunk_bytes
         string codec
         string thread
@@ -109,6 +120,8 @@ cdef extern from "hpcdl/util/dtype.hpp" namespace "hpcdl" nogil:
     const char* dtype_name(CDType t)
     cbool dtype_is_float(CDType t)
     cbool dtype_valid(int t)
+    cbool reduce_op_valid(int op)
+    const char* reduce_op_name(CReduceOp op)
 
 cdef extern from "hpcdl/algorithms/ring.hpp" namespace "hpcdl" nogil:
     size_t kDefaultChunkBytes, kMinChunkBytes, kMaxChunkBytes

@@ -27,9 +27,10 @@ class HostsUpdatedInterrupt(RuntimeError):
     """Horovod's elastic-mode signal. hpcdl has no elastic membership: never raised."""
 
 
-# Horovod's ReduceOp values (horovod/common/basics.py numbers them 0, 1, 2).
-Average, Sum, Adasum = 0, 1, 2
-_OP_NAMES = {Average: "average", Sum: "sum"}
+# Horovod's ReduceOp values (its C++ enum: AVERAGE 0, SUM 1, ADASUM 2, MIN 3, MAX 4, PRODUCT 5)
+# and hpcdl's op names (hpcdl.collectives.OPS) for them.
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+_OP_NAMES = {Average: "average", Sum: "sum", Min: "min", Max: "max", Product: "product"}
 
 _state = {"initialized": False, "comm": None, "local": None, "cross": None, "homogeneous": None}
 _handles = {}
@@ -268,11 +269,9 @@ def reduce_op(op, average):
     if op is None:
         op = Sum if average is False else Average
     if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by hpcdl.horovod: hpcdl reduces with sum and average "
-                                  "only (docs/horovod.md); use op=hvd.Average")
+        raise NotImplementedError("Adasum is not supported by hpcdl.horovod (docs/horovod.md); use op=hvd.Average")
     if op not in _OP_NAMES:
-        raise ValueError(f"op={op!r}: hpcdl.horovod takes hvd.Average or hvd.Sum (Min, Max and Product come "
-                         "with hpcdl's core collectives, docs/horovod.md)")
+        raise ValueError(f"op={op!r}: hpcdl.horovod takes hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
     return _OP_NAMES[op]
 
 
@@ -356,17 +355,6 @@ def barrier(process_set=global_process_set):
     call(hpcdl.barrier, comm_of(process_set))
 
 
-def broadcast_bytes(data, root_rank, name, process_set=global_process_set):
-    """Rank ``root_rank``'s bytes (a uint8 array of a length every rank knows) in every
-    rank's array, through hpcdl's engine (agreed, stall-checked): the core broadcasts
-    4-byte and 8-byte types, so the bytes travel padded to whole int32s."""
-    padded = np.zeros(-(-data.size // 4), np.int32)
-    padded.view(np.uint8)[:data.size] = data
-    wait(hpcdl.broadcast_async(padded, root=root_in(process_set, root_rank), comm=comm_of(process_set), name=name))
-    data[...] = padded.view(np.uint8)[:data.size]
-    return data
-
-
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Rank ``root_rank``'s ``obj`` (pickled) on every rank of ``process_set``."""
     name = name or "broadcast_object"
@@ -376,5 +364,6 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     wait(hpcdl.broadcast_async(length, root=root_in(process_set, root_rank), comm=comm_of(process_set),
                                name=f"{name}.length"))
     data = payload if is_root else np.empty(int(length[0]), np.uint8)
-    broadcast_bytes(data, root_rank, f"{name}.bytes", process_set)
+    wait(hpcdl.broadcast_async(data, root=root_in(process_set, root_rank), comm=comm_of(process_set),
+                               name=f"{name}.bytes"))
     return obj if is_root else pickle.loads(data.tobytes())  # the root keeps its own, as in Horovod

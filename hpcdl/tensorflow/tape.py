@@ -155,9 +155,6 @@ def broadcast_variables(variables, root=0, comm=None):
                             "the variables to broadcast", {"root": int(root)})
     pending = []
     for i, value in enumerate(values):
-        if value.dtype.name in ("bool", "uint8", "int8", "uint32", "uint64", "int16"):
-            comm.Bcast(value.view(np.uint8), root=root)  # no reduction dtype: the raw bytes through MPI
-            continue
         if value.dtype.name in hpcdl.DTYPES:
             buffer, core_dtype = _core_view(value)
             pending.append(hpcdl.broadcast_async(buffer, root=root, comm=comm, name=f"tf.broadcast.{i}",

@@ -431,16 +431,14 @@ def broadcast_parameters(params, root_rank=0, comm=None):
         target = tensor.detach()
         # hpcdl works in place: a non-contiguous tensor goes through a contiguous copy
         buf = target if target.is_contiguous() else target.contiguous()
-        if buf.dtype in _BROADCASTABLE:  # CPU zero-copy, CUDA staged (hpcdl._tensors)
-            pending.append((target, buf, hpcdl.broadcast_async(buf, root=root_rank, comm=comm,
-                                                               name=f"torch.broadcast.{name}")))
-        else:  # bool, uint8, int8...: the same bytes, through MPI directly
-            host = buf.cpu()
-            comm.Bcast(host.view(-1).view(torch.uint8).numpy(), root=root_rank)
-            pending.append((target, host, None))
+        if buf.dtype not in _BROADCASTABLE:
+            raise TypeError(f"parameter {name!r} has dtype {buf.dtype}, which hpcdl does not broadcast "
+                            f"(it takes {', '.join(hpcdl.DTYPES)})")
+        # CPU zero-copy, CUDA staged (hpcdl._tensors)
+        pending.append((target, buf, hpcdl.broadcast_async(buf, root=root_rank, comm=comm,
+                                                           name=f"torch.broadcast.{name}")))
     for target, buf, handle in pending:
-        if handle is not None:
-            handle.wait()
+        handle.wait()
         if buf is not target:
             with torch.no_grad():
                 target.copy_(buf)

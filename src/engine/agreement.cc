@@ -49,7 +49,8 @@ std::string describe_disagreement(const std::vector<OpDesc>& descs) {
   field("operation", [](const OpDesc& d) { return std::string(op_kind_name(d.kind)); });
   field("dtype", [](const OpDesc& d) { return std::string(dtype_name(d.dtype)); });
   field("count", [](const OpDesc& d) { return std::to_string(d.count); });
-  field("op", [](const OpDesc& d) { return std::string(d.reduce_op == ReduceOp::kSum ? "sum" : "average"); });
+  field("shape", [](const OpDesc& d) { return shape_text(d.shape); });
+  field("op", [](const OpDesc& d) { return std::string(reduce_op_name(d.reduce_op)); });
   field("root", [](const OpDesc& d) { return std::to_string(d.root); });
   field("chunk_bytes", [](const OpDesc& d) { return std::to_string(d.chunk_bytes); });
   field("compression", [](const OpDesc& d) { return d.codec.empty() ? std::string("none") : d.codec; });

@@ -41,12 +41,30 @@ void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
   HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
   const OpDesc& d = req.desc;
-  if (d.kind == OpKind::kAllreduce && d.reduce_op == ReduceOp::kAverage && !dtype_is_float(d.dtype))
-    return Status::Invalid(std::string("op='average' needs a floating-point dtype, got ") + dtype_name(d.dtype));
+  if (d.kind != OpKind::kBarrier) {
+    std::uint64_t elements = 1;
+    bool negative = false;
+    for (std::int64_t dim : d.shape) {
+      negative = negative || dim < 0;
+      elements *= static_cast<std::uint64_t>(dim);
+    }
+    if (negative || elements != d.count)
+      return Status::Invalid("shape " + shape_text(d.shape) + " does not hold " + std::to_string(d.count) +
+                             " elements");
+  }
+  if (!dtype_valid(static_cast<int>(d.dtype))) return Status::Invalid("unknown dtype code");
+  if (!reduce_op_valid(static_cast<int>(d.reduce_op))) return Status::Invalid("unknown reduction op code");
+  const char* op_name = reduce_op_name(d.reduce_op);
+  if (d.kind == OpKind::kAllreduce && !dtype_reduces(d.dtype, d.reduce_op))
+    return Status::Invalid(std::string("op='") + op_name + "' does not reduce " + dtype_name(d.dtype) +
+                           " (bool takes min, max and product: and, or, and)");
   if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
     return Status::Invalid("chunk_bytes must be between " + std::to_string(kMinChunkBytes) + " and " +
                            std::to_string(kMaxChunkBytes) + ", got " + std::to_string(d.chunk_bytes));
   if (d.kind == OpKind::kAllreduce && !d.codec.empty()) {
+    if (d.reduce_op != ReduceOp::kSum && d.reduce_op != ReduceOp::kAverage)
+      return Status::Invalid(std::string("compression reduces sums: op='") + op_name +
+                             "' takes none (pass compression=None)");
     CodecSpec& spec = req.codec_spec;
     HPCDL_RETURN_NOT_OK(parse_codec(d.codec, &spec));
     HPCDL_RETURN_NOT_OK(check_codec_dtype(spec, d.codec, d.dtype));

@@ -183,7 +183,7 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
       st = run_compressed(ctx, op, &traffic, progress);
     } else {
       RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
-      DenseRingPolicy policy(plan, op.req_.data, d.dtype, scale);
+      DenseRingPolicy policy(plan, op.req_.data, d.dtype, d.reduce_op, ctx.size);
       traffic.dense_bytes = plan.dense_bytes_sent();
       st = run_ring(plan, policy, ctx.data, kTagData, &traffic, progress);
     }

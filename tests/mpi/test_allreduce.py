@@ -8,6 +8,7 @@ Every result is checked against a float64 reference and for bitwise equality
 across ranks; ranks agree on the verdict before asserting (tests/conftest.py).
 """
 
+import array
 import gc
 import hashlib
 import threading
@@ -28,17 +29,28 @@ pytestmark = pytest.mark.mpi(min_size=2)
 WORLD = MPI.COMM_WORLD
 COUNTS = [0, 1, 2, 3, 5, 7, 64, 1000, 4097, 65537]
 DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+FLOATS = ("float32", "float64", "float16", "bfloat16")
+NUMERIC = [d for d in hpcdl.DTYPES if d != "bool"]
+OPS = ["min", "max", "product"]
 
 
 def np_dtype(name):
     return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
 
 
-def contribution(rank, count, dtype):
-    """Rank r's data: deterministic, so any rank can compute every rank's input."""
+def contribution(rank, count, dtype, op="sum"):
+    """Rank r's data: deterministic, so any rank can compute every rank's input.
+    A product's floats lie in +-[0.5, 2] (no underflow), its integers in [-3, 5]
+    (int8 and uint8 still wrap over 4 or 5 ranks)."""
     rng = np.random.default_rng(1000 + rank)
-    if dtype.startswith("int"):
-        return rng.integers(-1000, 1000, count).astype(dtype)
+    if dtype == "bool":
+        return rng.random(count) < 0.8
+    if dtype not in FLOATS:
+        info = np.iinfo(dtype)
+        low, high = (-3, 6) if op == "product" else (-1000, 1000)
+        return rng.integers(max(info.min, low), min(info.max, high), count).astype(dtype)
+    if op == "product":
+        return (rng.uniform(0.5, 2.0, count) * rng.choice([-1.0, 1.0], count)).astype(np_dtype(dtype))
     return rng.standard_normal(count).astype(np_dtype(dtype))
 
 
@@ -48,29 +60,46 @@ def digest(a):
 
 def tolerance(dtype, size, reference_abs):
     eps = {"float32": 2.0 ** -23, "float64": 2.0 ** -52, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
-    if dtype.startswith("int"):
-        return 0.0
-    # one rounding per hop, each bounded by eps times the running partial sum
+    # one rounding per hop, each bounded by eps times the running partial result
     return 2 * size * eps[dtype] * reference_abs + 1e-30
+
+
+def exact_reference(inputs, dtype, op, size):
+    """Integers and bool: numpy's result in the dtype itself (it wraps like the core)."""
+    stack = np.stack(inputs)
+    if op in ("sum", "average"):
+        total = np.add.reduce(stack, axis=0, dtype=dtype)
+        return np.floor_divide(total, np.array(size, dtype=dtype)) if op == "average" else total
+    ufunc = {"min": np.minimum, "max": np.maximum, "product": np.multiply}[op]
+    return ufunc.reduce(stack, axis=0, dtype=dtype)
 
 
 def check_allreduce(comm, count, dtype, op):
     size = comm.Get_size()
-    data = contribution(comm.Get_rank(), count, dtype)
-    inputs = [contribution(r, count, dtype).astype(np.float64) for r in range(size)]
-    reference = np.sum(inputs, axis=0) if count else np.zeros(0)
-    reference_abs = np.sum(np.abs(inputs), axis=0) if count else np.zeros(0)
-    if op == "average":
-        reference, reference_abs = reference / size, reference_abs / size
+    data = contribution(comm.Get_rank(), count, dtype, op)
+    inputs = [contribution(r, count, dtype, op) for r in range(size)]
     out = hpcdl.allreduce(data, op=op, comm=comm)
-    err = np.abs(data.astype(np.float64) - reference)
-    tol = tolerance(dtype, size, reference_abs)
-    ok = bool(np.all(err <= tol)) and out is data
+    if dtype not in FLOATS:
+        expected = exact_reference(inputs, dtype, op, size)
+        ok = out is data and data.tobytes() == expected.tobytes()
+        detail = f"{np.count_nonzero(data != expected)} of {count} differ"
+    else:
+        wide = np.stack([a.astype(np.float64) for a in inputs])
+        if op in ("min", "max"):  # exact: the result is one of the inputs
+            reference = getattr(np, op)(wide, axis=0)
+            tol = np.zeros(count)
+        else:
+            reference = np.prod(wide, axis=0) if op == "product" else np.sum(wide, axis=0)
+            reference_abs = np.abs(reference) if op == "product" else np.sum(np.abs(wide), axis=0)
+            if op == "average":
+                reference, reference_abs = reference / size, reference_abs / size
+            tol = tolerance(dtype, size, reference_abs)
+        err = np.abs(data.astype(np.float64) - reference)
+        ok = bool(np.all(err <= tol)) and out is data
+        detail = f"in place: {out is data}, max err {err.max() if count else 0}"
     digests = comm.allgather(digest(data))
     same = len(set(digests)) == 1
-    detail = "" if ok and same else f"in place: {out is data}, max err {err.max() if count else 0}, " \
-        f"bitwise same: {same}"
-    return ok and same, detail
+    return ok and same, "" if ok and same else f"{detail}, bitwise same: {same}"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,6 +120,63 @@ def test_allreduce_average(comm, dtype):
         if not ok:
             problems.append(f"count {count}: {detail}")
     agree(comm, not problems, problems)
+
+
+@pytest.mark.parametrize("dtype, op", [(d, op) for d in NUMERIC for op in OPS]
+                         + [(d, op) for d in NUMERIC if d not in FLOATS for op in ("sum", "average")])
+def test_every_op_on_every_numeric_dtype(comm, dtype, op):
+    """Min, max, product on every type; the integers' sum and floor-divided average:
+    float64 references for floats, numpy's own wrapping arithmetic for integers."""
+    problems = []
+    for count in (0, 1, 7, 4097):
+        ok, detail = check_allreduce(comm, count, dtype, op)
+        if not ok:
+            problems.append(f"count {count}: {detail}")
+    agree(comm, not problems, problems)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_bool_min_max_product_are_and_or_and(comm, op):
+    ok, detail = check_allreduce(comm, 1001, "bool", op)
+    agree(comm, ok, detail)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_nan_wins_min_and_max(comm, dtype):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    results = []
+    for op in ("min", "max"):
+        a = np.arange(6).astype(np_dtype(dtype))
+        if rank == size - 1:
+            a[2] = np.nan
+        hpcdl.allreduce(a, op=op, comm=comm)
+        results.append(a.astype(np.float64))
+    ok = all(np.isnan(r[2]) and np.array_equal(np.delete(r, 2), [0, 1, 3, 4, 5]) for r in results)
+    agree(comm, ok, results)
+
+
+@pytest.mark.parametrize("sub_size", [2, 3])
+def test_reduction_ops_on_sub_communicators(sub_size):
+    rank = WORLD.Get_rank()
+    sub = WORLD.Split(rank // sub_size, rank)
+    problems = []
+    for dtype in ("float32", "bfloat16", "int8", "uint64"):
+        for op in OPS + ["average"]:
+            ok, detail = check_allreduce(sub, 1001, dtype, op)
+            if not ok:
+                problems.append(f"{dtype} {op}: {detail}")
+    sub.Free()
+    agree(WORLD, not problems, problems)
+
+
+@multi_rank
+def test_mismatched_op_names_both_ops(comm):
+    rank = comm.Get_rank()
+    _, err = outcome(hpcdl.allreduce, np.ones(8, dtype=np.int16), op="max" if rank == 0 else "product",
+                     name="mismatched.minmax", comm=comm)
+    ok = (isinstance(err, hpcdl.MismatchError) and "op differs: max on rank 0" in str(err)
+          and "product on rank" in str(err))
+    agree(comm, ok, repr(err))
 
 
 @pytest.mark.parametrize("sub_size", [2, 3])
@@ -293,6 +379,47 @@ def test_mismatched_dtype_and_op_raise_on_every_rank(comm):
 
 
 @multi_rank
+@pytest.mark.parametrize("call", ["allreduce", "broadcast"])
+def test_mismatched_shape_with_equal_count_raises_on_every_rank(comm, call):
+    """[17, 1311] against [17, 23, 57]: the same 22287 elements, yet no sum of both."""
+    rank = comm.Get_rank()
+    shape = (17, 1311) if rank == 0 else (17, 23, 57)
+    a = np.full(shape, rank + 1, dtype=np.float32)
+    before = a.copy()
+    _, err = outcome(getattr(hpcdl, call), a, comm=comm, name=f"mismatched.shape.{call}")
+    message = str(err)
+    others = "rank 1" if comm.Get_size() == 2 else "ranks 1, "
+    ok = (isinstance(err, hpcdl.MismatchError) and "shape differs" in message and "[17, 1311] on rank 0" in message
+          and f"[17, 23, 57] on {others}" in message and "count differs" not in message and np.array_equal(a, before))
+    agree(comm, ok, repr(err))
+
+
+@multi_rank
+def test_equal_shapes_reduce_and_a_flat_buffer_is_its_count(comm):
+    size = comm.Get_size()
+    a = np.arange(2 * 3 * 4, dtype=np.float64).reshape(2, 3, 4) * (comm.Get_rank() + 1)
+    collective(comm, lambda: hpcdl.allreduce(a, comm=comm, name="equal.shape"))
+    b = array.array("f", range(6))  # a flat buffer: its shape is its count
+    collective(comm, lambda: hpcdl.allreduce(b, comm=comm, name="flat.buffer"))
+    expected = np.arange(24, dtype=np.float64).reshape(2, 3, 4) * (size * (size + 1) / 2)
+    flat = np.frombuffer(b, dtype=np.float32)
+    agree(comm, np.array_equal(a, expected) and np.array_equal(flat, np.arange(6) * size), f"{a.ravel()[:4]} {flat}")
+
+
+def test_a_cached_operation_whose_shape_changes_is_a_mismatch():
+    """An operation reported by its id (its description unchanged) is still compared by
+    shape: the rank whose array changes shape reports it in full again."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    a = np.ones((6, 10), dtype=np.float32)
+    warm = [outcome(collective, WORLD, hpcdl.allreduce, a, name="cached.shape")[1] for _ in range(5)]
+    changed = a.reshape(60) if rank == size - 1 else a
+    _, err = outcome(hpcdl.allreduce, changed, name="cached.shape")
+    ok = (all(e is None for e in warm) and isinstance(err, hpcdl.MismatchError) and "shape differs" in str(err)
+          and f"[60] on rank {size - 1}" in str(err) and f"[6, 10] on rank{'s' if size > 2 else ''} 0" in str(err))
+    agree(WORLD, ok, f"{warm} {err!r}")
+
+
+@multi_rank
 def test_unnamed_allreduce_against_broadcast_is_a_mismatch(comm):
     rank = comm.Get_rank()
     a = np.ones(8, dtype=np.float32)
@@ -429,7 +556,7 @@ def test_stall_error_fails_waiting_ranks_instead_of_hanging():
     hpcdl.barrier()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", hpcdl.DTYPES)
 def test_broadcast_from_every_root(comm, dtype):
     rank, size = comm.Get_rank(), comm.Get_size()
     problems = []

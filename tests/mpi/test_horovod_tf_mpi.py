@@ -186,3 +186,23 @@ def test_process_sets_in_tensorflow():
     members, summed, variable = collective(WORLD, run)
     agree(WORLD, summed.numpy()[0] == sum(members) and variable.numpy()[0] == members[0],
           f"{members} {summed} {variable}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.int32, tf.int64, tf.int8])
+def test_min_max_product_eager_and_in_tf_function(dtype):
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+
+    def data(r):
+        return np.random.default_rng(80 + r).integers(-2, 3, (3, 4)).astype(dtype.as_numpy_dtype)
+
+    @tf.function
+    def in_graph(t):
+        return hvd.allreduce(t, op=hvd.Max), hvd.allreduce(t, op=hvd.Product)
+
+    low = collective(WORLD, hvd.allreduce, tf.constant(data(rank)), op=hvd.Min, name=f"min.{dtype.name}")
+    high, product = collective(WORLD, in_graph, tf.constant(data(rank)))
+    stack = np.stack([data(r).astype(np.float64) for r in range(size)])
+    ok = all(t.dtype == dtype and np.array_equal(t.numpy().astype(np.float64), want)
+             for t, want in ((low, stack.min(0)), (high, stack.max(0)), (product, stack.prod(0))))
+    agree(WORLD, ok, f"{low} {high} {product}")

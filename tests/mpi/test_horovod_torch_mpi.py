@@ -299,3 +299,44 @@ def test_collectives_on_device_tensors(device):
           and np.array_equal(averaged_ints.numpy(), np.floor_divide(reference_sum(torch.int64), size))
           and flags.tolist() == [root % 2 == 0, True, True] and np.allclose(x_grad.numpy(), size))
     agree(WORLD, ok, f"on {device}: flags {flags.tolist()}, grad {x_grad}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", DTYPES + [torch.bfloat16, torch.int8, torch.uint8])
+def test_min_max_product_in_every_form(dtype):
+    """hvd.Min, hvd.Max, hvd.Product out of place, in place (allreduce_) and async
+    (allreduce_async_ + synchronize), against numpy's reductions of every rank's input."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+
+    def data(r):  # small integers: products stay exact in every dtype (uint8: no negatives)
+        values = np.random.default_rng(70 + r).integers(0 if dtype == torch.uint8 else -2, 3, (4, 6))
+        return torch.tensor(values).to(dtype)
+
+    def run():
+        mine = data(rank)
+        low = hvd.allreduce(mine, op=hvd.Min, name="hvd.min")
+        high = mine.clone()
+        hvd.allreduce_(high, op=hvd.Max)
+        product = mine.clone()
+        hvd.synchronize(hvd.allreduce_async_(product, op=hvd.Product, name="hvd.product"))
+        return mine, low, high, product
+
+    mine, low, high, product = collective(WORLD, run)
+    stack = np.stack([data(r).to(torch.float64).numpy() for r in range(size)])
+    ok = (torch.equal(mine, data(rank)) and low.dtype == high.dtype == product.dtype == dtype
+          and np.array_equal(low.to(torch.float64).numpy(), stack.min(0))
+          and np.array_equal(high.to(torch.float64).numpy(), stack.max(0))
+          and np.array_equal(product.to(torch.float64).numpy(), stack.prod(0)))
+    agree(WORLD, ok, f"{low} {high} {product}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.float16])
+def test_broadcast_of_every_dtype_goes_through_the_core(dtype):
+    rank, root = WORLD.Get_rank(), WORLD.Get_size() - 1
+    hpcdl.stats(reset=True)
+    mine = torch.tensor(np.random.default_rng(rank).integers(0, 2, (3, 5))).to(dtype)
+    got = collective(WORLD, hvd.broadcast, mine, root_rank=root, name=f"bcast.{dtype}")
+    want = torch.tensor(np.random.default_rng(root).integers(0, 2, (3, 5))).to(dtype)
+    ops = hpcdl.stats()["broadcast"]["broadcast"]["ops"]
+    agree(WORLD, torch.equal(got, want) and got.dtype == dtype and ops == 1, f"{got} {ops}")

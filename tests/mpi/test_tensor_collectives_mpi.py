@@ -76,3 +76,24 @@ def test_a_cpu_tensor_is_zero_copy():
     view = t.numpy()  # shares memory with t
     collective(WORLD, hpcdl.allreduce, t, name="zero.copy")
     agree(WORLD, np.all(view == sum(range(WORLD.Get_size()))), view.tolist())
+
+
+def _mismatched_shape_error(tensor_of):
+    """hpcdl.allreduce of [17, 1311] on rank 0 against [17, 23, 57] elsewhere (the same count)."""
+    rank = WORLD.Get_rank()
+    t = tensor_of(torch.ones((17, 1311) if rank == 0 else (17, 23, 57)))
+    _, err = outcome(hpcdl.allreduce, t, name="tensor.shape")
+    ok = (isinstance(err, hpcdl.MismatchError) and "shape differs" in str(err)
+          and "[17, 1311] on rank 0" in str(err) and torch.all(t.cpu() == 1))
+    return ok, repr(err)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_tensor_shapes_raise_on_every_rank(device):
+    """A staged tensor ([cuda], [staged-cpu]) goes through a flat host copy: its shape still travels."""
+    agree(WORLD, *_mismatched_shape_error(lambda t: t.to(device)))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_cpu_tensor_shapes_raise_on_every_rank():
+    agree(WORLD, *_mismatched_shape_error(lambda t: t))

@@ -62,3 +62,13 @@ def test_variable_on_some_ranks_only_raises_everywhere():
     ok = (isinstance(err, hpcdl.MismatchError) and f"on rank {size - 1} but not on rank 0" in str(err)
           and isinstance(err2, hpcdl.MismatchError) and "gradients of DistributedGradientTape" in str(err2))
     agree(WORLD, ok, f"{err!r} / {err2!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_mismatched_tensor_shapes_raise_on_every_rank():
+    """hpcdl.allreduce of a TF tensor: [17, 1311] on rank 0 against [17, 23, 57] (the same count)."""
+    rank = WORLD.Get_rank()
+    t = tf.ones((17, 1311) if rank == 0 else (17, 23, 57))
+    _, err = outcome(hpcdl.allreduce, t, name="tf.shape")
+    ok = isinstance(err, hpcdl.MismatchError) and "shape differs" in str(err) and "[17, 1311] on rank 0" in str(err)
+    agree(WORLD, ok, repr(err))

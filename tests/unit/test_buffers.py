@@ -36,10 +36,12 @@ def test_read_only_buffer_is_refused():
         hpcdl.allreduce(b"\x00" * 16, dtype="float32")
 
 
-@pytest.mark.parametrize("dtype", [np.complex64, np.uint8, np.int16, np.bool_])
+@pytest.mark.parametrize("dtype", [np.complex64, np.float128, "datetime64[s]"])
 def test_unsupported_dtype_is_refused(dtype):
     with pytest.raises(TypeError, match="unsupported dtype"):
         hpcdl.allreduce(np.zeros(8, dtype=dtype))
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        hpcdl.broadcast(np.zeros(8, dtype=dtype))
 
 
 def test_object_without_buffer_protocol_is_refused():
@@ -52,11 +54,27 @@ def test_explicit_dtype_must_match_item_size():
         hpcdl.allreduce(np.zeros(8, dtype=np.float32), dtype="bfloat16")
 
 
-def test_bad_op_and_average_of_integers():
-    with pytest.raises(ValueError, match="op must be one of"):
-        hpcdl.allreduce(np.zeros(4, dtype=np.float32), op="max")
-    with pytest.raises(ValueError, match="floating-point"):
-        hpcdl.allreduce(np.zeros(4, dtype=np.int32), op="average")
+def test_bad_op_a_sum_of_bools_and_compression_with_min():
+    for op in ("maximum", None, ["sum"]):
+        with pytest.raises(ValueError, match="op must be one of 'sum', 'average', 'min', 'max', 'product'"):
+            hpcdl.allreduce(np.zeros(4, dtype=np.float32), op=op)
+    for op in ("sum", "average"):
+        with pytest.raises(ValueError, match=f"op='{op}' does not reduce bool"):
+            hpcdl.allreduce(np.zeros(4, dtype=bool), op=op)
+    for op in ("min", "max", "product"):
+        with pytest.raises(ValueError, match=f"compression reduces sums: op='{op}' takes none"):
+            hpcdl.allreduce(np.zeros(4, dtype=np.float32), op=op, compression=hpcdl.compression.Int8())
+
+
+@pytest.mark.parametrize("op", ["sum", "average", "min", "max", "product"])
+def test_every_op_on_one_rank_leaves_the_data(op):
+    for dtype in hpcdl.DTYPES:
+        if dtype == "bool" and op in ("sum", "average"):
+            continue
+        a = np.arange(-3, 5).astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype)
+        expected = a.copy()
+        hpcdl.allreduce(a, op=op, comm=MPI.COMM_SELF)
+        assert a.tobytes() == expected.tobytes(), (dtype, a, expected)
 
 
 @pytest.mark.parametrize("name", [123, b"grad", 1.5])
@@ -95,8 +113,9 @@ def test_python_reads_the_core_rules():
         hpcdl.configure(chunk_bytes=default)
     assert sorted(errors._BY_CODE) == sorted(_core.STATUS_CODES.values()) and 0 not in errors._BY_CODE
     assert errors.from_status(_core.STATUS_CODES["mismatch"], "m").__class__ is hpcdl.MismatchError
-    assert hpcdl.DTYPES == ("float32", "float64", "float16", "bfloat16", "int32", "int64")
-    assert collectives.FLOAT_DTYPES == ("float32", "float64", "float16", "bfloat16")
+    assert hpcdl.DTYPES == ("float32", "float64", "float16", "bfloat16", "int32", "int64", "bool", "uint8", "int8",
+                            "int16", "uint16", "uint32", "uint64")
+    assert collectives.OPS == ("sum", "average", "min", "max", "product")
     for name, (_, size, _) in _core.DTYPES.items():
         assert np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name).itemsize == size
 

@@ -21,11 +21,12 @@ def test_a_cpu_tensor_is_reduced_in_place_without_a_copy():
     assert h.wait() is t
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
-                                   torch.int64])
-def test_every_core_dtype_is_taken(dtype):
+@pytest.mark.parametrize("name", hpcdl.DTYPES)
+def test_every_core_dtype_is_taken(name):
+    dtype = getattr(torch, name)
     t = torch.ones(5, dtype=dtype)
-    assert hpcdl.allreduce(t) is t and torch.equal(t, torch.ones(5, dtype=dtype))
+    assert hpcdl.allreduce(t, op="max" if name == "bool" else "sum") is t
+    assert torch.equal(t, torch.ones(5, dtype=dtype))
     assert hpcdl.broadcast(t, root=0) is t
 
 
@@ -35,7 +36,7 @@ def test_errors_are_those_of_numpy_arrays():
             hpcdl.allreduce(buf, **kw)
         return type(info.value), str(info.value)
 
-    assert error_of(torch.ones(4, dtype=torch.int32), op="average") == error_of(np.ones(4, np.int32), op="average")
+    assert error_of(torch.ones(4, dtype=torch.complex64)) == error_of(np.ones(4, np.complex64))
     assert error_of(torch.ones(4, dtype=torch.bool)) == error_of(np.ones(4, bool))
     assert error_of(torch.ones(4, dtype=torch.int32), compression=hpcdl.compression.Int8()) == \
         error_of(np.ones(4, np.int32), compression=hpcdl.compression.Int8())

@@ -9,11 +9,12 @@ Keras model.fit: hpcdl.horovod.tensorflow.keras. What differs: docs/horovod.md.
 ``import tensorflow`` in these modules is the real TensorFlow (absolute imports).
 """
 
-from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, ProcessSet, Sum,
-                                  add_process_set, barrier, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-                                  global_process_set, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
-                                  local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                                  rank, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
+from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, Max, Min, ProcessSet,
+                                  Product, Sum, add_process_set, barrier, ccl_built, cross_rank, cross_size, cuda_built,
+                                  ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
+                                  is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                                  nccl_built, rank, remove_process_set, rocm_built, shutdown, size, start_timeline,
+                                  stop_timeline)
 from hpcdl.horovod.tensorflow.compression import Compression
 from hpcdl.horovod.tensorflow.functions import (DistributedGradientTape, DistributedOptimizer, broadcast_global_variables,
                                                 broadcast_object, broadcast_variables)
@@ -22,7 +23,7 @@ from hpcdl.horovod.tensorflow.mpi_ops import allreduce, broadcast
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
-           "stop_timeline", "Average", "Sum", "Adasum", "Compression", "HorovodInternalError",
+           "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
            "HostsUpdatedInterrupt", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "allreduce", "broadcast", "barrier", "broadcast_variables",
            "broadcast_global_variables", "broadcast_object", "DistributedGradientTape", "DistributedOptimizer"]

@@ -50,7 +50,6 @@ def _run(fn, tensor):
 def _allreduce(tensor, op_name, name, prescale_factor, postscale_factor, process_set):
     integer = not (tensor.dtype.is_floating or tensor.dtype == tf.bfloat16)
     common.check_scale(prescale_factor, postscale_factor, integer)
-    floor_average = integer and op_name == "average"
     op_key = _op_name("allreduce", name)
     comm = common.comm_of(process_set)
 
@@ -59,9 +58,7 @@ def _allreduce(tensor, op_name, name, prescale_factor, postscale_factor, process
         if prescale_factor != 1.0:
             array *= array.dtype.type(prescale_factor)
         buffer, core_dtype = _core_view(array)
-        common.call(hpcdl.allreduce, buffer, "sum" if floor_average else op_name, comm, op_key, core_dtype)
-        if floor_average:
-            array //= comm.Get_size()
+        common.call(hpcdl.allreduce, buffer, op_name, comm, op_key, core_dtype)  # integers: floor average
         if postscale_factor != 1.0:
             array *= array.dtype.type(postscale_factor)
         return array
@@ -79,7 +76,8 @@ def _allreduce(tensor, op_name, name, prescale_factor, postscale_factor, process
 def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
               prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
               ignore_name_scope=False):
-    """The average (or sum, op=hvd.Sum) of ``tensor`` over the ranks, as a new tensor (differentiable).
+    """The average (or op=hvd.Sum, Min, Max, Product) of ``tensor`` over the ranks, as a new tensor
+    (differentiable).
     Integers average with floor division, as in Horovod's torch API."""
     _check_device(device_dense, device_sparse)
     op_name = common.reduce_op(op, average)
@@ -90,12 +88,9 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
 
 def _broadcast_array(array, root_rank, op_key, process_set):
     array = np.array(array, copy=True)
-    if array.dtype.name in hpcdl.DTYPES or array.dtype.name == "bfloat16":
-        buffer, core_dtype = _core_view(array)
-        common.call(hpcdl.broadcast, buffer, common.root_in(process_set, root_rank), common.comm_of(process_set),
-                    op_key, core_dtype)
-    else:  # bool, uint8, int8, int16...: their bytes
-        common.broadcast_bytes(array.reshape(-1).view(np.uint8), root_rank, op_key or "broadcast.bytes", process_set)
+    buffer, core_dtype = _core_view(array)  # any dtype the core has (hpcdl.DTYPES)
+    common.call(hpcdl.broadcast, buffer, common.root_in(process_set, root_rank), common.comm_of(process_set),
+                op_key, core_dtype)
     return array
 
 

@@ -12,12 +12,12 @@ what differs and what is not there yet):
 ``import torch`` in these modules is the real PyTorch (absolute imports).
 """
 
-from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, ProcessSet, Sum,
-                                  add_process_set, barrier, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-                                  global_process_set, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
-                                  local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                                  poll, rank, remove_process_set, rocm_built, shutdown, size, start_timeline,
-                                  stop_timeline, synchronize)
+from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, Max, Min, ProcessSet,
+                                  Product, Sum, add_process_set, barrier, ccl_built, cross_rank, cross_size, cuda_built,
+                                  ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
+                                  is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                                  nccl_built, poll, rank, remove_process_set, rocm_built, shutdown, size,
+                                  start_timeline, stop_timeline, synchronize)
 from hpcdl.horovod.common import broadcast_object as _broadcast_object
 from hpcdl.horovod.torch.compression import Compression
 from hpcdl.horovod.torch.mpi_ops import (allreduce, allreduce_, allreduce_async, allreduce_async_, broadcast,
@@ -33,7 +33,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
-           "stop_timeline", "Average", "Sum", "Adasum", "Compression", "HorovodInternalError",
+           "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
            "HostsUpdatedInterrupt", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast",
            "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "barrier",
            "broadcast_object", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",

@@ -14,9 +14,6 @@ from hpcdl.horovod import common
 from hpcdl.horovod.common import Sum, global_process_set, poll, synchronize  # noqa: F401 - Horovod's names
 from hpcdl.horovod.torch.compression import Compression
 
-_CORE_DTYPES = {getattr(torch, name) for name in hpcdl.DTYPES}
-
-
 def _name(kind, name):
     return None if name is None else f"{kind}.{name}"
 
@@ -29,18 +26,13 @@ def _allreduce_async(output, average, name, op, prescale_factor, postscale_facto
     comm = common.comm_of(process_set)  # every check before the tensor is touched
     if prescale_factor != 1.0:
         output.detach().mul_(prescale_factor)  # detach: the same memory, outside autograd
-    # the core averages floating types; integers are summed and floor-divided, as Horovod does
-    floor_average = integer and op_name == "average"
-    handle = common.call(hpcdl.allreduce_async, output, "sum" if floor_average else op_name, comm,
-                         _name("allreduce", name))
-    if not floor_average and postscale_factor == 1.0:
+    # the core averages integers with floor division, as Horovod's torch API does
+    handle = common.call(hpcdl.allreduce_async, output, op_name, comm, _name("allreduce", name))
+    if postscale_factor == 1.0:
         return common.register(handle, _as_is)
 
     def finish(result):
-        if floor_average:
-            result.detach().floor_divide_(comm.Get_size())
-        if postscale_factor != 1.0:
-            result.detach().mul_(postscale_factor)
+        result.detach().mul_(postscale_factor)
         return result
 
     return common.register(handle, finish)
@@ -57,7 +49,7 @@ def _copy(tensor):
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                     process_set=global_process_set):
-    """Start an average (or sum, op=hvd.Sum) of ``tensor`` over the ranks into a new
+    """Start an average (or op=hvd.Sum, Min, Max, Product) of ``tensor`` over the ranks into a new
     tensor; ``tensor`` is not modified. Returns a handle for poll()/synchronize()."""
     return _allreduce_async(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -92,7 +84,7 @@ class HorovodAllreduce(torch.autograd.Function):
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
               postscale_factor=1.0, process_set=global_process_set):
-    """The average (or sum, op=hvd.Sum) of ``tensor`` over the ranks, as a new tensor.
+    """The average (or op=hvd.Sum, Min, Max, Product) of ``tensor`` over the ranks, as a new tensor.
     Differentiable: backward allreduces the gradient the same way."""
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
@@ -105,20 +97,11 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 
 def _broadcast_async(output, root_rank, name, process_set):
-    """Start broadcasting into ``output`` in place (the caller's tensor, or its copy)."""
-    if output.dtype in _CORE_DTYPES:
-        handle = common.call(hpcdl.broadcast_async, output, common.root_in(process_set, root_rank),
-                             common.comm_of(process_set), _name("broadcast", name))
-        return common.register(handle, _as_is)
-    # bool, uint8, int8, int16...: their bytes, through the engine all the same
-    if not output.is_contiguous():
-        raise ValueError("Tensor is required to be contiguous.")
-    host = output.detach().cpu()
-    data = host.view(-1).view(torch.uint8).numpy()
-    common.broadcast_bytes(data, root_rank, _name("broadcast", name) or "broadcast.bytes", process_set)
-    if host.data_ptr() != output.data_ptr():
-        output.detach().copy_(host)
-    return common.register(common.Finished(output), _as_is)
+    """Start broadcasting into ``output`` in place (the caller's tensor, or its copy): any
+    dtype the core has (hpcdl.DTYPES), CPU zero-copy or staged from CUDA."""
+    handle = common.call(hpcdl.broadcast_async, output, common.root_in(process_set, root_rank),
+                         common.comm_of(process_set), _name("broadcast", name))
+    return common.register(handle, _as_is)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):

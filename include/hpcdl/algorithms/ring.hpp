@@ -231,11 +231,13 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
 // reduces arrivals from two staging slots, receives the allgather in place.
 class DenseRingPolicy {
  public:
-  DenseRingPolicy(const RingPlan& plan, void* data, DType dtype, double final_scale)
+  // ranks: the average's divisor, applied by the last reduction of each element.
+  DenseRingPolicy(const RingPlan& plan, void* data, DType dtype, ReduceOp op, int ranks)
       : plan_(plan),
         data_(static_cast<char*>(data)),
         dtype_(dtype),
-        final_scale_(final_scale),
+        op_(op),
+        ranks_(ranks),
         staging_(kPipelineDepth * plan.max_chunk_elems() * plan.elem_size()) {}
 
   RingBuffer send(std::size_t u) {
@@ -258,7 +260,7 @@ class DenseRingPolicy {
                               std::to_string(dst.bytes));
     if (x.reduce_phase) {
       const void* src = staging_.data() + (u % kPipelineDepth) * plan_.max_chunk_elems() * plan_.elem_size();
-      reduce_sum_scale(dtype_, dst.data, src, bytes / plan_.elem_size(), x.final_reduce ? final_scale_ : 1.0);
+      reduce_into(dtype_, op_, dst.data, src, bytes / plan_.elem_size(), x.final_reduce ? ranks_ : 1);
     }
     return Status::OK();
   }
@@ -273,7 +275,8 @@ class DenseRingPolicy {
   const RingPlan& plan_;
   char* data_;
   DType dtype_;
-  double final_scale_;
+  ReduceOp op_;
+  int ranks_;
   std::vector<char> staging_;
 };
 

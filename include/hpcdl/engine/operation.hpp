@@ -19,6 +19,9 @@ enum class OpKind : int { kAllreduce = 0, kBroadcast = 1, kBarrier = 2 };
 
 const char* op_kind_name(OpKind k);
 
+// "[17, 1311]": a shape as error messages spell it.
+std::string shape_text(const std::vector<std::int64_t>& shape);
+
 // What every rank must agree on for one operation.
 struct OpDesc {
   OpKind kind = OpKind::kAllreduce;
@@ -26,6 +29,9 @@ struct OpDesc {
   ReduceOp reduce_op = ReduceOp::kSum;
   std::int32_t root = 0;
   std::uint64_t count = 0;
+  // The array's dimensions (a flat buffer: {count}; a 0-d array: none): ranks
+  // whose arrays hold the same count in different shapes disagree.
+  std::vector<std::int64_t> shape;
   std::uint64_t chunk_bytes = 0;
   std::string codec;  // codec config, canonical text; empty = none
   // Unnamed operations: the submitting thread's name. Unnamed operations pair

@@ -15,9 +15,44 @@
 
 namespace hpcdl {
 
-enum class DType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2, kBFloat16 = 3, kInt32 = 4, kInt64 = 5 };
+// Codes travel in operation descriptions and are the Python layer's DTYPES:
+// new types take the next code.
+enum class DType : int {
+  kFloat32 = 0,
+  kFloat64 = 1,
+  kFloat16 = 2,
+  kBFloat16 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kBool = 6,
+  kUInt8 = 7,
+  kInt8 = 8,
+  kInt16 = 9,
+  kUInt16 = 10,
+  kUInt32 = 11,
+  kUInt64 = 12,
+};
 
-enum class ReduceOp : int { kSum = 0, kAverage = 1 };
+constexpr int kDTypeCount = 13;
+
+// Sum and average are what the codecs and top-k reduce (partial sums); min,
+// max and product are exact (floats: NaN wins) and run the dense ring only.
+enum class ReduceOp : int { kSum = 0, kAverage = 1, kMin = 2, kMax = 3, kProduct = 4 };
+
+constexpr int kReduceOpCount = 5;
+
+inline bool reduce_op_valid(int op) { return op >= 0 && op < kReduceOpCount; }
+
+inline const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAverage: return "average";
+    case ReduceOp::kMin: return "min";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kProduct: return "product";
+  }
+  return "?";
+}
 
 inline std::size_t dtype_size(DType t) {
   switch (t) {
@@ -27,6 +62,13 @@ inline std::size_t dtype_size(DType t) {
     case DType::kBFloat16: return 2;
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kBool: return 1;
+    case DType::kUInt8: return 1;
+    case DType::kInt8: return 1;
+    case DType::kInt16: return 2;
+    case DType::kUInt16: return 2;
+    case DType::kUInt32: return 4;
+    case DType::kUInt64: return 8;
   }
   return 0;
 }
@@ -39,13 +81,28 @@ inline const char* dtype_name(DType t) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
+    case DType::kBool: return "bool";
+    case DType::kUInt8: return "uint8";
+    case DType::kInt8: return "int8";
+    case DType::kInt16: return "int16";
+    case DType::kUInt16: return "uint16";
+    case DType::kUInt32: return "uint32";
+    case DType::kUInt64: return "uint64";
   }
   return "?";
 }
 
-inline bool dtype_is_float(DType t) { return t != DType::kInt32 && t != DType::kInt64; }
+inline bool dtype_is_float(DType t) {
+  return t == DType::kFloat32 || t == DType::kFloat64 || t == DType::kFloat16 || t == DType::kBFloat16;
+}
 
-inline bool dtype_valid(int t) { return t >= 0 && t <= 5; }
+inline bool dtype_valid(int t) { return t >= 0 && t < kDTypeCount; }
+
+// Whether an allreduce may combine values of type t with op: bool (0 or 1)
+// has min (and), max (or) and product (and), no sum. Broadcast takes every type.
+inline bool dtype_reduces(DType t, ReduceOp op) {
+  return t != DType::kBool || (op != ReduceOp::kSum && op != ReduceOp::kAverage);
+}
 
 // ---- 16-bit float conversions (round to nearest even; NaN stays NaN) ----
 
@@ -170,30 +227,108 @@ inline void bf16s_to_floats(const std::uint16_t* h, std::size_t n, float* x) {
   for (std::size_t i = 0; i < n; ++i) x[i] = bf16_to_float(h[i]);
 }
 
-// ---- reduction kernels: dst = (dst + src) * scale ----
+// ---- reduction kernels: dst = op(dst, src) ----
 
 namespace detail {
 
-template <typename T, typename Acc>
-inline void sum_scale(T* dst, const T* src, std::size_t n, Acc scale) {
-  if (scale == Acc(1)) {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = dst[i] + src[i];
-  } else {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<T>((static_cast<Acc>(dst[i]) + src[i]) * scale);
+// Floats (and 16-bit floats widened to fp32): NaN wins min and max, as in numpy.
+template <typename A>
+inline A min_nan(A a, A b) {
+  return (a != a || a < b) ? a : b;
+}
+
+template <typename A>
+inline A max_nan(A a, A b) {
+  return (a != a || a > b) ? a : b;
+}
+
+// Integer sums and products wrap modulo 2^bits (two's complement), as MPI_SUM
+// and MPI_PROD do in practice: computed unsigned, since signed overflow is
+// undefined behaviour (and narrow types would be promoted to int).
+template <typename T>
+inline T wrapping_add(T a, T b) {
+  using U = std::make_unsigned_t<T>;
+  return static_cast<T>(static_cast<U>(static_cast<std::uint64_t>(static_cast<U>(a)) + static_cast<U>(b)));
+}
+
+template <typename T>
+inline T wrapping_mul(T a, T b) {
+  using U = std::make_unsigned_t<T>;
+  return static_cast<T>(static_cast<U>(static_cast<std::uint64_t>(static_cast<U>(a)) * static_cast<U>(b)));
+}
+
+// Python's a // b for b > 0 (rounds toward minus infinity).
+template <typename T>
+inline T floor_div(T a, T b) {
+  T q = a / b;
+  if constexpr (std::is_signed_v<T>) {
+    if (q * b != a && a < 0) --q;
+  }
+  return q;
+}
+
+template <typename T, typename F>
+inline void combine(T* dst, const T* src, std::size_t n, F f) {
+  for (std::size_t i = 0; i < n; ++i) dst[i] = f(dst[i], src[i]);
+}
+
+// The average's last step divides by `ranks` (floored): Horovod's torch API
+// floor-divides integer averages too.
+template <typename T>
+inline void reduce_integer(ReduceOp op, T* dst, const T* src, std::size_t n, int ranks) {
+  switch (op) {
+    case ReduceOp::kSum: combine(dst, src, n, wrapping_add<T>); break;
+    case ReduceOp::kAverage: {
+      // in 64 bits: `ranks` may not fit T (int8 over 200 ranks)
+      using W = std::conditional_t<std::is_signed_v<T>, std::int64_t, std::uint64_t>;
+      const W divisor = static_cast<W>(ranks);
+      combine(dst, src, n, [divisor](T a, T b) { return static_cast<T>(floor_div<W>(wrapping_add(a, b), divisor)); });
+      break;
+    }
+    case ReduceOp::kMin: combine(dst, src, n, [](T a, T b) { return b < a ? b : a; }); break;
+    case ReduceOp::kMax: combine(dst, src, n, [](T a, T b) { return b > a ? b : a; }); break;
+    case ReduceOp::kProduct: combine(dst, src, n, wrapping_mul<T>); break;
   }
 }
 
-// Integer sums wrap modulo 2^bits (two's complement), as MPI_SUM does in
-// practice: added as unsigned, since signed overflow is undefined behaviour.
+// float and double in their own type; the average multiplies by 1/ranks,
+// rounded once (the same bits as ever for sum and average).
 template <typename T>
-inline void sum_wrapping(T* dst, const T* src, std::size_t n) {
-  using U = std::make_unsigned_t<T>;
-  for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<U>(dst[i]) + static_cast<U>(src[i]));
+inline void reduce_float(ReduceOp op, T* dst, const T* src, std::size_t n, int ranks) {
+  switch (op) {
+    case ReduceOp::kSum: combine(dst, src, n, [](T a, T b) { return a + b; }); break;
+    case ReduceOp::kAverage: {
+      const T scale = static_cast<T>(1.0 / ranks);
+      if (ranks == 1) {
+        combine(dst, src, n, [](T a, T b) { return a + b; });
+      } else {
+        combine(dst, src, n, [scale](T a, T b) { return (a + b) * scale; });
+      }
+      break;
+    }
+    case ReduceOp::kMin: combine(dst, src, n, min_nan<T>); break;
+    case ReduceOp::kMax: combine(dst, src, n, max_nan<T>); break;
+    case ReduceOp::kProduct: combine(dst, src, n, [](T a, T b) { return a * b; }); break;
+  }
 }
 
+// 16-bit floats: computed in fp32, rounded once per hop.
 template <float (*ToF)(std::uint16_t), std::uint16_t (*FromF)(float)>
-inline void sum_scale_half(std::uint16_t* dst, const std::uint16_t* src, std::size_t n, float scale) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = FromF((ToF(dst[i]) + ToF(src[i])) * scale);
+inline void reduce_half(ReduceOp op, std::uint16_t* dst, const std::uint16_t* src, std::size_t n, int ranks) {
+  auto in_fp32 = [&](auto f) {
+    combine(dst, src, n, [f](std::uint16_t a, std::uint16_t b) { return FromF(f(ToF(a), ToF(b))); });
+  };
+  switch (op) {
+    case ReduceOp::kSum: in_fp32([](float a, float b) { return a + b; }); break;
+    case ReduceOp::kAverage: {
+      const float scale = static_cast<float>(1.0 / ranks);
+      in_fp32([scale](float a, float b) { return (a + b) * scale; });
+      break;
+    }
+    case ReduceOp::kMin: in_fp32(min_nan<float>); break;
+    case ReduceOp::kMax: in_fp32(max_nan<float>); break;
+    case ReduceOp::kProduct: in_fp32([](float a, float b) { return a * b; }); break;
+  }
 }
 
 template <typename T, typename Acc>
@@ -208,35 +343,55 @@ inline void scale_half(std::uint16_t* dst, std::size_t n, float scale) {
 
 }  // namespace detail
 
-// dst[i] = (dst[i] + src[i]) * scale, computed in the type's accumulator
-// (fp32 for 16-bit floats). Integer types only ever get scale == 1, and wrap
-// on overflow (detail::sum_wrapping).
-inline void reduce_sum_scale(DType t, void* dst, const void* src, std::size_t n, double scale) {
+// dst[i] = op(dst[i], src[i]) in the type's arithmetic. `ranks` is the
+// average's divisor, passed only to the last reduction of each element (1
+// elsewhere): floats are scaled by 1/ranks there, integers floor-divided.
+// Bool is reduced as its bytes 0 and 1 (min: and, max: or, product: and).
+inline void reduce_into(DType t, ReduceOp op, void* dst, const void* src, std::size_t n, int ranks) {
   switch (t) {
     case DType::kFloat32:
-      detail::sum_scale(static_cast<float*>(dst), static_cast<const float*>(src), n, static_cast<float>(scale));
+      detail::reduce_float(op, static_cast<float*>(dst), static_cast<const float*>(src), n, ranks);
       break;
     case DType::kFloat64:
-      detail::sum_scale(static_cast<double*>(dst), static_cast<const double*>(src), n, scale);
+      detail::reduce_float(op, static_cast<double*>(dst), static_cast<const double*>(src), n, ranks);
       break;
     case DType::kFloat16:
-      detail::sum_scale_half<fp16_to_float, float_to_fp16>(
-          static_cast<std::uint16_t*>(dst), static_cast<const std::uint16_t*>(src), n, static_cast<float>(scale));
+      detail::reduce_half<fp16_to_float, float_to_fp16>(op, static_cast<std::uint16_t*>(dst),
+                                                        static_cast<const std::uint16_t*>(src), n, ranks);
       break;
     case DType::kBFloat16:
-      detail::sum_scale_half<bf16_to_float, float_to_bf16>(
-          static_cast<std::uint16_t*>(dst), static_cast<const std::uint16_t*>(src), n, static_cast<float>(scale));
+      detail::reduce_half<bf16_to_float, float_to_bf16>(op, static_cast<std::uint16_t*>(dst),
+                                                        static_cast<const std::uint16_t*>(src), n, ranks);
       break;
     case DType::kInt32:
-      detail::sum_wrapping(static_cast<std::int32_t*>(dst), static_cast<const std::int32_t*>(src), n);
+      detail::reduce_integer(op, static_cast<std::int32_t*>(dst), static_cast<const std::int32_t*>(src), n, ranks);
       break;
     case DType::kInt64:
-      detail::sum_wrapping(static_cast<std::int64_t*>(dst), static_cast<const std::int64_t*>(src), n);
+      detail::reduce_integer(op, static_cast<std::int64_t*>(dst), static_cast<const std::int64_t*>(src), n, ranks);
+      break;
+    case DType::kBool:
+    case DType::kUInt8:
+      detail::reduce_integer(op, static_cast<std::uint8_t*>(dst), static_cast<const std::uint8_t*>(src), n, ranks);
+      break;
+    case DType::kInt8:
+      detail::reduce_integer(op, static_cast<std::int8_t*>(dst), static_cast<const std::int8_t*>(src), n, ranks);
+      break;
+    case DType::kInt16:
+      detail::reduce_integer(op, static_cast<std::int16_t*>(dst), static_cast<const std::int16_t*>(src), n, ranks);
+      break;
+    case DType::kUInt16:
+      detail::reduce_integer(op, static_cast<std::uint16_t*>(dst), static_cast<const std::uint16_t*>(src), n, ranks);
+      break;
+    case DType::kUInt32:
+      detail::reduce_integer(op, static_cast<std::uint32_t*>(dst), static_cast<const std::uint32_t*>(src), n, ranks);
+      break;
+    case DType::kUInt64:
+      detail::reduce_integer(op, static_cast<std::uint64_t*>(dst), static_cast<const std::uint64_t*>(src), n, ranks);
       break;
   }
 }
 
-// dst[i] *= scale (used when a single rank "averages" over itself).
+// dst[i] *= scale: a float average over a single rank (integers: nothing to do).
 inline void scale_buffer(DType t, void* dst, std::size_t n, double scale) {
   if (scale == 1.0) return;
   switch (t) {
@@ -248,8 +403,7 @@ inline void scale_buffer(DType t, void* dst, std::size_t n, double scale) {
     case DType::kBFloat16:
       detail::scale_half<bf16_to_float, float_to_bf16>(static_cast<std::uint16_t*>(dst), n, static_cast<float>(scale));
       break;
-    case DType::kInt32:
-    case DType::kInt64: break;
+    default: break;
   }
 }
 

@@ -9,11 +9,12 @@
 
 import hpcdl.tensorflow
 from hpcdl.horovod import common
-from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, ProcessSet, Sum,
-                                  add_process_set, barrier, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
-                                  global_process_set, gloo_built, gloo_enabled, init, is_homogeneous, is_initialized,
-                                  local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built,
-                                  rank, remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
+from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUpdatedInterrupt, Max, Min, ProcessSet,
+                                  Product, Sum, add_process_set, barrier, ccl_built, cross_rank, cross_size, cuda_built,
+                                  ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
+                                  is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                                  nccl_built, rank, remove_process_set, rocm_built, shutdown, size, start_timeline,
+                                  stop_timeline)
 from hpcdl.horovod.tensorflow import mpi_ops
 from hpcdl.horovod.tensorflow.compression import Compression, codec
 from hpcdl.horovod.tensorflow.functions import DistributedOptimizer, broadcast_global_variables, broadcast_object
@@ -45,7 +46,7 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None, compressio
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
-           "stop_timeline", "Average", "Sum", "Adasum", "Compression", "HorovodInternalError",
+           "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
            "HostsUpdatedInterrupt", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "allreduce", "broadcast", "barrier", "broadcast_global_variables",
            "broadcast_object", "DistributedOptimizer", "load_model", "callbacks"]
