@@ -23,10 +23,8 @@ _core = load_core(lambda: importlib.import_module("hpcdl._core"))
 
 from hpcdl import _env, compression  # noqa: E402
 from hpcdl._core import EngineWarning, Handle, StallWarning
-from hpcdl.collectives import (DTYPES, allreduce, allreduce_async, barrier, broadcast, broadcast_async,
-                               configure, stats)
-from hpcdl.errors import (CancelledError, CorruptDataError, HpcdlError, MismatchError, MPIError,
-                          StallTimeoutError)
+from hpcdl.collectives import DTYPES, allreduce, allreduce_async, barrier, broadcast, broadcast_async, configure, stats
+from hpcdl.errors import CancelledError, CorruptDataError, HpcdlError, MismatchError, MPIError, StallTimeoutError
 
 __version__ = "0.1.0"
 

@@ -21,6 +21,7 @@ DTYPES: Dict[str, Tuple[int, int, bool]]
 KIND_ALLREDUCE: int
 KIND_BROADCAST: int
 KIND_BARRIER: int
+OPS: Dict[str, int]
 
 class EngineWarning(UserWarning): ...
 class StallWarning(EngineWarning): ...

@@ -5,6 +5,7 @@ import inspect
 import pathlib
 
 from hpcdl import _core
+
 from conftest import ROOT
 
 

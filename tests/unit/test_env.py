@@ -7,6 +7,7 @@ import re
 import pytest
 
 from hpcdl import _env
+
 from conftest import ROOT
 
 PACKAGE = pathlib.Path(ROOT) / "hpcdl"
