@@ -29,6 +29,7 @@ class StallWarning(EngineWarning): ...
 class Buffer:
     dtype: str
     count: int
+    shape: Tuple[int, ...]
     owner: Any
     def __init__(self, obj: Any, dtype: Optional[str] = ..., writable: bool = ..., raw: bool = ...) -> None: ...
     @property
