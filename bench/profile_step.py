@@ -34,6 +34,10 @@ def main():
     parser.add_argument("--batch", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
+    parser.add_argument("--gradient-as-bucket-view", action="store_true",
+                        help="DistributedOptimizer(gradient_as_bucket_view=True): .grad is the bucket's slot")
+    parser.add_argument("--keep-grads", action="store_true",
+                        help="zero_grad(set_to_none=False): backward accumulates into the existing .grad")
     args = parser.parse_args()
     if args.system != FLOOR and args.system not in CODECS:
         parser.error(f"unknown system '{args.system}': choose {', '.join(CODECS)} or {FLOOR}")
@@ -46,18 +50,21 @@ def main():
     if args.system != FLOOR:
         (_, codec), = codecs([args.system])
         opt = hpcdl.torch.DistributedOptimizer(opt, model.named_parameters(), compression=codec,
-                                               bucket_bytes=args.bucket_bytes, name=f"profile.{args.system}")
+                                               bucket_bytes=args.bucket_bytes, name=f"profile.{args.system}",
+                                               gradient_as_bucket_view=args.gradient_as_bucket_view)
     x, y = random_batch(comm.Get_rank(), args.batch)
     for i in range(WARMUP_STEPS + args.steps):
         if i == WARMUP_STEPS:
             comm.Barrier()
             t0, c0 = time.perf_counter(), time.process_time()
-        train_step(model, opt, x, y)
+        train_step(model, opt, x, y, set_to_none=not args.keep_grads)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     cpus = comm.gather(cpu)
     walls = comm.gather(wall)
     if comm.Get_rank() == 0:
-        print(f"[hpcdl rank 0] {args.system}: {max(walls) / args.steps * 1e3:.2f} ms/step, "
+        options = "".join(f" +{flag}" for flag, on in (("gradient-as-bucket-view", args.gradient_as_bucket_view),
+                                                       ("keep-grads", args.keep_grads)) if on)
+        print(f"[hpcdl rank 0] {args.system}{options}: {max(walls) / args.steps * 1e3:.2f} ms/step, "
               f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step "
               f"({comm.Get_size()} ranks, {args.steps} timed steps after {WARMUP_STEPS})", flush=True)
 

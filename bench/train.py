@@ -64,8 +64,8 @@ def random_batch(rank, batch):
     return torch.randn(batch, FEATURES, generator=g), torch.randint(0, CLASSES, (batch,), generator=g)
 
 
-def train_step(model, opt, x, y):
-    opt.zero_grad()
+def train_step(model, opt, x, y, set_to_none=True):
+    opt.zero_grad(set_to_none=set_to_none)
     torch.nn.functional.cross_entropy(model(x), y).backward()
     opt.step()
 

@@ -12,6 +12,9 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kAllreduce
         kBroadcast
         kBarrier
+        kAllgather
+        kReduceScatter
+        kAlltoall
 
     cdef enum class CDType "hpcdl::DType":
         kFloat32
@@ -51,6 +54,13 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         COpDesc desc
         void* data
         cbool deferred
+        uint64_t rows
+        vector[uint64_t] splits
+
+    cdef cppclass COpResult "hpcdl::OpResult":
+        uint64_t bytes
+        vector[uint64_t] rows
+        char* ptr()
 
     cdef cppclass COpTimes "hpcdl::OpTimes":
         double submitted_us, ready_us, agreed_us, started_us, reduce_scatter_end_us, finished_us
@@ -64,6 +74,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         CStatus status()
         vector[string] take_notices()
         COpTimes times()
+        COpResult& result()
 
     cdef enum class CNoticeKind "hpcdl::EngineNotice::Kind":
         kStall

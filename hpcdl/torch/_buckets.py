@@ -20,8 +20,16 @@ from hpcdl import _tensors
 from hpcdl.torch.device_codecs import device_codec
 
 
+def set_grad(param, reduced):
+    """param.grad holds the reduced gradient afterwards (a copy into the existing .grad)."""
+    if param.grad is None or param.grad.layout != torch.strided:
+        param.grad = reduced.to(param.device, copy=True)
+    else:
+        param.grad.copy_(reduced)
+
+
 class Bucket:
-    def __init__(self, index, name, dtype, slots, staged, compression, size):
+    def __init__(self, index, name, dtype, slots, staged, compression, size, grad_as_view=False):
         self.index = index
         self.name = name
         self.compression = compression
@@ -35,6 +43,8 @@ class Bucket:
         self.filled = set()                 # params whose gradient is in the buffer
         self.handle = None
         self.launched = None                # the hpcdl-cuda thread's job for a staged bucket
+        # gradient_as_bucket_view: .grad becomes the parameter's slot of a host bucket (reduced in place)
+        self.grad_as_view = grad_as_view and not staged and not self.local
         if self.local:
             return
         self.flat = _tensors.host_buffer(numel, dtype, self.device if staged else torch.device("cpu"))
@@ -61,12 +71,21 @@ class Bucket:
         """Where param's gradient is gathered (on its device for a staged bucket)."""
         return self.gather[offset:offset + numel].view(param.shape)
 
+    def deliver(self, param, reduced):
+        """Leave param's reduced gradient (its slot of result()) in param.grad: a copy, or with
+        grad_as_view the slot itself becomes param.grad (backward then accumulates into it)."""
+        if not self.grad_as_view:
+            set_grad(param, reduced)
+        elif param.grad is None or not _same_memory(param.grad, reduced):
+            param.grad = reduced
+
     def put(self, offset, numel, param, grad):
-        """Gather param's gradient (None: zeros) into the bucket."""
+        """Gather param's gradient (None: zeros) into the bucket (nothing to copy when it is
+        the slot already: gradient_as_bucket_view)."""
         slot = self.view(offset, numel, param)
         if grad is None:
             slot.zero_()
-        else:
+        elif not _same_memory(grad, slot):
             slot.copy_(grad)
 
     def launch(self):
@@ -105,11 +124,21 @@ class Bucket:
         return self.gather
 
 
-def make_buckets(named, bucket_bytes, name, first_index, reducible, build):
+def _same_memory(a, b):
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def dense_bytes(param):
+    """What a parameter's gradient weighs in a bucket that sends it as it is."""
+    return param.numel() * param.element_size()
+
+
+def make_buckets(named, bucket_bytes, name, first_index, reducible, build, weigh=dense_bytes):
     """Reverse registration order (the order backward produces gradients), one dtype and
-    device per bucket, a new bucket once bucket_bytes is reached: the same on every rank.
-    build(index, bucket name, dtype, slots) makes each bucket."""
-    open_slots, buckets = {}, []
+    device per bucket, a new bucket once its parameters weigh bucket_bytes (weigh(param):
+    the bytes it puts on the wire): the same on every rank. build(index, bucket name,
+    dtype, slots) makes each bucket."""
+    open_slots, weights, buckets = {}, {}, []
 
     def close(key):
         slots = open_slots.pop(key)
@@ -124,7 +153,9 @@ def make_buckets(named, bucket_bytes, name, first_index, reducible, build):
         slots = open_slots.setdefault(key, [])
         offset = sum(n for _, _, n in slots)
         slots.append((p, offset, p.numel()))
-        if (offset + p.numel()) * p.element_size() >= bucket_bytes:
+        weights[key] = weights.get(key, 0) + weigh(p)
+        if weights[key] >= bucket_bytes:
+            weights.pop(key)
             close(key)
     for key in list(open_slots):
         close(key)

@@ -63,14 +63,15 @@ def _dense(pname, grad, sparse_as_dense):
     if sparse_as_dense:
         return grad.to_dense()
     raise TypeError(f"parameter '{pname}' has a sparse gradient ({grad.layout}); DistributedOptimizer "
-                    "reduces dense gradients: pass sparse_as_dense=True to densify them")
+                    "allgathers sparse COO gradients and reduces dense ones: pass sparse_as_dense=True to "
+                    "densify it")
 
 
 class _DistributedOptimizerMixin:
     """Methods of the class DistributedOptimizer() builds over the user's optimizer class."""
 
     def _hpcdl_setup(self, named_parameters, compression, bucket_bytes, op, backward_passes_per_step,
-                     comm, name, sparse_as_dense):
+                     comm, name, sparse_as_dense, gradient_as_bucket_view):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if bucket_bytes < 1:
@@ -81,6 +82,7 @@ class _DistributedOptimizerMixin:
         self._compression = compression
         self._op = op
         self._sparse_as_dense = bool(sparse_as_dense)
+        self._grad_as_view = bool(gradient_as_bucket_view)
         self._bucket_bytes = int(bucket_bytes)
         self.backward_passes_per_step = int(backward_passes_per_step)
         self._hook_handles = []
@@ -91,6 +93,7 @@ class _DistributedOptimizerMixin:
             self._comm, [(n, p.shape, p.dtype) for n, p in named], "the parameters of DistributedOptimizer",
             {"bucket_bytes": self._bucket_bytes, "op": op, "name": name, "name_in_use": in_use,
              "backward_passes_per_step": self.backward_passes_per_step, "sparse_as_dense": self._sparse_as_dense,
+             "gradient_as_bucket_view": self._grad_as_view,
              "compression": None if compression is None else repr(compression)})
         if in_use:
             raise ValueError(f"another DistributedOptimizer on this communicator is named '{name}' (bucket names "
@@ -103,6 +106,7 @@ class _DistributedOptimizerMixin:
         self._lock = threading.Lock()
         self._buckets, self._bucket_of, self._passes, self._name_of = [], {}, {}, {}
         self._round_open = False            # this step's bucket allreduces are submitted
+        self._sparse = {}                   # param -> its sparse gradient's allgathers (indices, values) this step
         self._synchronized = False
         self._last_timings = []
         self._add_parameters(named)
@@ -110,12 +114,12 @@ class _DistributedOptimizerMixin:
     def _add_parameters(self, named):
         if self._low_rank is not None:
             buckets = powersgd.build_buckets(named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
-                                             _tensors.staged, self._low_rank, self._size)
+                                             _tensors.staged, self._low_rank, self._size, self._grad_as_view)
         else:
             buckets = _buckets.make_buckets(
                 named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
                 lambda i, bname, dtype, slots: _buckets.Bucket(i, bname, dtype, slots, _tensors.staged(slots[0][0]),
-                                                               self._compression, self._size))
+                                                               self._compression, self._size, self._grad_as_view))
         self._buckets += buckets
         self._bucket_of.update((p, (b, off, n)) for b in buckets for p, off, n in b.slots)
         self._passes.update((p, 0) for _, p in named)
@@ -165,8 +169,9 @@ class _DistributedOptimizerMixin:
                     f"a gradient was computed {self._passes[param]} times before step() with "
                     f"backward_passes_per_step={self.backward_passes_per_step}: call step() (or "
                     "synchronize()) after each group of backward passes, or raise backward_passes_per_step")
+            gathered = param.grad.layout == torch.sparse_coo and not self._sparse_as_dense
             try:
-                grad = _dense(self._name_of[param], param.grad, self._sparse_as_dense)
+                grad = None if gathered else _dense(self._name_of[param], param.grad, self._sparse_as_dense)
             except TypeError:
                 self._abandon_round()  # every rank raises here (the same model): no operation is left waiting
                 raise
@@ -175,12 +180,31 @@ class _DistributedOptimizerMixin:
                 return
             if not self._round_open:
                 self._open_round()
+            if gathered:  # its slot in the bucket contributes zeros; synchronize() sets the gathered gradient
+                self._sparse[param] = self._gather_sparse(param, param.grad)
             with torch.no_grad():
                 bucket.put(offset, numel, param, grad)
             if len(bucket.filled) == len(bucket.slots):
                 bucket.launch()
                 if self._low_rank is not None:
                     self._low_rank.advance()
+
+    def _gather_sparse(self, param, grad):
+        """Start the allgathers of a sparse gradient's indices and values (Horovod's sparse
+        path): every rank's entries, concatenated, are the sum of the gradients."""
+        grad = grad.coalesce()
+        name = f"{self._name}.sparse.{self._name_of[param]}"
+        return (hpcdl.allgather_async(grad.indices().t().contiguous(), self._comm, f"{name}.indices"),
+                hpcdl.allgather_async(grad.values().contiguous(), self._comm, f"{name}.values"))
+
+    def _finish_sparse(self):
+        """The gathered sparse gradients into .grad (averaged: values / size), uncoalesced (under self._lock)."""
+        for p, (indices, values) in self._sparse.items():
+            gathered = values.wait()
+            if self._op == "average":
+                gathered = gathered / self._size
+            p.grad = torch.sparse_coo_tensor(indices.wait().t(), gathered, p.shape, check_invariants=True)
+        self._sparse.clear()
 
     def _open_round(self):
         """First gradient of the step: submit every bucket's allreduce deferred, so the
@@ -218,6 +242,10 @@ class _DistributedOptimizerMixin:
                 bucket.handle.wait()
                 bucket.handle = None
             bucket.filled.clear()
+        for handles in self._sparse.values():
+            for handle in handles:
+                handle.wait()
+        self._sparse.clear()
         for p in self._passes:
             self._passes[p] = 0
         self._round_open = False
@@ -246,13 +274,6 @@ class _DistributedOptimizerMixin:
         if self._size > 1:
             handle = hpcdl.allreduce_async(mine, comm=self._comm, name=f"{self._name}.presence")
         return params, mine, handle
-
-    @staticmethod
-    def _set_grad(p, reduced):
-        if p.grad is None or p.grad.layout != torch.strided:
-            p.grad = reduced.to(p.device, copy=True)
-        else:
-            p.grad.copy_(reduced)
 
     def synchronize(self):
         """Finish the gradient allreduce of this step (the end of backward does;
@@ -291,18 +312,21 @@ class _DistributedOptimizerMixin:
                         reduced = bucket.result()
                         for p, offset, numel in bucket.slots:
                             flat = reduced[offset:offset + numel].view(p.shape)
+                            if p in self._sparse:
+                                continue
                             if p in bucket.filled:
-                                self._set_grad(p, flat)
+                                bucket.deliver(p, flat)
                             else:
-                                late.append((p, flat))
+                                late.append((bucket, p, flat))
                     bucket.handle = None
                     bucket.filled.clear()
                 if presence is not None:
                     presence.wait()
                     count = dict(zip(params, present))
-                    for p, flat in late:
+                    for bucket, p, flat in late:
                         if count[p]:
-                            self._set_grad(p, flat)
+                            bucket.deliver(p, flat)
+                self._finish_sparse()
             for p in self._passes:
                 self._passes[p] = 0
             self._round_open = False
@@ -356,7 +380,8 @@ class _DistributedOptimizerMixin:
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                         op="average", backward_passes_per_step=1, comm=None, name=None, sparse_as_dense=False):
+                         op="average", backward_passes_per_step=1, comm=None, name=None, sparse_as_dense=False,
+                         gradient_as_bucket_view=False):
     """Wrap a torch optimizer so step() applies the gradients averaged over all ranks.
 
     Returns an instance of a subclass of the optimizer's class that shares the
@@ -383,8 +408,21 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
         unset, each wrapped optimizer on a communicator gets its own: "torch",
         "torch.1", ... in construction order. A name a live wrapped optimizer on
         the same communicator holds raises ValueError on every rank.
-    sparse_as_dense: densify sparse gradients (torch.nn.Embedding(sparse=True));
-        otherwise a sparse gradient raises TypeError naming the parameter.
+    sparse_as_dense: densify sparse gradients (torch.nn.Embedding(sparse=True))
+        and reduce them with the others. Otherwise (Horovod's sparse path) a
+        sparse COO gradient's indices and values are allgathered (named
+        "{name}.sparse.{parameter}.indices/values") and .grad becomes the
+        uncoalesced sparse sum (average: values / size); every rank must
+        produce that gradient each step. Other sparse layouts raise TypeError.
+    gradient_as_bucket_view: as DDP's: after each reduction a CPU parameter's
+        .grad is its slot of the bucket (a view), so the reduced gradient is not
+        copied back, and a .grad that backward accumulates into (zero_grad(
+        set_to_none=False)) is not copied in either. zero_grad(set_to_none=True)
+        (torch's default) drops the view: that step's gradient is copied in and
+        .grad is the view again after the reduction. The gradients are the
+        same bits as without it. CUDA (staged) buckets keep their copies, and
+        PowerSGD's low-rank matrices get their approximation written into
+        .grad anyway; only the fused dense bucket takes the view there.
 
     CUDA parameters: each bucket is gathered on the device, encoded there
     (FP16, BF16, Int8 with nearest rounding, TopK: hpcdl.torch.device_codecs)
@@ -403,7 +441,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
     wrapped.optimizer = optimizer
     wrapped._base_class = type(optimizer)
     wrapped._hpcdl_setup(named_parameters, compression, bucket_bytes, op, backward_passes_per_step, comm, name,
-                         sparse_as_dense)
+                         sparse_as_dense, gradient_as_bucket_view)
     return wrapped
 
 

@@ -3,8 +3,10 @@ of the gradient matrices, summed with hpcdl's dense ring.
 
 Every float32 parameter the codec compresses (PowerSGD.compresses: 2+ dimensions,
 viewed as n x m with n its first dimension, rank (n + m) < n m) goes into a
-low-rank bucket (bucket_bytes as usual); every other parameter goes densely into
-one fused bucket per dtype and device. Per low-rank bucket and step after the
+low-rank bucket (closed once its P and Q reach bucket_bytes: buckets are sized by
+what they send, so a model's factors usually travel in one P and one Q
+allreduce); every other parameter goes densely into one fused bucket per dtype
+and device. Per low-rank bucket and step after the
 warm-up, with r the rank and each matrix on its parameter's device:
 
     put         (each gradient, as backward produces it) M = grad + residual, into the bucket
@@ -13,7 +15,8 @@ warm-up, with r the rank and each matrix on its parameter's device:
     exchange_q  (bucket after bucket: during backward, when a bucket is launched, for the
                 earlier ones whose P is summed; the rest at its end, while later P's move)
                 P <- orthogonalize(P) (Gram-Schmidt, float32); Q = M^T P; Q's allreduce starts
-    result      approx = P Q^T; residual = M - approx; the gradient is approx
+    result      residual = M - P Q^T; approx = P Q^T written straight into the parameter's
+                .grad (no copy back from the bucket) where .grad is a dense float32 tensor
 
 P and Q are averaged. Every rank orthogonalizes the same P with the same code
 and multiplies by the same Q, so every rank ends with the same bits. During
@@ -43,6 +46,12 @@ def matrix_shape(shape):
     for d in shape[1:]:
         m *= d
     return n, m
+
+
+def factor_bytes(shape, rank):
+    """The float32 bytes of P and Q for a gradient of this shape: what it sends after the warm-up."""
+    n, m = matrix_shape(shape)
+    return 4 * rank * (n + m)
 
 
 def initial_q(seed, name, m, rank):
@@ -90,12 +99,13 @@ def project_back(mat):
     torch.matmul(mat.grad.T, mat.p, out=mat.q)
 
 
-def finish(mat):
-    """On the summed Q: approx = P Q^T becomes the gradient, residual = M - approx (0 where not
-    finite: an overflow never reaches later steps); Q's dead columns restart."""
+def finish(mat, approx=None):
+    """On the summed Q: residual = M - P Q^T (0 where not finite: an overflow never reaches later
+    steps), then approx = P Q^T into `approx` (an n x m view of the parameter's .grad, which then
+    needs no copy back) or else into the bucket over M; Q's dead columns restart."""
     torch.addmm(mat.grad, mat.p, mat.q.T, alpha=-1, out=mat.residual)
     mat.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # one pass (isfinite + where: ~30x slower on CPU)
-    torch.matmul(mat.p, mat.q.T, out=mat.grad)
+    torch.matmul(mat.p, mat.q.T, out=mat.grad if approx is None else approx)
     restart_columns(mat.q, mat.q0)
 
 
@@ -169,6 +179,7 @@ class LowRankBucket(Bucket):
         self.compressing = False   # this step's mode, fixed when its allreduce is submitted
         self.q_submitted = False
         self.matrices, self.p_timings, self.matrix_of = [], None, {}
+        self.in_grad = set()       # parameters whose approximation result() wrote into .grad
         if not self.can_compress:
             return
         rank, device = schedule.codec.rank, self.device
@@ -195,6 +206,7 @@ class LowRankBucket(Bucket):
     def submit(self, op, comm, deferred):
         self.compressing = self.can_compress and self.schedule.compressing()
         self.q_submitted = False
+        self.in_grad = set()
         if not self.compressing:
             return super().submit(op, comm, deferred)
         self.handle = hpcdl.allreduce_async(self.p_array, op="average", comm=comm, name=f"{self.name}.P",
@@ -249,12 +261,28 @@ class LowRankBucket(Bucket):
         if self.staged:
             _tensors.copy_async(self.q_dev, self.q_host, self.device).order_current_stream()
         with torch.no_grad():
-            for mat in self.matrices:
-                finish(mat)
+            for param, mat in self.matrix_of.items():
+                grad = self._grad_in_place(param)
+                finish(mat, None if grad is None else grad.view(mat.grad.shape))
+                if grad is not None:
+                    self.in_grad.add(param)
         return self.gather
 
+    def _grad_in_place(self, param):
+        """param.grad when this step's approximation can be written into it (its gradient was
+        taken this step, a dense contiguous float32 tensor on the bucket's device), else None."""
+        grad = param.grad
+        if (param in self.filled and grad is not None and grad.layout == torch.strided and grad.is_contiguous()
+                and grad.dtype == torch.float32 and grad.device == self.device):
+            return grad
+        return None
 
-def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, schedule, size):
+    def deliver(self, param, reduced):
+        if param not in self.in_grad:
+            super().deliver(param, reduced)
+
+
+def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, schedule, size, grad_as_view):
     """Low-rank buckets of the matrices the codec compresses, then one dense bucket per dtype
     and device of the other parameters (their gradients are complete last)."""
     names = {p: n for n, p in named}
@@ -263,7 +291,9 @@ def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, 
     dense = [(n, p) for n, p in named if p not in factored]
     buckets = make_buckets(compressed, bucket_bytes, name, first_index, reducible,
                            lambda i, bname, dtype, slots: LowRankBucket(i, bname, slots, staged_of(slots[0][0]),
-                                                                        schedule, size, names))
+                                                                        schedule, size, names),
+                           weigh=lambda p: factor_bytes(p.shape, schedule.codec.rank))
     return buckets + make_buckets(dense, _DENSE_BUCKET, name, first_index + len(buckets), reducible,
                                   lambda i, bname, dtype, slots: Bucket(i, bname, dtype, slots,
-                                                                        staged_of(slots[0][0]), None, size))
+                                                                        staged_of(slots[0][0]), None, size,
+                                                                        grad_as_view))

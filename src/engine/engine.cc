@@ -55,10 +55,11 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   if (!dtype_valid(static_cast<int>(d.dtype))) return Status::Invalid("unknown dtype code");
   if (!reduce_op_valid(static_cast<int>(d.reduce_op))) return Status::Invalid("unknown reduction op code");
   const char* op_name = reduce_op_name(d.reduce_op);
-  if (d.kind == OpKind::kAllreduce && !dtype_reduces(d.dtype, d.reduce_op))
+  const bool reduces = d.kind == OpKind::kAllreduce || d.kind == OpKind::kReduceScatter;
+  if (reduces && !dtype_reduces(d.dtype, d.reduce_op))
     return Status::Invalid(std::string("op='") + op_name + "' does not reduce " + dtype_name(d.dtype) +
                            " (bool takes min, max and product: and, or, and)");
-  if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
+  if ((reduces || d.kind == OpKind::kAllgather) && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
     return Status::Invalid("chunk_bytes must be between " + std::to_string(kMinChunkBytes) + " and " +
                            std::to_string(kMaxChunkBytes) + ", got " + std::to_string(d.chunk_bytes));
   if (d.kind == OpKind::kAllreduce && !d.codec.empty()) {
@@ -77,6 +78,14 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   if (queue.stopped) return Status::Cancelled("hpcdl's engine has shut down (interpreter exit)");
   std::shared_ptr<CommContext> ctx;
   HPCDL_RETURN_NOT_OK(loop_.contexts.context_for(comm, &ctx));
+  if (d.kind == OpKind::kAlltoall) {
+    std::uint64_t split_rows = 0;
+    for (std::uint64_t rows : req.splits) split_rows += rows;
+    if (req.splits.size() != static_cast<std::size_t>(ctx->size) || split_rows != req.rows)
+      return Status::Invalid("alltoall needs one split per rank (" + std::to_string(ctx->size) + "), summing to the " +
+                             std::to_string(req.rows) + " rows sent; got " + std::to_string(req.splits.size()) +
+                             " summing to " + std::to_string(split_rows));
+  }
   if (d.kind == OpKind::kBroadcast && (d.root < 0 || d.root >= ctx->size))
     return Status::Invalid("root " + std::to_string(d.root) + " is not a rank of a communicator of size " +
                            std::to_string(ctx->size));

@@ -13,6 +13,9 @@ const char* op_kind_name(OpKind k) {
     case OpKind::kAllreduce: return "allreduce";
     case OpKind::kBroadcast: return "broadcast";
     case OpKind::kBarrier: return "barrier";
+    case OpKind::kAllgather: return "allgather";
+    case OpKind::kReduceScatter: return "reducescatter";
+    case OpKind::kAlltoall: return "alltoall";
   }
   return "?";
 }

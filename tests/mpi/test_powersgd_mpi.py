@@ -34,7 +34,7 @@ def group(request):
     comm.Free()
 
 
-def make_optimizer(model, comm, codec, name, bucket_bytes=2048):
+def make_optimizer(model, comm, codec, name, bucket_bytes=256):
     return hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model.named_parameters(),
                                     compression=codec, bucket_bytes=bucket_bytes, comm=comm, name=name)
 

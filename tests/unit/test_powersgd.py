@@ -151,7 +151,8 @@ def test_one_rank_leaves_the_gradients_exact_and_keeps_no_state():
 def test_layout_puts_the_vectors_in_one_dense_bucket_last_and_op_sum_is_refused():
     model = make_model(hidden=32)
     opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                   compression=PowerSGD(rank=2), bucket_bytes=32 * 32 * 4, comm=MPI.COMM_SELF,
+                                   compression=PowerSGD(rank=2), bucket_bytes=4 * 2 * (5 + 32 + 32 + 32),
+                                   comm=MPI.COMM_SELF,
                                    name="psgd.layout")
     layout = [shapes for _, _, shapes in opt.bucket_layout()]
     opt.remove_hooks()

@@ -1,6 +1,6 @@
 // Running what the plans say, in their order: waiting for a deferred
-// operation's data, then the dense ring, a codec's compressed scheme or the
-// broadcast, their counters and timeline spans. Owns the working memory the
+// operation's data, then the dense ring, a codec's compressed scheme, the
+// broadcast or a gathering collective, their counters and timeline spans. Owns the working memory the
 // algorithms reuse from one operation to the next.
 #pragma once
 
@@ -40,6 +40,8 @@ class Executor {
   Status await_ready(CommContext& ctx, Operation& op, Progress& progress);
   Status execute(CommContext& ctx, Operation& op, Progress& progress);  // the caller finishes op
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
+  // Allgather, reducescatter, alltoall (algorithms/gather.hpp, the ring's phases).
+  Status run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
 
   SubmissionQueue& queue_;

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -15,7 +16,17 @@
 
 namespace hpcdl {
 
-enum class OpKind : int { kAllreduce = 0, kBroadcast = 1, kBarrier = 2 };
+enum class OpKind : int {
+  kAllreduce = 0,
+  kBroadcast = 1,
+  kBarrier = 2,
+  kAllgather = 3,      // rows may differ per rank: OpDesc::count is one row's elements
+  kReduceScatter = 4,  // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
+  kAlltoall = 5,       // rows and splits may differ per rank: OpDesc::count is one row's elements
+};
+
+// Allgather and alltoall: each rank has its own first dimension (OpRequest::rows).
+inline bool rows_differ_per_rank(OpKind k) { return k == OpKind::kAllgather || k == OpKind::kAlltoall; }
 
 const char* op_kind_name(OpKind k);
 
@@ -47,8 +58,20 @@ struct OpRequest {
   std::string name;  // empty: named by submission order on this communicator
   OpDesc desc;
   void* data = nullptr;
-  bool deferred = false;  // data not in place yet: run only after Operation::mark_ready()
-  CodecSpec codec_spec;   // desc.codec as Engine::submit parsed it (the engine's own copy)
+  bool deferred = false;              // data not in place yet: run only after Operation::mark_ready()
+  CodecSpec codec_spec;               // desc.codec as Engine::submit parsed it (the engine's own copy)
+  std::uint64_t rows = 0;             // allgather, alltoall, reducescatter: the first dimension
+  std::vector<std::uint64_t> splits;  // alltoall: rows to each rank, in rank order (summing to rows)
+};
+
+// What an allgather or alltoall hands back: the engine thread allocates it
+// once the ranks' row counts are known (a reducescatter: only the rows of
+// each rank's segment, its result being in place). Read once done.
+struct OpResult {
+  std::unique_ptr<char[]> data;
+  std::uint64_t bytes = 0;
+  std::vector<std::uint64_t> rows;  // rows from (reducescatter: of) each rank, in rank order
+  char* ptr() { return data.get(); }
 };
 
 struct OpTimes {
@@ -71,6 +94,8 @@ class Operation {
   // Warnings for whoever waits on this operation (stalls), oldest first.
   std::vector<std::string> take_notices();
   OpTimes times();
+  // An allgather's, alltoall's or reducescatter's result, once done() (empty before).
+  OpResult& result() { return result_; }
 
  private:
   // The engine's parts that record its times and finish it.
@@ -93,6 +118,7 @@ class Operation {
   Status status_;
   std::vector<std::string> notices_;
   OpTimes times_;
+  OpResult result_;
 };
 
 }  // namespace hpcdl
