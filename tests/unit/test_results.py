@@ -1,9 +1,11 @@
 """Every file under bench/results is one the docs show: named in the code of
 docs/*.md or README.md (a name or path, with shell braces and globs:
 `bench/results/a{,-run2}.{csv,png}`, `b.*`: a glob starts with a name), or the run a quoted command
-writes (`--tag NAME`, `--name NAME`: every NAME.*), or the
-companion files of a shown run that the docs describe once for all runs
-(NAME-runs.csv: every run's row; NAME-memory.csv; NAME-model-inputs.csv)."""
+writes or names in code (`--tag NAME`, `--name NAME`, a command's comment: every NAME.*), or the
+data behind a shown file (its other suffixes: the CSV and JSON of a shown
+PNG), or the companions of a shown run the docs describe once for all runs
+(NAME-run2.*: a repeat; NAME-runs.csv: every run's row; NAME-memory.csv;
+NAME-model-inputs.csv; NAME-model.*: the model beside the measured run)."""
 
 import fnmatch
 import pathlib
@@ -30,11 +32,11 @@ def _stem(name):
 
 
 def unreferenced(names, docs):
-    code = " ".join(re.findall(r"```.*?```|`[^`]+`", docs, flags=re.S))
+    code = " ".join(re.findall(r"```.*?```|`[^`]+`|^    .*$", docs, flags=re.S | re.M))
     tokens = re.findall(r"[\w.\-*{},/]+", code) + re.findall(r"bench/results/[\w.\-*{},]+", docs)
     patterns = {p for token in tokens for p in _expand(token.split("/")[-1].strip(".,"))}
     tags = {p for tag in re.findall(r"--(?:tag|name)[ =]([\w\-{},]+)", docs) for p in _expand(tag)}
-    shown = {n for n in names if n in patterns or _stem(n) in tags
+    shown = {n for n in names if n in patterns or _stem(n) in tags | patterns
              or any(fnmatch.fnmatchcase(n, p) for p in patterns if "*" in p and re.match(r"[\w\-]{3}", p))}
     stems = {_stem(n) for n in shown}
     return sorted(n for n in names if not any(re.fullmatch(re.escape(stem) + COMPANION, _stem(n)) for stem in stems))
