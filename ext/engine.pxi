@@ -53,7 +53,7 @@ cdef dict _env_settings():
 
 
 # Every HPCDL_* setting: key -> (type, low, high or None, variable), from the
-# one table (include/hpcdl/engine/settings.hpp); hpcdl.collectives checks them.
+# one table (include/hpcdl/engine/settings.hpp); hpcdl._env checks them.
 ENV_SETTINGS = _env_settings()
 
 

@@ -54,10 +54,11 @@ def epoch_order(uint64_t n, uint64_t seed, uint64_t epoch):
 
 
 def stream_layout(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_t epochs, uint64_t seed,
-                  bint drop_last):
-    """(local batch, batches per epoch, reads per epoch per rank) after validating the spec."""
+                  bint drop_last, uint64_t rank=0):
+    """(local batch, batches per epoch, reads per epoch per rank) after validating the spec and rank."""
     cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
     check_status(spec.validate())
+    check_status(spec.check_rank(rank))
     return spec.local_batch(), spec.batches_per_epoch(), spec.per_epoch()
 
 
@@ -74,8 +75,7 @@ def rank_stream(uint64_t samples, uint64_t global_batch, uint64_t ranks, uint64_
     """Rank `rank`'s reads from stream position `start` to the end of the run (uint64 array)."""
     cdef CStreamSpec spec = _spec(samples, global_batch, ranks, epochs, seed, drop_last)
     check_status(spec.validate())
-    if rank >= ranks:
-        raise ValueError(f"rank {rank} out of range [0, {ranks})")
+    check_status(spec.check_rank(rank))
     cdef vector[uint64_t] v
     with nogil:
         v = spec.rank_stream(rank, start)
@@ -274,12 +274,6 @@ cdef class PrefetchCore:
         with nogil:
             st = self.core.get().start(mpi_comm)
         check_status(st)
-
-    def first_batch(self):
-        return self.core.get().first_batch() if self.core else 0
-
-    def end_batch(self):
-        return self.core.get().end_batch() if self.core else 0
 
     def next_batch(self):
         """(batch, ring offset, bytes, sample ids, offsets) of the next local batch; blocks until staged."""

@@ -4,6 +4,8 @@ A pipelined ring allreduce run by a background engine thread, an HDF5-packed
 small-file store and a clairvoyant prefetcher, all over mpi4py communicators.
 """
 
+from __future__ import annotations
+
 import atexit
 import importlib
 import os
@@ -19,7 +21,7 @@ from hpcdl._mpi_check import load_core
 
 _core = load_core(lambda: importlib.import_module("hpcdl._core"))
 
-from hpcdl import compression  # noqa: E402
+from hpcdl import _env, compression  # noqa: E402
 from hpcdl._core import EngineWarning, Handle, StallWarning
 from hpcdl.collectives import (DTYPES, allgather, allgather_async, allreduce, allreduce_async, alltoall,
                                alltoall_async, barrier, broadcast, broadcast_async, configure, grouped_allreduce,
@@ -41,7 +43,7 @@ __all__ = [
 _world = {"comm": MPI.COMM_WORLD, "local": None}
 
 
-def init(comm=None):
+def init(comm: MPI.Comm | None = None) -> MPI.Comm:
     """Choose the communicator the conveniences below describe (default COMM_WORLD).
 
     MPI itself is initialized by importing hpcdl (through mpi4py), under
@@ -52,12 +54,12 @@ def init(comm=None):
     return _world["comm"]
 
 
-def rank():
+def rank() -> int:
     """This process's rank in the communicator given to init()."""
     return _world["comm"].Get_rank()
 
 
-def size():
+def size() -> int:
     """The number of ranks in the communicator given to init()."""
     return _world["comm"].Get_size()
 
@@ -69,7 +71,7 @@ def _local_comm():
     return _world["local"]
 
 
-def local_rank():
+def local_rank() -> int:
     """This process's rank among the ranks on the same node (for device selection).
 
     From MPI itself: a shared-memory split (MPI_Comm_split_type) of the
@@ -83,7 +85,7 @@ def local_rank():
     return _local_comm().Get_rank()
 
 
-def local_size():
+def local_size() -> int:
     """The number of ranks on this node (collective on first call)."""
     return _local_comm().Get_size()
 
@@ -156,7 +158,7 @@ def _abort_job_on_uncaught_exception(kind, value, tb):
 _replaced_excepthook = []  # the hook abort_on_uncaught_exception(True) replaced
 
 
-def abort_on_uncaught_exception(enabled=True):
+def abort_on_uncaught_exception(enabled: bool = True) -> None:
     """Whether an uncaught exception on this rank ends the whole job with MPI_Abort
     (docs/troubleshooting.md). On by default when COMM_WORLD has more than one
     rank, unless HPCDL_ABORT_ON_EXCEPTION=0; False restores the hook it replaced."""
@@ -168,10 +170,10 @@ def abort_on_uncaught_exception(enabled=True):
         sys.excepthook = _replaced_excepthook.pop() if _replaced_excepthook else sys.__excepthook__
 
 
-if MPI.COMM_WORLD.Get_size() > 1 and os.environ.get("HPCDL_ABORT_ON_EXCEPTION", "1") != "0":
+if MPI.COMM_WORLD.Get_size() > 1 and _env.get("HPCDL_ABORT_ON_EXCEPTION", True):
     abort_on_uncaught_exception(True)
 
-if os.environ.get("HPCDL_TIMELINE"):
+if _env.get("HPCDL_TIMELINE"):
     from hpcdl import timeline as _timeline
 
-    _timeline.enable(os.environ["HPCDL_TIMELINE"])
+    _timeline.enable(_env.get("HPCDL_TIMELINE"))

@@ -194,7 +194,6 @@ def _cmd_ls(args):
 
 
 # Set by mpiexec (MPICH, Intel MPI), srun --mpi=pmi2 / pmix and Open MPI's mpirun in each rank.
-LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE")
 
 # name: (what it measures, its small defaults; N = -n). Options given after these win.
 BENCHES = {
@@ -262,7 +261,9 @@ def _cmd_bench(args):
     if args.ranks < 1:
         print("hpcdl bench: error: -n must be at least 1", file=sys.stderr)
         return 2
-    launched = any(name in os.environ for name in LAUNCHER_ENV)
+    from hpcdl import _env
+
+    launched = _env.launched_by_mpi()
     self_launch = args.bench == "allreduce" and not launched and args.ranks > 1
     if self_launch or args.bench != "allreduce":
         try:

@@ -8,13 +8,17 @@ protocol and must be C-contiguous; reductions happen in place. torch tensors
 tensors (a copy) are taken too: hpcdl._tensors is their one intake.
 """
 
-import os
-import re
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _core, _tensors
+from hpcdl._env import check_setting as _checked
+from hpcdl._env import engine_settings as _from_environment
 from hpcdl.compression import canonical as _codec_text
 
 # The element types allreduce and broadcast take and the reduction ops, as the core
@@ -23,47 +27,13 @@ DTYPES = tuple(_core.DTYPES)
 OPS = tuple(_core.OPS)
 
 
-# Engine tunables: type, lower and upper bound, environment variable, from the
-# core's one table (include/hpcdl/engine/settings.hpp). Some are read by the
-# engine thread itself (C++), by hpcdl.timeline or by the error feedback
-# (residual_store.hpp) and only checked here.
-_SETTINGS = _core.ENV_SETTINGS
-
-
-def _checked(key, value, source):
-    """value as the setting's type, or ValueError naming source when it is not a number in bounds.
-    Integer text must be decimal digits only (no sign, space or '_'): the rule
-    the C++ side (include/hpcdl/util/env.hpp) reads the same variables by."""
-    kind, low, high, _ = _SETTINGS[key]
-    try:
-        if kind is int and isinstance(value, str) and not re.fullmatch(r"[0-9]+", value):
-            raise ValueError(value)
-        value = kind(value)
-    except (TypeError, ValueError):
-        value = None
-    if value is None or value != value or value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"between {low} and {high}"
-        raise ValueError(f"{source}: expected {'an integer' if kind is int else 'a number'} {bounds}")
-    return value
-
-
-def _from_environment():
-    """Settings given in the environment, checked: every rank reads the same
-    environment, so a typo fails every rank alike at import."""
-    found = {}
-    for key, (_, _, _, variable) in _SETTINGS.items():
-        text = os.environ.get(variable)
-        if text is not None:
-            found[key] = _checked(key, text, f"environment variable {variable}={text!r}")
-    return found
-
-
 _config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": _core.DEFAULT_STALL_WARNING_SECONDS,
            "stall_error_seconds": _core.DEFAULT_STALL_ERROR_SECONDS}
 _config.update((k, v) for k, v in _from_environment().items() if k in _config)
 
 
-def configure(chunk_bytes=None, stall_warning_seconds=None, stall_error_seconds=None):
+def configure(chunk_bytes: int | None = None, stall_warning_seconds: float | None = None,
+              stall_error_seconds: float | None = None) -> dict[str, Any]:
     """Set engine tunables for this process; returns the settings now in force.
 
     chunk_bytes: size of a ring pipeline chunk, 64 B to 1 GiB (every rank must
@@ -102,7 +72,8 @@ def _comm(comm):
     return comm
 
 
-def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression=None, deferred=False):
+def allreduce_async(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None,
+                    dtype: str | None = None, compression: Any = None, deferred: bool = False) -> Any:
     """Start an in-place allreduce of ``buf``; returns a Handle (``wait()``, ``done()``:
     whichever first sees the operation finished raises its error and lets go of ``buf``).
 
@@ -148,7 +119,8 @@ def allreduce_async(buf, op="sum", comm=None, name=None, dtype=None, compression
     return _tensors.submit(buf, dtype, True, run)
 
 
-def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None):
+def allreduce(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None,
+              dtype: str | None = None, compression: Any = None) -> Any:
     """Allreduce ``buf`` in place over ``comm`` and return it.
 
     Ring reduce-scatter + allgather, pipelined in chunks; every rank ends with
@@ -198,7 +170,8 @@ class GroupHandle:
         return getattr(self._handle, attribute)
 
 
-def grouped_allreduce_async(bufs, op="sum", comm=None, name=None):
+def grouped_allreduce_async(bufs: Sequence[Any], op: str = "sum", comm: MPI.Comm | None = None,
+                            name: str | None = None) -> GroupHandle:
     """Start an in-place allreduce of every array or tensor in ``bufs`` as one
     operation: one agreement for the group (its arrays' dtypes and shapes, in order,
     are what ranks compare), then each array through its own ring, so each result is
@@ -222,13 +195,15 @@ def grouped_allreduce_async(bufs, op="sum", comm=None, name=None):
     return GroupHandle(handle, members, results)
 
 
-def grouped_allreduce(bufs, op="sum", comm=None, name=None):
+def grouped_allreduce(bufs: Sequence[Any], op: str = "sum", comm: MPI.Comm | None = None,
+                      name: str | None = None) -> list[Any]:
     """Allreduce every array or tensor of ``bufs`` in place, agreed as one operation;
     returns the list of results."""
     return grouped_allreduce_async(bufs, op, comm, name).wait()
 
 
-def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):
+def broadcast_async(buf: Any, root: int = 0, comm: MPI.Comm | None = None, name: str | None = None,
+                    dtype: str | None = None) -> Any:
     """Start an in-place broadcast of ``buf`` from ``root``; returns a Handle."""
     comm = _comm(comm)
     receives = comm.Get_rank() != root
@@ -240,7 +215,8 @@ def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):
     return _tensors.submit(buf, dtype, receives, run)
 
 
-def broadcast(buf, root=0, comm=None, name=None, dtype=None):
+def broadcast(buf: Any, root: int = 0, comm: MPI.Comm | None = None, name: str | None = None,
+              dtype: str | None = None) -> Any:
     """Broadcast ``buf`` from ``root`` into every rank's ``buf`` and return it."""
     return broadcast_async(buf, root, comm, name, dtype).wait()
 
@@ -354,12 +330,12 @@ def alltoall(buf, splits=None, comm=None, name=None, dtype=None):
     return alltoall_async(buf, splits, comm, name, dtype).wait()
 
 
-def barrier(comm=None):
+def barrier(comm: MPI.Comm | None = None) -> None:
     """Return once every rank of ``comm`` has entered the barrier."""
     _core.submit(_core.KIND_BARRIER, None, _comm(comm), None).wait()
 
 
-def stats(reset=False):
+def stats(reset: bool = False) -> dict[str, Any]:
     """Engine counters per operation kind and codec, measured on this rank.
 
     Returns {"allreduce": {"none": {"ops", "bytes_sent", "bytes_received",

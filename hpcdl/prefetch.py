@@ -19,14 +19,13 @@ thread with the GIL released.
 """
 
 import logging
-import os
 import time
 import weakref
 
 import numpy as np
 from mpi4py import MPI
 
-from hpcdl import _core, timeline
+from hpcdl import _core, _env, timeline
 from hpcdl._agree import call_on_every_rank, check_same_identity, check_same_on_all_ranks
 from hpcdl._warn import warn
 from hpcdl.errors import HpcdlError
@@ -125,9 +124,7 @@ def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_
     start: (epoch, step) or a Prefetcher.state(). Cost independent of ranks
     (docs/prefetch.md, "Planning at scale").
     """
-    layout = _core.stream_layout(samples, batch_size, ranks, epochs, seed, drop_last)
-    if not 0 <= rank < ranks:
-        raise ValueError(f"rank {rank} out of range [0, {ranks})")
+    layout = _core.stream_layout(samples, batch_size, ranks, epochs, seed, drop_last, rank)
     position = _start_position(start, samples, batch_size, epochs, seed, drop_last, layout)
     per_rank = [[int(v)] * ranks if isinstance(v, (int, np.integer)) else [int(x) for x in v]
                 for v in (ram_bytes, disk_bytes)]
@@ -135,7 +132,7 @@ def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_
         raise ValueError(f"ram_bytes and disk_bytes need one value or one per rank ({ranks})")
     peer_ram, peer_disk = _peer_capacities(ranks, *per_rank)
     return _core.plan(samples, batch_size, ranks, rank, epochs, seed, drop_last, position, sizes,
-                          per_rank[0][rank], per_rank[1][rank], peer_ram, peer_disk)
+                      per_rank[0][rank], per_rank[1][rank], peer_ram, peer_disk)
 
 
 def _peer_capacities(ranks, ram, disk):
@@ -308,7 +305,7 @@ class Prefetcher:
 
         def validate():
             layout = _core.stream_layout(n, self.batch_size, self.ranks, self.num_epochs, self.seed,
-                                             self.drop_last)
+                                         self.drop_last)
             position = _start_position(start, n, self.batch_size, self.num_epochs, self.seed, self.drop_last,
                                        layout)
             return layout[0], layout[1], position
@@ -334,7 +331,7 @@ class Prefetcher:
             peer_timeout=float(peer_timeout), serve_delay=float(_serve_delay), span_delay=float(_span_delay),
             peer_message_bytes=int(_peer_message_bytes),
             **{k: int(self.read_settings[k]) for k in asked})
-        self._trace = os.environ.get(TRACE_ENV)
+        self._trace = _env.get(TRACE_ENV)
         if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
             warn(f"{TRACE_ENV} is ignored while HPCDL_TIMELINE is set: the timeline has the prefetcher's events",
                  PrefetchWarning, stacklevel=2)

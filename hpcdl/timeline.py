@@ -20,8 +20,7 @@ import time
 
 from mpi4py import MPI
 
-from hpcdl import _core
-from hpcdl.collectives import _from_environment
+from hpcdl import _core, _env
 
 TRACKS = {0: "engine", 1: "prefetcher"}
 # Events a rank keeps in memory (~140 B each); later ones are counted and the
@@ -34,7 +33,7 @@ _state = {"path": None}
 def record(on=True):
     """Start (or stop) the core's one event list, which keeps at most
     HPCDL_TIMELINE_MAX_EVENTS events (default 1,000,000) until they are taken."""
-    _core.timeline_enable(on, _from_environment().get("timeline_max_events", DEFAULT_MAX_EVENTS))
+    _core.timeline_enable(on, _env.engine_settings().get("timeline_max_events", DEFAULT_MAX_EVENTS))
 
 
 def enable(path, comm=None):
@@ -93,7 +92,7 @@ def write():
     os.replace(part + ".tmp", part)
     if rank != 0:
         return
-    deadline = time.monotonic() + float(os.environ.get("HPCDL_TIMELINE_WAIT_SECONDS", 30))
+    deadline = time.monotonic() + _env.get("HPCDL_TIMELINE_WAIT_SECONDS", 30.0)
     parts = [_part(path, r) for r in range(size)]
     while not all(os.path.exists(p) for p in parts) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -18,6 +18,7 @@ cdef extern from "hpcdl/prefetch/stream.hpp" namespace "hpcdl" nogil:
         uint64_t samples, global_batch, ranks, epochs, seed
         cbool drop_last
         CStatus validate()
+        CStatus check_rank(uint64_t rank)
         uint64_t local_batch()
         uint64_t batches_per_epoch()
         uint64_t per_epoch()
@@ -88,8 +89,6 @@ cdef extern from "hpcdl/prefetch/prefetcher.hpp" namespace "hpcdl" nogil:
         CStatus create(unique_ptr[CStoreReader] reader, CPrefetchConfig cfg, unique_ptr[CPrefetcher]* out)
         CStatus start(MPI_Comm comm)
         CStatus close(double timeout_s)
-        uint64_t first_batch()
-        uint64_t end_batch()
         CStatus next_batch(CBatchView* out)
         const shared_ptr[char]& staging()
         uint64_t staging_bytes()

@@ -39,22 +39,12 @@ except ImportError as exc:  # the plugin is only meaningful inside DLIO
     raise ImportError("hpcdl.contrib.dlio needs DLIO: pip install --no-deps -r requirements-dlio.txt "
                       f"(scripts/bootstrap.sh does it) [{exc}]") from exc
 
+from hpcdl import _env
 from hpcdl._agree import call_on_every_rank
 from hpcdl.prefetch import DEFAULT_RAM_BYTES, Prefetcher
 from hpcdl.store import MANIFEST, Store, pack
-from hpcdl.units import parse_bytes
 
 __all__ = ["HpcdlDataLoader", "evaluation_passes"]
-
-
-def _env_bytes(name, default):
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        return parse_bytes(text)
-    except ValueError as exc:
-        raise ValueError(f"{name}={text!r}: {exc}") from None
 
 
 def evaluation_passes(epochs, eval_after_epoch, epochs_between_evals):
@@ -97,7 +87,7 @@ class HpcdlDataLoader(BaseDataLoader):
             raise ValueError(f"hpcdl's DLIO loader serves one sample per file (each file is a store sample); "
                              f"num_samples_per_file is {args.num_samples_per_file}")
         default = os.path.join(args.data_folder, f"{self.kind}.hpcdl")
-        return os.environ.get(f"HPCDL_DLIO_{self.kind.upper()}_STORE", default)
+        return _env.get(f"HPCDL_DLIO_{self.kind.upper()}_STORE", default)
 
     def _open(self, path):
         """The store, checked against DLIO's set, and the prefetcher's tier settings."""
@@ -109,11 +99,11 @@ class HpcdlDataLoader(BaseDataLoader):
         if len(store) != self.num_samples:
             raise ValueError(f"the store {path} holds {len(store)} samples but DLIO's {self.kind} set has "
                              f"{self.num_samples} (num_files_{'train' if self.kind == 'train' else 'eval'})")
-        tiers = {"ram_bytes": _env_bytes("HPCDL_DLIO_RAM", DEFAULT_RAM_BYTES),
-                 "disk_dir": os.environ.get("HPCDL_DLIO_DISK_DIR") or None,
-                 "disk_bytes": _env_bytes("HPCDL_DLIO_DISK", 0),
-                 "staging_threads": int(os.environ.get("HPCDL_DLIO_THREADS", max(4, args.read_threads))),
-                 "read_concurrency": os.environ.get("HPCDL_DLIO_READ_CONCURRENCY", "auto")}
+        tiers = {"ram_bytes": _env.get("HPCDL_DLIO_RAM", DEFAULT_RAM_BYTES),
+                 "disk_dir": _env.get("HPCDL_DLIO_DISK_DIR") or None,
+                 "disk_bytes": _env.get("HPCDL_DLIO_DISK", 0),
+                 "staging_threads": _env.get("HPCDL_DLIO_THREADS", max(4, args.read_threads)),
+                 "read_concurrency": _env.get("HPCDL_DLIO_READ_CONCURRENCY", "auto")}
         return store, tiers
 
     def read(self):
@@ -124,7 +114,7 @@ class HpcdlDataLoader(BaseDataLoader):
         if not self.passes:
             return
         path = call_on_every_rank(comm, self._store_path)
-        if os.environ.get("HPCDL_DLIO_PACK") == "1":
+        if _env.get("HPCDL_DLIO_PACK", False):
             if not all(comm.allgather(os.path.exists(os.path.join(path, MANIFEST)))):
                 pack(os.path.join(self._args.data_folder, self.kind), path, comm=comm,
                      progress=comm.Get_rank() == 0)

@@ -116,8 +116,7 @@ Status make_plan(const StreamSpec& spec, std::uint64_t from, std::uint64_t self,
   HPCDL_RETURN_NOT_OK(spec.validate());
   const std::uint64_t N = spec.samples, B = spec.global_batch, P = spec.ranks, L = spec.local_batch();
   const std::uint64_t batches = spec.batches_per_epoch(), M = batches * B, S = spec.per_epoch();
-  if (self >= P)
-    return Status::Invalid("rank " + std::to_string(self) + " out of range [0, " + std::to_string(P) + ")");
+  HPCDL_RETURN_NOT_OK(spec.check_rank(self));
   if (from % L != 0 || from > spec.length()) return Status::Invalid("resume position is not a batch start of the run");
   if (N > std::numeric_limits<std::uint32_t>::max() || M > std::numeric_limits<std::uint32_t>::max())
     return Status::Invalid("the planner supports up to 2^32-1 samples and positions per epoch");

@@ -716,8 +716,8 @@ def test_unnamed_ops_from_two_threads_in_the_same_order_are_right(comm):
     def reduce(array, key):
         results[key] = outcome(hpcdl.allreduce, array, comm=comm)
 
-    for array, key in ((ones, "ones"), (hundreds, "hundreds"), (ones, "ones-again")):
-        t = threading.Thread(target=reduce, args=(array, key), name=f"reduce-{key}")
+    for values, key in ((ones, "ones"), (hundreds, "hundreds"), (ones, "ones-again")):
+        t = threading.Thread(target=reduce, args=(values, key), name=f"reduce-{key}")
         t.start()
         t.join(120)
     errors = [err for _, err in results.values() if err is not None]

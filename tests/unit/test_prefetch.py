@@ -12,7 +12,8 @@ import pytest
 
 from hpcdl import _core, prefetch, store
 from hpcdl.errors import CorruptDataError
-from hpcdl.prefetch import PrefetchWarning, Prefetcher
+from hpcdl.prefetch import Prefetcher, PrefetchWarning
+
 from conftest import ROOT
 from helpers.prefetch import corrupt_sample, make_store
 

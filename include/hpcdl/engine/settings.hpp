@@ -1,5 +1,5 @@
 // Every HPCDL_* setting of the environment hpcdl reads, and its bounds: the
-// one table. hpcdl.collectives checks each variable set against it at import
+// one table. hpcdl._env checks each variable set against it at import
 // (_core.ENV_SETTINGS; integers must be decimal digits only, the rule
 // env_long reads them by), so a bad value fails every rank there, before a
 // C++ thread reads it (util/env.hpp) or the Python side does.

@@ -39,6 +39,11 @@ struct StreamSpec {
                              ") and drop_last=True would read nothing; pass drop_last=False or a smaller batch_size");
     return Status::OK();
   }
+  Status check_rank(std::uint64_t rank) const {
+    if (rank >= ranks)
+      return Status::Invalid("rank " + std::to_string(rank) + " out of range [0, " + std::to_string(ranks) + ")");
+    return Status::OK();
+  }
   std::uint64_t local_batch() const { return global_batch / ranks; }
   std::uint64_t batches_per_epoch() const {
     return drop_last ? samples / global_batch : (samples + global_batch - 1) / global_batch;

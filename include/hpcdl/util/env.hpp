@@ -1,4 +1,4 @@
-// Settings hpcdl's C++ threads read from the environment. hpcdl.collectives
+// Settings hpcdl's C++ threads read from the environment. hpcdl._env
 // checks the same variables at import with the same rule (decimal digits
 // only, then its bounds), so a value that is not a number in range fails
 // there, on every rank, before any thread reads it here.
