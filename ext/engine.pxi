@@ -15,8 +15,9 @@ from mpi4py cimport MPI
 
 from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode, codec_encoded_bytes, codec_name,
                               kDefaultInt8Block, parse_codec, topk_algorithm_name, topk_count as c_topk_count)
-from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting,
-                              CNoticeKind, COpKind, COpRequest, COpResult, COperation, COpTimes, CReduceOp, dtype_is_float,
+from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting, CGroupMember,
+                              CNoticeKind, COpKind, COpRequest, COpResult, COperation, COpTimes, CReduceOp,
+                              dtype_is_float,
                               dtype_name, dtype_size, dtype_valid, in_mpi_process as c_in_mpi_process,
                               reduce_op_name, reduce_op_valid,
                               kDefaultChunkBytes, kDefaultStallErrorSeconds, kDefaultStallWarningSeconds,
@@ -194,6 +195,7 @@ cdef class Handle:
     """An operation submitted to the engine: wait() for it, or poll done()."""
     cdef shared_ptr[COperation] op
     cdef readonly Buffer buffer  # keeps the memory alive while the engine uses it
+    cdef readonly list members  # a grouped operation's Buffers, instead
     cdef readonly str name
     cdef bint raised  # its error has reached the caller
 
@@ -202,6 +204,8 @@ cdef class Handle:
         _inflight.discard(self)
         if self.buffer is not None:
             self.buffer.release()
+        for member in self.members or ():
+            (<Buffer>member).release()
 
     cdef _finish(self):
         """Retire a finished operation and raise its error, the first time one is seen."""
@@ -253,6 +257,8 @@ cdef class Handle:
                 if timeout is not None and waited >= timeout:
                     raise TimeoutError(f"hpcdl operation '{self.name}' not finished after {timeout} s")
         self._finish()
+        if self.members is not None:
+            return [member.owner for member in self.members]
         return None if self.buffer is None else self.buffer.owner
 
     def mark_ready(self):
@@ -390,6 +396,44 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     cdef Handle h = Handle.__new__(Handle)
     h.op = op
     h.buffer = buf
+    h.name = op.get().name().decode()
+    if len(_inflight) >= _prune_at[0]:
+        _prune()
+    _inflight.add(h)
+    return h
+
+
+def submit_group(list buffers, MPI.Comm comm not None, name, int reduce_op=0, uint64_t chunk_bytes=0):
+    """Submit a grouped allreduce of ``buffers`` (Buffers): one operation to agree on,
+    each array reduced by its own ring. Returns a Handle whose wait() gives the owners."""
+    cdef COpRequest req
+    cdef CGroupMember member
+    cdef shared_ptr[COperation] op
+    cdef CStatus st
+    cdef Buffer buf
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
+    req.name = (name or "").encode()
+    if not name:
+        req.desc.thread = threading.current_thread().name.encode()
+    req.desc.kind = COpKind.kGroupedAllreduce
+    req.desc.reduce_op = <CReduceOp>reduce_op
+    req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
+    for buf in buffers:
+        member.dtype = <CDType>DTYPES[buf.dtype][0]
+        member.count = buf.count
+        member.shape.clear()
+        for dim in buf.shape:
+            member.shape.push_back(dim)
+        req.desc.members.push_back(member)
+        req.member_data.push_back(buf.ptr())
+    with nogil:
+        st = CEngine.instance().submit(comm.ob_mpi, move(req), &op)
+    _emit_engine_notices()
+    check_status(st)
+    cdef Handle h = Handle.__new__(Handle)
+    h.op = op
+    h.members = list(buffers)
     h.name = op.get().name().decode()
     if len(_inflight) >= _prune_at[0]:
         _prune()

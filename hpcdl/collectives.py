@@ -159,6 +159,75 @@ def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None)
     return allreduce_async(buf, op, comm, name, dtype, compression).wait()
 
 
+class _GroupMember:
+    """One array of a grouped allreduce, as hpcdl._tensors sees a core handle: its
+    tensor handle (staging, copy back) finishes it once the group's handle is done."""
+
+    def __init__(self, array, dtype, name):
+        self.array, self.dtype, self.name, self.group = array, dtype, name, None
+
+    def done(self):
+        return self.group.done()
+
+    def wait(self, timeout=None):
+        self.group.wait(timeout)
+        return self.array
+
+    def __getattr__(self, attribute):  # mark_ready(), ready(), timings(), wait_for()...
+        return getattr(self.group, attribute)
+
+
+class GroupHandle:
+    """The handle of a grouped allreduce: wait() returns the list of results."""
+
+    def __init__(self, handle, members, results):
+        self._handle, self._members, self._results = handle, members, results
+        self.name = None if handle is None else handle.name
+
+    def done(self):
+        if self._handle is not None and not self._handle.done():
+            return False
+        return all(result.done() for result in self._results)
+
+    def wait(self, timeout=None):
+        if self._handle is not None:
+            self._handle.wait(timeout)
+        return [result.wait() for result in self._results]
+
+    def __getattr__(self, attribute):  # mark_ready(), ready(), timings(), wait_for()...
+        return getattr(self._handle, attribute)
+
+
+def grouped_allreduce_async(bufs, op="sum", comm=None, name=None):
+    """Start an in-place allreduce of every array or tensor in ``bufs`` as one
+    operation: one agreement for the group (its arrays' dtypes and shapes, in order,
+    are what ranks compare), then each array through its own ring, so each result is
+    bitwise the one its own allreduce gives. Returns a handle; ``wait()`` returns the
+    list of results (as allreduce's wait() would for each). No compression."""
+    reduce_op = _core.parse_op(op)
+    comm = _comm(comm)
+    members = []
+
+    def take(array, array_dtype):
+        members.append(_GroupMember(array, array_dtype, name))
+        return members[-1]
+
+    results = [_tensors.submit(buf, None, True, take) for buf in bufs]
+    if not members:
+        return GroupHandle(None, [], [])
+    handle = _core.submit_group([_core.Buffer(m.array, m.dtype, True) for m in members], comm, name, reduce_op,
+                                _config["chunk_bytes"])
+    for member in members:
+        member.group = handle
+    return GroupHandle(handle, members, results)
+
+
+def grouped_allreduce(bufs, op="sum", comm=None, name=None):
+    """Allreduce every array or tensor of ``bufs`` in place, agreed as one operation;
+    returns the list of results."""
+    return grouped_allreduce_async(bufs, op, comm, name).wait()
+
+
 def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):
     """Start an in-place broadcast of ``buf`` from ``root``; returns a Handle."""
     comm = _comm(comm)

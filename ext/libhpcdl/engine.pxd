@@ -15,6 +15,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kAllgather
         kReduceScatter
         kAlltoall
+        kGroupedAllreduce
 
     cdef enum class CDType "hpcdl::DType":
         kFloat32
@@ -38,6 +39,11 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kMax
         kProduct
 
+    cdef cppclass CGroupMember "hpcdl::GroupMember":
+        CDType dtype
+        uint64_t count
+        vector[int64_t] shape
+
     cdef cppclass COpDesc "hpcdl::OpDesc":
         COpKind kind
         CDType dtype
@@ -48,11 +54,13 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         uint64_t chunk_bytes
         string codec
         string thread
+        vector[CGroupMember] members
 
     cdef cppclass COpRequest "hpcdl::OpRequest":
         string name
         COpDesc desc
         void* data
+        vector[void*] member_data
         cbool deferred
         uint64_t rows
         vector[uint64_t] splits

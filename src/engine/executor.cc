@@ -164,6 +164,15 @@ Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* tr
   });
 }
 
+Status Executor::run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
+                           RingTraffic* traffic, Progress& progress) {
+  if (ctx.size == 1) return Status::OK();  // every op over one rank leaves its data
+  RingPlan plan(ctx.size, ctx.rank, count, dtype_size(dtype), d.chunk_bytes);
+  DenseRingPolicy policy(plan, data, dtype, d.reduce_op, ctx.size);
+  traffic->dense_bytes = plan.dense_bytes_sent();
+  return run_ring(plan, policy, ctx.data, kTagData, traffic, progress);
+}
+
 Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   const OpDesc& d = op.req_.desc;
   const double t0 = MPI_Wtime();
@@ -178,16 +187,20 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   // Point-to-point requests (the ring's, the gathering collectives') can be cancelled.
   cancellable_ = d.kind != OpKind::kBroadcast && d.kind != OpKind::kBarrier;
   if (d.kind == OpKind::kAllreduce) {
-    const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
-    if (ctx.size == 1) {
-      scale_buffer(d.dtype, op.req_.data, d.count, scale);
-    } else if (!d.codec.empty()) {
+    if (ctx.size > 1 && !d.codec.empty()) {
       st = run_compressed(ctx, op, &traffic, progress);
     } else {
-      RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
-      DenseRingPolicy policy(plan, op.req_.data, d.dtype, d.reduce_op, ctx.size);
-      traffic.dense_bytes = plan.dense_bytes_sent();
-      st = run_ring(plan, policy, ctx.data, kTagData, &traffic, progress);
+      st = run_dense(ctx, d, d.dtype, d.count, op.req_.data, &traffic, progress);
+    }
+  } else if (d.kind == OpKind::kGroupedAllreduce) {
+    // One ring per array, in order: each array's bits are those of its own allreduce.
+    for (std::size_t i = 0; i < d.members.size() && st.ok(); ++i) {
+      RingTraffic part;
+      const GroupMember& m = d.members[i];
+      st = run_dense(ctx, d, m.dtype, m.count, op.req_.member_data[i], &part, progress);
+      traffic.bytes_sent += part.bytes_sent;
+      traffic.bytes_received += part.bytes_received;
+      traffic.dense_bytes += part.dense_bytes;
     }
   } else if (d.kind == OpKind::kBroadcast) {
     const std::size_t total = d.count * dtype_size(d.dtype);
@@ -282,8 +295,9 @@ Status Executor::run_gathering(CommContext& ctx, Operation& op, RingTraffic* tra
 
 void Executor::record(const Operation& op, const RingTraffic& traffic, double seconds) {
   const OpDesc& d = op.req_.desc;
-  stats_.count(op_kind_name(d.kind), d.kind == OpKind::kAllreduce ? (d.codec.empty() ? "none" : d.codec) : "",
-               traffic.bytes_sent, traffic.bytes_received, traffic.dense_bytes, seconds);
+  const bool reduces = d.kind == OpKind::kAllreduce || d.kind == OpKind::kGroupedAllreduce;
+  stats_.count(op_kind_name(d.kind), reduces ? (d.codec.empty() ? "none" : d.codec) : "", traffic.bytes_sent,
+               traffic.bytes_received, traffic.dense_bytes, seconds);
 }
 
 }  // namespace hpcdl

@@ -25,7 +25,8 @@ from hpcdl.horovod.torch.gather_ops import (allgather, allgather_async, alltoall
                                             grouped_allgather_async, grouped_reducescatter,
                                             grouped_reducescatter_async, reducescatter, reducescatter_async)
 from hpcdl.horovod.torch.mpi_ops import (allreduce, allreduce_, allreduce_async, allreduce_async_, broadcast,
-                                         broadcast_, broadcast_async, broadcast_async_)
+                                         broadcast_, broadcast_async, broadcast_async_, grouped_allreduce,
+                                         grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_)
 from hpcdl.horovod.torch.sync_batch_norm import SyncBatchNorm
 from hpcdl.horovod.torch.optimizer import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 
@@ -44,7 +45,8 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
            "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
-           "HostsUpdatedInterrupt", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast",
+           "HostsUpdatedInterrupt", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast",
            "broadcast_", "broadcast_async", "broadcast_async_", "poll", "synchronize", "barrier",
            "broadcast_object", "DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "allgather",

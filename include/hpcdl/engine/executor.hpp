@@ -16,6 +16,7 @@ namespace hpcdl {
 class CommContext;
 class NoticeBoard;
 class Operation;
+struct OpDesc;
 class ResidualStore;
 class StatsBoard;
 class SubmissionQueue;
@@ -42,6 +43,9 @@ class Executor {
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
   // Allgather, reducescatter, alltoall (algorithms/gather.hpp, the ring's phases).
   Status run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
+  // One array through the dense ring (in place; nothing to move on one rank).
+  Status run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
+                   RingTraffic* traffic, Progress& progress);
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
 
   SubmissionQueue& queue_;

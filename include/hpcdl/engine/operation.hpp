@@ -16,22 +16,34 @@
 
 namespace hpcdl {
 
+// Codes travel in operation descriptions.
 enum class OpKind : int {
   kAllreduce = 0,
   kBroadcast = 1,
   kBarrier = 2,
-  kAllgather = 3,      // rows may differ per rank: OpDesc::count is one row's elements
-  kReduceScatter = 4,  // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
-  kAlltoall = 5,       // rows and splits may differ per rank: OpDesc::count is one row's elements
+  kAllgather = 3,         // rows may differ per rank: OpDesc::count is one row's elements
+  kReduceScatter = 4,     // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
+  kAlltoall = 5,          // rows and splits may differ per rank: OpDesc::count is one row's elements
+  kGroupedAllreduce = 6,  // several arrays agreed as one operation, each reduced by its own ring
 };
 
 // Allgather and alltoall: each rank has its own first dimension (OpRequest::rows).
 inline bool rows_differ_per_rank(OpKind k) { return k == OpKind::kAllgather || k == OpKind::kAlltoall; }
 
+// One array of a grouped allreduce.
+struct GroupMember {
+  DType dtype = DType::kFloat32;
+  std::uint64_t count = 0;
+  std::vector<std::int64_t> shape;
+};
+
 const char* op_kind_name(OpKind k);
 
 // "[17, 1311]": a shape as error messages spell it.
 std::string shape_text(const std::vector<std::int64_t>& shape);
+
+// Elements a shape holds; false when a dimension is negative.
+bool shape_elements(const std::vector<std::int64_t>& shape, std::uint64_t* elements);
 
 // What every rank must agree on for one operation.
 struct OpDesc {
@@ -49,6 +61,7 @@ struct OpDesc {
   // by submission order; threads racing to submit would pair one thread's
   // operation with another's, so the thread is part of what ranks agree on.
   std::string thread;
+  std::vector<GroupMember> members;  // kGroupedAllreduce: its arrays, in the caller's order
 
   std::string serialize(const std::string& name) const;
   static bool parse(const std::string& bytes, std::string* name, OpDesc* out);
@@ -58,6 +71,7 @@ struct OpRequest {
   std::string name;  // empty: named by submission order on this communicator
   OpDesc desc;
   void* data = nullptr;
+  std::vector<void*> member_data;     // kGroupedAllreduce: each member's array
   bool deferred = false;              // data not in place yet: run only after Operation::mark_ready()
   CodecSpec codec_spec;               // desc.codec as Engine::submit parsed it (the engine's own copy)
   std::uint64_t rows = 0;             // allgather, alltoall, reducescatter: the first dimension
