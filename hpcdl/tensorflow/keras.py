@@ -35,7 +35,7 @@ class _DistributedOptimizerMixin:
         return super().apply(grads, trainable_variables)
 
 
-def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, name="keras"):
+def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, name="keras", sparse_as_dense=False):
     """A copy of a Keras optimizer whose updates use gradients reduced over all ranks (for model.fit).
 
         model.compile(optimizer=hpcdl.tensorflow.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=...)
@@ -50,7 +50,8 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
     see each rank's own gradients): DistributedOptimizer(LossScaleOptimizer(opt)).
     The gradient path is DistributedGradientTape's: one fused allreduce per
     dtype named "{name}.{dtype}", compression a codec from hpcdl.compression,
-    op "average" or "sum", shapes checked across ranks on the first step.
+    op "average" or "sum", shapes checked across ranks on the first step;
+    IndexedSlices gradients allgathered, or made dense with sparse_as_dense=True.
     """
     if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not {type(optimizer).__name__}")
@@ -61,7 +62,7 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedOptimizerMixin, type(optimizer)), {})
     distributed = cls.from_config(optimizer.get_config())
     distributed._hpcdl_allreduce = _GradientAllreduce(compression, op, comm, name,
-                                                      "the gradients of DistributedOptimizer")
+                                                      "the gradients of DistributedOptimizer", sparse_as_dense)
     return distributed
 
 
@@ -72,7 +73,8 @@ def _keras_optimizer_classes(base=tf.keras.optimizers.Optimizer):
             yield from _keras_optimizer_classes(cls)
 
 
-def load_model(filepath, compression=None, op="average", comm=None, name="keras", custom_objects=None, **kwargs):
+def load_model(filepath, compression=None, op="average", comm=None, name="keras", custom_objects=None,
+               sparse_as_dense=False, **kwargs):
     """keras.models.load_model for a model saved while training with DistributedOptimizer.
 
     The file names the optimizer class "Distributed<Class>", which only exists
@@ -83,7 +85,8 @@ def load_model(filepath, compression=None, op="average", comm=None, name="keras"
     """
     def rewrap(base):
         return classmethod(lambda cls, config, custom_objects=None: DistributedOptimizer(
-            base.from_config(config), compression=compression, op=op, comm=comm, name=name))
+            base.from_config(config), compression=compression, op=op, comm=comm, name=name,
+            sparse_as_dense=sparse_as_dense))
 
     rebuild = {f"Distributed{base.__name__}": type(f"Distributed{base.__name__}", (base,), {"from_config": rewrap(base)})
                for base in set(_keras_optimizer_classes())}

@@ -40,14 +40,19 @@ def _core_view(array):
 class _GradientAllreduce:
     """The gradient path shared by DistributedGradientTape and DistributedOptimizer.
 
-    Gradients of one dtype are fused into one buffer and reduced by one named
-    operation ("{name}.{dtype}"), so a compression codec keeps its error
-    feedback per dtype group. The gradients' shapes and dtypes are checked
-    across ranks the first time a set of them is seen (``what`` names them in
-    the MismatchError every rank raises when they differ).
+    Dense gradients of one dtype are fused into one buffer and reduced by one
+    named operation ("{name}.{dtype}"), so a compression codec keeps its error
+    feedback per dtype group. IndexedSlices gradients (tf.gather, Embedding)
+    take Horovod's sparse path unless ``sparse_as_dense``: their indices and
+    values are allgathered ("{name}.sparse.{i}.indices/values", uncompressed)
+    and the result is the IndexedSlices of every rank's rows (average: values /
+    size), identical on every rank. The gradients' kinds, shapes and dtypes
+    (a gathered gradient's rows excepted) are checked across ranks the first
+    time a set of them is seen (``what`` names them in the MismatchError every
+    rank raises when they differ).
     """
 
-    def __init__(self, compression, op, comm, name, what):
+    def __init__(self, compression, op, comm, name, what, sparse_as_dense=False):
         if isinstance(compression, PowerSGD):
             raise TypeError("PowerSGD runs in hpcdl.torch.DistributedOptimizer; the TensorFlow adapter does not "
                             "factor gradients yet: use Int8, TopK, FP16 or BF16 here")
@@ -55,39 +60,101 @@ class _GradientAllreduce:
         self.op = op
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.name = name
+        self.sparse_as_dense = bool(sparse_as_dense)
         self._what = what
         self._verified = set()
 
     def reduce_gradients(self, grads, sources):
-        """Reduced ``grads`` in their structure: None (no gradient) as zeros, IndexedSlices made dense."""
+        """Reduced ``grads`` in their structure: None (no gradient) as zeros, IndexedSlices
+        gathered (or made dense with sparse_as_dense)."""
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
-        dense = [tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
-                 for s, g in zip(flat_sources, flat_grads)]
-        return tf.nest.pack_sequence_as(grads, self.allreduce(dense))
+        grads_in = [tf.zeros_like(s) if g is None else g for s, g in zip(flat_sources, flat_grads)]
+        gathered = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads_in]
+        if any(gathered) and self.op not in ("average", "sum"):
+            raise ValueError(f"IndexedSlices gradients are allgathered, which sums or averages them, not "
+                             f"op={self.op!r}: pass sparse_as_dense=True")
+        tensors = []
+        for g, sparse in zip(grads_in, gathered):
+            tensors.extend([g.indices, g.values] if sparse else [tf.convert_to_tensor(g)])
+        reduced = iter(self._reduce(tensors, tuple(gathered)))
+        out = []
+        for g, sparse in zip(grads_in, gathered):
+            if sparse:
+                indices, values = next(reduced), next(reduced)
+                out.append(tf.IndexedSlices(values, indices, dense_shape=g.dense_shape))
+            else:
+                out.append(next(reduced))
+        return tf.nest.pack_sequence_as(grads, out)
 
     def allreduce(self, tensors):
-        """Reduce a list of tensors over all ranks (eagerly or inside a tf.function)."""
+        """Reduce a list of dense tensors over all ranks (eagerly or inside a tf.function)."""
+        return self._reduce([tf.convert_to_tensor(t) for t in tensors], (False,) * len(tensors))
+
+    def _reduce(self, tensors, gathered):
+        """tensors: one dense tensor per gradient, (indices, values) for each gathered one."""
         if not tensors:
             return []
         if tf.executing_eagerly():
-            return [tf.convert_to_tensor(a) for a in self._reduce_arrays(*[t.numpy() for t in tensors])]
+            return [tf.convert_to_tensor(a) for a in self._reduce_arrays(gathered, *[t.numpy() for t in tensors])]
         if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
             raise ValueError("hpcdl's allreduce cannot run inside an XLA-compiled function: use "
                              "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) for Keras")
-        reduced = tf.numpy_function(self._reduce_arrays, tensors, [t.dtype for t in tensors], stateful=True,
-                                    name="hpcdl_allreduce")
+        reduced = tf.numpy_function(lambda *arrays: self._reduce_arrays(gathered, *arrays), tensors,
+                                    [t.dtype for t in tensors], stateful=True, name="hpcdl_allreduce")
         for out, t in zip(reduced, tensors):
             out.set_shape(t.shape)
+        position = 0
+        for sparse in gathered:  # a gathered gradient's rows are known only after the run
+            if sparse:
+                reduced[position].set_shape([None])
+                reduced[position + 1].set_shape([None] + tensors[position + 1].shape.as_list()[1:])
+            position += 2 if sparse else 1
         return reduced
 
-    def _reduce_arrays(self, *arrays):
-        signature = tuple((a.shape, a.dtype.name) for a in arrays)
+    def _check(self, gathered, arrays):
+        entries, position = [], 0
+        for i, sparse in enumerate(gathered):
+            if sparse:
+                indices, values = arrays[position:position + 2]
+                entries += [(f"gradient.{i}.indices", (), indices.dtype.name),
+                            (f"gradient.{i}.values", values.shape[1:], values.dtype.name)]
+            else:
+                entries.append((f"gradient.{i}", arrays[position].shape, arrays[position].dtype.name))
+            position += 2 if sparse else 1
+        signature = tuple(entries)
         if signature not in self._verified:
-            check_same_on_all_ranks(self.comm, [(f"gradient.{i}", s, d) for i, (s, d) in enumerate(signature)],
-                                    self._what,
+            check_same_on_all_ranks(self.comm, entries, self._what,
                                     {"op": self.op, "name": self.name,
                                      "compression": None if self.compression is None else repr(self.compression)})
             self._verified.add(signature)
+
+    def _reduce_arrays(self, gathered, *arrays):
+        self._check(gathered, arrays)
+        dense, sparse_handles, position = [], [], 0
+        for i, sparse in enumerate(gathered):
+            if sparse:
+                name = f"{self.name}.sparse.{i}"
+                sparse_handles.append((position, [self._allgather(a, f"{name}.{part}") for a, part in
+                                                  zip(arrays[position:position + 2], ("indices", "values"))]))
+                position += 2
+            else:
+                dense.append(position)
+                position += 1
+        out = [None] * len(arrays)
+        for i, array in zip(dense, self._reduce_dense([arrays[i] for i in dense])):
+            out[i] = array
+        for position, handles in sparse_handles:
+            indices, values = (h.wait().view(a.dtype) for h, a in zip(handles, arrays[position:position + 2]))
+            if self.op == "average":
+                values = values / values.dtype.type(self.comm.Get_size())
+            out[position], out[position + 1] = indices, values
+        return out
+
+    def _allgather(self, array, name):
+        buffer, core_dtype = _core_view(array)
+        return hpcdl.allgather_async(buffer, self.comm, name, core_dtype)
+
+    def _reduce_dense(self, arrays):
         groups = {}
         for i, a in enumerate(arrays):
             groups.setdefault(a.dtype.name, []).append(i)
@@ -117,19 +184,25 @@ class DistributedGradientTape:
     operation ("{name}.{dtype}"), so a compression codec keeps its error
     feedback per dtype group. A source with no gradient (None, the same on
     every rank for the same model) is reduced as zeros and returned as the
-    reduced tensor; IndexedSlices are made dense first. DistributedOptimizer
-    (for Keras model.fit) reduces through the same path.
+    reduced tensor. DistributedOptimizer (for Keras model.fit) reduces through
+    the same path.
 
     compression: a codec from hpcdl.compression (None: dense).
     op: "average" (default) or "sum".
     comm: mpi4py communicator (default COMM_WORLD).
+    sparse_as_dense: make IndexedSlices gradients (tf.gather, Embedding) dense
+        and reduce them with the others. Otherwise (Horovod's sparse path) their
+        indices and values are allgathered, uncompressed ("{name}.sparse.{i}.indices"
+        and ".values") and the gradient is the IndexedSlices of every rank's
+        rows (average: values / size); every rank must produce it each step.
     The gradients' shapes and dtypes are checked across ranks the first time a
     set of them is seen: a model that differs raises MismatchError on every rank.
     """
 
-    def __init__(self, tape, compression=None, op="average", comm=None, name="tf"):
+    def __init__(self, tape, compression=None, op="average", comm=None, name="tf", sparse_as_dense=False):
         self._tape = tape
-        self._reduce = _GradientAllreduce(compression, op, comm, name, "the gradients of DistributedGradientTape")
+        self._reduce = _GradientAllreduce(compression, op, comm, name, "the gradients of DistributedGradientTape",
+                                          sparse_as_dense)
 
     def __getattr__(self, attr):  # watch(), stop_recording(), ... of the wrapped tape
         return getattr(self._tape, attr)

@@ -209,6 +209,57 @@ def test_min_max_product_eager_and_in_tf_function(dtype):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("use_function", [False, True])
+def test_allreduce_of_indexed_slices_allgathers_them(use_function):
+    """hvd.allreduce(IndexedSlices): every rank's indices and values gathered in rank order
+    (average: values / size; Sum: as gathered), densifying to the float64 sum/average."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    rng = np.random.default_rng(40 + rank)
+    rows = rank + 1
+    values, indices = rng.normal(size=(rows, 3)), rng.integers(0, 6, rows)
+    slices = tf.IndexedSlices(tf.constant(values, tf.float32), tf.constant(indices, tf.int64), tf.constant([6, 3],
+                                                                                                           tf.int64))
+
+    def both(s):
+        return (hvd.allreduce(s, name=f"slices.avg.{use_function}"),
+                hvd.allreduce(s, op=hvd.Sum, name=f"slices.sum.{use_function}"))
+
+    run = tf.function(both) if use_function else both
+    average, summed = collective(WORLD, run, slices)
+    everyone = WORLD.allgather((values, indices))
+    want = np.zeros((6, 3))
+    for v, i in everyone:
+        np.add.at(want, i, v)
+    got_sum = tf.convert_to_tensor(summed).numpy().astype(np.float64)
+    got_avg = tf.convert_to_tensor(average).numpy().astype(np.float64)
+    ok = (isinstance(summed, tf.IndexedSlices) and np.array_equal(summed.indices.numpy(),
+                                                                    np.concatenate([i for _, i in everyone]))
+          and np.allclose(got_sum, want, atol=1e-5) and np.allclose(got_avg, want / size, atol=1e-5)
+          and len(set(WORLD.allgather(got_avg.tobytes()))) == 1)
+    _, err = outcome(hvd.allreduce, slices, op=hvd.Max, name="slices.max")
+    ok = ok and isinstance(err, ValueError) and "IndexedSlices" in str(err)
+    agree(WORLD, ok, f"{np.max(np.abs(got_sum - want))}, {err!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_horovod_tape_passes_sparse_as_dense(sparse_as_dense):
+    """hvd.DistributedGradientTape(sparse_as_dense=...): tf.gather's gradient stays IndexedSlices
+    (gathered) or becomes dense, averaged over the ranks either way."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    table = tf.Variable(tf.zeros((4, 2)))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.gather(table, [rank % 4]) * float(rank + 1))
+    grad = collective(WORLD, hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense).gradient, loss,
+                      [table])[0]
+    want = np.zeros((4, 2))
+    for r in range(size):
+        want[r % 4] += (r + 1) / size
+    got = tf.convert_to_tensor(grad).numpy()
+    ok = isinstance(grad, tf.IndexedSlices) != sparse_as_dense and np.allclose(got, want, atol=1e-6)
+    agree(WORLD, ok, f"{type(grad).__name__} {got.tolist()} vs {want.tolist()}")
+
+
 def test_grouped_allreduce_eager_in_tf_function_and_its_gradient():
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
     dtypes = [tf.float32, tf.float64, tf.int32]

@@ -51,14 +51,14 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compres
                             groups=None, process_set=global_process_set, scale_local_gradients=True):
     """hpcdl.tensorflow.DistributedGradientTape over init()'s communicator.
 
-    IndexedSlices gradients are always made dense (sparse_as_dense=False gives the
-    same values as Horovod's allgather, through a dense allreduce).
+    IndexedSlices gradients are allgathered (indices and values), or made dense
+    with sparse_as_dense=True, as in Horovod.
     gradient_predivide_factor with op=Average: the average either way (hpcdl sums
     16-bit floats in float32, so it does not need Horovod's pre-division)."""
     compression, op_name = _gradient_settings(device_dense, device_sparse, compression, op,
                                               gradient_predivide_factor, num_groups, groups, scale_local_gradients)
     return hpcdl.tensorflow.DistributedGradientTape(gradtape, compression=compression, op=op_name,
-                                                    comm=common.comm_of(process_set))
+                                                    comm=common.comm_of(process_set), sparse_as_dense=sparse_as_dense)
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
@@ -67,6 +67,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
                          process_set=global_process_set, scale_local_gradients=True):
     """hpcdl.tensorflow.DistributedOptimizer (a Keras optimizer) over init()'s communicator.
 
+    IndexedSlices gradients are allgathered, or made dense with sparse_as_dense=True.
     backward_passes_per_step > 1 (local gradient aggregation) is not in hpcdl's Keras
     optimizer yet: it raises ValueError; average_aggregated_gradients goes with it."""
     compression, op_name = _gradient_settings(device_dense, device_sparse, compression, op,
@@ -79,7 +80,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise TypeError(f"DistributedOptimizer wraps a Keras optimizer (TF1 tf.compat.v1.train optimizers are not "
                         f"supported), not {type(optimizer).__name__}")
     return common.call(hpcdl.tensorflow.DistributedOptimizer, optimizer, compression, op_name,
-                       common.comm_of(process_set), name or "keras")
+                       common.comm_of(process_set), name or "keras", sparse_as_dense)
 
 
 __all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "DistributedGradientTape",

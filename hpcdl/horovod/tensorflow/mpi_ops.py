@@ -23,10 +23,31 @@ def _check_device(device_dense, device_sparse):
     common.check_default("device_sparse", device_sparse, "", "hpcdl reduces in host memory")
 
 
+def _allreduce_slices(slices, op_name, name, prescale_factor, postscale_factor, process_set):
+    """Horovod's allreduce of IndexedSlices: every rank's indices and values allgathered
+    (their sum; values / size for the average). Uncompressed, as in Horovod."""
+    from hpcdl.horovod.tensorflow.gather_ops import allgather  # it builds on this module
+
+    if op_name not in ("average", "sum"):
+        raise ValueError(f"an allreduce of IndexedSlices allgathers them, which sums or averages, not "
+                         f"op={op_name!r}: pass tf.convert_to_tensor(slices)")
+    floating = slices.values.dtype.is_floating
+    common.check_scale(prescale_factor, postscale_factor, not floating)
+    if op_name == "average" and not floating:
+        raise TypeError("the average of IndexedSlices divides their values: integer values can only be summed")
+    values = allgather(slices.values, None if name is None else f"{name}.values", process_set=process_set)
+    indices = allgather(slices.indices, None if name is None else f"{name}.indices", process_set=process_set)
+    scale = prescale_factor * postscale_factor / (common.comm_of(process_set).Get_size() if op_name == "average"
+                                                  else 1)
+    if scale != 1.0:
+        values = values * tf.cast(scale, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
 def _dense_only(tensor):
     if isinstance(tensor, tf.IndexedSlices):
-        raise TypeError("hpcdl.horovod allreduces dense tensors: pass tf.convert_to_tensor(slices) (the "
-                        "allgather of IndexedSlices comes with hpcdl's core collectives, docs/horovod.md)")
+        raise TypeError("grouped_allreduce takes dense tensors, as Horovod's: allreduce allgathers IndexedSlices, "
+                        "or pass tf.convert_to_tensor(slices)")
     return tf.convert_to_tensor(tensor)
 
 
@@ -78,10 +99,13 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
               ignore_name_scope=False):
     """The average (or op=hvd.Sum, Min, Max, Product) of ``tensor`` over the ranks, as a new tensor
     (differentiable).
-    Integers average with floor division, as in Horovod's torch API."""
+    Integers average with floor division, as in Horovod's torch API.
+    IndexedSlices are allgathered (indices and values; average: values / size), as in Horovod."""
     _check_device(device_dense, device_sparse)
     op_name = common.reduce_op(op, average)
-    compressed, ctx = compression.compress(_dense_only(tensor))
+    if isinstance(tensor, tf.IndexedSlices):
+        return _allreduce_slices(tensor, op_name, name, prescale_factor, postscale_factor, process_set)
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
     reduced = _allreduce(compressed, op_name, name, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
