@@ -26,6 +26,7 @@ from tensorflow.python.ops import control_flow_util  # XLA context check (no pub
 import hpcdl
 from hpcdl._agree import check_same_on_all_ranks
 from hpcdl.compression import PowerSGD
+from hpcdl.tensorflow.powersgd import _state_for
 
 __all__ = ["DistributedGradientTape", "broadcast_variables"]
 
@@ -35,6 +36,16 @@ def _core_view(array):
     if array.dtype.name == "bfloat16":
         return array.view(np.uint16), "bfloat16"
     return array, None
+
+
+def _state_keys(sources):
+    """Each source's name for its PowerSGD state and seeded Q: the Keras variable's path, else the
+    tf.Variable's name; two sources of one name raise ValueError."""
+    keys = [getattr(s, "path", None) or getattr(s, "name", None) or f"source.{i}" for i, s in enumerate(sources)]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"PowerSGD keys its state by variable path, and these repeat: "
+                         f"{sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    return keys
 
 
 class _GradientAllreduce:
@@ -48,12 +59,17 @@ class _GradientAllreduce:
     """
 
     def __init__(self, compression, op, comm, name, what):
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self._powersgd = None
         if isinstance(compression, PowerSGD):
-            raise TypeError("PowerSGD runs in hpcdl.torch.DistributedOptimizer; the TensorFlow adapter does not "
-                            "factor gradients yet: use Int8, TopK, FP16 or BF16 here")
+            if op != "average":
+                raise ValueError(f"PowerSGD averages its factors: op must be 'average', not {op!r}")
+            self._powersgd = _state_for(compression, name)
+            self._factors = [_GradientAllreduce(None, op, comm, f"{name}.{f}", f"the PowerSGD factors {f} of {what}")
+                             for f in ("P", "Q")]
+            compression = None  # the gradients PowerSGD leaves alone are averaged densely
         self.compression = compression
         self.op = op
-        self.comm = MPI.COMM_WORLD if comm is None else comm
         self.name = name
         self._what = what
         self._verified = set()
@@ -63,7 +79,11 @@ class _GradientAllreduce:
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
         dense = [tf.zeros_like(s) if g is None else tf.convert_to_tensor(g)
                  for s, g in zip(flat_sources, flat_grads)]
-        return tf.nest.pack_sequence_as(grads, self.allreduce(dense))
+        if self._powersgd is None:
+            return tf.nest.pack_sequence_as(grads, self.allreduce(dense))
+        reduced = self._powersgd.reduce(dense, _state_keys(flat_sources), self.comm, self.allreduce,
+                                        self._factors[0].allreduce, self._factors[1].allreduce)
+        return tf.nest.pack_sequence_as(grads, reduced)
 
     def allreduce(self, tensors):
         """Reduce a list of tensors over all ranks (eagerly or inside a tf.function)."""
@@ -120,8 +140,10 @@ class DistributedGradientTape:
     reduced tensor; IndexedSlices are made dense first. DistributedOptimizer
     (for Keras model.fit) reduces through the same path.
 
-    compression: a codec from hpcdl.compression (None: dense).
-    op: "average" (default) or "sum".
+    compression: a codec from hpcdl.compression (None: dense); PowerSGD factors
+    the float32 matrices (hpcdl.tensorflow.powersgd; its state, which
+    outlives the tape, is powersgd_state(name)).
+    op: "average" (default) or "sum" (PowerSGD: "average" only).
     comm: mpi4py communicator (default COMM_WORLD).
     The gradients' shapes and dtypes are checked across ranks the first time a
     set of them is seen: a model that differs raises MismatchError on every rank.
