@@ -2,7 +2,7 @@
 # counters, error-feedback residuals and the whole-array codec kernels.
 # The Pythonic layer is hpcdl/collectives.py.
 
-from cpython.buffer cimport (PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContiguous,
+from cpython.buffer cimport (PyBUF_FORMAT, PyBUF_RECORDS_RO, PyBUF_STRIDES, PyBuffer_IsContiguous,
                              PyBuffer_Release, PyObject_GetBuffer)
 from cpython.exc cimport PyErr_CheckSignals
 from libc.stdint cimport int64_t, uint8_t, uint64_t
@@ -15,8 +15,9 @@ from mpi4py cimport MPI
 
 from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode, codec_encoded_bytes, codec_name,
                               kDefaultInt8Block, parse_codec, topk_algorithm_name, topk_count as c_topk_count)
-from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting,
-                              CNoticeKind, COpKind, COpRequest, COperation, COpTimes, CReduceOp, dtype_is_float,
+from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting, CGroupMember,
+                              CNoticeKind, COpKind, COpRequest, COpResult, COperation, COpTimes, CReduceOp,
+                              dtype_is_float,
                               dtype_name, dtype_size, dtype_valid, in_mpi_process as c_in_mpi_process,
                               reduce_op_name, reduce_op_valid,
                               kDefaultChunkBytes, kDefaultStallErrorSeconds, kDefaultStallWarningSeconds,
@@ -24,6 +25,7 @@ from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, C
                               kUnbounded, remember_mpi_process, require_mpi_process as c_require_mpi_process)
 from libhpcdl.status cimport CStatus, check_status
 
+import math
 import threading
 
 from hpcdl._warn import warn as _warn
@@ -193,6 +195,7 @@ cdef class Handle:
     """An operation submitted to the engine: wait() for it, or poll done()."""
     cdef shared_ptr[COperation] op
     cdef readonly Buffer buffer  # keeps the memory alive while the engine uses it
+    cdef readonly list members  # a grouped operation's Buffers, instead
     cdef readonly str name
     cdef bint raised  # its error has reached the caller
 
@@ -201,6 +204,8 @@ cdef class Handle:
         _inflight.discard(self)
         if self.buffer is not None:
             self.buffer.release()
+        for member in self.members or ():
+            (<Buffer>member).release()
 
     cdef _finish(self):
         """Retire a finished operation and raise its error, the first time one is seen."""
@@ -252,6 +257,8 @@ cdef class Handle:
                 if timeout is not None and waited >= timeout:
                     raise TimeoutError(f"hpcdl operation '{self.name}' not finished after {timeout} s")
         self._finish()
+        if self.members is not None:
+            return [member.owner for member in self.members]
         return None if self.buffer is None else self.buffer.owner
 
     def mark_ready(self):
@@ -264,6 +271,16 @@ cdef class Handle:
         """False while a deferred operation waits for mark_ready()."""
         return self.op.get().ready()
 
+    def result(self):
+        """An allgather's or alltoall's result, once finished: (a writable buffer of
+        its bytes, the rows received from each rank). The buffer keeps the
+        engine's memory alive; no copy is made."""
+        if not self.op.get().done():
+            raise RuntimeError(f"hpcdl operation '{self.name}' has not finished: wait() first")
+        cdef ResultBytes out = ResultBytes.__new__(ResultBytes)
+        out.op = self.op
+        return out, [int(n) for n in self.op.get().result().rows]
+
     def timings(self):
         """Wall-clock microseconds: submitted, ready (= submitted unless deferred),
         agreed (the engine took its plan), started, reduce-scatter end, finished."""
@@ -271,6 +288,36 @@ cdef class Handle:
         return {"submitted_us": t.submitted_us, "ready_us": t.ready_us, "agreed_us": t.agreed_us,
                 "started_us": t.started_us, "reduce_scatter_end_us": t.reduce_scatter_end_us,
                 "finished_us": t.finished_us}
+
+
+cdef char* _BYTE_FORMAT = b"B"
+
+
+cdef class ResultBytes:
+    """The bytes of an operation's result (OpResult), exported zero-copy through the
+    buffer protocol; they live as long as this object and its views."""
+    cdef shared_ptr[COperation] op
+    cdef Py_ssize_t shape[1]
+
+    def __getbuffer__(self, Py_buffer* view, int flags):
+        cdef COpResult* r = &self.op.get().result()
+        self.shape[0] = <Py_ssize_t>r.bytes
+        view.buf = r.ptr()
+        view.obj = self
+        view.len = self.shape[0]
+        view.readonly = 0
+        view.itemsize = 1
+        view.format = NULL  # unsigned bytes
+        if flags & PyBUF_FORMAT:
+            view.format = _BYTE_FORMAT
+        view.ndim = 1
+        view.shape = self.shape
+        view.strides = NULL
+        view.suboffsets = NULL
+        view.internal = NULL
+
+    def __releasebuffer__(self, Py_buffer* view):
+        pass
 
 
 # Handles of operations the engine may still use: their buffers must outlive
@@ -310,9 +357,11 @@ def _refuse_wait_behind_unready(Handle waiting):
 
 
 def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, int root=0,
-           uint64_t chunk_bytes=0, codec="", bint deferred=False):
+           uint64_t chunk_bytes=0, codec="", bint deferred=False, rows=None, splits=()):
     """Submit one operation to the engine; returns a Handle (deferred: runs
-    after Handle.mark_ready())."""
+    after Handle.mark_ready()). rows: the first dimension of an allgather,
+    reducescatter or alltoall (allgather, alltoall: then ranks agree on one
+    row's element count, not the whole); splits: alltoall's rows per rank."""
     cdef COpRequest req
     cdef shared_ptr[COperation] op
     cdef CStatus st
@@ -324,9 +373,16 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     req.desc.kind = <COpKind>kind
     req.desc.dtype = <CDType>DTYPES[buf.dtype][0] if buf is not None else CDType.kInt32
     req.desc.count = buf.count if buf is not None else 0
+    if rows is not None:
+        req.rows = rows
+    gathers = kind == KIND_ALLGATHER or kind == KIND_ALLTOALL
+    if gathers:  # each rank its own first dimension: the ranks agree on one row
+        req.desc.count = math.prod(buf.shape[1:])
     if buf is not None:
-        for dim in buf.shape:
+        for dim in (buf.shape[1:] if gathers else buf.shape):
             req.desc.shape.push_back(dim)
+    for n in splits:
+        req.splits.push_back(n)
     req.desc.reduce_op = <CReduceOp>reduce_op
     req.desc.root = root
     req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
@@ -340,6 +396,44 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     cdef Handle h = Handle.__new__(Handle)
     h.op = op
     h.buffer = buf
+    h.name = op.get().name().decode()
+    if len(_inflight) >= _prune_at[0]:
+        _prune()
+    _inflight.add(h)
+    return h
+
+
+def submit_group(list buffers, MPI.Comm comm not None, name, int reduce_op=0, uint64_t chunk_bytes=0):
+    """Submit a grouped allreduce of ``buffers`` (Buffers): one operation to agree on,
+    each array reduced by its own ring. Returns a Handle whose wait() gives the owners."""
+    cdef COpRequest req
+    cdef CGroupMember member
+    cdef shared_ptr[COperation] op
+    cdef CStatus st
+    cdef Buffer buf
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
+    req.name = (name or "").encode()
+    if not name:
+        req.desc.thread = threading.current_thread().name.encode()
+    req.desc.kind = COpKind.kGroupedAllreduce
+    req.desc.reduce_op = <CReduceOp>reduce_op
+    req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
+    for buf in buffers:
+        member.dtype = <CDType>DTYPES[buf.dtype][0]
+        member.count = buf.count
+        member.shape.clear()
+        for dim in buf.shape:
+            member.shape.push_back(dim)
+        req.desc.members.push_back(member)
+        req.member_data.push_back(buf.ptr())
+    with nogil:
+        st = CEngine.instance().submit(comm.ob_mpi, move(req), &op)
+    _emit_engine_notices()
+    check_status(st)
+    cdef Handle h = Handle.__new__(Handle)
+    h.op = op
+    h.members = list(buffers)
     h.name = op.get().name().decode()
     if len(_inflight) >= _prune_at[0]:
         _prune()
@@ -378,6 +472,10 @@ def parse_op(op):
 KIND_ALLREDUCE = <int>COpKind.kAllreduce
 KIND_BROADCAST = <int>COpKind.kBroadcast
 KIND_BARRIER = <int>COpKind.kBarrier
+KIND_ALLGATHER = <int>COpKind.kAllgather
+KIND_REDUCESCATTER = <int>COpKind.kReduceScatter
+KIND_ALLTOALL = <int>COpKind.kAlltoall
+
 
 
 def set_stall_limits(double warn_seconds, double error_seconds):

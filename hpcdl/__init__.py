@@ -21,15 +21,18 @@ _core = load_core(lambda: importlib.import_module("hpcdl._core"))
 
 from hpcdl import compression  # noqa: E402
 from hpcdl._core import EngineWarning, Handle, StallWarning
-from hpcdl.collectives import (DTYPES, allreduce, allreduce_async, barrier, broadcast, broadcast_async,
-                               configure, stats)
+from hpcdl.collectives import (DTYPES, allgather, allgather_async, allreduce, allreduce_async, alltoall,
+                               alltoall_async, barrier, broadcast, broadcast_async, configure, grouped_allreduce,
+                               grouped_allreduce_async, reducescatter, reducescatter_async, stats)
 from hpcdl.errors import (CancelledError, CorruptDataError, HpcdlError, MismatchError, MPIError,
                           StallTimeoutError)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "allreduce", "allreduce_async", "broadcast", "broadcast_async", "barrier", "configure", "stats", "DTYPES",
+    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "broadcast", "broadcast_async",
+    "barrier", "configure", "stats", "DTYPES",
+    "allgather", "allgather_async", "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
     "compression", "init", "rank", "size", "local_rank", "local_size", "abort_on_uncaught_exception", "Handle",
     "StallWarning", "EngineWarning", "HpcdlError", "MismatchError", "MPIError", "CancelledError", "CorruptDataError",
     "StallTimeoutError",

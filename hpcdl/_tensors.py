@@ -19,6 +19,8 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 # Tests run the staging path (side stream, host buffer, waiter thread) on CPU
 # tensors, where no GPU exists: staging_cpu_tensors(True) turns it on.
 _stage_cpu = {"on": False}
@@ -224,3 +226,51 @@ def _submit_torch(tensor, dtype, writable, run):
     array, core_dtype = numpy_view(host)
     array = array.reshape(tuple(tensor.shape))  # a view: the tensor's shape is part of what ranks agree on
     return TensorHandle(run(array, dtype or core_dtype), tensor, host, copy_back=writable)
+
+
+def intake(obj):
+    """obj as a numpy array the core reads (zero-copy for numpy arrays and torch CPU
+    tensors; a staged copy of CUDA tensors; TensorFlow's copy), the dtype to read it
+    as (None: the array's own) and a function turning a result array into obj's kind:
+    a numpy array, a torch tensor on obj's device, a TensorFlow tensor. For the
+    collectives whose result is new memory (allgather, alltoall, reducescatter)."""
+    if is_torch(obj):
+        _require_contiguous(obj)
+        if staged(obj):
+            host = host_buffer(obj.numel(), obj.dtype, obj.device)
+            copy_async(host, obj.detach().view(-1), obj.device).wait_host()
+            array, core_dtype = numpy_view(host)
+            array = array.reshape(tuple(obj.shape))
+        else:
+            array, core_dtype = numpy_view(obj)
+        return array, core_dtype, lambda result: _as_torch(result, obj)
+    if _framework(obj) == "tensorflow" and hasattr(obj, "numpy"):
+        return obj.numpy(), None, sys.modules["tensorflow"].convert_to_tensor
+    return np.asarray(obj), None, lambda result: result
+
+
+def _as_torch(array, like):
+    torch = sys.modules["torch"]
+    tensor = torch.from_numpy(array)
+    if like.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.bfloat16)
+    return tensor if like.device.type == "cpu" else tensor.to(like.device)
+
+
+class OutputHandle(_ResultHandle):
+    """The handle of a collective whose result is new memory: wait() returns
+    finish(core handle), made once."""
+
+    def __init__(self, handle, finish):
+        self._handle, self._make = handle, finish
+        self.name = handle.name
+        self._made = False
+        self._result = None
+
+    def _finish(self):
+        if not self._made:
+            self._result, self._made = self._make(self._handle), True
+        return self._result
+
+    def __getattr__(self, attribute):  # timings(), wait_for()...
+        return getattr(self._handle, attribute)

@@ -11,6 +11,7 @@ tensors (a copy) are taken too: hpcdl._tensors is their one intake.
 import os
 import re
 
+import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _core, _tensors
@@ -158,6 +159,75 @@ def allreduce(buf, op="sum", comm=None, name=None, dtype=None, compression=None)
     return allreduce_async(buf, op, comm, name, dtype, compression).wait()
 
 
+class _GroupMember:
+    """One array of a grouped allreduce, as hpcdl._tensors sees a core handle: its
+    tensor handle (staging, copy back) finishes it once the group's handle is done."""
+
+    def __init__(self, array, dtype, name):
+        self.array, self.dtype, self.name, self.group = array, dtype, name, None
+
+    def done(self):
+        return self.group.done()
+
+    def wait(self, timeout=None):
+        self.group.wait(timeout)
+        return self.array
+
+    def __getattr__(self, attribute):  # mark_ready(), ready(), timings(), wait_for()...
+        return getattr(self.group, attribute)
+
+
+class GroupHandle:
+    """The handle of a grouped allreduce: wait() returns the list of results."""
+
+    def __init__(self, handle, members, results):
+        self._handle, self._members, self._results = handle, members, results
+        self.name = None if handle is None else handle.name
+
+    def done(self):
+        if self._handle is not None and not self._handle.done():
+            return False
+        return all(result.done() for result in self._results)
+
+    def wait(self, timeout=None):
+        if self._handle is not None:
+            self._handle.wait(timeout)
+        return [result.wait() for result in self._results]
+
+    def __getattr__(self, attribute):  # mark_ready(), ready(), timings(), wait_for()...
+        return getattr(self._handle, attribute)
+
+
+def grouped_allreduce_async(bufs, op="sum", comm=None, name=None):
+    """Start an in-place allreduce of every array or tensor in ``bufs`` as one
+    operation: one agreement for the group (its arrays' dtypes and shapes, in order,
+    are what ranks compare), then each array through its own ring, so each result is
+    bitwise the one its own allreduce gives. Returns a handle; ``wait()`` returns the
+    list of results (as allreduce's wait() would for each). No compression."""
+    reduce_op = _core.parse_op(op)
+    comm = _comm(comm)
+    members = []
+
+    def take(array, array_dtype):
+        members.append(_GroupMember(array, array_dtype, name))
+        return members[-1]
+
+    results = [_tensors.submit(buf, None, True, take) for buf in bufs]
+    if not members:
+        return GroupHandle(None, [], [])
+    handle = _core.submit_group([_core.Buffer(m.array, m.dtype, True) for m in members], comm, name, reduce_op,
+                                _config["chunk_bytes"])
+    for member in members:
+        member.group = handle
+    return GroupHandle(handle, members, results)
+
+
+def grouped_allreduce(bufs, op="sum", comm=None, name=None):
+    """Allreduce every array or tensor of ``bufs`` in place, agreed as one operation;
+    returns the list of results."""
+    return grouped_allreduce_async(bufs, op, comm, name).wait()
+
+
 def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):
     """Start an in-place broadcast of ``buf`` from ``root``; returns a Handle."""
     comm = _comm(comm)
@@ -173,6 +243,115 @@ def broadcast_async(buf, root=0, comm=None, name=None, dtype=None):
 def broadcast(buf, root=0, comm=None, name=None, dtype=None):
     """Broadcast ``buf`` from ``root`` into every rank's ``buf`` and return it."""
     return broadcast_async(buf, root, comm, name, dtype).wait()
+
+
+def _first_dimension(array, what):
+    if array.ndim == 0:
+        raise ValueError(f"{what} needs an array with at least one dimension (rows), got a 0-d array")
+    return array.shape[0]
+
+
+def _new_array(array):
+    """The result of a core handle as an array of ``array``'s dtype and row shape."""
+    def make(handle):
+        data, counts = handle.result()
+        return np.frombuffer(data, dtype=array.dtype).reshape((sum(counts),) + array.shape[1:]), counts
+
+    return make
+
+
+def allgather_async(buf, comm=None, name=None, dtype=None):
+    """Start an allgather of ``buf``; returns a handle whose ``wait()`` returns the
+    concatenation of every rank's ``buf`` along the first dimension, in rank order.
+
+    The first dimension may differ per rank (0 rows included); the dtype and the
+    other dimensions must be the same on every rank (else MismatchError on every
+    rank). buf: as for allreduce_async (numpy array, torch tensor on CPU or
+    CUDA, TensorFlow tensor), read only; the result is new memory of the same
+    kind (a torch tensor on buf's device). Every dtype of DTYPES.
+    """
+    comm = _comm(comm)
+    array, core_dtype, convert = _tensors.intake(buf)
+    rows = _first_dimension(array, "allgather")
+    handle = _core.submit(_core.KIND_ALLGATHER, _core.Buffer(array, dtype or core_dtype, False), comm, name, 0, 0,
+                          _config["chunk_bytes"], rows=rows)
+    make = _new_array(array)
+    return _tensors.OutputHandle(handle, lambda h: convert(make(h)[0]))
+
+
+def allgather(buf, comm=None, name=None, dtype=None):
+    """Every rank's ``buf`` concatenated along the first dimension in rank order
+    (see allgather_async); bitwise identical on every rank."""
+    return allgather_async(buf, comm, name, dtype).wait()
+
+
+def reducescatter_async(buf, op="sum", comm=None, name=None, dtype=None):
+    """Start a reduce-scatter of ``buf``; returns a handle whose ``wait()`` returns
+    this rank's part of the reduction (``op``: as for allreduce) of every rank's
+    ``buf``: the first dimension split over the ranks in rank order, the first
+    ``rows % size`` ranks one row more (Horovod's rule). Every rank passes the
+    same shape and dtype. ``buf`` is not changed (the ring works on a copy)."""
+    reduce_op = _core.parse_op(op)
+    comm = _comm(comm)
+    array, core_dtype, convert = _tensors.intake(buf)
+    rows = _first_dimension(array, "reducescatter")
+    work = np.array(array, copy=True, order="C")
+    handle = _core.submit(_core.KIND_REDUCESCATTER, _core.Buffer(work, dtype or core_dtype, True), comm, name,
+                          reduce_op, 0, _config["chunk_bytes"], rows=rows)
+    rank = comm.Get_rank()
+
+    def mine(h):
+        rows_of_rank = h.result()[1]  # the engine's split (RingPlan::even_offsets)
+        begin = sum(rows_of_rank[:rank])
+        return convert(work[begin:begin + rows_of_rank[rank]])
+
+    return _tensors.OutputHandle(handle, mine)
+
+
+def reducescatter(buf, op="sum", comm=None, name=None, dtype=None):
+    """This rank's rows of the reduction of every rank's ``buf`` (see reducescatter_async)."""
+    return reducescatter_async(buf, op, comm, name, dtype).wait()
+
+
+def alltoall_async(buf, splits=None, comm=None, name=None, dtype=None):
+    """Start an all-to-all of ``buf``; returns a handle whose ``wait()`` returns
+    ``(received, received_splits)``.
+
+    splits: rows of ``buf`` for each rank, in rank order (a sequence of
+    ``size`` non-negative integers summing to the first dimension); None
+    splits the first dimension equally (it must divide by the size).
+    ``received`` holds the rows every rank sent here, in rank order;
+    ``received_splits[r]`` how many came from rank r (a list of ints). The
+    dtype and the dimensions after the first must be the same on every rank.
+    """
+    comm = _comm(comm)
+    size = comm.Get_size()
+    array, core_dtype, convert = _tensors.intake(buf)
+    rows = _first_dimension(array, "alltoall")
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"alltoall without splits divides the first dimension equally: {rows} rows do not "
+                             f"divide by {size} ranks; pass splits")
+        splits = [rows // size] * size
+    splits = [int(n) for n in (splits.tolist() if hasattr(splits, "tolist") else splits)]
+    if len(splits) != size or any(n < 0 for n in splits) or sum(splits) != rows:
+        raise ValueError(f"alltoall splits must be {size} non-negative row counts summing to the first dimension "
+                         f"({rows}), got {splits}")
+    handle = _core.submit(_core.KIND_ALLTOALL, _core.Buffer(array, dtype or core_dtype, False), comm, name, 0, 0,
+                          _config["chunk_bytes"], rows=rows, splits=splits)
+    make = _new_array(array)
+
+    def finish(h):
+        received, counts = make(h)
+        return convert(received), counts
+
+    return _tensors.OutputHandle(handle, finish)
+
+
+def alltoall(buf, splits=None, comm=None, name=None, dtype=None):
+    """Rows of ``buf`` to each rank by ``splits``; returns ``(received, received_splits)``
+    (see alltoall_async)."""
+    return alltoall_async(buf, splits, comm, name, dtype).wait()
 
 
 def barrier(comm=None):

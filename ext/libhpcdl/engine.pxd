@@ -12,6 +12,10 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kAllreduce
         kBroadcast
         kBarrier
+        kAllgather
+        kReduceScatter
+        kAlltoall
+        kGroupedAllreduce
 
     cdef enum class CDType "hpcdl::DType":
         kFloat32
@@ -35,6 +39,11 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kMax
         kProduct
 
+    cdef cppclass CGroupMember "hpcdl::GroupMember":
+        CDType dtype
+        uint64_t count
+        vector[int64_t] shape
+
     cdef cppclass COpDesc "hpcdl::OpDesc":
         COpKind kind
         CDType dtype
@@ -45,12 +54,21 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         uint64_t chunk_bytes
         string codec
         string thread
+        vector[CGroupMember] members
 
     cdef cppclass COpRequest "hpcdl::OpRequest":
         string name
         COpDesc desc
         void* data
+        vector[void*] member_data
         cbool deferred
+        uint64_t rows
+        vector[uint64_t] splits
+
+    cdef cppclass COpResult "hpcdl::OpResult":
+        uint64_t bytes
+        vector[uint64_t] rows
+        char* ptr()
 
     cdef cppclass COpTimes "hpcdl::OpTimes":
         double submitted_us, ready_us, agreed_us, started_us, reduce_scatter_end_us, finished_us
@@ -64,6 +82,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         CStatus status()
         vector[string] take_notices()
         COpTimes times()
+        COpResult& result()
 
     cdef enum class CNoticeKind "hpcdl::EngineNotice::Kind":
         kStall

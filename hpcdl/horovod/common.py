@@ -367,3 +367,38 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     wait(hpcdl.broadcast_async(data, root=root_in(process_set, root_rank), comm=comm_of(process_set),
                                name=f"{name}.bytes"))
     return obj if is_root else pickle.loads(data.tobytes())  # the root keeps its own, as in Horovod
+
+
+class Group:
+    """Several hpcdl handles as one: Horovod's grouped collectives, which hpcdl runs as
+    one operation per tensor, submitted together (not yet one fused agreement)."""
+
+    def __init__(self, handles):
+        self.handles = list(handles)
+
+    def done(self):
+        return all(h.done() for h in self.handles)
+
+    def wait(self, timeout=None):
+        return [h.wait(timeout) for h in self.handles]
+
+
+def group_name(name, index):
+    return None if name is None else f"{name}.{index}"
+
+
+def allgather_object(obj, name=None, process_set=global_process_set):
+    """Every rank's ``obj`` (pickled), as a list in rank order, through hpcdl.allgather: the
+    lengths first, then the bytes padded to whole int32s (the core's smallest gathered type)."""
+    name = name or "allgather_object"
+    world = comm_of(process_set)
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    padded = np.zeros(-(-data.size // 4), np.int32)
+    padded.view(np.uint8)[:data.size] = data
+    lengths = wait(hpcdl.allgather_async(np.array([data.size], np.int64), world, f"{name}.lengths"))
+    gathered = wait(hpcdl.allgather_async(padded, world, f"{name}.bytes")).view(np.uint8)
+    out, at = [], 0
+    for length in lengths.tolist():
+        out.append(pickle.loads(gathered[at:at + length].tobytes()))
+        at += -(-length // 4) * 4
+    return out

@@ -63,7 +63,8 @@ def _dense(pname, grad, sparse_as_dense):
     if sparse_as_dense:
         return grad.to_dense()
     raise TypeError(f"parameter '{pname}' has a sparse gradient ({grad.layout}); DistributedOptimizer "
-                    "reduces dense gradients: pass sparse_as_dense=True to densify them")
+                    "allgathers sparse COO gradients and reduces dense ones: pass sparse_as_dense=True to "
+                    "densify it")
 
 
 class _DistributedOptimizerMixin:
@@ -105,6 +106,7 @@ class _DistributedOptimizerMixin:
         self._lock = threading.Lock()
         self._buckets, self._bucket_of, self._passes, self._name_of = [], {}, {}, {}
         self._round_open = False            # this step's bucket allreduces are submitted
+        self._sparse = {}                   # param -> its sparse gradient's allgathers (indices, values) this step
         self._synchronized = False
         self._last_timings = []
         self._add_parameters(named)
@@ -167,8 +169,9 @@ class _DistributedOptimizerMixin:
                     f"a gradient was computed {self._passes[param]} times before step() with "
                     f"backward_passes_per_step={self.backward_passes_per_step}: call step() (or "
                     "synchronize()) after each group of backward passes, or raise backward_passes_per_step")
+            gathered = param.grad.layout == torch.sparse_coo and not self._sparse_as_dense
             try:
-                grad = _dense(self._name_of[param], param.grad, self._sparse_as_dense)
+                grad = None if gathered else _dense(self._name_of[param], param.grad, self._sparse_as_dense)
             except TypeError:
                 self._abandon_round()  # every rank raises here (the same model): no operation is left waiting
                 raise
@@ -177,12 +180,31 @@ class _DistributedOptimizerMixin:
                 return
             if not self._round_open:
                 self._open_round()
+            if gathered:  # its slot in the bucket contributes zeros; synchronize() sets the gathered gradient
+                self._sparse[param] = self._gather_sparse(param, param.grad)
             with torch.no_grad():
                 bucket.put(offset, numel, param, grad)
             if len(bucket.filled) == len(bucket.slots):
                 bucket.launch()
                 if self._low_rank is not None:
                     self._low_rank.advance()
+
+    def _gather_sparse(self, param, grad):
+        """Start the allgathers of a sparse gradient's indices and values (Horovod's sparse
+        path): every rank's entries, concatenated, are the sum of the gradients."""
+        grad = grad.coalesce()
+        name = f"{self._name}.sparse.{self._name_of[param]}"
+        return (hpcdl.allgather_async(grad.indices().t().contiguous(), self._comm, f"{name}.indices"),
+                hpcdl.allgather_async(grad.values().contiguous(), self._comm, f"{name}.values"))
+
+    def _finish_sparse(self):
+        """The gathered sparse gradients into .grad (averaged: values / size), uncoalesced (under self._lock)."""
+        for p, (indices, values) in self._sparse.items():
+            gathered = values.wait()
+            if self._op == "average":
+                gathered = gathered / self._size
+            p.grad = torch.sparse_coo_tensor(indices.wait().t(), gathered, p.shape, check_invariants=True)
+        self._sparse.clear()
 
     def _open_round(self):
         """First gradient of the step: submit every bucket's allreduce deferred, so the
@@ -220,6 +242,10 @@ class _DistributedOptimizerMixin:
                 bucket.handle.wait()
                 bucket.handle = None
             bucket.filled.clear()
+        for handles in self._sparse.values():
+            for handle in handles:
+                handle.wait()
+        self._sparse.clear()
         for p in self._passes:
             self._passes[p] = 0
         self._round_open = False
@@ -286,6 +312,8 @@ class _DistributedOptimizerMixin:
                         reduced = bucket.result()
                         for p, offset, numel in bucket.slots:
                             flat = reduced[offset:offset + numel].view(p.shape)
+                            if p in self._sparse:
+                                continue
                             if p in bucket.filled:
                                 bucket.deliver(p, flat)
                             else:
@@ -298,6 +326,7 @@ class _DistributedOptimizerMixin:
                     for bucket, p, flat in late:
                         if count[p]:
                             bucket.deliver(p, flat)
+                self._finish_sparse()
             for p in self._passes:
                 self._passes[p] = 0
             self._round_open = False
@@ -379,8 +408,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
         unset, each wrapped optimizer on a communicator gets its own: "torch",
         "torch.1", ... in construction order. A name a live wrapped optimizer on
         the same communicator holds raises ValueError on every rank.
-    sparse_as_dense: densify sparse gradients (torch.nn.Embedding(sparse=True));
-        otherwise a sparse gradient raises TypeError naming the parameter.
+    sparse_as_dense: densify sparse gradients (torch.nn.Embedding(sparse=True))
+        and reduce them with the others. Otherwise (Horovod's sparse path) a
+        sparse COO gradient's indices and values are allgathered (named
+        "{name}.sparse.{parameter}.indices/values") and .grad becomes the
+        uncoalesced sparse sum (average: values / size); every rank must
+        produce that gradient each step. Other sparse layouts raise TypeError.
     gradient_as_bucket_view: as DDP's: after each reduction a CPU parameter's
         .grad is its slot of the bucket (a view), so the reduced gradient is not
         copied back, and a .grad that backward accumulates into (zero_grad(

@@ -50,6 +50,12 @@ std::string describe_disagreement(const std::vector<OpDesc>& descs) {
   field("dtype", [](const OpDesc& d) { return std::string(dtype_name(d.dtype)); });
   field("count", [](const OpDesc& d) { return std::to_string(d.count); });
   field("shape", [](const OpDesc& d) { return shape_text(d.shape); });
+  field("arrays", [](const OpDesc& d) {
+    std::string text = "(";
+    for (std::size_t i = 0; i < d.members.size(); ++i)
+      text += (i ? ", " : "") + std::string(dtype_name(d.members[i].dtype)) + shape_text(d.members[i].shape);
+    return text + ")";
+  });
   field("op", [](const OpDesc& d) { return std::string(reduce_op_name(d.reduce_op)); });
   field("root", [](const OpDesc& d) { return std::to_string(d.root); });
   field("chunk_bytes", [](const OpDesc& d) { return std::to_string(d.chunk_bytes); });

@@ -41,24 +41,30 @@ void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
   HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
   const OpDesc& d = req.desc;
-  if (d.kind != OpKind::kBarrier) {
-    std::uint64_t elements = 1;
-    bool negative = false;
-    for (std::int64_t dim : d.shape) {
-      negative = negative || dim < 0;
-      elements *= static_cast<std::uint64_t>(dim);
-    }
-    if (negative || elements != d.count)
-      return Status::Invalid("shape " + shape_text(d.shape) + " does not hold " + std::to_string(d.count) +
-                             " elements");
-  }
-  if (!dtype_valid(static_cast<int>(d.dtype))) return Status::Invalid("unknown dtype code");
   if (!reduce_op_valid(static_cast<int>(d.reduce_op))) return Status::Invalid("unknown reduction op code");
   const char* op_name = reduce_op_name(d.reduce_op);
-  if (d.kind == OpKind::kAllreduce && !dtype_reduces(d.dtype, d.reduce_op))
-    return Status::Invalid(std::string("op='") + op_name + "' does not reduce " + dtype_name(d.dtype) +
-                           " (bool takes min, max and product: and, or, and)");
-  if (d.kind == OpKind::kAllreduce && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
+  const bool reduces =
+      d.kind == OpKind::kAllreduce || d.kind == OpKind::kGroupedAllreduce || d.kind == OpKind::kReduceScatter;
+  // Each array's shape holds its count, and the op reduces its dtype.
+  auto check_array = [&](DType dtype, std::uint64_t count, const std::vector<std::int64_t>& shape) -> Status {
+    std::uint64_t elements = 0;
+    if (!shape_elements(shape, &elements) || elements != count)
+      return Status::Invalid("shape " + shape_text(shape) + " does not hold " + std::to_string(count) + " elements");
+    if (!dtype_valid(static_cast<int>(dtype))) return Status::Invalid("unknown dtype code");
+    if (reduces && !dtype_reduces(dtype, d.reduce_op))
+      return Status::Invalid(std::string("op='") + op_name + "' does not reduce " + dtype_name(dtype) +
+                             " (bool takes min, max and product: and, or, and)");
+    return Status::OK();
+  };
+  if (d.kind == OpKind::kGroupedAllreduce) {
+    if (d.members.empty() || d.members.size() != req.member_data.size())
+      return Status::Invalid("a grouped allreduce needs one array per member, and at least one");
+    if (!d.codec.empty()) return Status::Invalid("a grouped allreduce takes no compression");
+    for (const GroupMember& m : d.members) HPCDL_RETURN_NOT_OK(check_array(m.dtype, m.count, m.shape));
+  } else if (d.kind != OpKind::kBarrier) {
+    HPCDL_RETURN_NOT_OK(check_array(d.dtype, d.count, d.shape));
+  }
+  if ((reduces || d.kind == OpKind::kAllgather) && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
     return Status::Invalid("chunk_bytes must be between " + std::to_string(kMinChunkBytes) + " and " +
                            std::to_string(kMaxChunkBytes) + ", got " + std::to_string(d.chunk_bytes));
   if (d.kind == OpKind::kAllreduce && !d.codec.empty()) {
@@ -77,6 +83,14 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   if (queue.stopped) return Status::Cancelled("hpcdl's engine has shut down (interpreter exit)");
   std::shared_ptr<CommContext> ctx;
   HPCDL_RETURN_NOT_OK(loop_.contexts.context_for(comm, &ctx));
+  if (d.kind == OpKind::kAlltoall) {
+    std::uint64_t split_rows = 0;
+    for (std::uint64_t rows : req.splits) split_rows += rows;
+    if (req.splits.size() != static_cast<std::size_t>(ctx->size) || split_rows != req.rows)
+      return Status::Invalid("alltoall needs one split per rank (" + std::to_string(ctx->size) + "), summing to the " +
+                             std::to_string(req.rows) + " rows sent; got " + std::to_string(req.splits.size()) +
+                             " summing to " + std::to_string(split_rows));
+  }
   if (d.kind == OpKind::kBroadcast && (d.root < 0 || d.root >= ctx->size))
     return Status::Invalid("root " + std::to_string(d.root) + " is not a rank of a communicator of size " +
                            std::to_string(ctx->size));

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "hpcdl/algorithms/compressed_ring.hpp"
+#include "hpcdl/algorithms/gather.hpp"
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/codecs/codec_registry.hpp"
 #include "hpcdl/codecs/codecs.hpp"
@@ -163,6 +164,15 @@ Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* tr
   });
 }
 
+Status Executor::run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
+                           RingTraffic* traffic, Progress& progress) {
+  if (ctx.size == 1) return Status::OK();  // every op over one rank leaves its data
+  RingPlan plan(ctx.size, ctx.rank, count, dtype_size(dtype), d.chunk_bytes);
+  DenseRingPolicy policy(plan, data, dtype, d.reduce_op, ctx.size);
+  traffic->dense_bytes = plan.dense_bytes_sent();
+  return run_ring(plan, policy, ctx.data, kTagData, traffic, progress);
+}
+
 Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   const OpDesc& d = op.req_.desc;
   const double t0 = MPI_Wtime();
@@ -174,18 +184,23 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   Status st;
   RingTraffic traffic;
   executing_ = &ctx;
-  cancellable_ = d.kind == OpKind::kAllreduce;  // a ring's point-to-point requests can be cancelled
+  // Point-to-point requests (the ring's, the gathering collectives') can be cancelled.
+  cancellable_ = d.kind != OpKind::kBroadcast && d.kind != OpKind::kBarrier;
   if (d.kind == OpKind::kAllreduce) {
-    const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
-    if (ctx.size == 1) {
-      scale_buffer(d.dtype, op.req_.data, d.count, scale);
-    } else if (!d.codec.empty()) {
+    if (ctx.size > 1 && !d.codec.empty()) {
       st = run_compressed(ctx, op, &traffic, progress);
     } else {
-      RingPlan plan(ctx.size, ctx.rank, d.count, dtype_size(d.dtype), d.chunk_bytes);
-      DenseRingPolicy policy(plan, op.req_.data, d.dtype, d.reduce_op, ctx.size);
-      traffic.dense_bytes = plan.dense_bytes_sent();
-      st = run_ring(plan, policy, ctx.data, kTagData, &traffic, progress);
+      st = run_dense(ctx, d, d.dtype, d.count, op.req_.data, &traffic, progress);
+    }
+  } else if (d.kind == OpKind::kGroupedAllreduce) {
+    // One ring per array, in order: each array's bits are those of its own allreduce.
+    for (std::size_t i = 0; i < d.members.size() && st.ok(); ++i) {
+      RingTraffic part;
+      const GroupMember& m = d.members[i];
+      st = run_dense(ctx, d, m.dtype, m.count, op.req_.member_data[i], &part, progress);
+      traffic.bytes_sent += part.bytes_sent;
+      traffic.bytes_received += part.bytes_received;
+      traffic.dense_bytes += part.dense_bytes;
     }
   } else if (d.kind == OpKind::kBroadcast) {
     const std::size_t total = d.count * dtype_size(d.dtype);
@@ -200,6 +215,8 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
       else
         traffic.bytes_received += n;
     }
+  } else if (d.kind != OpKind::kBarrier) {
+    st = run_gathering(ctx, op, &traffic, progress);
   }
   // A barrier needs nothing more: it ran because every rank had entered it.
   executing_ = nullptr;
@@ -233,10 +250,54 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   return st;
 }
 
+Status Executor::run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress) {
+  const OpDesc& d = op.req_.desc;
+  const OpRequest& req = op.req_;
+  const std::size_t esize = dtype_size(d.dtype);
+  if (d.kind == OpKind::kReduceScatter) {
+    // In place: rank r's segment of the first dimension holds the result; the
+    // caller reads where from the rows of each rank's segment.
+    const std::vector<std::size_t> split = RingPlan::even_offsets(ctx.size, req.rows, 1);
+    op.result_.rows.resize(ctx.size);
+    for (int r = 0; r < ctx.size; ++r) op.result_.rows[r] = split[r + 1] - split[r];
+    if (ctx.size == 1) return Status::OK();  // its own rows, reduced over one rank
+    const std::size_t row_elems = req.rows ? d.count / req.rows : 0;
+    RingPlan plan(ctx.size, ctx.rank, RingPlan::even_offsets(ctx.size, req.rows, row_elems), esize, d.chunk_bytes,
+                  RingPhases::kReduceScatter);
+    DenseRingPolicy policy(plan, req.data, d.dtype, d.reduce_op, ctx.size);
+    traffic->dense_bytes = plan.dense_bytes_sent();
+    Status st = run_ring(plan, policy, ctx.data, kTagData, traffic, progress);
+    traffic->reduce_scatter_end = 0;  // one phase: one timeline span
+    return st;
+  }
+  // The row counts first (alltoall: every rank's splits), then the result's memory.
+  OpResult& out = op.result_;
+  const std::vector<std::uint64_t> mine =
+      d.kind == OpKind::kAllgather ? std::vector<std::uint64_t>{req.rows} : req.splits;
+  std::vector<std::uint64_t> all;
+  HPCDL_RETURN_NOT_OK(allgather_words(ctx.data, ctx.size, ctx.rank, kTagData, mine, &all, traffic, progress));
+  if (d.kind == OpKind::kAllgather) {
+    out.rows = all;
+  } else {
+    out.rows.resize(ctx.size);
+    for (int r = 0; r < ctx.size; ++r) out.rows[r] = all[static_cast<std::size_t>(r) * ctx.size + ctx.rank];
+  }
+  std::uint64_t rows = 0;
+  for (std::uint64_t n : out.rows) rows += n;
+  out.bytes = rows * d.count * esize;
+  out.data.reset(new char[std::max<std::uint64_t>(out.bytes, 1)]);  // not zeroed: every byte is received
+  if (d.kind == OpKind::kAllgather)
+    return ring_allgatherv(ctx.data, ctx.size, ctx.rank, kTagData, req.data, out.rows, d.count, d.dtype, d.chunk_bytes,
+                           out.ptr(), traffic, progress);
+  return pairwise_alltoallv(ctx.data, ctx.size, ctx.rank, kTagData, req.data, req.splits, out.rows, d.count * esize,
+                            out.ptr(), traffic, progress);
+}
+
 void Executor::record(const Operation& op, const RingTraffic& traffic, double seconds) {
   const OpDesc& d = op.req_.desc;
-  stats_.count(op_kind_name(d.kind), d.kind == OpKind::kAllreduce ? (d.codec.empty() ? "none" : d.codec) : "",
-               traffic.bytes_sent, traffic.bytes_received, traffic.dense_bytes, seconds);
+  const bool reduces = d.kind == OpKind::kAllreduce || d.kind == OpKind::kGroupedAllreduce;
+  stats_.count(op_kind_name(d.kind), reduces ? (d.codec.empty() ? "none" : d.codec) : "", traffic.bytes_sent,
+               traffic.bytes_received, traffic.dense_bytes, seconds);
 }
 
 }  // namespace hpcdl

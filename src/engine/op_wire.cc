@@ -13,6 +13,10 @@ const char* op_kind_name(OpKind k) {
     case OpKind::kAllreduce: return "allreduce";
     case OpKind::kBroadcast: return "broadcast";
     case OpKind::kBarrier: return "barrier";
+    case OpKind::kAllgather: return "allgather";
+    case OpKind::kReduceScatter: return "reducescatter";
+    case OpKind::kAlltoall: return "alltoall";
+    case OpKind::kGroupedAllreduce: return "grouped_allreduce";
   }
   return "?";
 }
@@ -23,6 +27,33 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   return out + "]";
 }
 
+bool shape_elements(const std::vector<std::int64_t>& shape, std::uint64_t* elements) {
+  *elements = 1;
+  for (std::int64_t dim : shape) {
+    if (dim < 0) return false;
+    *elements *= static_cast<std::uint64_t>(dim);
+  }
+  return true;
+}
+
+namespace {
+
+void put_shape(WireWriter& w, const std::vector<std::int64_t>& shape) {
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(shape.size()));
+  for (std::int64_t dim : shape) w.put<std::int64_t>(dim);
+}
+
+bool get_shape(WireReader& r, std::size_t limit, std::vector<std::int64_t>* shape) {
+  std::uint32_t ndim;
+  if (!r.get(&ndim) || ndim > limit / sizeof(std::int64_t)) return false;
+  shape->resize(ndim);
+  for (std::int64_t& dim : *shape)
+    if (!r.get(&dim)) return false;
+  return true;
+}
+
+}  // namespace
+
 std::string OpDesc::serialize(const std::string& name) const {
   WireWriter w;
   w.put_string(name);
@@ -31,25 +62,33 @@ std::string OpDesc::serialize(const std::string& name) const {
   w.put<std::int32_t>(static_cast<std::int32_t>(reduce_op));
   w.put<std::int32_t>(root);
   w.put<std::uint64_t>(count);
-  w.put<std::uint32_t>(static_cast<std::uint32_t>(shape.size()));
-  for (std::int64_t dim : shape) w.put<std::int64_t>(dim);
+  put_shape(w, shape);
   w.put<std::uint64_t>(chunk_bytes);
   w.put_string(codec);
   w.put_string(thread);
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(members.size()));
+  for (const GroupMember& m : members) {
+    w.put<std::int32_t>(static_cast<std::int32_t>(m.dtype));
+    w.put<std::uint64_t>(m.count);
+    put_shape(w, m.shape);
+  }
   return std::string(w.buffer().begin(), w.buffer().end());
 }
 
 bool OpDesc::parse(const std::string& bytes, std::string* name, OpDesc* out) {
   WireReader r(bytes.data(), bytes.size());
   std::int32_t kind, dtype, op;
-  std::uint32_t ndim;
+  std::uint32_t members;
   if (!r.get_string(name) || !r.get(&kind) || !r.get(&dtype) || !r.get(&op) || !r.get(&out->root) ||
-      !r.get(&out->count) || !r.get(&ndim) || ndim > bytes.size() / sizeof(std::int64_t))
+      !r.get(&out->count) || !get_shape(r, bytes.size(), &out->shape) || !r.get(&out->chunk_bytes) ||
+      !r.get_string(&out->codec) || !r.get_string(&out->thread) || !r.get(&members) || members > bytes.size())
     return false;
-  out->shape.resize(ndim);
-  for (std::int64_t& dim : out->shape)
-    if (!r.get(&dim)) return false;
-  if (!r.get(&out->chunk_bytes) || !r.get_string(&out->codec) || !r.get_string(&out->thread)) return false;
+  out->members.resize(members);
+  for (GroupMember& m : out->members) {
+    std::int32_t member_dtype;
+    if (!r.get(&member_dtype) || !r.get(&m.count) || !get_shape(r, bytes.size(), &m.shape)) return false;
+    m.dtype = static_cast<DType>(member_dtype);
+  }
   out->kind = static_cast<OpKind>(kind);
   out->dtype = static_cast<DType>(dtype);
   out->reduce_op = static_cast<ReduceOp>(op);

@@ -179,6 +179,71 @@ def test_mismatched_op_names_both_ops(comm):
     agree(comm, ok, repr(err))
 
 
+GROUP = [("float32", (1001,)), ("float16", (3, 7)), ("int64", (5,)), ("bfloat16", (65, 63)), ("uint8", (0,)),
+         ("float64", (2, 2, 2))]
+
+
+def group_of(rank, op):
+    return [contribution(rank, int(np.prod(shape)), dtype, op).reshape(shape) for dtype, shape in GROUP]
+
+
+@pytest.mark.parametrize("op", ["sum", "average", "max", "product"])
+def test_grouped_allreduce_is_bitwise_each_arrays_own_allreduce(comm, op):
+    """One operation for the group (one agreement, counted once), each array's result
+    bitwise what its own allreduce gives; the integers against numpy's exact result."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    grouped, alone = group_of(rank, op), group_of(rank, op)
+    hpcdl.stats(reset=True)
+    results = collective(comm, lambda: hpcdl.grouped_allreduce(grouped, op=op, comm=comm, name="group"))
+    counted = hpcdl.stats(reset=True)
+    for i, a in enumerate(alone):
+        collective(comm, lambda: hpcdl.allreduce(a, op=op, comm=comm, name=f"alone.{i}"))
+    exact = exact_reference([group_of(r, op)[2] for r in range(size)], "int64", op, size)
+    ok = (all(r is g for r, g in zip(results, grouped)) and [g.shape for g in grouped] == [s for _, s in GROUP]
+          and all(g.tobytes() == a.tobytes() for g, a in zip(grouped, alone))
+          and np.array_equal(grouped[2], exact) and len(set(comm.allgather(digest(grouped[0])))) == 1
+          and counted["grouped_allreduce"]["none"]["ops"] == 1 and "allreduce" not in counted)
+    agree(comm, ok, f"{[g.ravel()[:2] for g in grouped]} {[a.ravel()[:2] for a in alone]} {counted}")
+
+
+@multi_rank
+def test_grouped_allreduce_of_mismatched_arrays_raises_on_every_rank(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    arrays = [np.ones((4, 6), dtype=np.float32), np.ones(3, dtype=np.int32)]
+    if rank == size - 1:
+        arrays[0] = arrays[0].reshape(24)
+    before = [a.copy() for a in arrays]
+    _, err = outcome(hpcdl.grouped_allreduce, arrays, comm=comm, name="group.mismatch")
+    message = str(err)
+    ok = (isinstance(err, hpcdl.MismatchError) and "arrays differ" in message
+          and f"(float32[24], int32[3]) on rank {size - 1}" in message and "(float32[4, 6], int32[3]) on rank" in message
+          and all(np.array_equal(a, b) for a, b in zip(arrays, before)))
+    _, fewer = outcome(hpcdl.grouped_allreduce, arrays[:1 + (rank == 0)], comm=comm, name="group.fewer")
+    ok2 = isinstance(fewer, hpcdl.MismatchError) and "arrays differ" in str(fewer)
+    agree(comm, ok and ok2, f"{err!r} / {fewer!r}")
+
+
+def test_grouped_allreduce_bad_input_is_refused_before_any_communication():
+    with pytest.raises(ValueError, match="op='sum' does not reduce bool"):
+        hpcdl.grouped_allreduce([np.ones(3, np.float32), np.ones(2, bool)])
+    with pytest.raises(ValueError, match="read-only"):
+        hpcdl.grouped_allreduce([np.ones(3, np.float32), b"\x00" * 8])
+    agree(WORLD, hpcdl.grouped_allreduce([]) == [], "an empty group is an empty list")
+
+
+@pytest.mark.parametrize("sub_size", [2, 3])
+def test_grouped_allreduce_on_sub_communicators(sub_size):
+    rank = WORLD.Get_rank()
+    sub = WORLD.Split(rank // sub_size, rank)
+    grouped, alone = group_of(sub.Get_rank(), "min"), group_of(sub.Get_rank(), "min")
+    hpcdl.grouped_allreduce(grouped, op="min", comm=sub)
+    for a in alone:
+        hpcdl.allreduce(a, op="min", comm=sub)
+    ok = all(g.tobytes() == a.tobytes() for g, a in zip(grouped, alone))
+    sub.Free()
+    agree(WORLD, ok, "grouped min differs from the arrays' own")
+
+
 @pytest.mark.parametrize("sub_size", [2, 3])
 def test_allreduce_on_sub_communicators(sub_size):
     """Rings of 2 and 3 ranks inside the world, each group on its own communicator."""

@@ -206,3 +206,32 @@ def test_min_max_product_eager_and_in_tf_function(dtype):
     ok = all(t.dtype == dtype and np.array_equal(t.numpy().astype(np.float64), want)
              for t, want in ((low, stack.min(0)), (high, stack.max(0)), (product, stack.prod(0))))
     agree(WORLD, ok, f"{low} {high} {product}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grouped_allreduce_eager_in_tf_function_and_its_gradient():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    dtypes = [tf.float32, tf.float64, tf.int32]
+    tensors = [tf.constant(rank_data(rank, d), dtype=d) for d in dtypes]
+
+    @tf.function
+    def in_graph(ts):
+        return hvd.grouped_allreduce(ts, op=hvd.Sum)
+
+    eager = collective(WORLD, hvd.grouped_allreduce, tensors)
+    graph = collective(WORLD, in_graph, tensors)
+    x = tf.Variable([float(rank + 1)] * 3, dtype=tf.float64)
+
+    def gradient():
+        with tf.GradientTape() as tape:
+            a, b = hvd.grouped_allreduce([x, 2.0 * x], op=hvd.Sum)
+            loss = tf.reduce_sum(a) + tf.reduce_sum(b)
+        return tape.gradient(loss, x)
+
+    grad = collective(WORLD, gradient)
+    want = [reference_sum(d) for d in dtypes]
+    averages = [w / size if d.is_floating else np.floor_divide(w, size) for w, d in zip(want, dtypes)]
+    ok = (all(np.allclose(t.numpy(), a, rtol=1e-5) and t.dtype == d for t, a, d in zip(eager, averages, dtypes))
+          and all(np.allclose(t.numpy(), w, rtol=1e-5) for t, w in zip(graph, want))
+          and np.allclose(grad.numpy(), 3 * size))
+    agree(WORLD, ok, f"{[t.numpy().ravel()[:2] for t in eager]} {grad}")

@@ -340,3 +340,34 @@ def test_broadcast_of_every_dtype_goes_through_the_core(dtype):
     want = torch.tensor(np.random.default_rng(root).integers(0, 2, (3, 5))).to(dtype)
     ops = hpcdl.stats()["broadcast"]["broadcast"]["ops"]
     agree(WORLD, torch.equal(got, want) and got.dtype == dtype and ops == 1, f"{got} {ops}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grouped_allreduce_forms_and_gradient():
+    """grouped_allreduce (out of place, differentiable), grouped_allreduce_ (in place) and
+    grouped_allreduce_async + synchronize: each tensor as its own hvd.allreduce gives it."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+
+    def run():
+        tensors = [torch.tensor(rank_data(rank, dtype)).to(dtype) for dtype in DTYPES]
+        out = hvd.grouped_allreduce(tensors, op=hvd.Sum, name="hvd.group")
+        in_place = [t.clone() for t in tensors]
+        hvd.grouped_allreduce_(in_place)
+        handle = hvd.grouped_allreduce_async(tensors, op=hvd.Max)
+        highest = hvd.synchronize(handle)
+        alone = [hvd.allreduce(t) for t in tensors]
+        x = torch.full((3,), float(rank + 1), dtype=torch.float64, requires_grad=True)
+        y = torch.ones(2, requires_grad=True)
+        reduced = hvd.grouped_allreduce([x, y], op=hvd.Sum)
+        (reduced[0].sum() + 2 * reduced[1].sum()).backward()
+        return tensors, out, in_place, highest, alone, x.grad, y.grad
+
+    tensors, out, in_place, highest, alone, x_grad, y_grad = collective(WORLD, run)
+    inputs = [[rank_data(r, dtype) for r in range(size)] for dtype in DTYPES]
+    ok = (all(torch.equal(t, torch.tensor(rank_data(rank, d)).to(d)) for t, d in zip(tensors, DTYPES))
+          and all(np.allclose(o.to(torch.float64).numpy(), sum(i), rtol=1e-5) for o, i in zip(out, inputs))
+          and all(torch.equal(p, a) for p, a in zip(in_place, alone))
+          and all(np.array_equal(h.to(torch.float64).numpy(), np.max([np.asarray(v, h.numpy().dtype) for v in i], 0))
+                  for h, i in zip(highest, inputs))
+          and torch.all(x_grad == size) and torch.all(y_grad == 2 * size))
+    agree(WORLD, ok, f"{[o.flatten()[:2] for o in out]} {x_grad} {y_grad}")

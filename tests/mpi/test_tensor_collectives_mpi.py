@@ -97,3 +97,16 @@ def test_mismatched_tensor_shapes_raise_on_every_rank(device):
 @pytest.mark.mpi(min_size=2)
 def test_mismatched_cpu_tensor_shapes_raise_on_every_rank():
     agree(WORLD, *_mismatched_shape_error(lambda t: t))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_grouped_allreduce_of_tensors_lands_in_place(device):
+    """A group of staged ([cuda], [staged-cpu]) tensors, reduced in place, equal to their own allreduces."""
+    rank = WORLD.Get_rank()
+    tensors = [rank_values(rank, n=300).to(device), rank_values(rank, n=6, dtype=torch.bfloat16).to(device).view(2, 3)]
+    alone = [t.clone() for t in tensors]
+    results = collective(WORLD, hpcdl.grouped_allreduce, tensors, op="average", name="tensor.group")
+    for i, t in enumerate(alone):
+        collective(WORLD, hpcdl.allreduce, t, op="average", name=f"tensor.alone.{i}")
+    ok = all(r is t and torch.equal(t.cpu(), a.cpu()) for r, t, a in zip(results, tensors, alone))
+    agree(WORLD, ok and tensors[1].shape == (2, 3), f"{[t.cpu().ravel()[:3] for t in tensors]}")

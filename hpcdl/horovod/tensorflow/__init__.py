@@ -18,12 +18,15 @@ from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUp
 from hpcdl.horovod.tensorflow.compression import Compression
 from hpcdl.horovod.tensorflow.functions import (DistributedGradientTape, DistributedOptimizer, broadcast_global_variables,
                                                 broadcast_object, broadcast_variables)
-from hpcdl.horovod.tensorflow.mpi_ops import allreduce, broadcast
+from hpcdl.horovod.tensorflow.gather_ops import (allgather, allgather_object, alltoall, grouped_allgather,
+                                                 grouped_reducescatter, reducescatter)
+from hpcdl.horovod.tensorflow.mpi_ops import allreduce, broadcast, grouped_allreduce
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
            "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
            "HostsUpdatedInterrupt", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "allreduce", "broadcast", "barrier", "broadcast_variables",
-           "broadcast_global_variables", "broadcast_object", "DistributedGradientTape", "DistributedOptimizer"]
+           "allreduce", "grouped_allreduce", "broadcast", "barrier", "broadcast_variables",
+           "broadcast_global_variables", "broadcast_object", "DistributedGradientTape", "DistributedOptimizer", "allgather",
+           "grouped_allgather", "allgather_object", "reducescatter", "grouped_reducescatter", "alltoall"]

@@ -86,6 +86,56 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="", compressi
     return compression.decompress(reduced, ctx)
 
 
+def _run_group(fn, tensors):
+    """fn(*arrays) -> arrays, as _run for several tensors."""
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(a) for a in fn(*[t.numpy() for t in tensors])]
+    outs = tf.numpy_function(fn, list(tensors), [t.dtype for t in tensors], stateful=True, name="hpcdl_horovod")
+    for out, tensor in zip(outs, tensors):
+        out.set_shape(tensor.shape)
+    return outs
+
+
+def _grouped_allreduce(tensors, op_name, name, prescale_factor, postscale_factor, process_set):
+    integer = any(not (t.dtype.is_floating or t.dtype == tf.bfloat16) for t in tensors)
+    common.check_scale(prescale_factor, postscale_factor, integer)
+    op_key = _op_name("grouped_allreduce", name)
+    comm = common.comm_of(process_set)
+
+    def reduce(*arrays):
+        arrays = [np.array(a, copy=True) for a in arrays]  # bfloat16: ml_dtypes arrays, taken as they are
+        for array in arrays if prescale_factor != 1.0 else ():
+            array *= array.dtype.type(prescale_factor)
+        common.call(hpcdl.grouped_allreduce, arrays, op_name, comm, op_key)
+        for array in arrays if postscale_factor != 1.0 else ():
+            array *= array.dtype.type(postscale_factor)
+        return arrays
+
+    @tf.custom_gradient
+    def differentiable(*xs):
+        def grad(*dys):
+            return _grouped_allreduce([tf.convert_to_tensor(dy) for dy in dys], op_name,
+                                      None if name is None else f"{name}.grad", prescale_factor, postscale_factor,
+                                      process_set)
+        return _run_group(reduce, xs), grad
+
+    return differentiable(*tensors)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
+                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """The average (or op=hvd.Sum, Min, Max, Product) of every tensor of ``tensors`` over the
+    ranks, agreed as one operation, as a list of new tensors (differentiable)."""
+    _check_device(device_dense, device_sparse)
+    op_name = common.reduce_op(op, average)
+    compressed = [compression.compress(_dense_only(t)) for t in tensors]
+    if not compressed:
+        return []
+    reduced = _grouped_allreduce([t for t, _ in compressed], op_name, None, prescale_factor, postscale_factor,
+                                 process_set)
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, compressed)]
+
+
 def _broadcast_array(array, root_rank, op_key, process_set):
     array = np.array(array, copy=True)
     buffer, core_dtype = _core_view(array)  # any dtype the core has (hpcdl.DTYPES)

@@ -96,6 +96,77 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     return compression.decompress(reduced, ctx)
 
 
+def _grouped_allreduce_async(outputs, average, name, op, prescale_factor, postscale_factor, process_set):
+    """Start reducing ``outputs`` in place as one operation (hpcdl.grouped_allreduce_async)."""
+    op_name = common.reduce_op(op, average)
+    common.check_scale(prescale_factor, postscale_factor, any(not t.dtype.is_floating_point for t in outputs))
+    comm = common.comm_of(process_set)
+    for output in outputs if prescale_factor != 1.0 else ():
+        output.detach().mul_(prescale_factor)
+    handle = common.call(hpcdl.grouped_allreduce_async, outputs, op_name, comm, _name("grouped_allreduce", name))
+
+    def finish(results):
+        for result in results if postscale_factor != 1.0 else ():
+            result.detach().mul_(postscale_factor)
+        return results
+
+    return common.register(handle, finish)
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                            process_set=global_process_set):
+    """Start an allreduce of every tensor in ``tensors`` into new tensors, agreed as one
+    operation; synchronize() returns the list."""
+    return _grouped_allreduce_async([_copy(t) for t in tensors], average, name, op, prescale_factor,
+                                    postscale_factor, process_set)
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                             process_set=global_process_set):
+    """Start an in-place grouped allreduce of ``tensors``; returns a handle."""
+    return _grouped_allreduce_async(list(tensors), average, name, op, prescale_factor, postscale_factor,
+                                    process_set)
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
+                       process_set=global_process_set):
+    """Allreduce every tensor of ``tensors`` in place, as one operation; returns the list."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+class HorovodGroupedAllreduce(torch.autograd.Function):
+    """A grouped allreduce autograd knows: the gradients are grouped-allreduced the same way."""
+
+    @staticmethod
+    def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.settings = (average, op, prescale_factor, postscale_factor, process_set)
+        return tuple(synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                                         postscale_factor, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        average, op, prescale_factor, postscale_factor, process_set = ctx.settings
+        grads = grouped_allreduce(grad_outputs, average=average, op=op, prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor, process_set=process_set)
+        return (None,) * 6 + tuple(grads)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set):
+    """The average (or op=hvd.Sum, Min, Max, Product) of every tensor of ``tensors`` over the
+    ranks, agreed as one operation, as a list of new tensors. Differentiable."""
+    compressed = [compression.compress(t) for t in tensors]
+    inputs = [t for t, _ in compressed]
+    if any(t.requires_grad for t in inputs) and torch.is_grad_enabled():
+        reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
+                                                *inputs)
+    else:  # nothing for autograd to record
+        reduced = synchronize(grouped_allreduce_async(inputs, average, name, op, prescale_factor, postscale_factor,
+                                                      process_set))
+    return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, compressed)]
+
+
 def _broadcast_async(output, root_rank, name, process_set):
     """Start broadcasting into ``output`` in place (the caller's tensor, or its copy): any
     dtype the core has (hpcdl.DTYPES), CPU zero-copy or staged from CUDA."""
@@ -140,5 +211,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
 
 
-__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "broadcast", "broadcast_",
-           "broadcast_async", "broadcast_async_", "poll", "synchronize", "HorovodAllreduce", "HorovodBroadcast"]
+__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+           "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast", "broadcast_",
+           "broadcast_async", "broadcast_async_", "poll", "synchronize", "HorovodAllreduce",
+           "HorovodGroupedAllreduce", "HorovodBroadcast"]

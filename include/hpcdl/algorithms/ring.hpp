@@ -29,35 +29,64 @@ constexpr std::size_t kDefaultChunkBytes = 4 << 20;  // measured: docs/performan
 constexpr std::size_t kMinChunkBytes = 64;
 constexpr std::size_t kMaxChunkBytes = std::size_t(1) << 30;  // one MPI message, count fits an int
 
-// Geometry of one ring allreduce: p segments (as even as possible), each cut
+// Which of the ring's two phases run. An allreduce runs both, and after its
+// reduce-scatter rank r holds segment r + 1. A reduce-scatter alone ends with
+// rank r holding segment r; an allgather alone starts from it.
+enum class RingPhases { kAllreduce, kReduceScatter, kAllgather };
+
+// Geometry of one ring: p segments (as even as possible, or given), each cut
 // into the same number of chunks so every step has the same unit count.
 class RingPlan {
  public:
   RingPlan(int size, int rank, std::size_t count, std::size_t elem_size, std::size_t chunk_bytes)
-      : p_(size), rank_(rank), count_(count), esize_(elem_size) {
-    const std::size_t max_seg = (count + p_ - 1) / p_;
+      : RingPlan(size, rank, even_offsets(size, count, 1), elem_size, chunk_bytes, RingPhases::kAllreduce) {}
+  // offsets: p + 1 element offsets, segment s = [offsets[s], offsets[s + 1]).
+  RingPlan(int size, int rank, std::vector<std::size_t> offsets, std::size_t elem_size, std::size_t chunk_bytes,
+           RingPhases phases)
+      : p_(size),
+        rank_(rank),
+        owner_shift_(phases == RingPhases::kAllreduce ? 1 : 0),
+        phases_(phases),
+        offsets_(std::move(offsets)),
+        esize_(elem_size) {
+    std::size_t max_seg = 0;
+    for (int s = 0; s < p_; ++s) max_seg = std::max(max_seg, segment_len(s));
     const std::size_t chunk_elems = std::max<std::size_t>(1, chunk_bytes / esize_);
     chunks_ = std::max<std::size_t>(1, (max_seg + chunk_elems - 1) / chunk_elems);
     chunk_elems_ = std::max<std::size_t>(1, (max_seg + chunks_ - 1) / chunks_);
+  }
+
+  // p + 1 offsets splitting `rows` rows of `row_elems` elements as evenly as
+  // possible, the first rows % p segments one row longer (Horovod's rule).
+  static std::vector<std::size_t> even_offsets(int p, std::size_t rows, std::size_t row_elems) {
+    std::vector<std::size_t> out(static_cast<std::size_t>(p) + 1, 0);
+    const std::size_t base = rows / p, extra = rows % p;
+    for (std::size_t s = 0; s < static_cast<std::size_t>(p); ++s)
+      out[s + 1] = out[s] + (base + (s < extra ? 1 : 0)) * row_elems;
+    return out;
   }
 
   int size() const { return p_; }
   int rank() const { return rank_; }
   int left() const { return (rank_ - 1 + p_) % p_; }
   int right() const { return (rank_ + 1) % p_; }
-  std::size_t count() const { return count_; }
+  RingPhases phases() const { return phases_; }
+  std::size_t count() const { return offsets_.back(); }
   std::size_t elem_size() const { return esize_; }
   std::size_t chunks() const { return chunks_; }
   std::size_t max_chunk_elems() const { return chunk_elems_; }
-  std::size_t units() const { return p_ > 1 ? 2 * static_cast<std::size_t>(p_ - 1) * chunks_ : 0; }
-  std::size_t reduce_scatter_units() const { return static_cast<std::size_t>(p_ - 1) * chunks_; }
-
-  std::size_t segment_begin(int seg) const {
-    const std::size_t base = count_ / p_, extra = count_ % p_;
-    const std::size_t s = static_cast<std::size_t>(seg);
-    return s * base + std::min(s, extra);
+  std::size_t units() const {
+    const std::size_t per_phase = p_ > 1 ? static_cast<std::size_t>(p_ - 1) * chunks_ : 0;
+    return phases_ == RingPhases::kAllreduce ? 2 * per_phase : per_phase;
   }
-  std::size_t segment_len(int seg) const { return count_ / p_ + (static_cast<std::size_t>(seg) < count_ % p_ ? 1 : 0); }
+  std::size_t reduce_scatter_units() const {
+    return phases_ == RingPhases::kAllgather ? 0 : static_cast<std::size_t>(p_ - 1) * chunks_;
+  }
+
+  std::size_t segment_begin(int seg) const { return offsets_[static_cast<std::size_t>(seg)]; }
+  std::size_t segment_len(int seg) const {
+    return offsets_[static_cast<std::size_t>(seg) + 1] - offsets_[static_cast<std::size_t>(seg)];
+  }
 
   // Element range [begin, begin+len) of chunk k of segment seg; len may be 0.
   void chunk_range(int seg, std::size_t k, std::size_t* begin, std::size_t* len) const {
@@ -80,16 +109,16 @@ class RingPlan {
     Unit x;
     const std::size_t step = u / chunks_;
     x.chunk = u % chunks_;
-    x.reduce_phase = step < static_cast<std::size_t>(p_ - 1);
-    x.step = x.reduce_phase ? step : step - (p_ - 1);
+    x.reduce_phase = phases_ != RingPhases::kAllgather && step < static_cast<std::size_t>(p_ - 1);
+    x.step = x.reduce_phase || phases_ == RingPhases::kAllgather ? step : step - (p_ - 1);
     const int s = static_cast<int>(x.step);
     if (x.reduce_phase) {
-      x.send_seg = mod(rank_ - s);
-      x.recv_seg = mod(rank_ - s - 1);
+      x.send_seg = mod(rank_ + owner_shift_ - 1 - s);
+      x.recv_seg = mod(rank_ + owner_shift_ - 2 - s);
       x.final_reduce = s == p_ - 2;
     } else {
-      x.send_seg = mod(rank_ + 1 - s);
-      x.recv_seg = mod(rank_ - s);
+      x.send_seg = mod(rank_ + owner_shift_ - s);
+      x.recv_seg = mod(rank_ + owner_shift_ - 1 - s);
       x.final_reduce = false;
     }
     return x;
@@ -98,17 +127,22 @@ class RingPlan {
   // Bytes this rank sends in an uncompressed ring: what codecs are measured against.
   std::uint64_t dense_bytes_sent() const {
     std::uint64_t elems = 0;
-    for (int s = 0; s + 1 < p_; ++s) elems += segment_len(mod(rank_ - s)) + segment_len(mod(rank_ + 1 - s));
+    for (int s = 0; s + 1 < p_; ++s) {
+      if (phases_ != RingPhases::kAllgather) elems += segment_len(mod(rank_ + owner_shift_ - 1 - s));
+      if (phases_ != RingPhases::kReduceScatter) elems += segment_len(mod(rank_ + owner_shift_ - s));
+    }
     return elems * esize_;
   }
 
   // Segment this rank holds fully reduced after the reduce-scatter.
-  int owned_segment() const { return mod(rank_ + 1); }
+  int owned_segment() const { return mod(rank_ + owner_shift_); }
 
  private:
   int mod(int v) const { return ((v % p_) + p_) % p_; }
-  int p_, rank_;
-  std::size_t count_, esize_, chunks_ = 1, chunk_elems_ = 1;
+  int p_, rank_, owner_shift_;
+  RingPhases phases_;
+  std::vector<std::size_t> offsets_;
+  std::size_t esize_, chunks_ = 1, chunk_elems_ = 1;
 };
 
 // What a ring policy provides. `send` may stage (encode) and must return a
@@ -158,7 +192,8 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
     while (next_recv < total && next_recv < consumed + kPipelineDepth) {
       // An allgather unit lands in place, where reduce-scatter unit u - rs_units
       // sent from: that send must be complete before the buffer is reused.
-      if (next_recv >= rs_units && !sent_through(next_recv - rs_units)) break;
+      if (plan.phases() == RingPhases::kAllreduce && next_recv >= rs_units && !sent_through(next_recv - rs_units))
+        break;
       RingBuffer b = policy.recv_slot(next_recv);
       rc = MPI_Irecv(b.data, static_cast<int>(b.bytes), MPI_BYTE, plan.left(), tag, comm,
                      &recv_req[next_recv % kPipelineDepth]);
@@ -228,7 +263,8 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
 }
 
 // Uncompressed policy: sends straight from the user's buffer (zero copy),
-// reduces arrivals from two staging slots, receives the allgather in place.
+// reduces arrivals from two staging slots, receives the allgather in place
+// (any of RingPhases: an allgather alone needs no staging).
 class DenseRingPolicy {
  public:
   // ranks: the average's divisor, applied by the last reduction of each element.
@@ -238,7 +274,7 @@ class DenseRingPolicy {
         dtype_(dtype),
         op_(op),
         ranks_(ranks),
-        staging_(kPipelineDepth * plan.max_chunk_elems() * plan.elem_size()) {}
+        staging_(plan.reduce_scatter_units() > 0 ? kPipelineDepth * plan.max_chunk_elems() * plan.elem_size() : 0) {}
 
   RingBuffer send(std::size_t u) {
     RingPlan::Unit x = plan_.unit(u);

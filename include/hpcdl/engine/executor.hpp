@@ -1,6 +1,6 @@
 // Running what the plans say, in their order: waiting for a deferred
-// operation's data, then the dense ring, a codec's compressed scheme or the
-// broadcast, their counters and timeline spans. Owns the working memory the
+// operation's data, then the dense ring, a codec's compressed scheme, the
+// broadcast or a gathering collective, their counters and timeline spans. Owns the working memory the
 // algorithms reuse from one operation to the next.
 #pragma once
 
@@ -16,6 +16,7 @@ namespace hpcdl {
 class CommContext;
 class NoticeBoard;
 class Operation;
+struct OpDesc;
 class ResidualStore;
 class StatsBoard;
 class SubmissionQueue;
@@ -40,6 +41,11 @@ class Executor {
   Status await_ready(CommContext& ctx, Operation& op, Progress& progress);
   Status execute(CommContext& ctx, Operation& op, Progress& progress);  // the caller finishes op
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
+  // Allgather, reducescatter, alltoall (algorithms/gather.hpp, the ring's phases).
+  Status run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
+  // One array through the dense ring (in place; nothing to move on one rank).
+  Status run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
+                   RingTraffic* traffic, Progress& progress);
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
 
   SubmissionQueue& queue_;

@@ -4,6 +4,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -15,12 +16,34 @@
 
 namespace hpcdl {
 
-enum class OpKind : int { kAllreduce = 0, kBroadcast = 1, kBarrier = 2 };
+// Codes travel in operation descriptions.
+enum class OpKind : int {
+  kAllreduce = 0,
+  kBroadcast = 1,
+  kBarrier = 2,
+  kAllgather = 3,         // rows may differ per rank: OpDesc::count is one row's elements
+  kReduceScatter = 4,     // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
+  kAlltoall = 5,          // rows and splits may differ per rank: OpDesc::count is one row's elements
+  kGroupedAllreduce = 6,  // several arrays agreed as one operation, each reduced by its own ring
+};
+
+// Allgather and alltoall: each rank has its own first dimension (OpRequest::rows).
+inline bool rows_differ_per_rank(OpKind k) { return k == OpKind::kAllgather || k == OpKind::kAlltoall; }
+
+// One array of a grouped allreduce.
+struct GroupMember {
+  DType dtype = DType::kFloat32;
+  std::uint64_t count = 0;
+  std::vector<std::int64_t> shape;
+};
 
 const char* op_kind_name(OpKind k);
 
 // "[17, 1311]": a shape as error messages spell it.
 std::string shape_text(const std::vector<std::int64_t>& shape);
+
+// Elements a shape holds; false when a dimension is negative.
+bool shape_elements(const std::vector<std::int64_t>& shape, std::uint64_t* elements);
 
 // What every rank must agree on for one operation.
 struct OpDesc {
@@ -38,6 +61,7 @@ struct OpDesc {
   // by submission order; threads racing to submit would pair one thread's
   // operation with another's, so the thread is part of what ranks agree on.
   std::string thread;
+  std::vector<GroupMember> members;  // kGroupedAllreduce: its arrays, in the caller's order
 
   std::string serialize(const std::string& name) const;
   static bool parse(const std::string& bytes, std::string* name, OpDesc* out);
@@ -47,8 +71,21 @@ struct OpRequest {
   std::string name;  // empty: named by submission order on this communicator
   OpDesc desc;
   void* data = nullptr;
-  bool deferred = false;  // data not in place yet: run only after Operation::mark_ready()
-  CodecSpec codec_spec;   // desc.codec as Engine::submit parsed it (the engine's own copy)
+  std::vector<void*> member_data;     // kGroupedAllreduce: each member's array
+  bool deferred = false;              // data not in place yet: run only after Operation::mark_ready()
+  CodecSpec codec_spec;               // desc.codec as Engine::submit parsed it (the engine's own copy)
+  std::uint64_t rows = 0;             // allgather, alltoall, reducescatter: the first dimension
+  std::vector<std::uint64_t> splits;  // alltoall: rows to each rank, in rank order (summing to rows)
+};
+
+// What an allgather or alltoall hands back: the engine thread allocates it
+// once the ranks' row counts are known (a reducescatter: only the rows of
+// each rank's segment, its result being in place). Read once done.
+struct OpResult {
+  std::unique_ptr<char[]> data;
+  std::uint64_t bytes = 0;
+  std::vector<std::uint64_t> rows;  // rows from (reducescatter: of) each rank, in rank order
+  char* ptr() { return data.get(); }
 };
 
 struct OpTimes {
@@ -71,6 +108,8 @@ class Operation {
   // Warnings for whoever waits on this operation (stalls), oldest first.
   std::vector<std::string> take_notices();
   OpTimes times();
+  // An allgather's, alltoall's or reducescatter's result, once done() (empty before).
+  OpResult& result() { return result_; }
 
  private:
   // The engine's parts that record its times and finish it.
@@ -93,6 +132,7 @@ class Operation {
   Status status_;
   std::vector<std::string> notices_;
   OpTimes times_;
+  OpResult result_;
 };
 
 }  // namespace hpcdl

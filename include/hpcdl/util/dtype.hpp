@@ -331,16 +331,6 @@ inline void reduce_half(ReduceOp op, std::uint16_t* dst, const std::uint16_t* sr
   }
 }
 
-template <typename T, typename Acc>
-inline void scale_in_place(T* dst, std::size_t n, Acc scale) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = static_cast<T>(static_cast<Acc>(dst[i]) * scale);
-}
-
-template <float (*ToF)(std::uint16_t), std::uint16_t (*FromF)(float)>
-inline void scale_half(std::uint16_t* dst, std::size_t n, float scale) {
-  for (std::size_t i = 0; i < n; ++i) dst[i] = FromF(ToF(dst[i]) * scale);
-}
-
 }  // namespace detail
 
 // dst[i] = op(dst[i], src[i]) in the type's arithmetic. `ranks` is the
@@ -388,22 +378,6 @@ inline void reduce_into(DType t, ReduceOp op, void* dst, const void* src, std::s
     case DType::kUInt64:
       detail::reduce_integer(op, static_cast<std::uint64_t*>(dst), static_cast<const std::uint64_t*>(src), n, ranks);
       break;
-  }
-}
-
-// dst[i] *= scale: a float average over a single rank (integers: nothing to do).
-inline void scale_buffer(DType t, void* dst, std::size_t n, double scale) {
-  if (scale == 1.0) return;
-  switch (t) {
-    case DType::kFloat32: detail::scale_in_place(static_cast<float*>(dst), n, static_cast<float>(scale)); break;
-    case DType::kFloat64: detail::scale_in_place(static_cast<double*>(dst), n, scale); break;
-    case DType::kFloat16:
-      detail::scale_half<fp16_to_float, float_to_fp16>(static_cast<std::uint16_t*>(dst), n, static_cast<float>(scale));
-      break;
-    case DType::kBFloat16:
-      detail::scale_half<bf16_to_float, float_to_bf16>(static_cast<std::uint16_t*>(dst), n, static_cast<float>(scale));
-      break;
-    default: break;
   }
 }
 

@@ -15,7 +15,7 @@ from hpcdl.horovod.common import (Adasum, Average, HorovodInternalError, HostsUp
                                   is_initialized, local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
                                   nccl_built, rank, remove_process_set, rocm_built, shutdown, size, start_timeline,
                                   stop_timeline)
-from hpcdl.horovod.tensorflow import mpi_ops
+from hpcdl.horovod.tensorflow import gather_ops, mpi_ops
 from hpcdl.horovod.tensorflow.compression import Compression, codec
 from hpcdl.horovod.tensorflow.functions import DistributedOptimizer, broadcast_global_variables, broadcast_object
 from hpcdl.horovod.tensorflow.keras import callbacks
@@ -33,6 +33,16 @@ def broadcast(value, root_rank, name=None):
     return mpi_ops.broadcast(value, root_rank, name=name).numpy()
 
 
+def allgather(value, name=None):
+    """Every rank's ``value`` concatenated along the first dimension, as a numpy value."""
+    return gather_ops.allgather(value, name=name).numpy()
+
+
+def reducescatter(value, name=None, op=Average):
+    """This rank's rows of the average (or sum) of ``value`` over the ranks, as a numpy value."""
+    return gather_ops.reducescatter(value, op=op, name=name).numpy()
+
+
 def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none):
     """A model saved while training with DistributedOptimizer, its optimizer wrapped again
     (hpcdl.tensorflow.load_model). Every imported Keras optimizer class is known to it, so
@@ -48,5 +58,5 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
            "stop_timeline", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
            "HostsUpdatedInterrupt", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
-           "allreduce", "broadcast", "barrier", "broadcast_global_variables",
+           "allreduce", "allgather", "reducescatter", "broadcast", "barrier", "broadcast_global_variables",
            "broadcast_object", "DistributedOptimizer", "load_model", "callbacks"]

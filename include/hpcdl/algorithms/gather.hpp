@@ -1,0 +1,117 @@
+// Allgather with a first dimension that differs per rank, and all-to-all with
+// splits, over point-to-point messages only: like the ring, every request can
+// be cancelled when a rank leaves, and every wait goes through Progress.
+//
+// The row counts are learned at execution, by one small allgather over the
+// same ring (architecture.md, "Gathering collectives"), so the agreement stays
+// a comparison of identical descriptions.
+#pragma once
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "hpcdl/algorithms/progress.hpp"
+#include "hpcdl/algorithms/ring.hpp"
+#include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/status.hpp"
+
+namespace hpcdl {
+
+// p + 1 element offsets of blocks of rows[r] rows of row_elems elements, in rank order.
+inline std::vector<std::size_t> row_offsets(const std::vector<std::uint64_t>& rows, std::size_t row_elems) {
+  std::vector<std::size_t> out(rows.size() + 1, 0);
+  for (std::size_t r = 0; r < rows.size(); ++r) out[r + 1] = out[r] + rows[r] * row_elems;
+  return out;
+}
+
+// Every rank's `mine` (the same length on every rank), in rank order, into *all.
+inline Status allgather_words(MPI_Comm comm, int size, int rank, int tag, const std::vector<std::uint64_t>& mine,
+                              std::vector<std::uint64_t>* all, RingTraffic* traffic, Progress& progress) {
+  const std::size_t words = mine.size();
+  all->assign(words * static_cast<std::size_t>(size), 0);
+  std::copy(mine.begin(), mine.end(), all->begin() + static_cast<std::ptrdiff_t>(words * rank));
+  if (size == 1) return Status::OK();
+  RingPlan plan(size, rank, RingPlan::even_offsets(size, static_cast<std::size_t>(size), words), sizeof(std::uint64_t),
+                kMaxChunkBytes, RingPhases::kAllgather);
+  DenseRingPolicy policy(plan, all->data(), DType::kInt64, ReduceOp::kSum, 1);
+  return run_ring(plan, policy, comm, tag, traffic, progress);
+}
+
+// rows[r] rows from every rank r, in rank order, into out; mine holds this
+// rank's rows. The ring's allgather phase over blocks of unequal length
+// (each cut into the same number of chunks, pipelined as the ring is).
+inline Status ring_allgatherv(MPI_Comm comm, int size, int rank, int tag, const void* mine,
+                              const std::vector<std::uint64_t>& rows, std::size_t row_elems, DType dtype,
+                              std::size_t chunk_bytes, void* out, RingTraffic* traffic, Progress& progress) {
+  const std::size_t esize = dtype_size(dtype);
+  std::vector<std::size_t> offsets = row_offsets(rows, row_elems);
+  const std::size_t mine_bytes = (offsets[rank + 1] - offsets[rank]) * esize;
+  if (mine_bytes > 0) std::memcpy(static_cast<char*>(out) + offsets[rank] * esize, mine, mine_bytes);
+  if (size == 1) return Status::OK();
+  RingPlan plan(size, rank, std::move(offsets), esize, chunk_bytes, RingPhases::kAllgather);
+  DenseRingPolicy policy(plan, out, dtype, ReduceOp::kSum, 1);
+  traffic->dense_bytes = plan.dense_bytes_sent();
+  return run_ring(plan, policy, comm, tag, traffic, progress);
+}
+
+// send_rows[j] rows of `data` (in rank order) go to rank j; recv_rows[j] rows
+// from rank j land in `out` (in rank order). Pairwise: at step s a rank sends
+// to rank + s and receives from rank - s; every message is posted at once,
+// in pieces of at most kMaxChunkBytes (one MPI count).
+inline Status pairwise_alltoallv(MPI_Comm comm, int size, int rank, int tag, const void* data,
+                                 const std::vector<std::uint64_t>& send_rows,
+                                 const std::vector<std::uint64_t>& recv_rows, std::size_t row_bytes, void* out,
+                                 RingTraffic* traffic, Progress& progress) {
+  const std::vector<std::size_t> send_at = row_offsets(send_rows, row_bytes);
+  const std::vector<std::size_t> recv_at = row_offsets(recv_rows, row_bytes);
+  const char* src = static_cast<const char*>(data);
+  char* dst = static_cast<char*>(out);
+  const std::size_t self_bytes = send_at[rank + 1] - send_at[rank];
+  if (self_bytes > 0) std::memcpy(dst + recv_at[rank], src + send_at[rank], self_bytes);
+  std::vector<MPI_Request> requests;
+  auto post = [&](bool send, int peer, std::size_t begin, std::size_t end) -> Status {
+    std::size_t off = begin;
+    do {  // an empty message too: it pairs with the peer's
+      const int n = static_cast<int>(std::min(kMaxChunkBytes, end - off));
+      requests.push_back(MPI_REQUEST_NULL);
+      const int rc = send ? MPI_Isend(src + off, n, MPI_BYTE, peer, tag, comm, &requests.back())
+                          : MPI_Irecv(dst + off, n, MPI_BYTE, peer, tag, comm, &requests.back());
+      HPCDL_RETURN_NOT_OK(mpi_status(rc, send ? "MPI_Isend(alltoall)" : "MPI_Irecv(alltoall)"));
+      (send ? traffic->bytes_sent : traffic->bytes_received) += static_cast<std::uint64_t>(n);
+      off += static_cast<std::size_t>(n);
+    } while (off < end);
+    return Status::OK();
+  };
+  auto run = [&]() -> Status {
+    for (int s = 1; s < size; ++s) {
+      const int from = (rank - s + size) % size;
+      HPCDL_RETURN_NOT_OK(post(false, from, recv_at[from], recv_at[from + 1]));
+    }
+    for (int s = 1; s < size; ++s) {
+      const int to = (rank + s) % size;
+      HPCDL_RETURN_NOT_OK(post(true, to, send_at[to], send_at[to + 1]));
+    }
+    for (std::size_t done = 0; done < requests.size(); ++done) {
+      int index = MPI_UNDEFINED;
+      MPI_Status st;
+      HPCDL_RETURN_NOT_OK(
+          mpi_status(wait_any_politely(static_cast<int>(requests.size()), requests.data(), &index, &st, progress),
+                     "MPI_Waitany(alltoall)"));
+    }
+    return Status::OK();
+  };
+  Status st = run();
+  if (!st.ok()) {
+    std::vector<MPI_Request*> posted;
+    for (MPI_Request& r : requests) posted.push_back(&r);
+    cancel_and_complete(posted, 10.0, "alltoall");
+  }
+  return st;
+}
+
+}  // namespace hpcdl

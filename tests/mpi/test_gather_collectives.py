@@ -1,0 +1,225 @@
+"""allgather (a first dimension that differs per rank), reducescatter and alltoall (with
+splits) under MPI: results against numpy / float64 references, bitwise identical where
+every rank holds the same result, on COMM_SELF, COMM_WORLD, its Dup() and Split()
+sub-communicators; disagreements raise on every rank; a late rank gets the stall warning."""
+
+import time
+import warnings
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpcdl
+from conftest import agree, collective, multi_rank, outcome
+from helpers.device import device  # noqa: F401 - the fixture
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+WORLD = MPI.COMM_WORLD
+DTYPES = ["float32", "float64", "float16", "bfloat16", "int32", "int64"]
+MOVED_DTYPES = DTYPES + ["uint8", "int8", "uint64", "bool"]  # allgather and alltoall reduce nothing
+ROW = (3, 2)  # the dimensions after the first
+
+
+def np_dtype(name):
+    return ml_dtypes.bfloat16 if name == "bfloat16" else np.dtype(name)
+
+
+def rows_of(rank):
+    """Uneven rows per rank, none on rank 1."""
+    return 0 if rank == 1 else 2 * rank + 1
+
+
+def block(rank, rows, dtype, row=ROW, seed=0):
+    """Rank `rank`'s data: deterministic, so every rank can compute every rank's input."""
+    rng = np.random.default_rng(7000 + 31 * seed + rank)
+    if dtype.startswith(("int", "uint", "bool")):
+        low = -50 if dtype.startswith("int") else 0
+        return rng.integers(low, 2 if dtype == "bool" else 50, (rows,) + row).astype(np_dtype(dtype))
+    return rng.standard_normal((rows,) + row).astype(np_dtype(dtype))
+
+
+def on(comm, fn, *args, **kwargs):
+    """fn(*args, comm=comm, **kwargs) on every rank of comm, raising on every rank if any rank raised."""
+    return collective(comm, lambda: fn(*args, comm=comm, **kwargs))
+
+
+def same_everywhere(comm, array):
+    return len(set(comm.allgather(array.tobytes()))) == 1
+
+
+@pytest.mark.parametrize("dtype", MOVED_DTYPES)
+def test_allgather_of_uneven_rows_is_the_concatenation_in_rank_order(comm, dtype):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = block(rank, rows_of(rank), dtype)
+    before = mine.copy()
+    out = on(comm, hpcdl.allgather, mine, name=f"gather.{dtype}")
+    expected = np.concatenate([block(r, rows_of(r), dtype) for r in range(size)])
+    ok = (out.dtype == mine.dtype and out.shape == expected.shape and out.tobytes() == expected.tobytes()
+          and mine.tobytes() == before.tobytes() and same_everywhere(comm, out))
+    agree(comm, ok, f"{out.dtype} {out.shape} vs {expected.shape}")
+
+
+@multi_rank
+def test_allgather_in_many_chunks_and_with_no_rows_anywhere(comm):
+    """Blocks far larger than the chunk (pipelined over many chunks), one rank with 0 rows;
+    then every rank with 0 rows."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = hpcdl.configure()["chunk_bytes"]
+    hpcdl.configure(chunk_bytes=4096)
+    try:
+        rows = [0 if r == size - 1 else 5000 + 977 * r for r in range(size)]
+        mine = block(rank, rows[rank], "float64", row=(1,))
+        out = on(comm, hpcdl.allgather, mine, name="gather.chunked")
+        expected = np.concatenate([block(r, rows[r], "float64", row=(1,)) for r in range(size)])
+        empty = on(comm, hpcdl.allgather, np.zeros((0, 4), np.float32))
+    finally:
+        hpcdl.configure(chunk_bytes=old)
+    agree(comm, np.array_equal(out, expected) and empty.shape == (0, 4), f"{out.shape} {empty.shape}")
+
+
+def test_allgather_on_split_sub_communicators():
+    rank = WORLD.Get_rank()
+    half = WORLD.Split(rank % 2, rank)
+    try:
+        mine = np.full((rank + 1, 2), rank, np.int64)
+        out = on(half, hpcdl.allgather, mine, name="gather.half")
+        members = [r for r in range(WORLD.Get_size()) if r % 2 == rank % 2]
+        expected = np.concatenate([np.full((r + 1, 2), r, np.int64) for r in members])
+        agree(WORLD, np.array_equal(out, expected), out.ravel().tolist())
+    finally:
+        half.Free()
+
+
+def test_allgather_of_torch_and_tensorflow_tensors(device):
+    tf = pytest.importorskip("tensorflow")
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    mine = torch.arange(rows_of(rank) * 2, dtype=torch.bfloat16).reshape(-1, 2).to(device) + rank
+    out = collective(WORLD, hpcdl.allgather, mine, name="gather.torch")
+    expected = torch.cat([torch.arange(rows_of(r) * 2, dtype=torch.bfloat16).reshape(-1, 2) + r for r in range(size)])
+    tf_out = collective(WORLD, hpcdl.allgather, tf.constant([[rank, rank]] * (rank + 1), tf.int32), name="gather.tf")
+    tf_expected = np.concatenate([[[r, r]] * (r + 1) for r in range(size)]).astype(np.int32)
+    ok = (isinstance(out, torch.Tensor) and out.device == mine.device and out.dtype == torch.bfloat16
+          and torch.equal(out.cpu(), expected) and isinstance(tf_out, tf.Tensor)
+          and np.array_equal(tf_out.numpy(), tf_expected))
+    agree(WORLD, ok, f"{out.device} {out.dtype} {tuple(out.shape)}; {tf_out.shape}")
+
+
+@multi_rank
+def test_allgather_with_different_dtypes_or_row_shapes_raises_on_every_rank(comm):
+    rank = comm.Get_rank()
+    a = np.ones((2, 3), np.float32 if rank == 0 else np.float64)
+    _, err = outcome(hpcdl.allgather, a, comm=comm, name="gather.dtype")
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "dtype" in str(err), repr(err))
+    b = np.ones((2, 3 if rank == 0 else 4), np.float32)
+    _, err = outcome(hpcdl.allgather, b, comm=comm, name="gather.row")
+    agree(comm, isinstance(err, hpcdl.MismatchError), repr(err))
+    c = np.ones((rank + 1, 6) if rank == 0 else (rank + 1, 3, 2), np.float32)  # rows of equal size, other shapes
+    _, err = outcome(hpcdl.allgather, c, comm=comm, name="gather.shape")
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "[6]" in str(err) and "[3, 2]" in str(err), repr(err))
+    _, err = outcome(hpcdl.allgather, np.float32(1.0), comm=comm)
+    agree(comm, isinstance(err, ValueError) and "dimension" in str(err), repr(err))
+
+
+def test_a_late_rank_gets_the_stall_warning_on_allgather():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    collective(WORLD, hpcdl.barrier)  # the channels exist whichever test ran before
+    hpcdl.configure(stall_warning_seconds=0.3)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == 0:
+                time.sleep(1.5)
+            out = collective(WORLD, hpcdl.allgather, np.full((1, 2), rank, np.int32), name="late.gather")
+        stall = [str(w.message) for w in caught if issubclass(w.category, hpcdl.StallWarning)]
+        named = bool(stall) and "late.gather" in stall[0] and "rank 0" in stall[0]
+        ok = (not stall if rank == 0 else named) and out[:, 0].tolist() == list(range(size))
+        agree(WORLD, ok, stall)
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
+
+
+def segment(rank, size, rows):
+    """Horovod's split of the first dimension: the first rows % size ranks one row more."""
+    begin = rank * (rows // size) + min(rank, rows % size)
+    return begin, begin + rows // size + (rank < rows % size)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["sum", "average", "max"])
+def test_reducescatter_gives_each_rank_its_rows_of_the_reduction(comm, dtype, op):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    rows = 2 * size + 1  # the first rank gets one row more
+    mine = block(rank, rows, dtype, seed=1)
+    before = mine.copy()
+    out = on(comm, hpcdl.reducescatter, mine, op=op, name=f"rs.{dtype}.{op}")
+    inputs = [block(r, rows, dtype, seed=1).astype(np.float64) for r in range(size)]
+    exact = np.max(inputs, axis=0) if op == "max" else sum(inputs)
+    if op == "average":  # integers floor-divide
+        exact = exact // size if dtype.startswith("int") else exact / size
+    begin, end = segment(rank, size, rows)
+    tol = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-5}.get(dtype, 1e-12)
+    ok = (out.shape == (end - begin,) + ROW and out.dtype == mine.dtype and mine.tobytes() == before.tobytes()
+          and np.allclose(out.astype(np.float64), exact[begin:end], rtol=tol, atol=tol * size))
+    agree(comm, ok, f"{out.shape} rows {begin}:{end}")
+
+
+@multi_rank
+def test_reducescatter_sum_of_bools_and_alltoall_bad_splits_raise_on_every_rank(comm):
+    size = comm.Get_size()
+    _, err = outcome(hpcdl.reducescatter, np.ones((size, 2), bool), op="sum", comm=comm)
+    agree(comm, isinstance(err, ValueError) and "does not reduce bool" in str(err), repr(err))
+    _, err = outcome(hpcdl.alltoall, np.ones((size + 1, 2)), comm=comm)
+    agree(comm, isinstance(err, ValueError) and "divide" in str(err), repr(err))
+    _, err = outcome(hpcdl.alltoall, np.ones((3, 2)), splits=[3] + [1] * (size - 1), comm=comm)
+    agree(comm, isinstance(err, ValueError) and "splits" in str(err), repr(err))
+
+
+def test_reducescatter_of_a_torch_tensor(device):
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    t = torch.arange(size * 4, dtype=torch.float32).reshape(size, 4).to(device) * (rank + 1)
+    out = collective(WORLD, hpcdl.reducescatter, t, name="rs.torch")
+    expected = torch.arange(size * 4, dtype=torch.float32).reshape(size, 4)[rank] * sum(range(1, size + 1))
+    agree(WORLD, out.device == t.device and torch.equal(out.cpu(), expected.reshape(1, 4)), out.tolist())
+
+
+def sent_by(rank, size, dtype):
+    """Rank `rank`'s splits (zeros included) and the rows it sends: row values name sender and receiver."""
+    splits = [(rank + 2 * j) % 3 for j in range(size)]
+    rows = [np.full((n,) + ROW, 10 * rank + j).astype(np_dtype(dtype)) for j, n in enumerate(splits)]
+    return splits, np.concatenate(rows)
+
+
+@pytest.mark.parametrize("dtype", MOVED_DTYPES)
+def test_alltoall_with_splits_delivers_each_ranks_rows_in_rank_order(comm, dtype):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    splits, mine = sent_by(rank, size, dtype)
+    received, got_splits = on(comm, hpcdl.alltoall, mine, splits=splits, name=f"a2a.{dtype}")
+    expected_splits = [sent_by(r, size, dtype)[0][rank] for r in range(size)]
+    expected = np.concatenate([np.full((n,) + ROW, 10 * r + rank).astype(np_dtype(dtype))
+                               for r, n in enumerate(expected_splits)])
+    ok = got_splits == expected_splits and received.tobytes() == expected.tobytes() and received.shape == expected.shape
+    agree(comm, ok, f"{got_splits} vs {expected_splits}")
+
+
+@multi_rank
+def test_alltoall_without_splits_splits_equally(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = torch.arange(2 * size, dtype=torch.int64) + 100 * rank
+    received, splits = on(comm, hpcdl.alltoall, mine, name="a2a.equal")
+    expected = torch.tensor([100 * r + 2 * rank + k for r in range(size) for k in range(2)])
+    agree(comm, splits == [2] * size and torch.equal(received, expected), received.tolist())
+
+
+@multi_rank
+def test_alltoall_and_reducescatter_with_different_shapes_raise_on_every_rank(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    a = np.ones((size, 2 if rank == 0 else 5), np.float32)
+    _, err = outcome(hpcdl.alltoall, a, comm=comm, name="a2a.row")
+    agree(comm, isinstance(err, hpcdl.MismatchError), repr(err))
+    b = np.ones((size, 4) if rank == 0 else (size, 2, 2), np.float32)
+    _, err = outcome(hpcdl.reducescatter, b, comm=comm, name="rs.shape")
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "shape" in str(err), repr(err))
