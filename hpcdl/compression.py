@@ -25,6 +25,9 @@ not ``hpcdl.allreduce``.
 
 import numbers
 import re
+import zlib
+
+import numpy as np
 
 from hpcdl import _core
 
@@ -187,6 +190,7 @@ class PowerSGD(Codec):
     """
 
     name = "powersgd"
+    MIN_NORM = 1e-30  # a P column whose norm is below this is left as it is (zero stays zero), not blown up
 
     def __init__(self, rank=1, warmup_steps=10, seed=0):
         for setting, value, least, most in (("rank", rank, 1, None), ("warmup_steps", warmup_steps, 0, None),
@@ -203,14 +207,32 @@ class PowerSGD(Codec):
     def canonical(self):
         return f"powersgd(rank={self.rank},warmup_steps={self.warmup_steps},seed={self.seed})"
 
+    @staticmethod
+    def matrix_shape(shape):
+        """(n, m): a gradient of this shape viewed as a matrix (n its first dimension)."""
+        m = 1
+        for d in shape[1:]:
+            m *= int(d)
+        return int(shape[0]), m
+
     def compresses(self, shape):
         """Whether a gradient of this shape is sent as low-rank factors."""
         if len(shape) < 2:
             return False
-        n, m = shape[0], 1
-        for d in shape[1:]:
-            m *= d
+        n, m = self.matrix_shape(shape)
         return self.rank * (n + m) < n * m
+
+    def factor_bytes(self, shape):
+        """The float32 bytes of P and Q for a gradient of this shape: what it sends after the
+        warm-up (what low-rank buckets are sized by)."""
+        n, m = self.matrix_shape(shape)
+        return 4 * self.rank * (n + m)
+
+    def initial_q(self, name, m):
+        """Q before the first compressed step, m x rank float32: standard normals of numpy's
+        PCG64 seeded (seed << 32) | crc32(name), the same on every rank and in every framework."""
+        rng = np.random.Generator(np.random.PCG64((self.seed << 32) | zlib.crc32(name.encode())))
+        return rng.standard_normal((m, self.rank), dtype=np.float32)
 
     def encoded_size(self, count):
         raise TypeError("PowerSGD's size depends on the matrix shape: rank * (n + m) float32 values per "

@@ -8,7 +8,8 @@
     ds = hvd_tf.tf_dataset(prefetcher, ...)               # the prefetcher's stream as a tf.data.Dataset
     model = hvd_tf.load_model(path)                       # a model saved while training, optimizer re-wrapped
 
-tape (DistributedGradientTape, broadcast_variables), keras (DistributedOptimizer,
+tape (DistributedGradientTape, broadcast_variables), powersgd (the state of
+PowerSGD compression, powersgd_state), keras (DistributedOptimizer,
 the callbacks) and data (tf_dataset) are its modules; hpcdl's core API never
 imports them.
 """
@@ -16,7 +17,9 @@ imports them.
 from hpcdl.tensorflow.data import tf_dataset
 from hpcdl.tensorflow.keras import (BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback,
                                     load_model)
+from hpcdl.tensorflow.powersgd import PowerSGDState, powersgd_state
 from hpcdl.tensorflow.tape import DistributedGradientTape, broadcast_variables
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer", "broadcast_variables",
-           "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "load_model", "tf_dataset"]
+           "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "load_model", "tf_dataset",
+           "PowerSGDState", "powersgd_state"]

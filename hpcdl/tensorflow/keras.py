@@ -13,6 +13,8 @@ from mpi4py import MPI
 
 import hpcdl
 from hpcdl._agree import check_same_on_all_ranks
+from hpcdl.compression import PowerSGD
+from hpcdl.tensorflow.powersgd import powersgd_state
 from hpcdl.tensorflow.tape import _GradientAllreduce, broadcast_variables
 
 __all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "load_model"]
@@ -52,6 +54,8 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
     dtype named "{name}.{dtype}", compression a codec from hpcdl.compression,
     op "average" or "sum", shapes checked across ranks on the first step;
     IndexedSlices gradients allgathered, or made dense with sparse_as_dense=True.
+    With compression=PowerSGD(...) its state (Q and the residuals) is the
+    optimizer's attribute ``powersgd_state``, saved by tf.train.Checkpoint(optimizer=...).
     """
     if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not {type(optimizer).__name__}")
@@ -63,6 +67,8 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
     distributed = cls.from_config(optimizer.get_config())
     distributed._hpcdl_allreduce = _GradientAllreduce(compression, op, comm, name,
                                                       "the gradients of DistributedOptimizer", sparse_as_dense)
+    if isinstance(compression, PowerSGD):  # tracked: tf.train.Checkpoint(optimizer=...) saves Q and the residuals
+        distributed.powersgd_state = powersgd_state(name)
     return distributed
 
 

@@ -26,6 +26,7 @@ from tensorflow.python.ops import control_flow_util  # XLA context check (no pub
 import hpcdl
 from hpcdl._agree import check_same_on_all_ranks
 from hpcdl.compression import PowerSGD
+from hpcdl.tensorflow.powersgd import _state_for
 
 __all__ = ["DistributedGradientTape", "broadcast_variables"]
 
@@ -35,6 +36,16 @@ def _core_view(array):
     if array.dtype.name == "bfloat16":
         return array.view(np.uint16), "bfloat16"
     return array, None
+
+
+def _state_keys(sources):
+    """Each source's name for its PowerSGD state and seeded Q: the Keras variable's path, else the
+    tf.Variable's name; two sources of one name raise ValueError."""
+    keys = [getattr(s, "path", None) or getattr(s, "name", None) or f"source.{i}" for i, s in enumerate(sources)]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"PowerSGD keys its state by variable path, and these repeat: "
+                         f"{sorted(k for k in set(keys) if keys.count(k) > 1)}")
+    return keys
 
 
 class _GradientAllreduce:
@@ -53,12 +64,17 @@ class _GradientAllreduce:
     """
 
     def __init__(self, compression, op, comm, name, what, sparse_as_dense=False):
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self._powersgd = None
         if isinstance(compression, PowerSGD):
-            raise TypeError("PowerSGD runs in hpcdl.torch.DistributedOptimizer; the TensorFlow adapter does not "
-                            "factor gradients yet: use Int8, TopK, FP16 or BF16 here")
+            if op != "average":
+                raise ValueError(f"PowerSGD averages its factors: op must be 'average', not {op!r}")
+            self._powersgd = _state_for(compression, name)
+            self._factors = [_GradientAllreduce(None, op, comm, f"{name}.{f}", f"the PowerSGD factors {f} of {what}")
+                             for f in ("P", "Q")]
+            compression = None  # the gradients PowerSGD leaves alone are averaged densely
         self.compression = compression
         self.op = op
-        self.comm = MPI.COMM_WORLD if comm is None else comm
         self.name = name
         self.sparse_as_dense = bool(sparse_as_dense)
         self._what = what
@@ -69,6 +85,11 @@ class _GradientAllreduce:
         gathered (or made dense with sparse_as_dense)."""
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
         grads_in = [tf.zeros_like(s) if g is None else g for s, g in zip(flat_sources, flat_grads)]
+        if self._powersgd is not None:  # PowerSGD factors dense matrices: IndexedSlices go dense
+            dense = [tf.convert_to_tensor(g) for g in grads_in]
+            reduced = self._powersgd.reduce(dense, _state_keys(flat_sources), self.comm, self.allreduce,
+                                            self._factors[0].allreduce, self._factors[1].allreduce)
+            return tf.nest.pack_sequence_as(grads, reduced)
         gathered = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads_in]
         if any(gathered) and self.op not in ("average", "sum"):
             raise ValueError(f"IndexedSlices gradients are allgathered, which sums or averages them, not "
@@ -187,14 +208,17 @@ class DistributedGradientTape:
     reduced tensor. DistributedOptimizer (for Keras model.fit) reduces through
     the same path.
 
-    compression: a codec from hpcdl.compression (None: dense).
-    op: "average" (default) or "sum".
+    compression: a codec from hpcdl.compression (None: dense); PowerSGD factors
+    the float32 matrices (hpcdl.tensorflow.powersgd; its state, which
+    outlives the tape, is powersgd_state(name)).
+    op: "average" (default) or "sum" (PowerSGD: "average" only).
     comm: mpi4py communicator (default COMM_WORLD).
     sparse_as_dense: make IndexedSlices gradients (tf.gather, Embedding) dense
         and reduce them with the others. Otherwise (Horovod's sparse path) their
         indices and values are allgathered, uncompressed ("{name}.sparse.{i}.indices"
         and ".values") and the gradient is the IndexedSlices of every rank's
         rows (average: values / size); every rank must produce it each step.
+        With PowerSGD, IndexedSlices gradients are always made dense.
     The gradients' shapes and dtypes are checked across ranks the first time a
     set of them is seen: a model that differs raises MismatchError on every rank.
     """

@@ -26,39 +26,15 @@ path (CUDA) the matrix products run on the device and only P and Q travel
 through pinned host memory.
 """
 
-import zlib
-
 import torch
 
 import hpcdl
 from hpcdl import _tensors
+from hpcdl.compression import PowerSGD
 from hpcdl.torch._buckets import Bucket, make_buckets
 
-# A P column whose norm is below this is left as it is (zero stays zero) instead of blowing up.
-MIN_NORM = 1e-30
+MIN_NORM = PowerSGD.MIN_NORM
 _DENSE_BUCKET = float("inf")  # the dense parameters share one bucket per dtype and device
-
-
-def matrix_shape(shape):
-    """(n, m): a gradient of this shape viewed as a matrix (n its first dimension)."""
-    n = shape[0]
-    m = 1
-    for d in shape[1:]:
-        m *= d
-    return n, m
-
-
-def factor_bytes(shape, rank):
-    """The float32 bytes of P and Q for a gradient of this shape: what it sends after the warm-up."""
-    n, m = matrix_shape(shape)
-    return 4 * rank * (n + m)
-
-
-def initial_q(seed, name, m, rank):
-    """Q before the first compressed step: float32 normals from a CPU generator seeded by
-    the codec's seed and the parameter's name (the same on every rank and device)."""
-    g = torch.Generator().manual_seed((seed << 32) | zlib.crc32(name.encode()))
-    return torch.randn(m, rank, generator=g)
 
 
 def orthogonalize(p):
@@ -183,14 +159,14 @@ class LowRankBucket(Bucket):
         if not self.can_compress:
             return
         rank, device = schedule.codec.rank, self.device
-        shapes = [matrix_shape(p.shape) for p, _, _ in slots]
+        shapes = [schedule.codec.matrix_shape(p.shape) for p, _, _ in slots]
         host = device if staged else torch.device("cpu")
         self.p_host = _tensors.host_buffer(rank * sum(n for n, _ in shapes), torch.float32, host)
         self.q_host = _tensors.host_buffer(rank * sum(m for _, m in shapes), torch.float32, host)
         self.p_array, self.q_array = self.p_host.numpy(), self.q_host.numpy()
         self.p_dev = torch.empty_like(self.p_host, device=device) if staged else self.p_host
         self.q_dev = torch.empty_like(self.q_host, device=device) if staged else self.q_host
-        self.q0 = torch.cat([initial_q(schedule.codec.seed, names[p], m, rank).view(-1)
+        self.q0 = torch.cat([torch.from_numpy(schedule.codec.initial_q(names[p], m)).view(-1)
                              for (p, _, _), (_, m) in zip(slots, shapes)]).to(device)
         self.q_dev.copy_(self.q0)
         self.residual = torch.zeros(self.gather.numel(), dtype=torch.float32, device=device)
@@ -292,7 +268,7 @@ def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, 
     buckets = make_buckets(compressed, bucket_bytes, name, first_index, reducible,
                            lambda i, bname, dtype, slots: LowRankBucket(i, bname, slots, staged_of(slots[0][0]),
                                                                         schedule, size, names),
-                           weigh=lambda p: factor_bytes(p.shape, schedule.codec.rank))
+                           weigh=lambda p: schedule.codec.factor_bytes(p.shape))
     return buckets + make_buckets(dense, _DENSE_BUCKET, name, first_index + len(buckets), reducible,
                                   lambda i, bname, dtype, slots: Bucket(i, bname, dtype, slots,
                                                                         staged_of(slots[0][0]), None, size,

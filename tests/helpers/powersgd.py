@@ -4,13 +4,12 @@ in one process, and the digits model the convergence test trains."""
 import zlib
 
 import numpy as np
-import torch
 
 
 def seeded_q(seed, name, m, rank):
-    """The documented start of Q: torch's CPU normals, generator seeded (seed << 32) | crc32(name)."""
-    g = torch.Generator().manual_seed((seed << 32) | zlib.crc32(name.encode()))
-    return torch.randn(m, rank, generator=g).double().numpy()
+    """The documented start of Q: float32 normals of numpy's PCG64 seeded (seed << 32) | crc32(name)."""
+    rng = np.random.Generator(np.random.PCG64((seed << 32) | zlib.crc32(name.encode())))
+    return rng.standard_normal((m, rank), dtype=np.float32).astype(np.float64)
 
 
 def gram_schmidt(p):

@@ -52,8 +52,16 @@ def test_tf_example_learns_the_digits(tmp_path):
     assert len(re.findall(r"epoch +\d+ .* stall \d+\.\d+ s \(", run.stdout)) == 3, run.stdout
 
 
-def test_powersgd_is_refused_at_construction_naming_the_torch_optimizer():
+def test_powersgd_on_one_rank_leaves_the_gradients_exact_and_refuses_sum_and_other_settings():
+    codec = hpcdl.compression.PowerSGD(rank=1, warmup_steps=0)
+    var = tf.Variable(tf.reshape(tf.range(12, dtype=tf.float32), (4, 3)), name="w")
     with tf.GradientTape() as tape:
-        pass
-    with pytest.raises(TypeError, match="hpcdl.torch.DistributedOptimizer"):
-        hvd_tf.DistributedGradientTape(tape, compression=hpcdl.compression.PowerSGD(), comm=MPI.COMM_SELF)
+        loss = tf.reduce_sum(var * var)
+    grads = hvd_tf.DistributedGradientTape(tape, compression=codec, comm=MPI.COMM_SELF,
+                                           name="psgd.one").gradient(loss, [var])
+    assert np.array_equal(grads[0].numpy(), 2 * var.numpy())
+    with pytest.raises(ValueError, match="op must be 'average'"):
+        hvd_tf.DistributedGradientTape(tape, compression=codec, op="sum", comm=MPI.COMM_SELF, name="psgd.sum")
+    with pytest.raises(ValueError, match="give this tape or optimizer another name"):
+        hvd_tf.DistributedGradientTape(tape, compression=hpcdl.compression.PowerSGD(rank=2), comm=MPI.COMM_SELF,
+                                       name="psgd.one")
