@@ -28,8 +28,18 @@ import statistics
 import subprocess
 import sys
 
-FIELDS = ["mode", "ranks", "ops_per_step", "steps", "rank0_messages_per_step", "rank0_entries_per_step",
-          "rank0_descriptions_per_step", "plan_latency_us", "agreed_minus_submitted_us", "step_ms"]
+FIELDS = [
+    "mode",
+    "ranks",
+    "ops_per_step",
+    "steps",
+    "rank0_messages_per_step",
+    "rank0_entries_per_step",
+    "rank0_descriptions_per_step",
+    "plan_latency_us",
+    "agreed_minus_submitted_us",
+    "step_ms",
+]
 
 
 def job(args):
@@ -73,7 +83,9 @@ def job(args):
     if rank == 0:
         row = {
             "mode": "flat" if os.environ.get("HPCDL_AGREEMENT_FLAT") == "1" else "tree",
-            "ranks": size, "ops_per_step": args.ops, "steps": args.steps,
+            "ranks": size,
+            "ops_per_step": args.ops,
+            "steps": args.steps,
             "rank0_messages_per_step": counts["messages_received"] / args.steps,
             "rank0_entries_per_step": counts["entries_received"] / args.steps,
             "rank0_descriptions_per_step": counts["descriptions_received"] / args.steps,
@@ -93,8 +105,9 @@ def draw(plt, rows, title):
         axes[0].plot(ranks, [r["rank0_entries_per_step"] for r in mine], style, label=label)
         axes[1].plot(ranks, [r["plan_latency_us"] for r in mine], style, label=label)
         axes[2].plot(ranks, [r["step_ms"] for r in mine], style, label=label)
-    for ax, ylabel in zip(axes, ("reports rank 0 receives per step", "plan latency (us, median)",
-                                 "step time (ms, median)")):
+    for ax, ylabel in zip(
+        axes, ("reports rank 0 receives per step", "plan latency (us, median)", "step time (ms, median)")
+    ):
         ax.set_xlabel("ranks P")
         ax.set_ylabel(ylabel)
         ax.set_xticks(sorted({r["ranks"] for r in rows}))
@@ -111,8 +124,18 @@ def drive(args):
     for size in [int(p) for p in args.ranks.split(",")]:
         for mode in ("flat", "tree"):
             env = dict(os.environ, HPCDL_AGREEMENT_FLAT="1" if mode == "flat" else "0")
-            cmd = ["mpiexec", "-n", str(size), sys.executable, here, "--job", "--ops", str(args.ops),
-                   "--steps", str(args.steps)]
+            cmd = [
+                "mpiexec",
+                "-n",
+                str(size),
+                sys.executable,
+                here,
+                "--job",
+                "--ops",
+                str(args.ops),
+                "--steps",
+                str(args.steps),
+            ]
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
             found = [line[4:] for line in out.stdout.splitlines() if line.startswith("ROW ")]
             if out.returncode != 0 or not found:

@@ -74,6 +74,7 @@ def byte_list(text):
 
 # ---- systems: each reduces a float32 numpy array in place, summing over ranks ----
 
+
 class System:
     """One allreduce implementation under test. `run` is what is timed."""
 
@@ -107,6 +108,7 @@ def parse_codec(text):
     """A codec text as hpcdl.compression.from_text reads it ('none', 'fp16', 'int8',
     'int8(block=64)', 'topk(ratio=0.01)' ...) -> an hpcdl codec (None = dense)."""
     from hpcdl.compression import NoCompression, from_text
+
     codec = from_text(text)
     return None if isinstance(codec, NoCompression) else codec
 
@@ -114,6 +116,7 @@ def parse_codec(text):
 class HpcdlSystem(System):
     def __init__(self, comm, chunk_bytes=None, hang_seconds=120.0, codec_text="none"):
         import hpcdl
+
         self.hpcdl, self.comm, self.chunk_bytes, self.hang_seconds = hpcdl, comm, chunk_bytes, hang_seconds
         self.codec = parse_codec(codec_text)
         self.name = "hpcdl" if chunk_bytes is None else f"hpcdl[chunk={format_bytes(chunk_bytes)}]"
@@ -143,7 +146,7 @@ class HpcdlSystem(System):
             return super().correct(work, expected, comm)
         err = np.abs(work - expected.values)
         if name in ("fp16", "bf16"):
-            unit = 2.0 ** -11 if name == "fp16" else 2.0 ** -8
+            unit = 2.0**-11 if name == "fp16" else 2.0**-8
             return bool(np.all(err <= p * unit * expected.sum_abs + expected.rounding(p)))
         same = len(set(comm.allgather(hashlib.sha1(work.tobytes()).hexdigest()))) == 1
         if name == "int8":
@@ -162,12 +165,17 @@ class HpcdlSystem(System):
 
     def run(self, work):
         try:
-            self.hpcdl.allreduce_async(work, op="sum", comm=self.comm, name=self.name,
-                                       compression=self.codec).wait(timeout=self.hang_seconds)
+            self.hpcdl.allreduce_async(work, op="sum", comm=self.comm, name=self.name, compression=self.codec).wait(
+                timeout=self.hang_seconds
+            )
         except TimeoutError:
             # The engine thread is stuck in MPI and cannot be stopped: say so and end the job.
-            print(f"[bench rank {self.comm.rank}] {self.name}: allreduce of {format_bytes(work.nbytes)} not "
-                  f"finished after {self.hang_seconds:g} s; aborting", file=sys.stderr, flush=True)
+            print(
+                f"[bench rank {self.comm.rank}] {self.name}: allreduce of {format_bytes(work.nbytes)} not "
+                f"finished after {self.hang_seconds:g} s; aborting",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(3)
 
 
@@ -192,6 +200,7 @@ class GlooSystem(System):
     def __init__(self, comm):
         import torch
         import torch.distributed as dist
+
         self.torch, self.dist = torch, dist
         addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
         port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
@@ -200,8 +209,7 @@ class GlooSystem(System):
                 probe.bind((addr, 0))
                 port = probe.getsockname()[1]
         port = comm.bcast(port, root=0)
-        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank,
-                                world_size=comm.size)
+        dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=comm.rank, world_size=comm.size)
 
     def run(self, work):
         self.dist.all_reduce(self.torch.from_numpy(work))
@@ -222,14 +230,14 @@ def make_systems(names, chunk_sizes, comm, hang_seconds, codecs=()):
     unknown = [n for n in names if n not in factories]
     if unknown:
         raise ValueError(f"unknown system(s) {', '.join(unknown)}; choose from {', '.join(factories)}")
-    return codec_systems + [system for n in names if not (codecs and n == "hpcdl")
-                            for system in factories[n]()]
+    return codec_systems + [system for n in names if not (codecs and n == "hpcdl") for system in factories[n]()]
 
 
 # ---- measurement ----
 
+
 def rank_input(count, rank, data):
-    """"ints": small integers, so every partial sum is exact in float32 (but about
+    """ "ints": small integers, so every partial sum is exact in float32 (but about
     1/13 of the values tie at every magnitude). "normal": standard normal values,
     seeded by rank, like gradients (no ties)."""
     if data == "normal":
@@ -256,7 +264,7 @@ class Expected:
 
     def rounding(self, size):
         """Float32 rounding of a sum of `size` terms, per element (with margin)."""
-        return size * 2.0 ** -23 * self.sum_abs + 1e-30
+        return size * 2.0**-23 * self.sum_abs + 1e-30
 
 
 def timed_call(comm, system, work, source):
@@ -329,9 +337,25 @@ def bandwidths(nbytes, seconds, ranks):
 
 # ---- output (rank 0) ----
 
-FIELDS = ["tag", "run", "system", "ranks", "bytes", "iters", "time_median_s", "time_min_s",
-          "algbw_MBps", "busbw_MBps", "busbw_best_MBps", "correct", "stream_MBps", "wire_bytes",
-          "cpu_per_rank_s", "cpu_share", "load_average"]
+FIELDS = [
+    "tag",
+    "run",
+    "system",
+    "ranks",
+    "bytes",
+    "iters",
+    "time_median_s",
+    "time_min_s",
+    "algbw_MBps",
+    "busbw_MBps",
+    "busbw_best_MBps",
+    "correct",
+    "stream_MBps",
+    "wire_bytes",
+    "cpu_per_rank_s",
+    "cpu_share",
+    "load_average",
+]
 
 
 def write_atomic(path, write):
@@ -346,6 +370,7 @@ def write_csv(path, rows):
         w = csv.DictWriter(f, FIELDS, restval="")
         w.writeheader()
         w.writerows(rows)
+
     write_atomic(path, write)
 
 
@@ -385,18 +410,24 @@ def print_table(summary, names, sizes, stream):
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
-    print("busbw in MB/s (10^6 bytes/s), median over runs of each run's median time"
-          + (f"; TCP stream {stream:.1f} MB/s" if stream else ""))
+    print(
+        "busbw in MB/s (10^6 bytes/s), median over runs of each run's median time"
+        + (f"; TCP stream {stream:.1f} MB/s" if stream else "")
+    )
 
 
 def print_codec_table(rows, names, sizes):
     """Per size and system: median time, effective bandwidth (original bytes / time),
     wire bytes per call (all ranks), and speedup over MPI_Allreduce when it ran."""
+
     def median_of(name, nbytes, field):
         vals = [r[field] for r in rows if r["system"] == name and r["bytes"] == nbytes and r["correct"]]
         return statistics.median(vals) if vals else None
-    print(f"{'size':>6}  {'system':<24} {'time ms':>9} {'eff MB/s':>9} {'wire MB':>9} {'vs mpi':>7} "
-          f"{'cpu/rank ms':>11} {'cpu share':>9}")
+
+    print(
+        f"{'size':>6}  {'system':<24} {'time ms':>9} {'eff MB/s':>9} {'wire MB':>9} {'vs mpi':>7} "
+        f"{'cpu/rank ms':>11} {'cpu share':>9}"
+    )
     for nbytes in sizes:
         t_mpi = median_of("mpi", nbytes, "time_median_s")
         for name in names:
@@ -435,27 +466,53 @@ def draw(plt, summary, names, sizes, stream, title):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="message sizes in bytes, comma-separated "
-                   f"(KiB/MiB/GiB suffixes; default {DEFAULT_SIZES})")
-    p.add_argument("--systems", default="hpcdl,mpi,gloo", help="comma-separated, from hpcdl, mpi, gloo; "
-                   "the first is the one the ratio columns are about")
-    p.add_argument("--chunk-bytes", default="", help="sweep hpcdl's chunk size over this list "
-                   "(one hpcdl system per value); default: hpcdl's configured chunk size")
-    p.add_argument("--compression", default="", help="comma-separated codecs for hpcdl, one system each "
-                   "(hpcdl.compression.from_text's syntax, e.g. none,fp16,int8,'topk(ratio=0.01)'); they replace "
-                   "'hpcdl' in --systems and come first")
-    p.add_argument("--iters", type=int, default=0, help="timed iterations per size and system "
-                   "(default 0: adaptive, about --budget seconds each)")
+    p.add_argument(
+        "--sizes",
+        default=DEFAULT_SIZES,
+        help=f"message sizes in bytes, comma-separated (KiB/MiB/GiB suffixes; default {DEFAULT_SIZES})",
+    )
+    p.add_argument(
+        "--systems",
+        default="hpcdl,mpi,gloo",
+        help="comma-separated, from hpcdl, mpi, gloo; the first is the one the ratio columns are about",
+    )
+    p.add_argument(
+        "--chunk-bytes",
+        default="",
+        help="sweep hpcdl's chunk size over this list "
+        "(one hpcdl system per value); default: hpcdl's configured chunk size",
+    )
+    p.add_argument(
+        "--compression",
+        default="",
+        help="comma-separated codecs for hpcdl, one system each "
+        "(hpcdl.compression.from_text's syntax, e.g. none,fp16,int8,'topk(ratio=0.01)'); they replace "
+        "'hpcdl' in --systems and come first",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=0,
+        help="timed iterations per size and system (default 0: adaptive, about --budget seconds each)",
+    )
     p.add_argument("--budget", type=float, default=2.0, help="seconds per size and system when adaptive")
     p.add_argument("--min-iters", type=int, default=3)
     p.add_argument("--max-iters", type=int, default=100)
     p.add_argument("--warmup", type=int, default=1, help="untimed iterations after the checked one")
-    p.add_argument("--data", choices=["ints", "normal"], default="ints",
-                   help="input values: small integers (exact checks; heavy ties, top-k's worst case) "
-                        "or standard normal (gradient-like)")
+    p.add_argument(
+        "--data",
+        choices=["ints", "normal"],
+        default="ints",
+        help="input values: small integers (exact checks; heavy ties, top-k's worst case) "
+        "or standard normal (gradient-like)",
+    )
     p.add_argument("--runs", type=int, default=1, help="repeat the whole sweep; the table shows medians over runs")
-    p.add_argument("--hang-seconds", type=float, default=120.0, help="abort the job when one hpcdl "
-                   "allreduce takes longer than this")
+    p.add_argument(
+        "--hang-seconds",
+        type=float,
+        default=120.0,
+        help="abort the job when one hpcdl allreduce takes longer than this",
+    )
     p.add_argument("--out", default="bench/results", help="directory for <tag>.csv/.png/.json")
     p.add_argument("--tag", default="allreduce", help="file name stem and plot title")
     args = p.parse_args(argv)
@@ -463,6 +520,7 @@ def parse_args(argv):
     args.chunk_sizes = byte_list(args.chunk_bytes) if args.chunk_bytes else []
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     from hpcdl.compression import from_text_list
+
     args.codecs = [str(codec) for codec in from_text_list(args.compression)]
     itemsize = np.dtype(DTYPE).itemsize
     bad = [format_bytes(s) for s in args.sizes if s <= 0 or s % itemsize]
@@ -489,6 +547,7 @@ def main(argv=None):
     if comm.rank == 0:
         os.makedirs(args.out, exist_ok=True)
         from tqdm import tqdm
+
         progress = tqdm(total=args.runs * len(args.sizes), desc="[bench rank 0] allreduce", file=sys.stderr)
     for run in range(args.runs):
         for nbytes in args.sizes:
@@ -496,9 +555,17 @@ def main(argv=None):
             results, wire, cpu = measure_size(comm, systems, nbytes, args)
             for name in names:
                 times = results[name]
-                row = {"tag": args.tag, "run": run, "system": name, "ranks": comm.size, "bytes": nbytes,
-                       "correct": times is not None, "stream_MBps": stream or "", "wire_bytes": wire.get(name, ""),
-                       "load_average": "" if load is None else load}
+                row = {
+                    "tag": args.tag,
+                    "run": run,
+                    "system": name,
+                    "ranks": comm.size,
+                    "bytes": nbytes,
+                    "correct": times is not None,
+                    "stream_MBps": stream or "",
+                    "wire_bytes": wire.get(name, ""),
+                    "load_average": "" if load is None else load,
+                }
                 if times:
                     median, best = statistics.median(times), min(times)
                     row.update(iters=len(times), time_median_s=median, time_min_s=best)
@@ -524,9 +591,17 @@ def main(argv=None):
         print_codec_table(rows, names, args.sizes)
     stem = os.path.join(args.out, args.tag)
     write_csv(stem + ".csv", rows)
-    meta = {"command": " ".join(sys.argv), "ranks": comm.size, "runs": args.runs, "systems": names,
-            "stream_MBps": stream, "mpi": MPI.Get_library_version().splitlines()[0],
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname(), "cpus": os.cpu_count()}
+    meta = {
+        "command": " ".join(sys.argv),
+        "ranks": comm.size,
+        "runs": args.runs,
+        "systems": names,
+        "stream_MBps": stream,
+        "mpi": MPI.Get_library_version().splitlines()[0],
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+    }
     write_atomic(stem + ".json", lambda f: json.dump(meta, f, indent=1))
     from hpcdl.measure import save_figure
 

@@ -37,8 +37,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=64, help="input size in MiB of float32 (default 64)")
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--codecs", default="fp16,bf16,int8,int8(block=64),topk(ratio=0.01),topk(ratio=0.001)",
-                   help="hpcdl.compression.from_text's syntax, comma-separated")
+    p.add_argument(
+        "--codecs",
+        default="fp16,bf16,int8,int8(block=64),topk(ratio=0.01),topk(ratio=0.001)",
+        help="hpcdl.compression.from_text's syntax, comma-separated",
+    )
     args = p.parse_args(argv)
     n = args.mib * (1 << 20) // 4
     x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
@@ -49,8 +52,10 @@ def main(argv=None):
         t_enc = time_median(lambda: codec.encode_into(x, enc), args.repeats)
         t_dec = time_median(lambda: codec.decode_into(enc, out), args.repeats)
         gb = x.nbytes / 1e9
-        print(f"{str(codec):<28} {enc.size / x.nbytes:9.4f} {show(rate(gb, t_enc), '12.2f')} "
-              f"{show(rate(gb, t_dec), '12.2f')} {show(rate(gb, t_enc + t_dec), '13.2f')}")
+        print(
+            f"{str(codec):<28} {enc.size / x.nbytes:9.4f} {show(rate(gb, t_enc), '12.2f')} "
+            f"{show(rate(gb, t_dec), '12.2f')} {show(rate(gb, t_enc + t_dec), '13.2f')}"
+        )
     return 0
 
 

@@ -39,13 +39,13 @@ from dataclasses import dataclass, replace
 SCHEMES = ("dense", "mpi", "fp16", "bf16", "int8", "topk_allgather", "topk_split")
 RING_WIDTH = {"dense": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}  # wire bytes per value
 TOPK_RATIO = 0.01
-CHUNK_BYTES = 4 << 20           # hpcdl's default ring chunk (kDefaultChunkBytes)
+CHUNK_BYTES = 4 << 20  # hpcdl's default ring chunk (kDefaultChunkBytes)
 ALLGATHER_LONG_BYTES = 512 << 10  # MPICH: allgather by recursive doubling below this total, ring above
-CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc", "int8_dec",
-               "topk_select", "topk_sum")
+CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc", "int8_dec", "topk_select", "topk_sum")
 
 
 # ---- the model ----
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -57,6 +57,7 @@ class Machine:
     core each rank gets while all compute at once (measured), else min(1, cores / P) with
     cores = None for a core per rank; burst: bytes a rank's link sends at once before its
     rate applies (the emulated cluster's token bucket, full when a call starts; 0 on a real link)."""
+
     alpha: float
     beta: float
     codec: dict
@@ -155,6 +156,7 @@ def predict_time(scheme, p, n, m, ratio=TOPK_RATIO):
 
 # ---- measurement helpers ----
 
+
 def load_average():
     try:
         with open("/proc/loadavg") as f:
@@ -165,6 +167,7 @@ def load_average():
 
 def parse_size(text):
     from hpcdl.units import parse_bytes  # the library's one byte-size parser
+
     return parse_bytes(text)
 
 
@@ -188,9 +191,11 @@ def num(text):
 
 # ---- codecs: CPU terms on one core ----
 
+
 def cmd_codecs(args):
     """Thread CPU seconds per float32 value of each kernel, median of --repeats."""
     import numpy as np
+
     from hpcdl.compression import BF16, FP16, Int8, TopK
     from hpcdl.measure import cell, rate, show
 
@@ -216,10 +221,18 @@ def cmd_codecs(args):
         terms["topk_select" if name == "topk" else f"{name}_enc"] = enc_t
         terms["topk_sum" if name == "topk" else f"{name}_dec"] = dec_t
     load = load_average()
-    rows = [{"term": t, "seconds_per_value": cell(terms[t]), "GBps_of_float32": cell(rate(4e-9, terms[t])),
-             "values": n, "repeats": args.repeats, "load_avg": cell(load),
-             "note": "" if terms[t] else "missing: the thread clock read no time (use a larger --size)"}
-            for t in CODEC_TERMS]
+    rows = [
+        {
+            "term": t,
+            "seconds_per_value": cell(terms[t]),
+            "GBps_of_float32": cell(rate(4e-9, terms[t])),
+            "values": n,
+            "repeats": args.repeats,
+            "load_avg": cell(load),
+            "note": "" if terms[t] else "missing: the thread clock read no time (use a larger --size)",
+        }
+        for t in CODEC_TERMS
+    ]
     path = os.path.join(args.out, "cost-model-codecs.csv")
     write_rows(path, list(rows[0]), rows)
     for t in CODEC_TERMS:
@@ -239,10 +252,25 @@ def load_codecs(out):
 
 # ---- measure: under mpiexec on the emulated cluster ----
 
-MEASURE_FIELDS = ["ranks", "rate", "burst", "stream_MBps", "scheme", "bytes", "run", "calls", "time_median_s",
-                  "time_min_s", "cpu_per_rank_s", "bytes_sent_per_rank", "link_bytes_per_rank", "cpu_share",
-                  "load_start", "load_end",
-                  "check"]
+MEASURE_FIELDS = [
+    "ranks",
+    "rate",
+    "burst",
+    "stream_MBps",
+    "scheme",
+    "bytes",
+    "run",
+    "calls",
+    "time_median_s",
+    "time_min_s",
+    "cpu_per_rank_s",
+    "bytes_sent_per_rank",
+    "link_bytes_per_rank",
+    "cpu_share",
+    "load_start",
+    "load_end",
+    "check",
+]
 
 
 def link_bytes_sent():
@@ -259,6 +287,7 @@ def cpu_share(comm, seconds=0.05):
     with other jobs, or more ranks than cores): thread CPU time over wall time of a numpy
     loop all ranks start together; the median over ranks."""
     import numpy as np
+
     a = np.ones(1 << 16, np.float32)
     comm.Barrier()
     cpu0, t0 = time.thread_time(), time.perf_counter()
@@ -282,8 +311,14 @@ def cmd_measure(args):
 
     comm = MPI.COMM_WORLD
     mpi_comm = comm.Dup()
-    codecs = {"dense": None, "fp16": FP16(), "bf16": BF16(), "int8": Int8(),
-              "topk_allgather": TopK(TOPK_RATIO, "allgather"), "topk_split": TopK(TOPK_RATIO, "split")}
+    codecs = {
+        "dense": None,
+        "fp16": FP16(),
+        "bf16": BF16(),
+        "int8": Int8(),
+        "topk_allgather": TopK(TOPK_RATIO, "allgather"),
+        "topk_split": TopK(TOPK_RATIO, "split"),
+    }
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     bad = [s for s in schemes if s not in SCHEMES]
     if bad:
@@ -330,8 +365,9 @@ def cmd_measure(args):
                 timed(scheme, work, source)
                 stats = hpcdl.stats(reset=True).get("allreduce", {})
                 ops = sum(r["ops"] for r in stats.values())
-                sent[scheme] = (comm.allreduce(sum(r["bytes_sent"] for r in stats.values()) / ops) / comm.size
-                                if ops else None)
+                sent[scheme] = (
+                    comm.allreduce(sum(r["bytes_sent"] for r in stats.values()) / ops) / comm.size if ops else None
+                )
             walls, cpus, links = ({s: [] for s in schemes} for _ in range(3))
             for _ in range(args.calls):
                 for scheme in schemes:
@@ -344,22 +380,36 @@ def cmd_measure(args):
                 shares.append(cpu_share(comm))
             load_end = comm.bcast(load_average(), root=0)
             for scheme in schemes:
-                rows.append({"ranks": comm.size, "rate": rate, "burst": os.environ.get("HPCDL_NET_BURST", ""),
-                             "stream_MBps": stream, "scheme": scheme,
-                             "bytes": nbytes, "run": run, "calls": args.calls,
-                             "time_median_s": statistics.median(walls[scheme]), "time_min_s": min(walls[scheme]),
-                             "cpu_per_rank_s": statistics.median(cpus[scheme]),
-                             "bytes_sent_per_rank": "" if sent[scheme] is None else sent[scheme],
-                             "link_bytes_per_rank": statistics.median(links[scheme]) if links[scheme] else "",
-                             "cpu_share": statistics.median(shares),
-                             "load_start": load_start, "load_end": load_end,
-                             "check": "ok" if checks[scheme] else "WRONG"})
+                rows.append(
+                    {
+                        "ranks": comm.size,
+                        "rate": rate,
+                        "burst": os.environ.get("HPCDL_NET_BURST", ""),
+                        "stream_MBps": stream,
+                        "scheme": scheme,
+                        "bytes": nbytes,
+                        "run": run,
+                        "calls": args.calls,
+                        "time_median_s": statistics.median(walls[scheme]),
+                        "time_min_s": min(walls[scheme]),
+                        "cpu_per_rank_s": statistics.median(cpus[scheme]),
+                        "bytes_sent_per_rank": "" if sent[scheme] is None else sent[scheme],
+                        "link_bytes_per_rank": statistics.median(links[scheme]) if links[scheme] else "",
+                        "cpu_share": statistics.median(shares),
+                        "load_start": load_start,
+                        "load_end": load_end,
+                        "check": "ok" if checks[scheme] else "WRONG",
+                    }
+                )
                 if comm.rank == 0:
-                    print(f"P={comm.size} {rate} run {run} {nbytes >> 10} KiB {scheme:15} "
-                          f"{1e3 * statistics.median(walls[scheme]):9.1f} ms  "
-                          f"cpu {1e3 * statistics.median(cpus[scheme]):7.1f}"
-                          f" ms  {checks[scheme] and 'ok' or 'WRONG'}  share {statistics.median(shares):.2f}"
-                          f"  load {load_start}->{load_end}", flush=True)
+                    print(
+                        f"P={comm.size} {rate} run {run} {nbytes >> 10} KiB {scheme:15} "
+                        f"{1e3 * statistics.median(walls[scheme]):9.1f} ms  "
+                        f"cpu {1e3 * statistics.median(cpus[scheme]):7.1f}"
+                        f" ms  {checks[scheme] and 'ok' or 'WRONG'}  share {statistics.median(shares):.2f}"
+                        f"  load {load_start}->{load_end}",
+                        flush=True,
+                    )
     mpi_comm.Free()
     if comm.rank == 0:
         path = os.path.join(args.out, f"cost-model-measured-p{comm.size}.csv")
@@ -369,6 +419,7 @@ def cmd_measure(args):
 
 
 # ---- validate: fit on P = 2, compare at every measured P ----
+
 
 def medians(rows):
     """{(ranks, scheme, bytes): (median over runs of time, of CPU per rank, of hpcdl's bytes sent,
@@ -383,11 +434,14 @@ def medians(rows):
         sent = [num(r["bytes_sent_per_rank"]) for r in rs if num(r["bytes_sent_per_rank"]) is not None]
         wire = [num(r.get("link_bytes_per_rank")) for r in rs if num(r.get("link_bytes_per_rank")) is not None]
         shares = [num(r["cpu_share"]) for r in rs if num(r["cpu_share"])]
-        out[key] = (statistics.median(float(r["time_median_s"]) for r in rs),
-                    statistics.median(float(r["cpu_per_rank_s"]) for r in rs),
-                    statistics.median(sent) if sent else None, rs,
-                    statistics.median(wire) if wire else None,
-                    statistics.median(shares) if shares else None)
+        out[key] = (
+            statistics.median(float(r["time_median_s"]) for r in rs),
+            statistics.median(float(r["cpu_per_rank_s"]) for r in rs),
+            statistics.median(sent) if sent else None,
+            rs,
+            statistics.median(wire) if wire else None,
+            statistics.median(shares) if shares else None,
+        )
     return out
 
 
@@ -397,8 +451,9 @@ def fit_cpu(points, codec):
     (the engine's polite wait wakes up while the link is busy), least squares on relative
     errors, both >= 0. A TCP term per wire byte is not resolved on these links: bytes and
     wall time are proportional there, and the fit gives the CPU to poll."""
-    rows = [(kernel_seconds(s, p, b // 4, codec), v[0], v[1])
-            for (p, s, b), v in points.items() if s != "mpi" and v[1] > 0]
+    rows = [
+        (kernel_seconds(s, p, b // 4, codec), v[0], v[1]) for (p, s, b), v in points.items() if s != "mpi" and v[1] > 0
+    ]
     if not rows:
         return 1.0, 0.0
 
@@ -430,22 +485,42 @@ def fit(points, codec, stream_beta, burst, kappa=1.0):
         beta = stream_beta / (0.70 + 0.01 * j)
         for i in range(241):
             m = Machine(1e-6 * 10 ** (i / 60), beta, codec, kappa=kappa, burst=burst)
-            err = sum((predict_time(s, p, b // 4, replace(m, cpu_share=v[-1])) / v[0] - 1) ** 2
-                      for (p, s, b), v in points.items())
+            err = sum(
+                (predict_time(s, p, b // 4, replace(m, cpu_share=v[-1])) / v[0] - 1) ** 2
+                for (p, s, b), v in points.items()
+            )
             if best is None or err < best[0]:
                 best = (err, m)
     return best[1]
 
 
-VALIDATE_FIELDS = ["ranks", "scheme", "bytes", "runs", "measured_s", "predicted_s", "predicted_over_measured",
-                   "best_s", "predicted_over_best",
-                   "within_20pct", "bytes_sent_measured", "link_bytes_measured", "bytes_sent_model",
-                   "cpu_per_rank_s", "cpu_model_s", "cpu_share", "load_range",
-                   "rate", "stream_MBps", "note"]
+VALIDATE_FIELDS = [
+    "ranks",
+    "scheme",
+    "bytes",
+    "runs",
+    "measured_s",
+    "predicted_s",
+    "predicted_over_measured",
+    "best_s",
+    "predicted_over_best",
+    "within_20pct",
+    "bytes_sent_measured",
+    "link_bytes_measured",
+    "bytes_sent_model",
+    "cpu_per_rank_s",
+    "cpu_model_s",
+    "cpu_share",
+    "load_range",
+    "rate",
+    "stream_MBps",
+    "note",
+]
 
 
 def cmd_validate(args):
     from hpcdl.measure import cell, ratio
+
     codec = load_codecs(args.out)
     rows = []
     for p in args.ranks:
@@ -471,45 +546,83 @@ def cmd_validate(args):
                 q = ratio(pred, t)
                 best = statistics.median(float(r["time_min_s"]) for r in rs)
                 loads = [num(r[f]) for r in rs for f in ("load_start", "load_end") if num(r[f]) is not None]
-                out.append({"ranks": p, "scheme": scheme, "bytes": b, "runs": len(rs), "measured_s": t,
-                            "predicted_s": pred, "predicted_over_measured": cell(q),
-                            "best_s": best, "predicted_over_best": cell(ratio(pred, best)),
-                            "within_20pct": "" if q is None else ("yes" if abs(q - 1) <= 0.2 else "no"),
-                            "bytes_sent_measured": cell(sent), "link_bytes_measured": cell(wire),
-                            "bytes_sent_model": traffic(scheme, p, b // 4)[1],
-                            "cpu_per_rank_s": cpu, "cpu_model_s": cpu_seconds(scheme, p, b // 4, mine),
-                            "cpu_share": cell(share),
-                            "load_range": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",
-                            "rate": rs[0]["rate"], "stream_MBps": rs[0]["stream_MBps"],
-                            "note": "calibration point" if p == 2 else ""})
+                out.append(
+                    {
+                        "ranks": p,
+                        "scheme": scheme,
+                        "bytes": b,
+                        "runs": len(rs),
+                        "measured_s": t,
+                        "predicted_s": pred,
+                        "predicted_over_measured": cell(q),
+                        "best_s": best,
+                        "predicted_over_best": cell(ratio(pred, best)),
+                        "within_20pct": "" if q is None else ("yes" if abs(q - 1) <= 0.2 else "no"),
+                        "bytes_sent_measured": cell(sent),
+                        "link_bytes_measured": cell(wire),
+                        "bytes_sent_model": traffic(scheme, p, b // 4)[1],
+                        "cpu_per_rank_s": cpu,
+                        "cpu_model_s": cpu_seconds(scheme, p, b // 4, mine),
+                        "cpu_share": cell(share),
+                        "load_range": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "",
+                        "rate": rs[0]["rate"],
+                        "stream_MBps": rs[0]["stream_MBps"],
+                        "note": "calibration point" if p == 2 else "",
+                    }
+                )
         if not any(k[0] == p for k in points):
             out.append({"ranks": p, "note": f"not measured: no cost-model-measured-p{p}.csv with a passing check"})
     path = os.path.join(args.out, "cost-model-validation.csv")
     write_rows(path, VALIDATE_FIELDS, out)
     params = os.path.join(args.out, "cost-model-params.csv")
-    write_rows(params, ["parameter", "value", "unit", "source"], [
-        {"parameter": "alpha", "value": m.alpha, "unit": "s per round of messages", "source": "fit, P = 2"},
-        {"parameter": "beta", "value": m.beta, "unit": "s per byte", "source": "fit, P = 2"},
-        {"parameter": "stream_beta", "value": stream_beta, "unit": "s per byte",
-         "source": "one TCP stream hn0 -> hn1 (netcluster.sh), P = 2 runs"},
-        {"parameter": "burst", "value": m.burst, "unit": "bytes", "source": "netcluster.sh tbf burst"},
-        {"parameter": "kappa", "value": m.kappa, "unit": "library CPU / bare kernel CPU",
-         "source": "process CPU per rank, P = 2"},
-        {"parameter": "poll", "value": poll, "unit": "CPU s per wall s of a call (not charged)",
-         "source": "process CPU per rank, P = 2"},
-        {"parameter": "cores", "value": cell(args.cores), "unit": "cores shared by the ranks", "source": "machine"},
-    ] + [{"parameter": t, "value": codec[t], "unit": "CPU s per float32 value", "source": "codecs, one core"}
-         for t in CODEC_TERMS])
-    print(f"alpha {m.alpha * 1e6:.1f} us, 1/beta {1 / m.beta / 1e6:.2f} MB/s (stream {1 / stream_beta / 1e6:.2f}), "
-          f"burst {m.burst:.0f} B, "
-          f"kappa {m.kappa:.2f}, poll {poll:.3f} CPU s per wall s")
-    print(f"{'P':>3} {'scheme':15} {'size':>8} {'measured ms':>12} {'model ms':>9} {'model/meas':>10} "
-          f"{'model/best':>10} {'share':>5} load")
+    write_rows(
+        params,
+        ["parameter", "value", "unit", "source"],
+        [
+            {"parameter": "alpha", "value": m.alpha, "unit": "s per round of messages", "source": "fit, P = 2"},
+            {"parameter": "beta", "value": m.beta, "unit": "s per byte", "source": "fit, P = 2"},
+            {
+                "parameter": "stream_beta",
+                "value": stream_beta,
+                "unit": "s per byte",
+                "source": "one TCP stream hn0 -> hn1 (netcluster.sh), P = 2 runs",
+            },
+            {"parameter": "burst", "value": m.burst, "unit": "bytes", "source": "netcluster.sh tbf burst"},
+            {
+                "parameter": "kappa",
+                "value": m.kappa,
+                "unit": "library CPU / bare kernel CPU",
+                "source": "process CPU per rank, P = 2",
+            },
+            {
+                "parameter": "poll",
+                "value": poll,
+                "unit": "CPU s per wall s of a call (not charged)",
+                "source": "process CPU per rank, P = 2",
+            },
+            {"parameter": "cores", "value": cell(args.cores), "unit": "cores shared by the ranks", "source": "machine"},
+        ]
+        + [
+            {"parameter": t, "value": codec[t], "unit": "CPU s per float32 value", "source": "codecs, one core"}
+            for t in CODEC_TERMS
+        ],
+    )
+    print(
+        f"alpha {m.alpha * 1e6:.1f} us, 1/beta {1 / m.beta / 1e6:.2f} MB/s (stream {1 / stream_beta / 1e6:.2f}), "
+        f"burst {m.burst:.0f} B, "
+        f"kappa {m.kappa:.2f}, poll {poll:.3f} CPU s per wall s"
+    )
+    print(
+        f"{'P':>3} {'scheme':15} {'size':>8} {'measured ms':>12} {'model ms':>9} {'model/meas':>10} "
+        f"{'model/best':>10} {'share':>5} load"
+    )
     for r in out:
         if r.get("scheme"):
-            print(f"{r['ranks']:>3} {r['scheme']:15} {r['bytes'] >> 10:>6}Ki {1e3 * r['measured_s']:12.1f} "
-                  f"{1e3 * r['predicted_s']:9.1f} {r['predicted_over_measured']:10.2f} "
-                  f"{r['predicted_over_best']:10.2f} {r['cpu_share']:5.2f} {r['load_range']}")
+            print(
+                f"{r['ranks']:>3} {r['scheme']:15} {r['bytes'] >> 10:>6}Ki {1e3 * r['measured_s']:12.1f} "
+                f"{1e3 * r['predicted_s']:9.1f} {r['predicted_over_measured']:10.2f} "
+                f"{r['predicted_over_best']:10.2f} {r['cpu_share']:5.2f} {r['load_range']}"
+            )
         else:
             print(f"{r['ranks']:>3} {r['note']}")
     print(f"wrote {path}, {params}")
@@ -518,13 +631,14 @@ def cmd_validate(args):
 
 # ---- compare: the model at the points of a bench/allreduce.py run ----
 
+
 def allreduce_scheme(system, p):
     """bench/allreduce.py's system name -> the model's scheme, None for one the model lacks."""
     if system == "mpi":
         return "mpi"
     if system == "hpcdl":
         return "dense"
-    inner = system[len("hpcdl["):-1] if system.startswith("hpcdl[") else ""
+    inner = system[len("hpcdl[") : -1] if system.startswith("hpcdl[") else ""
     for name in ("fp16", "bf16", "int8"):
         if inner.startswith(name):
             return name
@@ -535,10 +649,25 @@ def allreduce_scheme(system, p):
     return None
 
 
-COMPARE_FIELDS = ["ranks", "system", "scheme", "bytes", "runs", "stream_MBps", "cpu_share", "measured_s",
-                  "predicted_s", "predicted_over_measured", "within_20pct", "speedup_vs_mpi_measured",
-                  "speedup_vs_mpi_model", "cpu_per_rank_s", "cpu_model_s", "wire_bytes_per_rank",
-                  "bytes_sent_model"]
+COMPARE_FIELDS = [
+    "ranks",
+    "system",
+    "scheme",
+    "bytes",
+    "runs",
+    "stream_MBps",
+    "cpu_share",
+    "measured_s",
+    "predicted_s",
+    "predicted_over_measured",
+    "within_20pct",
+    "speedup_vs_mpi_measured",
+    "speedup_vs_mpi_model",
+    "cpu_per_rank_s",
+    "cpu_model_s",
+    "wire_bytes_per_rank",
+    "bytes_sent_model",
+]
 
 
 def cmd_compare(args):
@@ -548,6 +677,7 @@ def cmd_compare(args):
     same ranks on the same cores) unless --share is given. Modelled CPU per rank: kappa x
     kernels, plus the fitted poll x the modelled time for hpcdl's schemes."""
     from hpcdl.measure import cell, ratio
+
     codec = load_codecs(args.out)
     fitted = {r["parameter"]: num(r["value"]) for r in read_rows(os.path.join(args.out, "cost-model-params.csv"))}
     rows = [r for r in read_rows(args.csv) if r["correct"] == "True" and r["time_median_s"]]
@@ -565,8 +695,15 @@ def cmd_compare(args):
             path = os.path.join(args.out, f"cost-model-measured-p{p}.csv")
             shares = [num(r["cpu_share"]) for r in read_rows(path)] if os.path.exists(path) else []
             share = statistics.median(v for v in shares if v) if any(shares) else None
-        m = Machine(fitted["alpha"], fitted["beta"] / fitted["stream_beta"] / (1e6 * stream), codec,
-                    kappa=fitted["kappa"], cpu_share=share, cores=fitted.get("cores"), burst=args.burst)
+        m = Machine(
+            fitted["alpha"],
+            fitted["beta"] / fitted["stream_beta"] / (1e6 * stream),
+            codec,
+            kappa=fitted["kappa"],
+            cpu_share=share,
+            cores=fitted.get("cores"),
+            burst=args.burst,
+        )
         t = statistics.median(float(r["time_median_s"]) for r in mine)
         t_mpi = statistics.median(float(r["time_median_s"]) for r in mpi) if mpi else None
         cpu = [num(r.get("cpu_per_rank_s")) for r in mine if num(r.get("cpu_per_rank_s")) is not None]
@@ -575,18 +712,32 @@ def cmd_compare(args):
         q = ratio(pred, t)
         # hpcdl's engine also burns the fitted poll CPU per wall second while it waits (not charged
         # to the time); MPI_Allreduce spins instead, which the model does not price.
-        cpu_model = None if pred is None else cpu_seconds(scheme, p, b // 4, m) + (
-            0.0 if scheme == "mpi" else (fitted.get("poll") or 0.0) * pred)
-        out.append({"ranks": p, "system": system, "scheme": scheme or "", "bytes": b, "runs": len(mine),
-                    "stream_MBps": stream, "cpu_share": cell(share), "measured_s": t, "predicted_s": cell(pred),
-                    "predicted_over_measured": cell(q),
-                    "within_20pct": "" if q is None else ("yes" if abs(q - 1) <= 0.2 else "no"),
-                    "speedup_vs_mpi_measured": cell(ratio(t_mpi, t)),
-                    "speedup_vs_mpi_model": cell(ratio(predict_time("mpi", p, b // 4, m), pred) if scheme else None),
-                    "cpu_per_rank_s": cell(statistics.median(cpu) if cpu else None),
-                    "cpu_model_s": cell(cpu_model),
-                    "wire_bytes_per_rank": cell(statistics.median(wire) if wire else None),
-                    "bytes_sent_model": cell(traffic(scheme, p, b // 4)[1] if scheme else None)})
+        cpu_model = (
+            None
+            if pred is None
+            else cpu_seconds(scheme, p, b // 4, m) + (0.0 if scheme == "mpi" else (fitted.get("poll") or 0.0) * pred)
+        )
+        out.append(
+            {
+                "ranks": p,
+                "system": system,
+                "scheme": scheme or "",
+                "bytes": b,
+                "runs": len(mine),
+                "stream_MBps": stream,
+                "cpu_share": cell(share),
+                "measured_s": t,
+                "predicted_s": cell(pred),
+                "predicted_over_measured": cell(q),
+                "within_20pct": "" if q is None else ("yes" if abs(q - 1) <= 0.2 else "no"),
+                "speedup_vs_mpi_measured": cell(ratio(t_mpi, t)),
+                "speedup_vs_mpi_model": cell(ratio(predict_time("mpi", p, b // 4, m), pred) if scheme else None),
+                "cpu_per_rank_s": cell(statistics.median(cpu) if cpu else None),
+                "cpu_model_s": cell(cpu_model),
+                "wire_bytes_per_rank": cell(statistics.median(wire) if wire else None),
+                "bytes_sent_model": cell(traffic(scheme, p, b // 4)[1] if scheme else None),
+            }
+        )
     stem = os.path.splitext(os.path.basename(args.csv))[0]
     path = os.path.join(args.out, f"{stem}-model.csv")
     write_rows(path, COMPARE_FIELDS, out)
@@ -608,14 +759,25 @@ def cmd_compare(args):
 
     figure = os.path.join(args.out, f"{stem}-model.png")
     plotted = save_figure(figure, draw)
-    print(f"{'P':>3} {'system':62} {'measured ms':>11} {'model ms':>9} {'model/meas':>10} {'x mpi':>6} "
-          f"{'model x mpi':>11} {'cpu ms':>7} {'model cpu':>9}")
+    print(
+        f"{'P':>3} {'system':62} {'measured ms':>11} {'model ms':>9} {'model/meas':>10} {'x mpi':>6} "
+        f"{'model x mpi':>11} {'cpu ms':>7} {'model cpu':>9}"
+    )
     for r in out:
-        print(f"{r['ranks']:>3} {r['system'] + ' (' + r['scheme'] + ')':62} {1e3 * r['measured_s']:11.1f} "
-              + " ".join(f"{v:>{w}}" for v, w in (
-                  (show_ms(r["predicted_s"]), 9), (show_num(r["predicted_over_measured"]), 10),
-                  (show_num(r["speedup_vs_mpi_measured"]), 6), (show_num(r["speedup_vs_mpi_model"]), 11),
-                  (show_ms(r["cpu_per_rank_s"]), 7), (show_ms(r["cpu_model_s"]), 9))))
+        print(
+            f"{r['ranks']:>3} {r['system'] + ' (' + r['scheme'] + ')':62} {1e3 * r['measured_s']:11.1f} "
+            + " ".join(
+                f"{v:>{w}}"
+                for v, w in (
+                    (show_ms(r["predicted_s"]), 9),
+                    (show_num(r["predicted_over_measured"]), 10),
+                    (show_num(r["speedup_vs_mpi_measured"]), 6),
+                    (show_num(r["speedup_vs_mpi_model"]), 11),
+                    (show_ms(r["cpu_per_rank_s"]), 7),
+                    (show_ms(r["cpu_model_s"]), 9),
+                )
+            )
+        )
     print(f"wrote {path}" + (f", {figure}" if plotted else ""))
     return 0
 
@@ -630,6 +792,7 @@ def show_num(value):
 
 # ---- predict: P = 2 .. 1024 on real links ----
 
+
 def cmd_predict(args):
     codec = load_codecs(args.out)
     kappa = args.kappa
@@ -640,21 +803,37 @@ def cmd_predict(args):
     if len(args.gbits) != len(args.alpha_us):
         raise SystemExit("--gbits and --alpha-us need one value per link")
     n = parse_size(args.size) // 4
-    ranks = [2 ** i for i in range(1, 11)]
+    ranks = [2**i for i in range(1, 11)]
     rows = []
     for gbit, alpha_us in zip(args.gbits, args.alpha_us):
-        m = Machine(alpha_us * 1e-6, 8.0 / (gbit * 1e9 * args.efficiency), codec, args.overhead_us * 1e-6,
-                    kappa, args.net_cpu_ns * 1e-9)
+        m = Machine(
+            alpha_us * 1e-6,
+            8.0 / (gbit * 1e9 * args.efficiency),
+            codec,
+            args.overhead_us * 1e-6,
+            kappa,
+            args.net_cpu_ns * 1e-9,
+        )
         for p in ranks:
             for scheme in args.schemes.split(","):
                 msgs, sent = traffic(scheme, p, n)
-                rows.append({"link_Gbit": gbit, "alpha_us": alpha_us, "overhead_us": args.overhead_us, "kappa": kappa,
-                             "net_cpu_ns": args.net_cpu_ns,
-                             "ranks": p, "scheme": scheme, "bytes": 4 * n,
-                             "messages_per_rank": msgs, "rounds": latency_rounds(scheme, p, n),
-                             "bytes_sent_per_rank": sent,
-                             "cpu_per_rank_s": cpu_seconds(scheme, p, n, m),
-                             "predicted_s": predict_time(scheme, p, n, m)})
+                rows.append(
+                    {
+                        "link_Gbit": gbit,
+                        "alpha_us": alpha_us,
+                        "overhead_us": args.overhead_us,
+                        "kappa": kappa,
+                        "net_cpu_ns": args.net_cpu_ns,
+                        "ranks": p,
+                        "scheme": scheme,
+                        "bytes": 4 * n,
+                        "messages_per_rank": msgs,
+                        "rounds": latency_rounds(scheme, p, n),
+                        "bytes_sent_per_rank": sent,
+                        "cpu_per_rank_s": cpu_seconds(scheme, p, n, m),
+                        "predicted_s": predict_time(scheme, p, n, m),
+                    }
+                )
     path = os.path.join(args.out, args.tag + ".csv")
     write_rows(path, list(rows[0]), rows)
     from hpcdl.measure import save_figure
@@ -674,8 +853,10 @@ def cmd_predict(args):
             ax.grid(True, which="both", alpha=0.3)
         axes[0].set_ylabel("predicted time per allreduce call (ms)")
         axes[0].legend()
-        fig.suptitle(f"Cost model: one allreduce of {4 * n / 2**20:g} MiB float32 per step (TopK {TOPK_RATIO:.0%}; "
-                     f"CPU = {kappa:.2f} x single-core kernels, one core per rank)")
+        fig.suptitle(
+            f"Cost model: one allreduce of {4 * n / 2**20:g} MiB float32 per step (TopK {TOPK_RATIO:.0%}; "
+            f"CPU = {kappa:.2f} x single-core kernels, one core per rank)"
+        )
         fig.tight_layout()
         return fig
 
@@ -686,8 +867,10 @@ def cmd_predict(args):
         schemes = args.schemes.split(",")
         print(f"{'P':>5} " + " ".join(f"{s:>15}" for s in schemes))
         for p in ranks:
-            cells = [next(r for r in rows if r["link_Gbit"] == gbit and r["ranks"] == p and r["scheme"] == s)
-                     for s in schemes]
+            cells = [
+                next(r for r in rows if r["link_Gbit"] == gbit and r["ranks"] == p and r["scheme"] == s)
+                for s in schemes
+            ]
             print(f"{p:>5} " + " ".join(f"{1e3 * c['predicted_s']:15.2f}" for c in cells))
     print(f"wrote {path}" + (f", {figure}" if plotted else ""))
     return 0
@@ -704,41 +887,74 @@ def main(argv=None):
     m.add_argument("--schemes", default="dense,mpi,fp16,int8,topk_allgather,topk_split")
     m.add_argument("--runs", type=int, default=3)
     m.add_argument("--calls", type=int, default=3, help="timed calls per scheme, size and run")
-    m.add_argument("--idle", type=float, default=0.05, help="seconds of idle links before every call "
-                   "(>= burst / rate: 13 ms for a 32 KB bucket at 20 Mbit/s)")
+    m.add_argument(
+        "--idle",
+        type=float,
+        default=0.05,
+        help="seconds of idle links before every call (>= burst / rate: 13 ms for a 32 KB bucket at 20 Mbit/s)",
+    )
     v = sub.add_parser("validate", help="fit alpha/beta on P = 2; model against measurement")
     v.add_argument("--ranks", type=lambda t: [int(x) for x in t.split(",")], default=[2, 4, 8])
-    v.add_argument("--cores", type=float, default=float(os.cpu_count()),
-                   help="cores the emulated hosts share, for rows without a measured CPU share "
-                        "(default: this machine's)")
-    v.add_argument("--burst", type=float, default=32 << 10, help="token bucket bytes per link "
-                   "(tc's kb are KiB: HPCDL_NET_BURST=32kb as in the measure command gives the default)")
+    v.add_argument(
+        "--cores",
+        type=float,
+        default=float(os.cpu_count()),
+        help="cores the emulated hosts share, for rows without a measured CPU share (default: this machine's)",
+    )
+    v.add_argument(
+        "--burst",
+        type=float,
+        default=32 << 10,
+        help="token bucket bytes per link "
+        "(tc's kb are KiB: HPCDL_NET_BURST=32kb as in the measure command gives the default)",
+    )
     r = sub.add_parser("predict", help="predictions for P = 2 .. 1024")
     r.add_argument("--size", default="64MiB", help="float32 gradient bytes per call")
     r.add_argument("--gbits", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 100.0])
-    r.add_argument("--alpha-us", type=lambda t: [float(x) for x in t.split(",")], default=[10.0, 2.0],
-                   help="seconds per message for each link, in us")
-    r.add_argument("--overhead-us", type=float, default=1.0, help="seconds per further message of a "
-                   "round (an all-to-all's), in us")
+    r.add_argument(
+        "--alpha-us",
+        type=lambda t: [float(x) for x in t.split(",")],
+        default=[10.0, 2.0],
+        help="seconds per message for each link, in us",
+    )
+    r.add_argument(
+        "--overhead-us", type=float, default=1.0, help="seconds per further message of a round (an all-to-all's), in us"
+    )
     r.add_argument("--efficiency", type=float, default=0.95, help="goodput / line rate")
-    r.add_argument("--net-cpu-ns", type=float, default=0.0,
-                   help="CPU ns per wire byte (0: RDMA-like offload; see cost-model-params.csv for TCP)")
-    r.add_argument("--kappa", type=float, default=None, help="library CPU / kernel CPU (default: the "
-                   "fitted value in <out>/cost-model-params.csv, else 1)")
+    r.add_argument(
+        "--net-cpu-ns",
+        type=float,
+        default=0.0,
+        help="CPU ns per wire byte (0: RDMA-like offload; see cost-model-params.csv for TCP)",
+    )
+    r.add_argument(
+        "--kappa",
+        type=float,
+        default=None,
+        help="library CPU / kernel CPU (default: the fitted value in <out>/cost-model-params.csv, else 1)",
+    )
     r.add_argument("--schemes", default=",".join(SCHEMES))
     r.add_argument("--tag", default="cost-model-predict", help="file stem of <out>/<tag>.csv and .png")
     k = sub.add_parser("compare", help="the model at the points of a bench/allreduce.py CSV")
     k.add_argument("csv", help="bench/allreduce.py's <out>/<tag>.csv, run under netcluster.sh")
-    k.add_argument("--share", type=float, default=None, help="CPU share per rank (default: the median "
-                   "measured at the same P in <out>/cost-model-measured-p<P>.csv)")
+    k.add_argument(
+        "--share",
+        type=float,
+        default=None,
+        help="CPU share per rank (default: the median measured at the same P in <out>/cost-model-measured-p<P>.csv)",
+    )
     k.add_argument("--burst", type=float, default=32 << 10, help="token bucket bytes per link")
     for q in (c, m, v, r, k):
         q.add_argument("--out", default="bench/results")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    return {"codecs": cmd_codecs, "measure": cmd_measure, "validate": cmd_validate, "predict": cmd_predict,
-            "compare": cmd_compare}[
-        args.command](args)
+    return {
+        "codecs": cmd_codecs,
+        "measure": cmd_measure,
+        "validate": cmd_validate,
+        "predict": cmd_predict,
+        "compare": cmd_compare,
+    }[args.command](args)
 
 
 if __name__ == "__main__":

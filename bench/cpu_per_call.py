@@ -20,17 +20,20 @@ import sys
 import time
 
 import numpy as np
+from allreduce import parse_codec, rank_input  # bench/ is a script's sys.path[0]: allreduce.py's codecs, data
 from mpi4py import MPI
 
 import hpcdl
-from allreduce import parse_codec, rank_input  # bench/ is a script's sys.path[0]: allreduce.py's codecs, data
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=64, help="float32 buffer size in MiB (default 64)")
-    p.add_argument("--systems", default="int8,topk(ratio=0.01),fp16,none,mpi",
-                   help="hpcdl codecs (none = dense hpcdl) and/or mpi (default %(default)s)")
+    p.add_argument(
+        "--systems",
+        default="int8,topk(ratio=0.01),fp16,none,mpi",
+        help="hpcdl codecs (none = dense hpcdl) and/or mpi (default %(default)s)",
+    )
     p.add_argument("--calls", type=int, default=5, help="timed calls per system, after one untimed")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
@@ -54,8 +57,11 @@ def main(argv=None):
                 walls.append(wall)
                 cpus.append(cpu)
         if comm.rank == 0:
-            print(f"{name:10} {args.mib} MiB: wall {1e3 * statistics.median(walls):8.1f} ms (slowest rank), "
-                  f"CPU {1e3 * statistics.median(cpus):7.1f} ms per rank", flush=True)
+            print(
+                f"{name:10} {args.mib} MiB: wall {1e3 * statistics.median(walls):8.1f} ms (slowest rank), "
+                f"CPU {1e3 * statistics.median(cpus):7.1f} ms per rank",
+                flush=True,
+            )
     mpi_comm.Free()
     return 0
 

@@ -51,16 +51,23 @@ class Case:
         self.data = (np.arange(rows * ROW, dtype=np.float32).reshape(rows, ROW) % 1024) * (rank + 1)
         if op == "allgather":
             self.out = np.empty((sum(self.counts), ROW), np.float32)
-            self.expected = np.concatenate([(np.arange(n * ROW, dtype=np.float32).reshape(n, ROW) % 1024) * (r + 1)
-                                            for r, n in enumerate(self.counts)])
+            self.expected = np.concatenate(
+                [
+                    (np.arange(n * ROW, dtype=np.float32).reshape(n, ROW) % 1024) * (r + 1)
+                    for r, n in enumerate(self.counts)
+                ]
+            )
         elif op == "alltoall":
             self.out = np.empty_like(self.data)
             block = rows // p
-            self.expected = np.concatenate([self.data[rank * block:(rank + 1) * block] / (rank + 1) * (r + 1)
-                                            for r in range(p)])
+            self.expected = np.concatenate(
+                [self.data[rank * block : (rank + 1) * block] / (rank + 1) * (r + 1) for r in range(p)]
+            )
         else:
             self.out = np.empty((rows // p, ROW), np.float32)
-            self.expected = (self.data / (rank + 1) * sum(range(1, p + 1)))[rank * (rows // p):(rank + 1) * (rows // p)]
+            self.expected = (self.data / (rank + 1) * sum(range(1, p + 1)))[
+                rank * (rows // p) : (rank + 1) * (rows // p)
+            ]
 
     def hpcdl(self):
         if self.op == "allgather":
@@ -123,8 +130,17 @@ def main():
                     times["hpcdl"].append(timed(comm, case.hpcdl))
                     times["mpi"].append(timed(comm, case.mpi_call))
                 for system, values in times.items():
-                    rows.append({"op": op, "size_bytes": size, "ranks": p, "system": system, "run": run,
-                                 "median_s": statistics.median(values), "min_s": min(values)})
+                    rows.append(
+                        {
+                            "op": op,
+                            "size_bytes": size,
+                            "ranks": p,
+                            "system": system,
+                            "run": run,
+                            "median_s": statistics.median(values),
+                            "min_s": min(values),
+                        }
+                    )
     mpi_comm.Free()
     if rank != 0:
         return
@@ -134,16 +150,24 @@ def main():
         writer.writeheader()
         writer.writerows({k: cell(v) for k, v in r.items()} for r in rows)
     summary = {}
-    print(f"{'op':<14}{'size':>10}{'hpcdl ms':>12}{'mpi ms':>12}{'hpcdl/mpi':>11}   ({p} ranks, median of "
-          f"{args.runs} run medians of {args.iters} calls)")
+    print(
+        f"{'op':<14}{'size':>10}{'hpcdl ms':>12}{'mpi ms':>12}{'hpcdl/mpi':>11}   ({p} ranks, median of "
+        f"{args.runs} run medians of {args.iters} calls)"
+    )
     for op in ops:
         for size in sizes:
-            med = {s: statistics.median([r["median_s"] for r in rows
-                                         if r["op"] == op and r["size_bytes"] == size and r["system"] == s] or [None])
-                   for s in ("hpcdl", "mpi")}
+            med = {
+                s: statistics.median(
+                    [r["median_s"] for r in rows if r["op"] == op and r["size_bytes"] == size and r["system"] == s]
+                    or [None]
+                )
+                for s in ("hpcdl", "mpi")
+            }
             summary[(op, size)] = ratio(med["hpcdl"], med["mpi"])
-            print(f"{op:<14}{size >> 20:>8}Mi{show(med['hpcdl'] and med['hpcdl'] * 1e3, '12.2f')}"
-                  f"{show(med['mpi'] and med['mpi'] * 1e3, '12.2f')}{show(summary[(op, size)], '11.3f')}")
+            print(
+                f"{op:<14}{size >> 20:>8}Mi{show(med['hpcdl'] and med['hpcdl'] * 1e3, '12.2f')}"
+                f"{show(med['mpi'] and med['mpi'] * 1e3, '12.2f')}{show(summary[(op, size)], '11.3f')}"
+            )
 
     def draw(plt):
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -65,14 +65,22 @@ def main(argv=None):
         times = {s: [] for s in SYSTEMS}
         comm.Barrier()
         for i in range(args.calls):
-            for system in SYSTEMS[i % len(SYSTEMS):] + SYSTEMS[:i % len(SYSTEMS)]:  # each goes first in turn
+            for system in SYSTEMS[i % len(SYSTEMS) :] + SYSTEMS[: i % len(SYSTEMS)]:  # each goes first in turn
                 start = time.perf_counter()
                 calls[system]()
                 times[system].append(time.perf_counter() - start)
         for system in SYSTEMS:
             slowest = comm.allreduce(statistics.median(times[system]), op=MPI.MAX)
-            rows.append({"system": system, "run": run, "ranks": comm.Get_size(), "elements": args.elements,
-                         "calls": args.calls, "us_per_call": slowest * 1e6})
+            rows.append(
+                {
+                    "system": system,
+                    "run": run,
+                    "ranks": comm.Get_size(),
+                    "elements": args.elements,
+                    "calls": args.calls,
+                    "us_per_call": slowest * 1e6,
+                }
+            )
     if comm.Get_rank() != 0:
         return
     if args.out:
@@ -81,8 +89,10 @@ def main(argv=None):
             writer.writeheader()
             writer.writerows(rows)
     medians = {s: statistics.median(r["us_per_call"] for r in rows if r["system"] == s) for s in SYSTEMS}
-    print(f"{comm.Get_size()} ranks, {args.elements} float32, {args.calls} calls x {args.runs} runs "
-          "(median over runs of the slowest rank's median call time)")
+    print(
+        f"{comm.Get_size()} ranks, {args.elements} float32, {args.calls} calls x {args.runs} runs "
+        "(median over runs of the slowest rank's median call time)"
+    )
     for system in SYSTEMS:
         print(f"{system:12s} {medians[system]:8.2f} us/call  {medians[system] / medians['numpy']:.3f}x numpy")
 

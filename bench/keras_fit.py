@@ -45,6 +45,7 @@ def make_model(features, hidden, layers, classes):
 
 def tape_loop(model, optimizer, codec):
     """The hand-written data-parallel step (examples/train_tf.py's)."""
+
     @tf.function
     def step(x, y):
         with tf.GradientTape() as tape:
@@ -93,8 +94,9 @@ def main():
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system and round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--compression", choices=sorted(CODECS), default="dense")
-    parser.add_argument("--steps-per-execution", type=int, default=1,
-                        help="Keras' steps per train-function call (1: Keras' default)")
+    parser.add_argument(
+        "--steps-per-execution", type=int, default=1, help="Keras' steps per train-function call (1: Keras' default)"
+    )
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="keras-fit")
     args = parser.parse_args()
@@ -112,9 +114,14 @@ def main():
     tape_model = make_model(features, args.hidden, args.layers, classes)
     tape_step = tape_loop(tape_model, tf.keras.optimizers.SGD(0.01), CODECS[args.compression]())
     fit_model = make_model(features, args.hidden, args.layers, classes)
-    fit_model.compile(optimizer=hpcdl.tensorflow.DistributedOptimizer(
-        tf.keras.optimizers.SGD(0.01), compression=CODECS[args.compression](), name="bench.fit"),
-        loss=LOSS, jit_compile=False, steps_per_execution=args.steps_per_execution)
+    fit_model.compile(
+        optimizer=hpcdl.tensorflow.DistributedOptimizer(
+            tf.keras.optimizers.SGD(0.01), compression=CODECS[args.compression](), name="bench.fit"
+        ),
+        loss=LOSS,
+        jit_compile=False,
+        steps_per_execution=args.steps_per_execution,
+    )
     alternate = Alternate(args.steps, tape_step, iter(dataset))
     fit_model.fit(dataset, epochs=args.rounds + 1, steps_per_epoch=args.steps, verbose=0, callbacks=[alternate])
     if rank != 0:
@@ -125,9 +132,11 @@ def main():
     medians = {name: statistics.median(t[1:]) for name, t in alternate.times.items()}
     ratio = medians["fit"] / medians["tape"]
     paired = statistics.median(f / t for f, t in zip(alternate.times["fit"][1:], alternate.times["tape"][1:]))
-    print(f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params), "
-          f"batch {args.batch}/rank, {args.compression}, steps_per_execution {args.steps_per_execution}, "
-          f"{args.rounds} rounds of {args.steps} steps, load {load}")
+    print(
+        f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params), "
+        f"batch {args.batch}/rank, {args.compression}, steps_per_execution {args.steps_per_execution}, "
+        f"{args.rounds} rounds of {args.steps} steps, load {load}"
+    )
     cpu = {name: statistics.median(t[1:]) for name, t in alternate.cpu.items()}
     for name, median in medians.items():
         print(f"[hpcdl rank 0] {name:5s} {median * 1e3:8.2f} ms/step (median)  {cpu[name] * 1e3:8.2f} ms CPU/step/rank")
@@ -135,17 +144,47 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["system", "round", "step_ms", "cpu_ms_per_rank", "median_step_ms", "fit_over_tape",
-                         "fit_over_tape_paired", "ranks", "params", "batch_per_rank", "compression",
-                         "steps_per_execution", "load_avg_1min_start_end"])
+        writer.writerow(
+            [
+                "system",
+                "round",
+                "step_ms",
+                "cpu_ms_per_rank",
+                "median_step_ms",
+                "fit_over_tape",
+                "fit_over_tape_paired",
+                "ranks",
+                "params",
+                "batch_per_rank",
+                "compression",
+                "steps_per_execution",
+                "load_avg_1min_start_end",
+            ]
+        )
         for name, times in alternate.times.items():
             for rnd, t in enumerate(times[1:], start=1):
-                writer.writerow([name, rnd, round(t * 1e3, 3), round(alternate.cpu[name][rnd] * 1e3, 3),
-                                 round(medians[name] * 1e3, 3), round(ratio, 4), round(paired, 4),
-                                 size, params, args.batch, args.compression, args.steps_per_execution, load])
+                writer.writerow(
+                    [
+                        name,
+                        rnd,
+                        round(t * 1e3, 3),
+                        round(alternate.cpu[name][rnd] * 1e3, 3),
+                        round(medians[name] * 1e3, 3),
+                        round(ratio, 4),
+                        round(paired, 4),
+                        size,
+                        params,
+                        args.batch,
+                        args.compression,
+                        args.steps_per_execution,
+                        load,
+                    ]
+                )
 
-    save_figure(os.path.join(args.out, f"{args.tag}.png"),
-                lambda plt: draw(plt, args, alternate.times, medians, ratio, paired, size, params))
+    save_figure(
+        os.path.join(args.out, f"{args.tag}.png"),
+        lambda plt: draw(plt, args, alternate.times, medians, ratio, paired, size, params),
+    )
 
 
 def draw(plt, args, times_by_system, medians, ratio, paired, size, params):
@@ -154,13 +193,17 @@ def draw(plt, args, times_by_system, medians, ratio, paired, size, params):
     for (name, times), color in zip(times_by_system.items(), ("tab:blue", "tab:orange")):
         rounds = range(1, len(times))
         ax.plot(rounds, [t * 1e3 for t in times[1:]], "o-", color=color, label=f"{labels[name]}")
-        ax.axhline(medians[name] * 1e3, color=color, linestyle="--", linewidth=1,
-                   label=f"median {medians[name] * 1e3:.1f} ms")
+        ax.axhline(
+            medians[name] * 1e3, color=color, linestyle="--", linewidth=1, label=f"median {medians[name] * 1e3:.1f} ms"
+        )
     ax.set_xlabel("round")
     ax.set_ylabel("step time (ms, slowest rank)")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"Keras fit vs tape loop: {size} ranks, {params / 1e6:.2f} M params, {args.compression}, "
-                 f"steps/execution {args.steps_per_execution}; fit/tape {ratio:.3f} (paired {paired:.3f})", fontsize=8)
+    ax.set_title(
+        f"Keras fit vs tape loop: {size} ranks, {params / 1e6:.2f} M params, {args.compression}, "
+        f"steps/execution {args.steps_per_execution}; fit/tape {ratio:.3f} (paired {paired:.3f})",
+        fontsize=8,
+    )
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig

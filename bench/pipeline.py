@@ -67,13 +67,16 @@ import pipeline_model  # bench/pipeline_model.py, beside this script
 SCHEDULES = ("gpipe", "1f1b")
 RESULT = "RESULT "
 # the model's predictions: column suffix -> where the stage times and cores come from
-MODEL_VARIANTS = {"": "stage times and share measured apart",
-                  "_run": "stage times measured apart, share the ranks got in the run",
-                  "_inrun": "stage CPU as the pipeline spent it, share the ranks got in the run"}
+MODEL_VARIANTS = {
+    "": "stage times and share measured apart",
+    "_run": "stage times measured apart, share the ranks got in the run",
+    "_inrun": "stage CPU as the pipeline spent it, share the ranks got in the run",
+}
 
 
 def make_model(hidden, layers, classes=10):
     import torch
+
     torch.manual_seed(0)
     body = []
     for _ in range(layers):
@@ -83,6 +86,7 @@ def make_model(hidden, layers, classes=10):
 
 def make_batch(args):
     import torch
+
     g = torch.Generator().manual_seed(1)
     return torch.randn(args.batch, args.hidden, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
 
@@ -106,9 +110,11 @@ def timed_runs(args, step, barrier=lambda: None):
 
 # --------------------------------------------------------------------------- workers (child processes)
 
+
 def worker_single(args):
     import torch
     import torch.nn.functional as F
+
     torch.set_num_threads(1)
     model = make_model(args.hidden, args.layers)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -129,13 +135,16 @@ def worker_hpcdl(args):
     from mpi4py import MPI
 
     import hpcdl.torch
+
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     x, y = make_batch(args)
-    model = make_model(args.hidden, args.layers)   # the model's inputs time its stages (--model)
+    model = make_model(args.hidden, args.layers)  # the model's inputs time its stages (--model)
     rows = args.batch // args.micro_batches
-    pipes = {s: hpcdl.torch.Pipeline(make_model(args.hidden, args.layers), F.cross_entropy, args.micro_batches,
-                                     schedule=s) for s in SCHEDULES}
+    pipes = {
+        s: hpcdl.torch.Pipeline(make_model(args.hidden, args.layers), F.cross_entropy, args.micro_batches, schedule=s)
+        for s in SCHEDULES
+    }
     results = {}
     for schedule, pipe in pipes.items():
         opt = torch.optim.SGD(pipe.parameters(), lr=0.01)
@@ -162,27 +171,40 @@ def worker_hpcdl(args):
         rates, cpu_per_sample = timed_runs(args, step, comm.Barrier)
         cpu_per_sample = comm.reduce(cpu_per_sample, root=0)  # the P ranks' CPU per sample
         # the part of a core this rank got while it had work (not waiting for another stage)
-        run_share = comm.gather((time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall - sum(waited)),
-                                root=0)
+        run_share = comm.gather(
+            (time.process_time() - cpu) / max(1e-9, time.perf_counter() - wall - sum(waited)), root=0
+        )
         if args.model:
             after = pipeline_model.measure_inputs(comm, model, pipe.starts, x[:rows], y[:rows], args.micro_batches)
         # the stage's CPU per action as the pipeline ran it (the warm-up step left out)
-        in_run = comm.gather({key: statistics.median(values[len(values) // (args.runs * args.steps + 1):])
-                              for key, values in action_cpu.items()}, root=0)
+        in_run = comm.gather(
+            {
+                key: statistics.median(values[len(values) // (args.runs * args.steps + 1) :])
+                for key, values in action_cpu.items()
+            },
+            root=0,
+        )
         stats = comm.gather(pipe.activation_stats(), root=0)
         bubble = comm.gather(statistics.median(bubbles[1:]), root=0)
         schedule_bubble = comm.gather(schedule_bubbles(comm, pipe, opt, x, y, args.steps), root=0)
         if comm.Get_rank() == 0:
             if args.model:
-                results[schedule + " model"] = dict(mean_inputs(before, after), system="model inputs",
-                                                    schedule=schedule, run_share=min(1.0, statistics.median(run_share)),
-                                                    in_run={key: [stage[key] for stage in in_run]
-                                                            for key in ("forward", "backward", "optimizer")})
-            results[schedule] = {"system": f"hpcdl {schedule}", "rates": rates, "cpu_per_sample": cpu_per_sample,
-                                 "bubble": statistics.mean(bubble),
-                                 "schedule_bubble": statistics.mean(schedule_bubble),
-                                 "peak_bytes": [s["peak_bytes"] for s in stats],
-                                 "peak_micro_batches": [s["peak_micro_batches"] for s in stats]}
+                results[schedule + " model"] = dict(
+                    mean_inputs(before, after),
+                    system="model inputs",
+                    schedule=schedule,
+                    run_share=min(1.0, statistics.median(run_share)),
+                    in_run={key: [stage[key] for stage in in_run] for key in ("forward", "backward", "optimizer")},
+                )
+            results[schedule] = {
+                "system": f"hpcdl {schedule}",
+                "rates": rates,
+                "cpu_per_sample": cpu_per_sample,
+                "bubble": statistics.mean(bubble),
+                "schedule_bubble": statistics.mean(schedule_bubble),
+                "peak_bytes": [s["peak_bytes"] for s in stats],
+                "peak_micro_batches": [s["peak_micro_batches"] for s in stats],
+            }
     if comm.Get_rank() == 0:
         for result in results.values():
             print(RESULT + json.dumps(result), flush=True)
@@ -197,6 +219,7 @@ def schedule_bubbles(comm, pipe, opt, x, y, steps):
     the drift between steps that the timed steps' bubble also counts. This is
     what (P-1)/(M+P-1) describes."""
     from mpi4py import MPI
+
     shares = []
     for _ in range(steps):
         opt.zero_grad()
@@ -217,12 +240,13 @@ def worker_torch(args):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from hpcdl.pipeline import balanced_split
+
     torch.set_num_threads(1)
     rank, size = args.rank, args.ranks
     dist.init_process_group("gloo", rank=rank, world_size=size)
     model = make_model(args.hidden, args.layers)
     starts = balanced_split([sum(p.numel() for p in m.parameters()) for m in model], size) + [len(model)]
-    stage_module = model[starts[rank]:starts[rank + 1]]   # hpcdl's "params" cut: the same stages
+    stage_module = model[starts[rank] : starts[rank + 1]]  # hpcdl's "params" cut: the same stages
     stage = PipelineStage(stage_module, rank, size, torch.device("cpu"))
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
     schedule = kind(stage, args.micro_batches, loss_fn=F.cross_entropy)
@@ -243,17 +267,42 @@ def worker_torch(args):
     cpu = torch.tensor([cpu_per_sample], dtype=torch.float64)
     dist.reduce(cpu, dst=0)  # the P ranks' CPU per sample
     if rank == 0:
-        print(RESULT + json.dumps({"system": f"torch.distributed.pipelining {args.schedule}", "rates": rates,
-                                   "cpu_per_sample": cpu.item()}), flush=True)
+        print(
+            RESULT
+            + json.dumps(
+                {
+                    "system": f"torch.distributed.pipelining {args.schedule}",
+                    "rates": rates,
+                    "cpu_per_sample": cpu.item(),
+                }
+            ),
+            flush=True,
+        )
     dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- the driver
 
+
 def child_argv(args, worker, **extra):
-    keep = ["--hidden", args.hidden, "--layers", args.layers, "--batch", args.batch,
-            "--micro-batches", args.micro_batches, "--steps", args.steps, "--runs", 1,
-            "--ranks", args.ranks, "--worker", worker]
+    keep = [
+        "--hidden",
+        args.hidden,
+        "--layers",
+        args.layers,
+        "--batch",
+        args.batch,
+        "--micro-batches",
+        args.micro_batches,
+        "--steps",
+        args.steps,
+        "--runs",
+        1,
+        "--ranks",
+        args.ranks,
+        "--worker",
+        worker,
+    ]
     for key, value in extra.items():
         keep += [f"--{key}", value]
     keep += ["--model"] if args.model and worker == "hpcdl" else []
@@ -263,8 +312,12 @@ def child_argv(args, worker, **extra):
 def run_children(argvs, timeout, env=None):
     """Start the processes, each in its own session; their RESULT lines, or the reason
     none came (timeout: every process group killed)."""
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=True, env=env) for argv in argvs]
+    procs = [
+        subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, env=env
+        )
+        for argv in argvs
+    ]
     deadline = time.monotonic() + timeout
     outputs, failure = [], None
     for proc in procs:
@@ -281,8 +334,9 @@ def run_children(argvs, timeout, env=None):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-    results = [json.loads(line[len(RESULT):]) for out in outputs for line in out.splitlines()
-               if line.startswith(RESULT)]
+    results = [
+        json.loads(line[len(RESULT) :]) for out in outputs for line in out.splitlines() if line.startswith(RESULT)
+    ]
     return results, failure
 
 
@@ -294,8 +348,10 @@ def free_port():
 
 def mean_inputs(a, b):
     """The element-wise mean of two measurements of the model's inputs."""
-    return {key: [(x + y) / 2 for x, y in zip(value, b[key])] if isinstance(value, list) else (value + b[key]) / 2
-            for key, value in a.items()}
+    return {
+        key: [(x + y) / 2 for x, y in zip(value, b[key])] if isinstance(value, list) else (value + b[key]) / 2
+        for key, value in a.items()
+    }
 
 
 def run_round(args, env):
@@ -305,15 +361,14 @@ def run_round(args, env):
     # bench/netcluster.sh --cpus limits them) and points MPICH and gloo at its eth0 (and gloo's master at hn0);
     # the single process runs in hn0, on one host's cores
     netns_exec = os.path.join(os.path.dirname(os.path.abspath(__file__)), "netns-exec.sh")
-    into_host = [netns_exec] if args.netns else []   # mpiexec sets PMI_RANK itself
+    into_host = [netns_exec] if args.netns else []  # mpiexec sets PMI_RANK itself
 
-    def in_host(rank):   # the prefix that starts a process in host hn{rank} (none without --netns)
+    def in_host(rank):  # the prefix that starts a process in host hn{rank} (none without --netns)
         return ["env", f"PMI_RANK={rank}", netns_exec] if args.netns else []
 
     got, why = run_children([in_host(0) + child_argv(args, "single")], args.timeout, env)
     rows += got or [{"system": "single process", "failure": why}]
-    got, why = run_children([[args.mpiexec, "-n", str(p)] + into_host + child_argv(args, "hpcdl")],
-                            args.timeout, env)
+    got, why = run_children([[args.mpiexec, "-n", str(p)] + into_host + child_argv(args, "hpcdl")], args.timeout, env)
     rows += got or [{"system": f"hpcdl {s}", "failure": why} for s in SCHEDULES]
     for schedule in () if args.no_torch else SCHEDULES:
         tenv = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
@@ -328,8 +383,8 @@ def drive(args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     merged, predictions, inputs = {}, {}, []
     model_cores = {}
-    net_cpus = os.environ.get("HPCDL_NET_CPUS") if args.netns else None   # bench/netcluster.sh --cpus
-    host_cpus = min(1.0, float(net_cpus or 1))   # the most of a core a stage gets: one thread each
+    net_cpus = os.environ.get("HPCDL_NET_CPUS") if args.netns else None  # bench/netcluster.sh --cpus
+    host_cpus = min(1.0, float(net_cpus or 1))  # the most of a core a stage gets: one thread each
     for round_ in range(args.runs):  # systems interleaved, so machine noise hits them alike
         print(f"[bench] round {round_ + 1} of {args.runs}", file=sys.stderr, flush=True)
         for row in run_round(args, env):
@@ -343,12 +398,15 @@ def drive(args):
                     cores = args.model_cores or min(p * host_cpus, os.cpu_count(), p * share)
                     model_cores.setdefault(kind, []).append(cores)
                     given = dict(row, **row["in_run"]) if kind == "_inrun" else row
-                    out = pipeline_model.predict(row["schedule"], given, m, cores, args.batch, args.steps,
-                                                 speed=host_cpus)
+                    out = pipeline_model.predict(
+                        row["schedule"], given, m, cores, args.batch, args.steps, speed=host_cpus
+                    )
                     predictions.setdefault((f"hpcdl {row['schedule']}", kind), []).append(out)
                 continue
-            into = merged.setdefault(row["system"], {"system": row["system"], "rates": [], "bubbles": [],
-                                                     "schedule_bubbles": [], "cpu_per_samples": []})
+            into = merged.setdefault(
+                row["system"],
+                {"system": row["system"], "rates": [], "bubbles": [], "schedule_bubbles": [], "cpu_per_samples": []},
+            )
             if "failure" in row:
                 into["failure"] = row["failure"]
                 continue
@@ -365,16 +423,23 @@ def drive(args):
                 r[key] = statistics.median(values)
         if "failure" in r:
             del r["rates"]
-    single = next((statistics.median(r["rates"]) for r in rows if r["system"] == "single process" and "rates" in r),
-                  None)
+    single = next(
+        (statistics.median(r["rates"]) for r in rows if r["system"] == "single process" and "rates" in r), None
+    )
     theory = (p - 1) / (m + p - 1)
     load = os.getloadavg()[0]
     stream = os.environ.get("HPCDL_BENCH_STREAM_MBPS")
     stream = f"{float(stream):.1f} MB/s" if stream else "not measured"
-    network = (f"{p} emulated hosts{f' of {net_cpus} cores' if net_cpus else ''}, {os.environ.get('HPCDL_NET_RATE', '?')} "
-               f"links (one TCP stream {stream}), " if args.netns else "")
-    conditions = (f"{network}{p} ranks on {os.cpu_count()} cores (load avg {load:.1f}), hidden {args.hidden}, "
-                  f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps")
+    network = (
+        f"{p} emulated hosts{f' of {net_cpus} cores' if net_cpus else ''}, {os.environ.get('HPCDL_NET_RATE', '?')} "
+        f"links (one TCP stream {stream}), "
+        if args.netns
+        else ""
+    )
+    conditions = (
+        f"{network}{p} ranks on {os.cpu_count()} cores (load avg {load:.1f}), hidden {args.hidden}, "
+        f"{args.layers} layers, batch {args.batch}, M={m}, median of {args.runs} interleaved runs x {args.steps} steps"
+    )
     os.makedirs(args.out, exist_ok=True)
     base = os.path.join(args.out, args.tag)
     cores = {kind: statistics.median(c) for kind, c in model_cores.items()}
@@ -386,25 +451,63 @@ def drive(args):
                 r["predicted_bubble" + kind] = statistics.median(x["bubble"] for x in outs)
     with open(base + ".csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "runs_samples_per_s",
-                    "vs_single_process", "measured_bubble", "theoretical_bubble", "schedule_bubble",
-                    "predicted_samples_per_s",
-                    "predicted_bubble", "model_cores", "predicted_samples_per_s_run_share",
-                    "predicted_bubble_run_share", "model_cores_run_share", "predicted_samples_per_s_inrun",
-                    "predicted_bubble_inrun", "model_cores_inrun", "cpu_ms_per_sample", "status", "conditions"])
+        w.writerow(
+            [
+                "system",
+                "ranks",
+                "micro_batches",
+                "median_samples_per_s",
+                "runs_samples_per_s",
+                "vs_single_process",
+                "measured_bubble",
+                "theoretical_bubble",
+                "schedule_bubble",
+                "predicted_samples_per_s",
+                "predicted_bubble",
+                "model_cores",
+                "predicted_samples_per_s_run_share",
+                "predicted_bubble_run_share",
+                "model_cores_run_share",
+                "predicted_samples_per_s_inrun",
+                "predicted_bubble_inrun",
+                "model_cores_inrun",
+                "cpu_ms_per_sample",
+                "status",
+                "conditions",
+            ]
+        )
         for r in rows:
             rate = statistics.median(r["rates"]) if "rates" in r else None
             ranks = 1 if r["system"] == "single process" else p
-            w.writerow([r["system"], ranks, m if ranks > 1 else "", "" if rate is None else f"{rate:.2f}",
-                        " ".join(f"{x:.2f}" for x in r.get("rates", [])),
-                        f"{rate / single:.3f}" if rate and single else "",
-                        f"{r['bubble']:.3f}" if "bubble" in r else "", f"{theory:.3f}" if ranks > 1 else "",
-                        f"{r['schedule_bubble']:.3f}" if "schedule_bubble" in r else "",
-                        *[cell for kind in MODEL_VARIANTS for cell in
-                          ((f"{r['predicted' + kind]:.2f}", f"{r['predicted_bubble' + kind]:.3f}", f"{cores[kind]:.2f}")
-                           if "predicted" + kind in r else ("", "", ""))],
-                        f"{1e3 * r['cpu_per_sample']:.4f}" if "cpu_per_sample" in r else "",
-                        r.get("failure", "ok"), conditions])
+            w.writerow(
+                [
+                    r["system"],
+                    ranks,
+                    m if ranks > 1 else "",
+                    "" if rate is None else f"{rate:.2f}",
+                    " ".join(f"{x:.2f}" for x in r.get("rates", [])),
+                    f"{rate / single:.3f}" if rate and single else "",
+                    f"{r['bubble']:.3f}" if "bubble" in r else "",
+                    f"{theory:.3f}" if ranks > 1 else "",
+                    f"{r['schedule_bubble']:.3f}" if "schedule_bubble" in r else "",
+                    *[
+                        cell
+                        for kind in MODEL_VARIANTS
+                        for cell in (
+                            (
+                                f"{r['predicted' + kind]:.2f}",
+                                f"{r['predicted_bubble' + kind]:.3f}",
+                                f"{cores[kind]:.2f}",
+                            )
+                            if "predicted" + kind in r
+                            else ("", "", "")
+                        )
+                    ],
+                    f"{1e3 * r['cpu_per_sample']:.4f}" if "cpu_per_sample" in r else "",
+                    r.get("failure", "ok"),
+                    conditions,
+                ]
+            )
     if inputs:
         write_model_inputs(base + "-model-inputs.csv", inputs)
     with open(base + "-memory.csv", "w", newline="") as f:
@@ -414,24 +517,32 @@ def drive(args):
             for stage, (nbytes, held) in enumerate(zip(r.get("peak_bytes", []), r.get("peak_micro_batches", []))):
                 w.writerow([r["system"], stage, m, nbytes, held])
     plot(rows, base + ".png", conditions, p, m, single)
-    print(f"{'system':36} {'samples/s':>10} {'vs 1 proc':>9} {'bubble':>7} {'sched.':>7} {'theory':>7} "
-          f"{'CPU ms/sample':>13}  status")
+    print(
+        f"{'system':36} {'samples/s':>10} {'vs 1 proc':>9} {'bubble':>7} {'sched.':>7} {'theory':>7} "
+        f"{'CPU ms/sample':>13}  status"
+    )
     for r in rows:
         rate = statistics.median(r["rates"]) if "rates" in r else None
-        print(f"{r['system']:36} {rate or 0:10.1f} {(rate / single) if rate and single else 0:9.2f} "
-              f"{r.get('bubble', float('nan')):7.3f} {r.get('schedule_bubble', float('nan')):7.3f} {theory:7.3f} "
-              f"{1e3 * r.get('cpu_per_sample', float('nan')):13.3f}  {r.get('failure', 'ok')}")
+        print(
+            f"{r['system']:36} {rate or 0:10.1f} {(rate / single) if rate and single else 0:9.2f} "
+            f"{r.get('bubble', float('nan')):7.3f} {r.get('schedule_bubble', float('nan')):7.3f} {theory:7.3f} "
+            f"{1e3 * r.get('cpu_per_sample', float('nan')):13.3f}  {r.get('failure', 'ok')}"
+        )
     for r in rows:
         for kind, what in MODEL_VARIANTS.items():
             if "predicted" + kind in r:
                 rate = statistics.median(r["rates"]) if "rates" in r else None
-                print(f"{r['system']}: model {r['predicted' + kind]:.1f} samples/s (predicted/measured "
-                      f"{r['predicted' + kind] / rate if rate else float('nan'):.2f}), bubble "
-                      f"{r['predicted_bubble' + kind]:.3f}, {cores[kind]:.2f} cores ({what}, median of the rounds)")
+                print(
+                    f"{r['system']}: model {r['predicted' + kind]:.1f} samples/s (predicted/measured "
+                    f"{r['predicted' + kind] / rate if rate else float('nan'):.2f}), bubble "
+                    f"{r['predicted_bubble' + kind]:.3f}, {cores[kind]:.2f} cores ({what}, median of the rounds)"
+                )
     for r in rows:
         if "peak_bytes" in r:
-            print(f"{r['system']}: peak activation MiB per stage "
-                  f"{[round(b / 2**20, 2) for b in r['peak_bytes']]}, micro-batches held {r['peak_micro_batches']}")
+            print(
+                f"{r['system']}: peak activation MiB per stage "
+                f"{[round(b / 2**20, 2) for b in r['peak_bytes']]}, micro-batches held {r['peak_micro_batches']}"
+            )
     print(conditions)
     print(f"wrote {base}.csv {base}-memory.csv {base}.png")
 
@@ -440,45 +551,89 @@ def write_model_inputs(path, inputs):
     """The model's inputs of every round: per stage forward, backward, optimizer seconds; link."""
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["round", "schedule", "stage", "forward_s", "backward_s", "optimizer_s", "message_bytes_out",
-                    "alpha_s", "beta_s_per_byte", "cpu_share", "run_share", "in_run_forward_s", "in_run_backward_s",
-                    "in_run_optimizer_s"])
+        w.writerow(
+            [
+                "round",
+                "schedule",
+                "stage",
+                "forward_s",
+                "backward_s",
+                "optimizer_s",
+                "message_bytes_out",
+                "alpha_s",
+                "beta_s_per_byte",
+                "cpu_share",
+                "run_share",
+                "in_run_forward_s",
+                "in_run_backward_s",
+                "in_run_optimizer_s",
+            ]
+        )
         for i, x in enumerate(inputs):
             for s, (fw, bw, opt) in enumerate(zip(x["forward"], x["backward"], x["optimizer"])):
                 out = int(x["message_bytes"][s]) if s < len(x["message_bytes"]) else ""
-                w.writerow([i // len(SCHEDULES), x["schedule"], s, f"{fw:.6g}", f"{bw:.6g}", f"{opt:.6g}", out,
-                            f"{x['alpha']:.4g}", f"{x['beta']:.4g}", f"{x['cpu_share']:.3f}", f"{x['run_share']:.3f}",
-                            *[f"{x['in_run'][key][s]:.6g}" for key in ("forward", "backward", "optimizer")]])
+                w.writerow(
+                    [
+                        i // len(SCHEDULES),
+                        x["schedule"],
+                        s,
+                        f"{fw:.6g}",
+                        f"{bw:.6g}",
+                        f"{opt:.6g}",
+                        out,
+                        f"{x['alpha']:.4g}",
+                        f"{x['beta']:.4g}",
+                        f"{x['cpu_share']:.3f}",
+                        f"{x['run_share']:.3f}",
+                        *[f"{x['in_run'][key][s]:.6g}" for key in ("forward", "backward", "optimizer")],
+                    ]
+                )
 
 
 def plot(rows, path, conditions, p, m, single):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     names = [r["system"] for r in rows]
     rates = [statistics.median(r["rates"]) if "rates" in r else 0 for r in rows]
     bars = left.bar(range(len(rows)), rates, color=["grey"] + ["tab:blue"] * (len(rows) - 1))
     for bar, r in zip(bars, rows):
-        label = "did not complete" if "failure" in r else (
-            f"bubble {r['bubble']:.2f}" + (f"\n(schedule {r['schedule_bubble']:.2f})" if "schedule_bubble" in r else "")
-            if "bubble" in r else "")
-        left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                      fontsize=8)
+        label = (
+            "did not complete"
+            if "failure" in r
+            else (
+                f"bubble {r['bubble']:.2f}"
+                + (f"\n(schedule {r['schedule_bubble']:.2f})" if "schedule_bubble" in r else "")
+                if "bubble" in r
+                else ""
+            )
+        )
+        left.annotate(
+            label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8
+        )
     left.set_ylim(0, 1.2 * max(rates + [single or 0, 1]))  # room for the two-line labels
     if single:
         left.axhline(single, color="grey", linestyle="--", label="single process")
         left.legend(loc="lower left")
-    left.set_xticks(range(len(rows)), [n.replace("torch.distributed.pipelining", "torch.pipelining") for n in names],
-                    rotation=20, ha="right", fontsize=8)
+    left.set_xticks(
+        range(len(rows)),
+        [n.replace("torch.distributed.pipelining", "torch.pipelining") for n in names],
+        rotation=20,
+        ha="right",
+        fontsize=8,
+    )
     left.set_ylabel("samples/s (median of runs)")
     left.set_title(f"throughput, P={p} stages, M={m}; theoretical bubble {(p - 1) / (m + p - 1):.2f}")
     width = 0.4
     measured = [r for r in rows if "peak_bytes" in r]
     for i, r in enumerate(measured):
         stages = range(len(r["peak_bytes"]))
-        right.bar([s + (i - 0.5) * width for s in stages], [b / 2**20 for b in r["peak_bytes"]], width,
-                  label=r["system"])
+        right.bar(
+            [s + (i - 0.5) * width for s in stages], [b / 2**20 for b in r["peak_bytes"]], width, label=r["system"]
+        )
     right.set_xticks(range(p))
     right.set_xlabel("stage")
     right.set_ylabel("peak activation memory (MiB, measured)")
@@ -510,14 +665,22 @@ def replot(args):
         for key, column in (("bubble", "measured_bubble"), ("schedule_bubble", "schedule_bubble")):
             if t.get(column):
                 r[key] = float(t[column])
-        stages = sorted((int(x["stage"]), int(x["peak_activation_bytes"])) for x in memory if x["schedule"] == t["system"])
+        stages = sorted(
+            (int(x["stage"]), int(x["peak_activation_bytes"])) for x in memory if x["schedule"] == t["system"]
+        )
         if stages:
             r["peak_bytes"] = [b for _, b in stages]
         rows.append(r)
     p = max(int(t["ranks"]) for t in table)
     m = next(int(t["micro_batches"]) for t in table if t["micro_batches"])
-    single = next((float(t["median_samples_per_s"]) for t in table
-                   if t["system"] == "single process" and t["median_samples_per_s"]), None)
+    single = next(
+        (
+            float(t["median_samples_per_s"])
+            for t in table
+            if t["system"] == "single process" and t["median_samples_per_s"]
+        ),
+        None,
+    )
     plot(rows, base + ".png", table[0]["conditions"], p, m, single)
     print(f"wrote {base}.png")
 
@@ -536,12 +699,22 @@ def main():
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--tag", default="pipeline")
     parser.add_argument("--no-torch", action="store_true", help="skip torch.distributed.pipelining")
-    parser.add_argument("--netns", action="store_true",
-                        help="rank r in emulated host hn{r}: run under bench/netcluster.sh --hosts >= --ranks run --")
-    parser.add_argument("--model", action="store_true",
-                        help="also measure the schedule model's inputs and predict (bench/pipeline_model.py)")
-    parser.add_argument("--model-cores", type=float, default=None,
-                        help="cores the model's stages share (default: measured, min(P, cores, P x CPU share))")
+    parser.add_argument(
+        "--netns",
+        action="store_true",
+        help="rank r in emulated host hn{r}: run under bench/netcluster.sh --hosts >= --ranks run --",
+    )
+    parser.add_argument(
+        "--model",
+        action="store_true",
+        help="also measure the schedule model's inputs and predict (bench/pipeline_model.py)",
+    )
+    parser.add_argument(
+        "--model-cores",
+        type=float,
+        default=None,
+        help="cores the model's stages share (default: measured, min(P, cores, P x CPU share))",
+    )
     parser.add_argument("--replot", action="store_true", help="only redraw TAG.png from TAG.csv and TAG-memory.csv")
     parser.add_argument("--worker", choices=["single", "hpcdl", "torch"], help=argparse.SUPPRESS)
     parser.add_argument("--schedule", choices=SCHEDULES, help=argparse.SUPPRESS)
@@ -553,9 +726,11 @@ def main():
     if args.replot:
         return replot(args)
     if args.netns and args.worker is None and int(os.environ.get("HPCDL_NET_HOSTS") or 0) < args.ranks:
-        parser.error(f"--netns needs {args.ranks} emulated hosts: run it under "
-                     f"bench/netcluster.sh --hosts {args.ranks} run -- (HPCDL_NET_HOSTS is "
-                     f"{os.environ.get('HPCDL_NET_HOSTS')!r})")
+        parser.error(
+            f"--netns needs {args.ranks} emulated hosts: run it under "
+            f"bench/netcluster.sh --hosts {args.ranks} run -- (HPCDL_NET_HOSTS is "
+            f"{os.environ.get('HPCDL_NET_HOSTS')!r})"
+        )
     {"single": worker_single, "hpcdl": worker_hpcdl, "torch": worker_torch, None: drive}[args.worker](args)
 
 

@@ -54,8 +54,20 @@ LINK_SIZES = (1 << 10, 1 << 16, 1 << 20)  # message sizes measured to fit alpha 
 
 # --------------------------------------------------------------------------- the model
 
-def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, alpha=0.0, beta=0.0,
-             optimizer=None, steps=1, speed=1.0):
+
+def simulate(
+    schedule,
+    forward,
+    backward,
+    message_bytes,
+    micro_batches,
+    cores,
+    alpha=0.0,
+    beta=0.0,
+    optimizer=None,
+    steps=1,
+    speed=1.0,
+):
     """Simulate ``steps`` pipeline steps from a common start (a barrier).
 
     forward, backward: seconds per micro-batch of each of the P stages (the last
@@ -71,6 +83,7 @@ def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, a
     micro-batches forwarded but not yet backwarded}.
     """
     from hpcdl.pipeline import stage_actions
+
     p = len(forward)
     if len(backward) != p or len(message_bytes) != p - 1:
         raise ValueError(f"{p} stages need {p} backward times and {p - 1} message sizes")
@@ -93,14 +106,14 @@ def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, a
             return kind, mb, step, s
         return None
 
-    arrived = {}        # message -> arrival time
-    in_transit = []     # heap of (arrival time, message)
+    arrived = {}  # message -> arrival time
+    in_transit = []  # heap of (arrival time, message)
     position = [0] * p
-    remaining = [None] * p   # seconds of work left in the current action once it can run
+    remaining = [None] * p  # seconds of work left in the current action once it can run
     blocked_since = [0.0] * p
     step_start = [0.0] * p
     waited_in_step = [0.0] * p
-    shares = [[] for _ in range(p)]   # per stage: waited / train_step seconds of each step
+    shares = [[] for _ in range(p)]  # per stage: waited / train_step seconds of each step
     waited = [0.0] * p
     held, peak = [0] * p, [0] * p
     now = 0.0
@@ -148,10 +161,9 @@ def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, a
             elif kind == BACKWARD:
                 held[s] -= 1
                 if s > 0:
-                    heapq.heappush(in_transit, (now + alpha + message_bytes[s - 1] * beta,
-                                                (BACKWARD, mb, step, s - 1)))
+                    heapq.heappush(in_transit, (now + alpha + message_bytes[s - 1] * beta, (BACKWARD, mb, step, s - 1)))
             if position[s] < len(plans[s]) and plans[s][position[s]][0] == OPTIMIZER:
-                duration = now - step_start[s]   # train_step's own seconds, as Pipeline reports them
+                duration = now - step_start[s]  # train_step's own seconds, as Pipeline reports them
                 shares[s].append(waited_in_step[s] / duration if duration > 0 else 0.0)
             elif kind == OPTIMIZER:
                 step_start[s], waited_in_step[s] = now, 0.0
@@ -160,15 +172,31 @@ def simulate(schedule, forward, backward, message_bytes, micro_batches, cores, a
             try_start(s)
     if any(position[s] < len(plans[s]) for s in range(p)):
         raise RuntimeError("the schedule deadlocked in the model")  # never for stage_actions' schedules
-    return {"seconds": now, "step_s": now / steps, "waited": waited, "peak_in_flight": peak,
-            "bubble": statistics.mean(statistics.median(x) for x in shares)}
+    return {
+        "seconds": now,
+        "step_s": now / steps,
+        "waited": waited,
+        "peak_in_flight": peak,
+        "bubble": statistics.mean(statistics.median(x) for x in shares),
+    }
 
 
 def predict(schedule, inputs, micro_batches, cores, batch, steps=1, speed=1.0):
     """simulate() on a dict of measured inputs (stage_times() + the link's alpha and beta):
     {"step_s", "samples_per_s", "bubble", ...}."""
-    out = simulate(schedule, inputs["forward"], inputs["backward"], inputs["message_bytes"], micro_batches, cores,
-                   inputs.get("alpha", 0.0), inputs.get("beta", 0.0), inputs.get("optimizer"), steps, speed)
+    out = simulate(
+        schedule,
+        inputs["forward"],
+        inputs["backward"],
+        inputs["message_bytes"],
+        micro_batches,
+        cores,
+        inputs.get("alpha", 0.0),
+        inputs.get("beta", 0.0),
+        inputs.get("optimizer"),
+        steps,
+        speed,
+    )
     out["samples_per_s"] = steps * batch / out["seconds"]
     return out
 
@@ -186,6 +214,7 @@ def fit_link(points):
 
 # --------------------------------------------------------------------------- the model's inputs, measured
 
+
 def stage_times(model, starts, micro_batch, targets, micro_batches, steps=3, only=None):
     """Each stage's CPU seconds (this thread's: the work, not the time other processes
     held the core, which the model's cores account for), one thread, in this process,
@@ -199,6 +228,7 @@ def stage_times(model, starts, micro_batch, targets, micro_batches, steps=3, onl
     stages before it."""
     import torch
     import torch.nn.functional as F
+
     ends = list(starts[1:]) + [len(model)]
     forward, backward, optimizer, message_bytes = [], [], [], []
     x = micro_batch
@@ -208,7 +238,7 @@ def stage_times(model, starts, micro_batch, targets, micro_batches, steps=3, onl
         params = list(module.parameters())
         opt = torch.optim.SGD(params, lr=0.01) if params else None
         f_runs, b_runs, fixed = [], [], []
-        for step in range(steps + 1 if only in (None, s) else 0):   # the first is a warm-up
+        for step in range(steps + 1 if only in (None, s) else 0):  # the first is a warm-up
             start = time.thread_time()
             if opt is not None:
                 opt.zero_grad()
@@ -258,6 +288,7 @@ def link_times(comm, sizes=LINK_SIZES, repeats=20, busy_s=3e-3):
     from mpi4py import MPI
 
     from hpcdl.pipeline import Link
+
     rank = comm.Get_rank()
     pair = comm.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
     points = []
@@ -320,6 +351,7 @@ def wait_costs(comm, wait_s=2.0, rounds=5):
     from mpi4py import MPI
 
     from hpcdl.pipeline import Link
+
     rank = comm.Get_rank()
     pair = comm.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
     shares, delays = [], []
@@ -347,8 +379,13 @@ def wait_costs(comm, wait_s=2.0, rounds=5):
     link = link_times(comm, sizes=(1024,))
     if rank != 0:
         return None
-    return {"wait_s": wait_s, "rounds": rounds, "engine_cpu_share": statistics.median(shares),
-            "late_message_delay_s": statistics.median(delays), "alpha_1KiB_s": link["points"][0][1]}
+    return {
+        "wait_s": wait_s,
+        "rounds": rounds,
+        "engine_cpu_share": statistics.median(shares),
+        "late_message_delay_s": statistics.median(delays),
+        "alpha_1KiB_s": link["points"][0][1],
+    }
 
 
 def measure_inputs(comm, model, starts, micro_batch, targets, micro_batches, cores=None):
@@ -372,8 +409,9 @@ def measure_inputs(comm, model, starts, micro_batch, targets, micro_batches, cor
     if rank != 0:
         return None
     inputs = {key: [part[key][s] for s, part in enumerate(parts)] for key in ("forward", "backward", "optimizer")}
-    return dict(inputs, message_bytes=parts[0]["message_bytes"], cpu_share=share, alpha=link["alpha"],
-                beta=link["beta"])
+    return dict(
+        inputs, message_bytes=parts[0]["message_bytes"], cpu_share=share, alpha=link["alpha"], beta=link["beta"]
+    )
 
 
 def inputs_worker(args):
@@ -383,6 +421,7 @@ def inputs_worker(args):
     from mpi4py import MPI
 
     from hpcdl.pipeline import balanced_split
+
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
     bench = bench_module("pipeline")
@@ -399,6 +438,7 @@ def inputs_worker(args):
 def pair_worker(measure, what):
     """Under mpiexec -n 2: print measure(COMM_WORLD)'s result (rank 0's)."""
     from mpi4py import MPI
+
     if MPI.COMM_WORLD.Get_size() != 2:
         raise SystemExit(f"the {what} measurement runs on 2 ranks (mpiexec -n 2)")
     out = measure(MPI.COMM_WORLD)
@@ -412,15 +452,17 @@ def run_worker(argv, timeout=600):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
     for line in done.stdout.splitlines():
         if line.startswith(RESULT):
-            return json.loads(line[len(RESULT):])
+            return json.loads(line[len(RESULT) :])
     raise RuntimeError(f"{' '.join(argv[-8:])} gave no result (exit {done.returncode}): {done.stderr.strip()[-500:]}")
 
 
 # --------------------------------------------------------------------------- subcommands
 
+
 def bench_module(name):
     """bench/NAME.py, imported from beside this file (it may import its neighbours)."""
     import importlib.util
+
     here = os.path.dirname(os.path.abspath(__file__))
     if here not in sys.path:
         sys.path.insert(0, here)
@@ -434,6 +476,7 @@ def cmd_validate(args):
     """One table from bench/pipeline.py --model runs: measured vs predicted per hpcdl schedule,
     with the cores measured apart and as the ranks got them in the run."""
     from hpcdl.measure import cell, ratio
+
     rows = []
     for path in args.csv:
         with open(path, newline="") as f:
@@ -445,20 +488,28 @@ def cmd_validate(args):
                 run = float(run) if run else None
                 inrun = r.get("predicted_samples_per_s_inrun")
                 inrun = float(inrun) if inrun else None
-                rows.append({"run": os.path.basename(path)[:-4], "system": r["system"], "stages": r["ranks"],
-                             "micro_batches": r["micro_batches"], "measured_samples_per_s": measured,
-                             "measured_bubble": r["measured_bubble"],
-                             "cores": r["model_cores"], "predicted_samples_per_s": float(r["predicted_samples_per_s"]),
-                             "predicted_over_measured": cell(ratio(float(r["predicted_samples_per_s"]), measured)),
-                             "predicted_bubble": r["predicted_bubble"],
-                             "cores_run_share": r.get("model_cores_run_share", ""),
-                             "predicted_samples_per_s_run_share": cell(run),
-                             "predicted_over_measured_run_share": cell(ratio(run, measured)),
-                             "predicted_bubble_run_share": r.get("predicted_bubble_run_share", ""),
-                             "predicted_samples_per_s_inrun": cell(inrun),
-                             "predicted_over_measured_inrun": cell(ratio(inrun, measured)),
-                             "predicted_bubble_inrun": r.get("predicted_bubble_inrun", ""),
-                             "conditions": r["conditions"]})
+                rows.append(
+                    {
+                        "run": os.path.basename(path)[:-4],
+                        "system": r["system"],
+                        "stages": r["ranks"],
+                        "micro_batches": r["micro_batches"],
+                        "measured_samples_per_s": measured,
+                        "measured_bubble": r["measured_bubble"],
+                        "cores": r["model_cores"],
+                        "predicted_samples_per_s": float(r["predicted_samples_per_s"]),
+                        "predicted_over_measured": cell(ratio(float(r["predicted_samples_per_s"]), measured)),
+                        "predicted_bubble": r["predicted_bubble"],
+                        "cores_run_share": r.get("model_cores_run_share", ""),
+                        "predicted_samples_per_s_run_share": cell(run),
+                        "predicted_over_measured_run_share": cell(ratio(run, measured)),
+                        "predicted_bubble_run_share": r.get("predicted_bubble_run_share", ""),
+                        "predicted_samples_per_s_inrun": cell(inrun),
+                        "predicted_over_measured_inrun": cell(ratio(inrun, measured)),
+                        "predicted_bubble_inrun": r.get("predicted_bubble_inrun", ""),
+                        "conditions": r["conditions"],
+                    }
+                )
     if not rows:
         raise SystemExit("no rows with a prediction: run bench/pipeline.py with --model")
     path = os.path.join(args.out, args.tag + ".csv")
@@ -466,20 +517,24 @@ def cmd_validate(args):
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    print(f"{'run':30} {'system':11} {'P':>2} {'M':>3} {'measured':>9} {'cores':>5} {'predicted':>9} {'ratio':>6} "
-          f"{'cores':>5} {'pred(run)':>9} {'ratio':>6} {'pred(in)':>9} {'ratio':>6}  "
-          "bubble measured/predicted/predicted(run)/predicted(in run)")
+    print(
+        f"{'run':30} {'system':11} {'P':>2} {'M':>3} {'measured':>9} {'cores':>5} {'predicted':>9} {'ratio':>6} "
+        f"{'cores':>5} {'pred(run)':>9} {'ratio':>6} {'pred(in)':>9} {'ratio':>6}  "
+        "bubble measured/predicted/predicted(run)/predicted(in run)"
+    )
     for r in rows:
         run, inrun = r["predicted_samples_per_s_run_share"], r["predicted_samples_per_s_inrun"]
-        print(f"{r['run']:30} {r['system']:11} {r['stages']:>2} {r['micro_batches']:>3} "
-              f"{r['measured_samples_per_s']:9.1f} {r['cores']:>5} {r['predicted_samples_per_s']:9.1f} "
-              f"{r['predicted_over_measured']:6.2f} {r['cores_run_share']:>5} "
-              f"{run if run == '' else format(run, '9.1f'):>9} "
-              f"{'' if run == '' else format(r['predicted_over_measured_run_share'], '6.2f'):>6} "
-              f"{'' if inrun == '' else format(inrun, '9.1f'):>9} "
-              f"{'' if inrun == '' else format(r['predicted_over_measured_inrun'], '6.2f'):>6}  "
-              f"{r['measured_bubble']}/{r['predicted_bubble']}/{r['predicted_bubble_run_share']}/"
-              f"{r['predicted_bubble_inrun']}")
+        print(
+            f"{r['run']:30} {r['system']:11} {r['stages']:>2} {r['micro_batches']:>3} "
+            f"{r['measured_samples_per_s']:9.1f} {r['cores']:>5} {r['predicted_samples_per_s']:9.1f} "
+            f"{r['predicted_over_measured']:6.2f} {r['cores_run_share']:>5} "
+            f"{run if run == '' else format(run, '9.1f'):>9} "
+            f"{'' if run == '' else format(r['predicted_over_measured_run_share'], '6.2f'):>6} "
+            f"{'' if inrun == '' else format(inrun, '9.1f'):>9} "
+            f"{'' if inrun == '' else format(r['predicted_over_measured_inrun'], '6.2f'):>6}  "
+            f"{r['measured_bubble']}/{r['predicted_bubble']}/{r['predicted_bubble_run_share']}/"
+            f"{r['predicted_bubble_inrun']}"
+        )
     print(f"wrote {path}")
 
 
@@ -493,6 +548,7 @@ def cmd_predict(args):
     make_model = bench_module("pipeline").make_model
     from hpcdl.measure import cell, rate, ratio, save_figure
     from hpcdl.pipeline import balanced_split, bubble_fraction
+
     torch.set_num_threads(1)
     if args.one_process and (args.alpha is None or args.beta is None):
         raise SystemExit("--one-process needs --alpha and --beta")
@@ -514,30 +570,55 @@ def cmd_predict(args):
             raise SystemExit(f"M = {m} micro-batches do not divide the batch of {args.batch}")
         starts = balanced_split([sum(q.numel() for q in layer.parameters()) for layer in model], p)
         if args.one_process:
-            inputs = stage_times(model, starts, x[:args.batch // m], y[:args.batch // m], m, args.repeats)
+            inputs = stage_times(model, starts, x[: args.batch // m], y[: args.batch // m], m, args.repeats)
             source = "stage times one after another in one process; link given"
         else:
-            inputs = run_worker([args.mpiexec, "-n", str(p), sys.executable, os.path.abspath(__file__), "inputs",
-                                 "--hidden", str(args.hidden), "--layers", str(args.layers), "--batch",
-                                 str(args.batch), "--micro-batches", str(m)])
-            source = (f"stage times {min(p, os.cpu_count())} at once (every core busy), link measured, "
-                      f"{p} ranks")
+            inputs = run_worker(
+                [
+                    args.mpiexec,
+                    "-n",
+                    str(p),
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "inputs",
+                    "--hidden",
+                    str(args.hidden),
+                    "--layers",
+                    str(args.layers),
+                    "--batch",
+                    str(args.batch),
+                    "--micro-batches",
+                    str(m),
+                ]
+            )
+            source = f"stage times {min(p, os.cpu_count())} at once (every core busy), link measured, {p} ranks"
         if args.alpha is not None and args.beta is not None:
             inputs.update(alpha=args.alpha, beta=args.beta)
         link = {"alpha": inputs["alpha"], "beta": inputs["beta"], "source": source}
         for schedule in ("gpipe", "1f1b"):
             out = predict(schedule, inputs, m, p, args.batch, args.steps)
-            rows.append({"system": f"hpcdl {schedule}", "stages": p, "cores": p, "micro_batches": m,
-                         "micro_batch_rows": args.batch // m, "predicted_samples_per_s": out["samples_per_s"],
-                         "single_process_samples_per_s": cell(single_rate),
-                         "vs_single_process": cell(ratio(out["samples_per_s"], single_rate)),
-                         "predicted_bubble": out["bubble"], "theoretical_bubble": bubble_fraction(p, m),
-                         "stage_forward_backward_s": " ".join(f"{f + b:.6f}" for f, b in
-                                                              zip(inputs["forward"], inputs["backward"])),
-                         "alpha_s": link["alpha"], "beta_s_per_byte": link["beta"],
-                         "conditions": f"hidden {args.hidden}, {args.layers} layers, batch {args.batch}, "
-                                       f"{args.steps} steps; measured on {os.cpu_count()} cores (load avg "
-                                       f"{os.getloadavg()[0]:.1f}): {link['source']}"})
+            rows.append(
+                {
+                    "system": f"hpcdl {schedule}",
+                    "stages": p,
+                    "cores": p,
+                    "micro_batches": m,
+                    "micro_batch_rows": args.batch // m,
+                    "predicted_samples_per_s": out["samples_per_s"],
+                    "single_process_samples_per_s": cell(single_rate),
+                    "vs_single_process": cell(ratio(out["samples_per_s"], single_rate)),
+                    "predicted_bubble": out["bubble"],
+                    "theoretical_bubble": bubble_fraction(p, m),
+                    "stage_forward_backward_s": " ".join(
+                        f"{f + b:.6f}" for f, b in zip(inputs["forward"], inputs["backward"])
+                    ),
+                    "alpha_s": link["alpha"],
+                    "beta_s_per_byte": link["beta"],
+                    "conditions": f"hidden {args.hidden}, {args.layers} layers, batch {args.batch}, "
+                    f"{args.steps} steps; measured on {os.cpu_count()} cores (load avg "
+                    f"{os.getloadavg()[0]:.1f}): {link['source']}",
+                }
+            )
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.tag)
     with open(stem + ".csv", "w", newline="") as f:
@@ -546,11 +627,15 @@ def cmd_predict(args):
         w.writerows(rows)
     print(f"{'system':12} {'P':>2} {'M':>3} {'rows':>4} {'samples/s':>10} {'vs 1 proc':>9} {'bubble':>7} {'theory':>7}")
     for r in rows:
-        print(f"{r['system']:12} {r['stages']:>2} {r['micro_batches']:>3} {r['micro_batch_rows']:>4} "
-              f"{r['predicted_samples_per_s']:10.1f} {r['vs_single_process']:9.2f} {r['predicted_bubble']:7.3f} "
-              f"{r['theoretical_bubble']:7.3f}")
-    print(f"single process {single_rate:.1f} samples/s (measured); alpha {rows[-1]['alpha_s'] * 1e6:.1f} us, "
-          f"1/beta {1 / rows[-1]['beta_s_per_byte'] / 1e9 if rows[-1]['beta_s_per_byte'] else float('inf'):.2f} GB/s")
+        print(
+            f"{r['system']:12} {r['stages']:>2} {r['micro_batches']:>3} {r['micro_batch_rows']:>4} "
+            f"{r['predicted_samples_per_s']:10.1f} {r['vs_single_process']:9.2f} {r['predicted_bubble']:7.3f} "
+            f"{r['theoretical_bubble']:7.3f}"
+        )
+    print(
+        f"single process {single_rate:.1f} samples/s (measured); alpha {rows[-1]['alpha_s'] * 1e6:.1f} us, "
+        f"1/beta {1 / rows[-1]['beta_s_per_byte'] / 1e9 if rows[-1]['beta_s_per_byte'] else float('inf'):.2f} GB/s"
+    )
     save_figure(stem + ".png", lambda plt: draw_prediction(plt, rows, single_rate, rows[0]["conditions"]))
     print(f"wrote {stem}.csv {stem}.png")
 
@@ -564,8 +649,14 @@ def draw_prediction(plt, rows, single_rate, conditions):
         xs = [k + (i - 0.5) * width for k in range(len(stages))]
         left.bar(xs, [mine[p]["predicted_samples_per_s"] for p in stages], width, label=f"{schedule} (predicted)")
         right.bar(xs, [mine[p]["predicted_bubble"] for p in stages], width, label=f"{schedule} (predicted)")
-    right.plot(range(len(stages)), [next(r["theoretical_bubble"] for r in rows if r["stages"] == p) for p in stages],
-               "k_", markersize=30, mew=2, label="(P-1)/(M+P-1)")
+    right.plot(
+        range(len(stages)),
+        [next(r["theoretical_bubble"] for r in rows if r["stages"] == p) for p in stages],
+        "k_",
+        markersize=30,
+        mew=2,
+        label="(P-1)/(M+P-1)",
+    )
     if single_rate:
         left.axhline(single_rate, color="grey", linestyle="--", label="single process (measured)")
     labels = [f"P={p}, M={4 * p}" for p in stages]
@@ -605,14 +696,22 @@ def main(argv=None):
     pr.add_argument("--repeats", type=int, default=3, help="steps timed per stage (medians)")
     pr.add_argument("--alpha", type=float, help="link seconds per message (with --beta; default: measured)")
     pr.add_argument("--beta", type=float, help="link seconds per byte (with --alpha; default: measured)")
-    pr.add_argument("--one-process", action="store_true",
-                    help="time the stages one after another in this process (needs --alpha, --beta)")
+    pr.add_argument(
+        "--one-process",
+        action="store_true",
+        help="time the stages one after another in this process (needs --alpha, --beta)",
+    )
     pr.add_argument("--mpiexec", default="mpiexec")
     pr.add_argument("--out", default="bench/results")
     pr.add_argument("--tag", default="pipeline-model-predict")
     args = ap.parse_args(argv)
-    {"link": lambda a: pair_worker(link_times, "link"), "wait": lambda a: pair_worker(wait_costs, "wait"), "inputs": inputs_worker, "validate": cmd_validate,
-     "predict": cmd_predict}[args.command](args)
+    {
+        "link": lambda a: pair_worker(link_times, "link"),
+        "wait": lambda a: pair_worker(wait_costs, "wait"),
+        "inputs": inputs_worker,
+        "validate": cmd_validate,
+        "predict": cmd_predict,
+    }[args.command](args)
 
 
 if __name__ == "__main__":

@@ -78,9 +78,13 @@ def make_step(args):
     import torch
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(args.features, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(args.features, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, 10),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
 
@@ -88,6 +92,7 @@ def make_step(args):
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
+
     return step
 
 
@@ -113,6 +118,7 @@ def worker(args):
     stats = {}
     if args.variant == "torch":
         import torch
+
         torch.set_num_threads(1)
     if args.worker == "dataloader":
         import torch
@@ -126,10 +132,16 @@ def worker(args):
             def __getitem__(self, i):
                 return torch.from_numpy(decode(st[i], args.features)), int(st.labels[i])
 
-        sampler = DistributedSampler(StoreDataset(), num_replicas=size, rank=rank, shuffle=True, seed=1,
-                                     drop_last=True)
-        loader = DataLoader(StoreDataset(), batch_size=local, sampler=sampler, num_workers=2,
-                            prefetch_factor=args.prefetch_factor, drop_last=True, persistent_workers=True)
+        sampler = DistributedSampler(StoreDataset(), num_replicas=size, rank=rank, shuffle=True, seed=1, drop_last=True)
+        loader = DataLoader(
+            StoreDataset(),
+            batch_size=local,
+            sampler=sampler,
+            num_workers=2,
+            prefetch_factor=args.prefetch_factor,
+            drop_last=True,
+            persistent_workers=True,
+        )
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             drop_cache(comm)
@@ -141,6 +153,7 @@ def worker(args):
             x = np.stack([decode(view, args.features) for view in batch.samples()])
             if args.variant == "torch":
                 import torch
+
                 train(torch.from_numpy(x), torch.from_numpy(batch.labels.astype(np.int64)))
             else:
                 train(x, batch.labels)
@@ -149,9 +162,20 @@ def worker(args):
         # fillers begin reading at construction, so the clock and the cache drop come first.
         drop_cache(comm)
         start = time.monotonic()
-        with Prefetcher(st, args.batch, args.epochs, 1, comm=comm, ram_bytes=args.ram,
-                        disk_dir=args.disk_dir, disk_bytes=args.disk, staging_threads=args.threads,
-                        read_bytes=args.read_bytes, read_gap=args.read_gap, lookahead_bytes=args.lookahead) as pf:
+        with Prefetcher(
+            st,
+            args.batch,
+            args.epochs,
+            1,
+            comm=comm,
+            ram_bytes=args.ram,
+            disk_dir=args.disk_dir,
+            disk_bytes=args.disk,
+            staging_threads=args.threads,
+            read_bytes=args.read_bytes,
+            read_gap=args.read_gap,
+            lookahead_bytes=args.lookahead,
+        ) as pf:
             startup = time.monotonic() - start
             for e, epoch in enumerate(pf.epochs()):
                 if e:
@@ -161,36 +185,97 @@ def worker(args):
                     times[0] += startup
                     stalls[0] += startup
         stats = pf.stats()
-    all_times, all_stalls, all_steps = comm.gather(times, root=0), comm.gather(stalls, root=0), comm.gather(steps_s, root=0)
+    all_times, all_stalls, all_steps = (
+        comm.gather(times, root=0),
+        comm.gather(stalls, root=0),
+        comm.gather(steps_s, root=0),
+    )
     all_stats = comm.gather(stats, root=0)
     if rank == 0:  # an epoch lasts as long as its slowest rank
         epoch_max, stall_max = np.max(all_times, axis=0), np.max(all_stalls, axis=0)
         steps_per_epoch = len(st) // args.batch
         step_s = float(np.median(all_steps)) / steps_per_epoch
-        summary = {key: sum(s.get(key, 0) for s in all_stats) for key in
-                   ("store_reads", "store_requests", "store_bytes", "peer_fills", "peer_waits", "peer_misses",
-                    "peer_timeouts", "served_to_peers")}
+        summary = {
+            key: sum(s.get(key, 0) for s in all_stats)
+            for key in (
+                "store_reads",
+                "store_requests",
+                "store_bytes",
+                "peer_fills",
+                "peer_waits",
+                "peer_misses",
+                "peer_timeouts",
+                "served_to_peers",
+            )
+        }
         if args.worker == "hpcdl":
             summary["read_settings"] = all_stats[0]["read_settings"]  # rank 0's, which every rank derives alike
             summary["hits"] = {src: sum(s["hits"][src] for s in all_stats) for src in all_stats[0]["hits"]}
             print(f"[hpcdl rank 0] all ranks: {summary}", file=sys.stderr)
-        print(json.dumps({"epoch_s": [float(x) for x in epoch_max], "stall_s": [float(x) for x in stall_max],
-                          "step_s": step_s, "stats": summary}))
+        print(
+            json.dumps(
+                {
+                    "epoch_s": [float(x) for x in epoch_max],
+                    "stall_s": [float(x) for x in stall_max],
+                    "step_s": step_s,
+                    "stats": summary,
+                }
+            )
+        )
 
 
 def run_mode(args, mode, variant, store_path, disk_dir, prefetch_factor):
     from hpcdl.cli import mpiexec_path
 
-    cmd = [mpiexec_path(), "-n", str(args.ranks), sys.executable, os.path.abspath(__file__), "--worker", mode,
-           "--variant", variant, "--store", store_path, "--epochs", str(args.epochs), "--batch", str(args.batch),
-           "--compute", str(args.compute), "--ram", str(args.ram), "--disk", str(args.disk),
-           "--disk-dir", disk_dir if args.disk else "", "--threads", str(args.threads),
-           "--prefetch-factor", str(prefetch_factor), "--features", str(args.features), "--hidden", str(args.hidden),
-           "--read-bytes", str(args.read_bytes), "--read-gap", str(args.read_gap), "--lookahead", str(args.lookahead)]
+    cmd = [
+        mpiexec_path(),
+        "-n",
+        str(args.ranks),
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        mode,
+        "--variant",
+        variant,
+        "--store",
+        store_path,
+        "--epochs",
+        str(args.epochs),
+        "--batch",
+        str(args.batch),
+        "--compute",
+        str(args.compute),
+        "--ram",
+        str(args.ram),
+        "--disk",
+        str(args.disk),
+        "--disk-dir",
+        disk_dir if args.disk else "",
+        "--threads",
+        str(args.threads),
+        "--prefetch-factor",
+        str(prefetch_factor),
+        "--features",
+        str(args.features),
+        "--hidden",
+        str(args.hidden),
+        "--read-bytes",
+        str(args.read_bytes),
+        "--read-gap",
+        str(args.read_gap),
+        "--lookahead",
+        str(args.lookahead),
+    ]
     if args.slowfs:
         cmd = [SLOWFS, "run", args.slowfs] + cmd
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=3600,
-                         env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"))
+    out = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+    )
     if out.returncode != 0:
         sys.exit(f"{mode} run failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -204,19 +289,40 @@ def model_rows(args, variant, step_s, chosen):
     """The simulator for this setting, reading the store as the hpcdl runs did (chosen: their read settings)."""
     from hpcdl.simulator import System, predict
 
-    system = System(samples=args.files, sample_bytes=args.file_bytes, ranks=args.ranks, epochs=args.epochs,
-                    batch=args.batch, compute=step_s, ram_bytes=args.ram, disk_bytes=args.disk,
-                    store_bw=args.bps, store_iops=args.iops, disk_bw=1e9, net_bw=2e9, peers=True,
-                    read_bytes=chosen["read_bytes"], read_gap=chosen["read_gap"],
-                    lookahead_bytes=chosen["lookahead_bytes"],
-                    node_ranks=args.ranks)  # one node: the ranks share its page cache
+    system = System(
+        samples=args.files,
+        sample_bytes=args.file_bytes,
+        ranks=args.ranks,
+        epochs=args.epochs,
+        batch=args.batch,
+        compute=step_s,
+        ram_bytes=args.ram,
+        disk_bytes=args.disk,
+        store_bw=args.bps,
+        store_iops=args.iops,
+        disk_bw=1e9,
+        net_bw=2e9,
+        peers=True,
+        read_bytes=chosen["read_bytes"],
+        read_gap=chosen["read_gap"],
+        lookahead_bytes=chosen["lookahead_bytes"],
+        node_ranks=args.ranks,
+    )  # one node: the ranks share its page cache
     model = predict(system)
     rows = []
     for e in range(args.epochs):
         for name, key in (("model-staging", "staging"), ("model-prefetch", "prefetch")):
             t = model[key][e]
-            rows.append({"variant": variant, "loader": name, "epoch": e + 1, "epoch_s": t,
-                         "stall_fraction": ratio(max(t - model["compute"][e], 0), t), "step_s": step_s})
+            rows.append(
+                {
+                    "variant": variant,
+                    "loader": name,
+                    "epoch": e + 1,
+                    "epoch_s": t,
+                    "stall_fraction": ratio(max(t - model["compute"][e], 0), t),
+                    "step_s": step_s,
+                }
+            )
     return rows
 
 
@@ -236,8 +342,13 @@ def draw(plt, rows):
             if loader in ("dataloader", "hpcdl"):
                 for bar, e in zip(bars, epochs):
                     r = next(r for r in sel if r["loader"] == loader and r["epoch"] == e)
-                    ax.annotate(show(r["stall_fraction"], ".0%"), (bar.get_x() + width / 2, bar.get_height()),
-                                ha="center", va="bottom", fontsize=7)
+                    ax.annotate(
+                        show(r["stall_fraction"], ".0%"),
+                        (bar.get_x() + width / 2, bar.get_height()),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                    )
         ax.set_xticks(epochs)
         ax.set_xlabel("epoch (labels: stall fraction, median of runs)")
         ax.set_ylabel("epoch time (s)")
@@ -262,8 +373,12 @@ def driver(args):
         store_path = os.path.join(args.slowfs, "mnt", "store")
     else:
         store_path = os.path.join(work, "store")
-    subprocess.run([sys.executable, "-m", "hpcdl", "pack", src, store_path, "-q"], cwd=ROOT, check=True,
-                   env=dict(os.environ, PYTHONPATH=ROOT))
+    subprocess.run(
+        [sys.executable, "-m", "hpcdl", "pack", src, store_path, "-q"],
+        cwd=ROOT,
+        check=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     disk_dir = os.path.join(work, "disk")
     os.makedirs(disk_dir)
     runs = []  # every run: variant, loader, run, epoch, epoch_s, stall_fraction, step_s
@@ -271,15 +386,29 @@ def driver(args):
 
     def record(variant, mode, run, res, factor=""):
         for e, (t, s) in enumerate(zip(res["epoch_s"], res["stall_s"])):
-            runs.append({"variant": variant, "loader": mode, "run": run, "epoch": e + 1, "epoch_s": t,
-                         "stall_fraction": ratio(s, t), "step_s": res["step_s"],
-                         "prefetch_factor": factor, "store_reads": res["stats"].get("store_reads", ""),
-                         "store_requests": res["stats"].get("store_requests", ""),
-                         "store_bytes": res["stats"].get("store_bytes", ""),
-                         "read_settings": " ".join(f"{k}={v}" for k, v in res["stats"].get("read_settings", {}).items()
-                                                   if k != "auto")})
-            print(f"{variant:>8} {mode:>10} run {run} epoch {e + 1}: {t:7.2f} s, stall {show(ratio(s, t), '6.1%')}"
-                  + (f" (prefetch_factor {factor})" if factor else ""), flush=True)
+            runs.append(
+                {
+                    "variant": variant,
+                    "loader": mode,
+                    "run": run,
+                    "epoch": e + 1,
+                    "epoch_s": t,
+                    "stall_fraction": ratio(s, t),
+                    "step_s": res["step_s"],
+                    "prefetch_factor": factor,
+                    "store_reads": res["stats"].get("store_reads", ""),
+                    "store_requests": res["stats"].get("store_requests", ""),
+                    "store_bytes": res["stats"].get("store_bytes", ""),
+                    "read_settings": " ".join(
+                        f"{k}={v}" for k, v in res["stats"].get("read_settings", {}).items() if k != "auto"
+                    ),
+                }
+            )
+            print(
+                f"{variant:>8} {mode:>10} run {run} epoch {e + 1}: {t:7.2f} s, stall {show(ratio(s, t), '6.1%')}"
+                + (f" (prefetch_factor {factor})" if factor else ""),
+                flush=True,
+            )
         if mode == "hpcdl":
             print(f"{variant:>8}      hpcdl run {run}: {res['stats']}", flush=True)
             chosen[variant] = res["stats"]["read_settings"]
@@ -298,8 +427,13 @@ def driver(args):
         for variant in args.variants.split(","):
             for run in range(1, args.runs + 1):
                 for mode in ("dataloader", "hpcdl"):
-                    record(variant, mode, run, run_mode(args, mode, variant, store_path, disk_dir, best),
-                           best if mode == "dataloader" else "")
+                    record(
+                        variant,
+                        mode,
+                        run,
+                        run_mode(args, mode, variant, store_path, disk_dir, best),
+                        best if mode == "dataloader" else "",
+                    )
     finally:
         if args.slowfs:
             subprocess.run([SLOWFS, "teardown", args.slowfs], check=False)
@@ -310,21 +444,37 @@ def driver(args):
             for e in range(1, args.epochs + 1):
                 sel = [r for r in runs if r["variant"] == variant and r["loader"] == mode and r["epoch"] == e]
                 stalls = [r["stall_fraction"] for r in sel if r["stall_fraction"] is not None]
-                rows.append({"variant": variant, "loader": mode, "epoch": e,
-                             "epoch_s": float(np.median([r["epoch_s"] for r in sel])),
-                             "stall_fraction": float(np.median(stalls)) if stalls else None,
-                             "step_s": float(np.median([r["step_s"] for r in sel]))})
+                rows.append(
+                    {
+                        "variant": variant,
+                        "loader": mode,
+                        "epoch": e,
+                        "epoch_s": float(np.median([r["epoch_s"] for r in sel])),
+                        "stall_fraction": float(np.median(stalls)) if stalls else None,
+                        "step_s": float(np.median([r["step_s"] for r in sel])),
+                    }
+                )
         step_s = float(np.median([r["step_s"] for r in runs if r["variant"] == variant and r["loader"] == "hpcdl"]))
         rows += model_rows(args, variant, args.compute if variant == "emulated" else step_s, chosen[variant])
     print(f"medians of {args.runs} runs (load: {os.getloadavg()[0]:.1f}):")
     for r in rows:
-        print(f"{r['variant']:>8} {r['loader']:>14} epoch {r['epoch']}: {r['epoch_s']:7.2f} s, "
-              f"stall {show(r['stall_fraction'], '6.1%')}, step {r['step_s'] * 1e3:.1f} ms")
+        print(
+            f"{r['variant']:>8} {r['loader']:>14} epoch {r['epoch']}: {r['epoch_s']:7.2f} s, "
+            f"stall {show(r['stall_fraction'], '6.1%')}, step {r['step_s'] * 1e3:.1f} ms"
+        )
     for variant in args.variants.split(","):
-        total = {mode: sum(r["epoch_s"] for r in rows if r["variant"] == variant and r["loader"] == mode
-                           and r["epoch"] >= min(2, args.epochs)) for mode in ("dataloader", "hpcdl")}
-        print(f"{variant:>8} epochs {min(2, args.epochs)}..{args.epochs} dataloader/hpcdl: "
-              f"{show(ratio(total['dataloader'], total['hpcdl']), '.2f')}x")
+        total = {
+            mode: sum(
+                r["epoch_s"]
+                for r in rows
+                if r["variant"] == variant and r["loader"] == mode and r["epoch"] >= min(2, args.epochs)
+            )
+            for mode in ("dataloader", "hpcdl")
+        }
+        print(
+            f"{variant:>8} epochs {min(2, args.epochs)}..{args.epochs} dataloader/hpcdl: "
+            f"{show(ratio(total['dataloader'], total['hpcdl']), '.2f')}x"
+        )
     out = args.out
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{args.name}.csv"), "w", newline="") as fh:
@@ -362,8 +512,11 @@ def main(argv=None):
     ap.add_argument("--name", default="prefetch", help="results: OUT/NAME.csv, NAME-runs.csv, NAME.png")
     ap.add_argument("--features", type=int, default=4096, help="bytes of each sample the MLP reads")
     ap.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width")
-    ap.add_argument("--read-bytes", default="auto", help="hpcdl: largest coalesced read (0: per sample; auto: "
-                                                         "from the store's measured IOPS and bandwidth)")
+    ap.add_argument(
+        "--read-bytes",
+        default="auto",
+        help="hpcdl: largest coalesced read (0: per sample; auto: from the store's measured IOPS and bandwidth)",
+    )
     ap.add_argument("--read-gap", default="auto", help="hpcdl: largest gap read through (a size or auto)")
     ap.add_argument("--lookahead", default="auto", help="hpcdl: bytes of store fills sorted together (a size or auto)")
     ap.add_argument("--slowfs", default="/tmp/hpcdl-slowfs", help="slow FS directory ('' for none)")

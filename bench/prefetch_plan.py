@@ -53,16 +53,30 @@ def main():
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     rows = []
     for ranks in (int(x) for x in args.ranks.split(",")):
-        spec = {"samples": args.samples, "epochs": args.epochs, "ranks": ranks, "seed": args.seed,
-                "ram": int(args.ram_gib * (1 << 30)), "disk": int(args.disk_gib * (1 << 30))}
-        done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], env=env, capture_output=True,
-                              text=True, timeout=args.timeout)
+        spec = {
+            "samples": args.samples,
+            "epochs": args.epochs,
+            "ranks": ranks,
+            "seed": args.seed,
+            "ram": int(args.ram_gib * (1 << 30)),
+            "disk": int(args.disk_gib * (1 << 30)),
+        }
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD, json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
         if done.returncode:
             sys.exit(f"P={ranks}: the planning child failed:\n{done.stderr}")
         row = {"ranks": ranks, "samples": args.samples, "epochs": args.epochs, **json.loads(done.stdout)}
         rows.append(row)
-        print(f"P={ranks:5d}: {row['wall_s']:7.2f} s wall, {row['cpu_s']:7.2f} s CPU, {row['peak_mb']:7.0f} MB peak, "
-              f"{row['ram_samples']} samples in RAM, {row['with_source']} with a source peer", flush=True)
+        print(
+            f"P={ranks:5d}: {row['wall_s']:7.2f} s wall, {row['cpu_s']:7.2f} s CPU, {row['peak_mb']:7.0f} MB peak, "
+            f"{row['ram_samples']} samples in RAM, {row['with_source']} with a source peer",
+            flush=True,
+        )
     path = os.path.join(args.out, args.name)
     with open(path + ".csv", "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -74,8 +88,10 @@ def main():
 
 def plot(rows, args, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     ranks = [r["ranks"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     left.plot(ranks, [r["wall_s"] for r in rows], "o-", label="wall")
@@ -90,8 +106,10 @@ def plot(rows, args, path):
         ax.set_ylim(bottom=0)
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.suptitle(f"hpcdl.prefetch.plan(), one rank: N = {args.samples:,}, E = {args.epochs}, local batch 32, "
-                 f"RAM {args.ram_gib:g} GiB, disk {args.disk_gib:g} GiB per rank")
+    fig.suptitle(
+        f"hpcdl.prefetch.plan(), one rank: N = {args.samples:,}, E = {args.epochs}, local batch 32, "
+        f"RAM {args.ram_gib:g} GiB, disk {args.disk_gib:g} GiB per rank"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

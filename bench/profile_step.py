@@ -19,8 +19,9 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import hpcdl.torch  # noqa: E402
 from train import CLASSES, CODECS, FEATURES, FLOOR, codecs, make_model, random_batch, train_step  # noqa: E402
+
+import hpcdl.torch  # noqa: E402
 
 WARMUP_STEPS = 20
 
@@ -34,10 +35,16 @@ def main():
     parser.add_argument("--batch", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
-    parser.add_argument("--gradient-as-bucket-view", action="store_true",
-                        help="DistributedOptimizer(gradient_as_bucket_view=True): .grad is the bucket's slot")
-    parser.add_argument("--keep-grads", action="store_true",
-                        help="zero_grad(set_to_none=False): backward accumulates into the existing .grad")
+    parser.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        help="DistributedOptimizer(gradient_as_bucket_view=True): .grad is the bucket's slot",
+    )
+    parser.add_argument(
+        "--keep-grads",
+        action="store_true",
+        help="zero_grad(set_to_none=False): backward accumulates into the existing .grad",
+    )
     args = parser.parse_args()
     if args.system != FLOOR and args.system not in CODECS:
         parser.error(f"unknown system '{args.system}': choose {', '.join(CODECS)} or {FLOOR}")
@@ -48,10 +55,15 @@ def main():
     model = make_model(FEATURES, args.hidden, args.layers, CLASSES)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     if args.system != FLOOR:
-        (_, codec), = codecs([args.system])
-        opt = hpcdl.torch.DistributedOptimizer(opt, model.named_parameters(), compression=codec,
-                                               bucket_bytes=args.bucket_bytes, name=f"profile.{args.system}",
-                                               gradient_as_bucket_view=args.gradient_as_bucket_view)
+        ((_, codec),) = codecs([args.system])
+        opt = hpcdl.torch.DistributedOptimizer(
+            opt,
+            model.named_parameters(),
+            compression=codec,
+            bucket_bytes=args.bucket_bytes,
+            name=f"profile.{args.system}",
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+        )
     x, y = random_batch(comm.Get_rank(), args.batch)
     for i in range(WARMUP_STEPS + args.steps):
         if i == WARMUP_STEPS:
@@ -62,11 +74,17 @@ def main():
     cpus = comm.gather(cpu)
     walls = comm.gather(wall)
     if comm.Get_rank() == 0:
-        options = "".join(f" +{flag}" for flag, on in (("gradient-as-bucket-view", args.gradient_as_bucket_view),
-                                                       ("keep-grads", args.keep_grads)) if on)
-        print(f"[hpcdl rank 0] {args.system}{options}: {max(walls) / args.steps * 1e3:.2f} ms/step, "
-              f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step "
-              f"({comm.Get_size()} ranks, {args.steps} timed steps after {WARMUP_STEPS})", flush=True)
+        options = "".join(
+            f" +{flag}"
+            for flag, on in (("gradient-as-bucket-view", args.gradient_as_bucket_view), ("keep-grads", args.keep_grads))
+            if on
+        )
+        print(
+            f"[hpcdl rank 0] {args.system}{options}: {max(walls) / args.steps * 1e3:.2f} ms/step, "
+            f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step "
+            f"({comm.Get_size()} ranks, {args.steps} timed steps after {WARMUP_STEPS})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ MODES = ("files", "vlen", "store", "store-batch")
 
 # --------------------------------------------------------------------------- worker
 
+
 def worker(args):
     """One rank of a read run: cold pass, then warm pass over the same samples."""
     from mpi4py import MPI
@@ -79,15 +80,18 @@ def worker(args):
 
         st = Store(os.path.join(data, "store"), threads=args.threads)
         if args.worker == "store":
+
             def read_all():
                 return sum(len(st[int(i)]) for i in mine)
         else:
+
             def read_all():
                 total = 0
                 for b in range(0, len(mine), args.batch):
-                    buf, offsets = st.read_many(mine[b:b + args.batch])
+                    buf, offsets = st.read_many(mine[b : b + args.batch])
                     total += int(offsets[-1])
                 return total
+
     result = {}
     for phase in ("cold", "warm"):
         comm.Barrier()
@@ -102,6 +106,7 @@ def worker(args):
 
 
 # --------------------------------------------------------------------------- driver
+
 
 def sh(*cmd, **kwargs):
     return subprocess.run(cmd, check=True, text=True, capture_output=True, **kwargs).stdout
@@ -162,9 +167,25 @@ def cold(args, cmd):
 def run_reads(args, data, mode, ranks, seed, samples, throttled=True, strace_out=None):
     from hpcdl.cli import mpiexec_path
 
-    cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, os.path.abspath(__file__),
-           "--worker", mode, "--data", data, "--samples", str(samples),
-           "--seed", str(seed), "--threads", str(args.threads), "--batch", str(args.batch)]
+    cmd = [
+        mpiexec_path(),
+        "-n",
+        str(ranks),
+        sys.executable,
+        os.path.abspath(__file__),
+        "--worker",
+        mode,
+        "--data",
+        data,
+        "--samples",
+        str(samples),
+        "--seed",
+        str(seed),
+        "--threads",
+        str(args.threads),
+        "--batch",
+        str(args.batch),
+    ]
     if strace_out:
         cmd = ["strace", "-f", "-qq", "-e", "trace=%file", "-o", strace_out] + cmd
     if throttled:
@@ -192,10 +213,18 @@ def metadata_calls(args, data, mode):
 
 def verify_scan(args, data, env):
     """MB/s of one sequential `Store.verify` pass on a cold cache: its own unrounded bytes and seconds."""
-    code = ("import json, sys; from hpcdl.store import Store; r = Store(sys.argv[1]).verify(); "
-            "print('RESULT ' + json.dumps({'bytes': r.bytes_read, 'seconds': r.seconds, 'bad': len(r.problems)}))")
-    out = subprocess.run(cold(args, [sys.executable, "-c", code, os.path.join(data, "store")]), check=True,
-                         env=env, cwd=ROOT, capture_output=True, text=True).stdout
+    code = (
+        "import json, sys; from hpcdl.store import Store; r = Store(sys.argv[1]).verify(); "
+        "print('RESULT ' + json.dumps({'bytes': r.bytes_read, 'seconds': r.seconds, 'bad': len(r.problems)}))"
+    )
+    out = subprocess.run(
+        cold(args, [sys.executable, "-c", code, os.path.join(data, "store")]),
+        check=True,
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout
     result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
     if result["bad"]:
         raise RuntimeError(f"verify found {result['bad']} bad sample(s) in the freshly packed store")
@@ -204,8 +233,13 @@ def verify_scan(args, data, env):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fs", choices=("slow", "plain"), default="slow", help="slow: the emulated slow file "
-                   "system (root); plain: a temporary directory on the local disk (default slow)")
+    p.add_argument(
+        "--fs",
+        choices=("slow", "plain"),
+        default="slow",
+        help="slow: the emulated slow file "
+        "system (root); plain: a temporary directory on the local disk (default slow)",
+    )
     p.add_argument("--files", type=int, default=50000)
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--cold-samples", type=int, default=2000, help="random samples read per run")
@@ -217,8 +251,11 @@ def main(argv=None):
     p.add_argument("--shards", type=int, default=4)
     p.add_argument("--threads", type=int, default=8)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--workdir", default=None, help="default: bench/results/tmp/slowfs (--fs slow), "
-                   "a new temporary directory (--fs plain)")
+    p.add_argument(
+        "--workdir",
+        default=None,
+        help="default: bench/results/tmp/slowfs (--fs slow), a new temporary directory (--fs plain)",
+    )
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     # worker side
     p.add_argument("--worker", choices=MODES)
@@ -229,8 +266,9 @@ def main(argv=None):
     if args.worker:
         return worker(args)
     if args.fs == "slow" and os.geteuid() != 0:
-        sys.exit("bench/store.py --fs slow needs root (loop mount, cgroup throttle, drop_caches); "
-                 "--fs plain runs without")
+        sys.exit(
+            "bench/store.py --fs slow needs root (loop mount, cgroup throttle, drop_caches); --fs plain runs without"
+        )
     have_strace = shutil.which("strace") is not None
     if not have_strace:
         print("strace not found: the metadata-call column is skipped (apt-get install strace)")
@@ -245,8 +283,10 @@ def main(argv=None):
             os.makedirs(args.workdir, exist_ok=True)
         args.workdir = tempfile.mkdtemp(prefix="hpcdl-bench-store-", dir=args.workdir)
         os.makedirs(os.path.join(args.workdir, "mnt"))
-        print(f"plain directory {args.workdir} on the local disk: no throttle, no root; cold reads "
-              "follow a posix_fadvise page-cache eviction (--fs slow: the emulated slow file system)")
+        print(
+            f"plain directory {args.workdir} on the local disk: no throttle, no root; cold reads "
+            "follow a posix_fadvise page-cache eviction (--fs slow: the emulated slow file system)"
+        )
     rows, scan = [], None
     try:
         data = os.path.join(args.workdir, "mnt")
@@ -255,8 +295,19 @@ def main(argv=None):
         print(f"made {args.files} files ({total / 1e6:.0f} MB) in {time.time() - t0:.0f} s")
         t0 = time.time()
         env = {**os.environ, "PYTHONPATH": ROOT}
-        sh(sys.executable, "-m", "hpcdl", "pack", os.path.join(data, "files"), os.path.join(data, "store"),
-           "--shards", str(args.shards), "-q", env=env, cwd=ROOT)
+        sh(
+            sys.executable,
+            "-m",
+            "hpcdl",
+            "pack",
+            os.path.join(data, "files"),
+            os.path.join(data, "store"),
+            "--shards",
+            str(args.shards),
+            "-q",
+            env=env,
+            cwd=ROOT,
+        )
         print(f"packed in {time.time() - t0:.0f} s")
         t0 = time.time()
         make_vlen(data, names)
@@ -265,8 +316,7 @@ def main(argv=None):
             print(sh(SLOWFS, "throttle", args.workdir, str(args.iops), str(args.bps)).strip())
         for ranks in ranks_list:
             for mode in MODES:
-                runs = [run_reads(args, data, mode, ranks, seed, args.cold_samples)
-                        for seed in range(args.repeats)]
+                runs = [run_reads(args, data, mode, ranks, seed, args.cold_samples) for seed in range(args.repeats)]
                 row = {"mode": mode, "ranks": ranks, "samples": args.cold_samples, "missing": ""}
                 for phase in ("cold", "warm"):
                     secs = float(np.median([r[phase]["seconds"] for r in runs]))
@@ -289,8 +339,13 @@ def main(argv=None):
         # verify's own figure: bytes read and unrounded seconds, start-up excluded
         scans = [s for s in (verify_scan(args, data, env) for _ in range(args.repeats)) if s is not None]
         scan_mb_s = float(np.median(scans)) / 1e6 if scans else None
-        scan = {"mode": "scan (hpcdl verify)", "ranks": 1, "samples": args.files, "cold_MB_per_s": scan_mb_s,
-                "missing": "" if scans else "the scan took no measurable time"}
+        scan = {
+            "mode": "scan (hpcdl verify)",
+            "ranks": 1,
+            "samples": args.files,
+            "cold_MB_per_s": scan_mb_s,
+            "missing": "" if scans else "the scan took no measurable time",
+        }
         if args.fs == "slow":
             scan.update(throttle_MB_per_s=args.bps / 1e6, fraction_of_throttle=ratio(scan_mb_s, args.bps / 1e6))
         print(json.dumps(scan))
@@ -306,8 +361,19 @@ def main(argv=None):
 def write_results(args, rows, scan):
     from hpcdl.measure import save_figure
 
-    fields = ["mode", "ranks", "samples", "cold_samples_per_s", "cold_MB_per_s", "warm_samples_per_s",
-              "warm_MB_per_s", "metadata_calls_per_10k", "throttle_MB_per_s", "fraction_of_throttle", "missing"]
+    fields = [
+        "mode",
+        "ranks",
+        "samples",
+        "cold_samples_per_s",
+        "cold_MB_per_s",
+        "warm_samples_per_s",
+        "warm_MB_per_s",
+        "metadata_calls_per_10k",
+        "throttle_MB_per_s",
+        "fraction_of_throttle",
+        "missing",
+    ]
     path = os.path.join(args.out, "store.csv")
     with open(path, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
@@ -325,15 +391,17 @@ def draw(plt, args, rows):
     width = 0.8 / len(ranks_list)
     for ax, phase in zip(axes, ("cold", "warm")):
         for k, ranks in enumerate(ranks_list):
-            vals = [next(r[f"{phase}_samples_per_s"] for r in rows if r["mode"] == m and r["ranks"] == ranks)
-                    for m in MODES]
+            vals = [
+                next(r[f"{phase}_samples_per_s"] for r in rows if r["mode"] == m and r["ranks"] == ranks) for m in MODES
+            ]
             vals = [np.nan if v is None else v for v in vals]  # not measured: no bar
             ax.bar(np.arange(len(MODES)) + k * width, vals, width, label=f"{ranks} rank(s)")
         ax.set_xticks(np.arange(len(MODES)) + width * (len(ranks_list) - 1) / 2, MODES)
         ax.set_yscale("log")
         ax.set_ylabel("samples/s")
-        throttle = f"{args.iops} IOPS / {args.bps / 1e6:.0f} MB/s throttle" if args.fs == "slow" \
-            else "local disk, no throttle"
+        throttle = (
+            f"{args.iops} IOPS / {args.bps / 1e6:.0f} MB/s throttle" if args.fs == "slow" else "local disk, no throttle"
+        )
         title = f"cold cache, {throttle}" if phase == "cold" else "warm page cache"
         ax.set_title(f"{args.files} files: {title}", fontsize=9)
         ax.legend()
@@ -342,21 +410,29 @@ def draw(plt, args, rows):
 
 
 def print_table(args, rows, scan):
-    where = f"slow file system ({args.iops} IOPS, {args.bps / 1e6:.0f} MB/s)" if args.fs == "slow" \
+    where = (
+        f"slow file system ({args.iops} IOPS, {args.bps / 1e6:.0f} MB/s)"
+        if args.fs == "slow"
         else "plain local directory (no throttle)"
+    )
     print(f"store: {args.files} files on a {where}; samples/s, median of {args.repeats} run(s)")
-    print(f"{'mode':<12} {'ranks':>5} {'cold/s':>10} {'cold MB/s':>10} {'warm/s':>10} {'warm MB/s':>10} "
-          f"{'meta/10k':>9}")
+    print(
+        f"{'mode':<12} {'ranks':>5} {'cold/s':>10} {'cold MB/s':>10} {'warm/s':>10} {'warm MB/s':>10} {'meta/10k':>9}"
+    )
     for r in rows:
-        print(f"{r['mode']:<12} {r['ranks']:>5} {show(r['cold_samples_per_s'], '.0f'):>10} "
-              f"{show(r['cold_MB_per_s'], '.1f'):>10} {show(r['warm_samples_per_s'], '.0f'):>10} "
-              f"{show(r['warm_MB_per_s'], '.1f'):>10} {show(r['metadata_calls_per_10k'], '.0f', '-'):>9}")
+        print(
+            f"{r['mode']:<12} {r['ranks']:>5} {show(r['cold_samples_per_s'], '.0f'):>10} "
+            f"{show(r['cold_MB_per_s'], '.1f'):>10} {show(r['warm_samples_per_s'], '.0f'):>10} "
+            f"{show(r['warm_MB_per_s'], '.1f'):>10} {show(r['metadata_calls_per_10k'], '.0f', '-'):>9}"
+        )
     for r in rows + ([scan] if scan else []):
         if r["missing"]:
             print(f"not measured, {r['mode']} at {r['ranks']} rank(s): {r['missing'].rstrip('; ')}")
     if scan:
-        print(f"sequential scan (hpcdl verify): {show(scan['cold_MB_per_s'], '.1f')} MB/s"
-              + (f" = {show(scan['fraction_of_throttle'], '.0%')} of the throttle" if args.fs == "slow" else ""))
+        print(
+            f"sequential scan (hpcdl verify): {show(scan['cold_MB_per_s'], '.1f')} MB/s"
+            + (f" = {show(scan['fraction_of_throttle'], '.0%')} of the throttle" if args.fs == "slow" else "")
+        )
 
 
 if __name__ == "__main__":

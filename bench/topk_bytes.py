@@ -40,16 +40,18 @@ def main(argv=None):
         for step in range(args.steps):
             g = np.random.default_rng(1000 * step + rank).standard_normal(args.count).astype(np.float32)
             if args.skew:
-                g[:args.count // args.skew] *= 1000
+                g[: args.count // args.skew] *= 1000
             hpcdl.allreduce(g, op="average", name="bench.topk", compression=codec)
         row = hpcdl.stats(reset=True)["allreduce"][str(codec)]
         per_call = row["bytes_received"] / row["ops"]
         most, least = comm.allreduce(per_call, op=MPI.MAX), comm.allreduce(per_call, op=MPI.MIN)
         seconds = comm.allreduce(row["seconds"] / row["ops"], op=MPI.MAX)
         if rank == 0:
-            print(f"p={size} n={args.count} k={k} {algorithm:9s}: bytes received per rank per call "
-                  f"max {most:.0f} min {least:.0f} = {most / (8 * k):.2f} x 8k, {1e3 * seconds:.1f} ms per call",
-                  flush=True)
+            print(
+                f"p={size} n={args.count} k={k} {algorithm:9s}: bytes received per rank per call "
+                f"max {most:.0f} min {least:.0f} = {most / (8 * k):.2f} x 8k, {1e3 * seconds:.1f} ms per call",
+                flush=True,
+            )
     hpcdl.compression.reset_state()
 
 

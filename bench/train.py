@@ -110,8 +110,17 @@ def codecs(names):
             if WORLD.Get_rank() == 0:
                 print(f"[hpcdl rank 0] hpcdl.compression missing: {name} left out", file=sys.stderr)
             continue
-        out.append((name, {"fp16": c.FP16, "int8": lambda: c.Int8(), "topk": lambda: c.TopK(ratio=0.01),
-                           "powersgd": lambda: c.PowerSGD(rank=1, warmup_steps=POWERSGD_START_ITER)}[name]()))
+        out.append(
+            (
+                name,
+                {
+                    "fp16": c.FP16,
+                    "int8": lambda: c.Int8(),
+                    "topk": lambda: c.TopK(ratio=0.01),
+                    "powersgd": lambda: c.PowerSGD(rank=1, warmup_steps=POWERSGD_START_ITER),
+                }[name](),
+            )
+        )
     return out
 
 
@@ -122,8 +131,9 @@ def register_hook(model, name):
     if name in ("fp16", "bf16"):
         model.register_comm_hook(None, getattr(default_hooks, f"{name}_compress_hook"))
     else:
-        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=int(name[-1]),
-                                            start_powerSGD_iter=POWERSGD_START_ITER)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=int(name[-1]), start_powerSGD_iter=POWERSGD_START_ITER
+        )
         model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
 
 
@@ -151,9 +161,13 @@ def build_systems(args, make, prefix):
             systems[f"ddp-{hook}"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=args.lr))
     for label, codec in codecs(args.codecs.split(",")):
         model = make()
-        opt = hpcdl.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
-                                               model.named_parameters(), compression=codec,
-                                               bucket_bytes=args.bucket_bytes, name=f"{prefix}.{label}")
+        opt = hpcdl.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=args.lr),
+            model.named_parameters(),
+            compression=codec,
+            bucket_bytes=args.bucket_bytes,
+            name=f"{prefix}.{label}",
+        )
         systems[f"hpcdl-{label}"] = (model, opt)
     return systems, failed
 
@@ -175,7 +189,8 @@ def accuracy_phase(args, rank, size):
     digits, and the failures."""
     train_x, train_y, test_x, test_y = digits(rank, size)
     systems, failed = build_systems(
-        args, lambda: make_model(train_x.shape[1], args.hidden, args.layers, 10), "bench.acc")
+        args, lambda: make_model(train_x.shape[1], args.hidden, args.layers, 10), "bench.acc"
+    )
     accuracy = {}
     for name, (model, opt) in systems.items():
         g = torch.Generator().manual_seed(rank)  # the same batches for every system
@@ -201,8 +216,11 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="timed steps per system and round")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--codecs", default="dense,int8,topk,powersgd", help=f"hpcdl codecs: {','.join(CODECS)}")
-    parser.add_argument("--ddp-hooks", default=",".join(DDP_HOOKS),
-                        help=f"DDP communication hooks, from {','.join(DDP_HOOKS)} ('' for plain DDP only)")
+    parser.add_argument(
+        "--ddp-hooks",
+        default=",".join(DDP_HOOKS),
+        help=f"DDP communication hooks, from {','.join(DDP_HOOKS)} ('' for plain DDP only)",
+    )
     parser.add_argument("--train-steps", type=int, default=200, help="steps of every system in the accuracy phase")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
@@ -233,8 +251,9 @@ def main():
     params = sum(p.numel() for p in systems["ddp-gloo"][0].parameters())
 
     # round 0 warms up, PowerSGD's plain-allreduce steps included
-    times, cpu = time_systems(systems, lambda model, opt: train_step(model, opt, x, y), args.rounds, args.steps,
-                              POWERSGD_START_ITER)
+    times, cpu = time_systems(
+        systems, lambda model, opt: train_step(model, opt, x, y), args.rounds, args.steps, POWERSGD_START_ITER
+    )
     accuracy, _ = accuracy_phase(args, rank, size)
     dist.destroy_process_group()
     if rank != 0:
@@ -246,40 +265,59 @@ def main():
     notes = dict(failed, **{FLOOR: FLOOR_NOTE})
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    print(f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params, "
-          f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank; accuracy on the digits "
-          f"after {args.train_steps} steps; PowerSGD from step {POWERSGD_START_ITER}")
+    print(
+        f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params, "
+        f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank; accuracy on the digits "
+        f"after {args.train_steps} steps; PowerSGD from step {POWERSGD_START_ITER}"
+    )
     for name in ["ddp-gloo", *hooks, *(name for name in times if name.startswith("hpcdl-")), FLOOR]:
         median = medians.get(name)
         used = statistics.median(cpu[name]) if name in cpu else None
-        rows.append({"system": name, "ranks": size, "params": params, "batch_per_rank": args.batch,
-                     "median_step_ms": None if median is None else median * 1e3,
-                     "samples_per_s": rate(size * args.batch, median),
-                     "throughput_vs_ddp": ratio(ddp_median, median),
-                     "throughput_vs_fastest_hook": ratio(fastest_hook, median), "steps_timed": len(times.get(name, ())),
-                     "cpu_ms_per_step": None if used is None else used * 1e3, "train_steps": args.train_steps,
-                     "test_acc": accuracy.get(name, (None, None))[0],
-                     "test_loss": accuracy.get(name, (None, None))[1], "note": notes.get(name, ""),
-                     "load_avg_1min": os.getloadavg()[0],
-                     "stream_MBps": os.environ.get("HPCDL_BENCH_STREAM_MBPS", "")})
+        rows.append(
+            {
+                "system": name,
+                "ranks": size,
+                "params": params,
+                "batch_per_rank": args.batch,
+                "median_step_ms": None if median is None else median * 1e3,
+                "samples_per_s": rate(size * args.batch, median),
+                "throughput_vs_ddp": ratio(ddp_median, median),
+                "throughput_vs_fastest_hook": ratio(fastest_hook, median),
+                "steps_timed": len(times.get(name, ())),
+                "cpu_ms_per_step": None if used is None else used * 1e3,
+                "train_steps": args.train_steps,
+                "test_acc": accuracy.get(name, (None, None))[0],
+                "test_loss": accuracy.get(name, (None, None))[1],
+                "note": notes.get(name, ""),
+                "load_avg_1min": os.getloadavg()[0],
+                "stream_MBps": os.environ.get("HPCDL_BENCH_STREAM_MBPS", ""),
+            }
+        )
         r = rows[-1]
-        print(f"[hpcdl rank 0] {name:17s} {show(r['median_step_ms'], '9.2f')} ms/step  "
-              f"{show(r['samples_per_s'], '9.0f')} samples/s  {show(r['throughput_vs_ddp'], '5.2f')}x DDP  "
-              f"{show(r['throughput_vs_fastest_hook'], '5.2f')}x fastest hook  "
-              f"{show(r['cpu_ms_per_step'], '7.1f')} ms CPU/step/rank  test acc {show(r['test_acc'], '.3f')} "
-              f"loss {show(r['test_loss'], '.4f')}  "
-              f"{r['note']}")
+        print(
+            f"[hpcdl rank 0] {name:17s} {show(r['median_step_ms'], '9.2f')} ms/step  "
+            f"{show(r['samples_per_s'], '9.0f')} samples/s  {show(r['throughput_vs_ddp'], '5.2f')}x DDP  "
+            f"{show(r['throughput_vs_fastest_hook'], '5.2f')}x fastest hook  "
+            f"{show(r['cpu_ms_per_step'], '7.1f')} ms CPU/step/rank  test acc {show(r['test_acc'], '.3f')} "
+            f"loss {show(r['test_loss'], '.4f')}  "
+            f"{r['note']}"
+        )
     write_csv(os.path.join(args.out, f"{args.tag}.csv"), rows)
     save_figure(os.path.join(args.out, f"{args.tag}.png"), lambda plt: draw(plt, rows, args.tag, size, params))
 
 
 def draw(plt, rows, tag, size, params):
     fig, (speed, acc) = plt.subplots(1, 2, figsize=(11, 4))
-    families = {"ddp-gloo": ("DDP (gloo)", "tab:gray"), "ddp-": ("DDP + comm hook", "tab:orange"),
-                "hpcdl-": ("hpcdl DistributedOptimizer", "tab:blue"),
-                FLOOR: ("no gradient exchange (floor)", "tab:green")}
-    for ax, key, label in ((speed, "samples_per_s", "training throughput, samples/s (all ranks)"),
-                           (acc, "test_acc", f"held-out accuracy after {rows[0]['train_steps']} steps (digits)")):
+    families = {
+        "ddp-gloo": ("DDP (gloo)", "tab:gray"),
+        "ddp-": ("DDP + comm hook", "tab:orange"),
+        "hpcdl-": ("hpcdl DistributedOptimizer", "tab:blue"),
+        FLOOR: ("no gradient exchange (floor)", "tab:green"),
+    }
+    for ax, key, label in (
+        (speed, "samples_per_s", "training throughput, samples/s (all ranks)"),
+        (acc, "test_acc", f"held-out accuracy after {rows[0]['train_steps']} steps (digits)"),
+    ):
         for i, row in enumerate(rows):
             family = next(f for prefix, f in families.items() if row["system"].startswith(prefix))
             value = row[key]
@@ -292,8 +330,7 @@ def draw(plt, rows, tag, size, params):
     acc.set_ylim(0, 1)
     handles = dict(zip(*reversed(speed.get_legend_handles_labels())))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
-    fig.suptitle(f"{tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU, PowerSGD from step "
-                 f"{POWERSGD_START_ITER}")
+    fig.suptitle(f"{tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU, PowerSGD from step {POWERSGD_START_ITER}")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 

@@ -37,8 +37,11 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         if WORLD.Get_rank() == 0:
-            print("bench/train_gpu.py: no CUDA device here: this benchmark needs one "
-                  "(bench/train.py measures CPU training)", file=sys.stderr)
+            print(
+                "bench/train_gpu.py: no CUDA device here: this benchmark needs one "
+                "(bench/train.py measures CPU training)",
+                file=sys.stderr,
+            )
         sys.exit(2)
     import torch.distributed as dist
     import torchvision
@@ -46,6 +49,7 @@ def main():
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import train as cpu_bench  # bench/train.py: the timing loop, the codecs, the CSV
+
     import hpcdl.torch
     from hpcdl.measure import rate, ratio, save_figure, show
 
@@ -73,9 +77,12 @@ def main():
     systems[FLOOR] = (floor, torch.optim.SGD(floor.parameters(), lr=args.lr))
     for label, codec in cpu_bench.codecs(args.codecs.split(",")):
         model = make()
-        opt = hpcdl.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr),
-                                               model.named_parameters(), compression=codec,
-                                               name=f"bench.gpu.{label}")
+        opt = hpcdl.torch.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=args.lr),
+            model.named_parameters(),
+            compression=codec,
+            name=f"bench.gpu.{label}",
+        )
         systems[f"hpcdl-{label}"] = (model, opt)
     ddp = DistributedDataParallel(make(), device_ids=[device])
     systems[f"ddp-{backend}"] = (ddp, torch.optim.SGD(ddp.parameters(), lr=args.lr))
@@ -91,20 +98,34 @@ def main():
     medians = {name: statistics.median(t) for name, t in times.items()}
     params = sum(p.numel() for p in floor.parameters())
     name = torch.cuda.get_device_name(device)
-    print(f"[hpcdl rank 0] {size} ranks on {gpus} x {name}, ResNet-50 ({params / 1e6:.1f} M params), batch "
-          f"{args.batch}/rank, fp32, DDP over {backend}")
+    print(
+        f"[hpcdl rank 0] {size} ranks on {gpus} x {name}, ResNet-50 ({params / 1e6:.1f} M params), batch "
+        f"{args.batch}/rank, fp32, DDP over {backend}"
+    )
     rows = []
     for system in systems:
         median = medians[system]
-        rows.append({"system": system, "ranks": size, "gpus": gpus, "gpu": name, "batch_per_rank": args.batch,
-                     "median_step_ms": median * 1e3, "samples_per_s": rate(size * args.batch, median),
-                     "step_vs_floor": ratio(median, medians[FLOOR]),
-                     "step_vs_ddp": ratio(median, medians[f"ddp-{backend}"]),
-                     "cpu_ms_per_step": statistics.median(cpu[system]) * 1e3, "steps_timed": len(times[system])})
+        rows.append(
+            {
+                "system": system,
+                "ranks": size,
+                "gpus": gpus,
+                "gpu": name,
+                "batch_per_rank": args.batch,
+                "median_step_ms": median * 1e3,
+                "samples_per_s": rate(size * args.batch, median),
+                "step_vs_floor": ratio(median, medians[FLOOR]),
+                "step_vs_ddp": ratio(median, medians[f"ddp-{backend}"]),
+                "cpu_ms_per_step": statistics.median(cpu[system]) * 1e3,
+                "steps_timed": len(times[system]),
+            }
+        )
         r = rows[-1]
-        print(f"[hpcdl rank 0] {system:12s} {show(r['median_step_ms'], '8.2f')} ms/step  "
-              f"{show(r['samples_per_s'], '8.0f')} samples/s  {show(r['step_vs_floor'], '5.2f')}x the floor's step  "
-              f"{show(r['step_vs_ddp'], '5.2f')}x DDP's step")
+        print(
+            f"[hpcdl rank 0] {system:12s} {show(r['median_step_ms'], '8.2f')} ms/step  "
+            f"{show(r['samples_per_s'], '8.0f')} samples/s  {show(r['step_vs_floor'], '5.2f')}x the floor's step  "
+            f"{show(r['step_vs_ddp'], '5.2f')}x DDP's step"
+        )
     os.makedirs(args.out, exist_ok=True)
     cpu_bench.write_csv(os.path.join(args.out, f"{args.tag}.csv"), rows)
 

@@ -38,7 +38,7 @@ def _write_digits(src):
 
     digits = load_digits()
     order = np.random.default_rng(SPLIT_SEED).permutation(len(digits.target))
-    held_out = set(order[:max(1, int(len(order) * TEST_FRACTION))].tolist())
+    held_out = set(order[: max(1, int(len(order) * TEST_FRACTION))].tolist())
     for i, (image, label) in enumerate(zip(digits.images, digits.target)):
         part = os.path.join(src, "test" if i in held_out else "train", f"digit{label}")
         os.makedirs(part, exist_ok=True)
@@ -50,8 +50,10 @@ def prepare_stores(data, test_data, comm=MPI.COMM_WORLD):
     if data:
         train, test = hpcdl.store.Store(data), hpcdl.store.Store(test_data) if test_data else None
         if test is not None and test.classes != train.classes:
-            sys.exit(f"[hpcdl rank {comm.Get_rank()}] {test_data} has classes {test.classes}, "
-                     f"{data} has {train.classes}: labels would not match")
+            sys.exit(
+                f"[hpcdl rank {comm.Get_rank()}] {test_data} has classes {test.classes}, "
+                f"{data} has {train.classes}: labels would not match"
+            )
         return train, test
     root = os.path.join(tempfile.gettempdir(), f"hpcdl-digits-{os.getuid()}")
     src = os.path.join(root, "split")
@@ -65,8 +67,10 @@ def prepare_stores(data, test_data, comm=MPI.COMM_WORLD):
         dst = os.path.join(root, f"{part}.hpcdl")
         hpcdl.store.pack(os.path.join(src, part), dst, comm=comm, force=True, progress=False)
         stores.append(hpcdl.store.Store(dst))
-    log(f"packed the scikit-learn digits into {stores[0].root} ({len(stores[0])} samples) "
-        f"and {stores[1].root} ({len(stores[1])})")
+    log(
+        f"packed the scikit-learn digits into {stores[0].root} ({len(stores[0])} samples) "
+        f"and {stores[1].root} ({len(stores[1])})"
+    )
     return tuple(stores)
 
 
@@ -80,11 +84,20 @@ def make_prefetcher(store, args, comm=MPI.COMM_WORLD):
     --batch-size x ranks, disk tier in --cache-dir (default $HPCDL_SCRATCH, set by slurm/job-env.sh)."""
     cache_dir = args.cache_dir or os.environ.get("HPCDL_SCRATCH")
     if len(store) < args.batch_size * comm.Get_size():
-        sys.exit(f"[hpcdl rank {comm.Get_rank()}] {len(store)} samples are too few for "
-                 f"{comm.Get_size()} ranks x batch {args.batch_size}")
-    return Prefetcher(store, batch_size=args.batch_size * comm.Get_size(), epochs=args.epochs, seed=args.seed,
-                      comm=comm, ram_bytes=args.ram_mib << 20, disk_dir=cache_dir,
-                      disk_bytes=(args.disk_mib << 20) if cache_dir else 0)
+        sys.exit(
+            f"[hpcdl rank {comm.Get_rank()}] {len(store)} samples are too few for "
+            f"{comm.Get_size()} ranks x batch {args.batch_size}"
+        )
+    return Prefetcher(
+        store,
+        batch_size=args.batch_size * comm.Get_size(),
+        epochs=args.epochs,
+        seed=args.seed,
+        comm=comm,
+        ram_bytes=args.ram_mib << 20,
+        disk_dir=cache_dir,
+        disk_bytes=(args.disk_mib << 20) if cache_dir else 0,
+    )
 
 
 def feature_count(store):
@@ -96,9 +109,9 @@ def evaluate(store, predict, comm=MPI.COMM_WORLD, batch_size=64):
     correct = count = 0
     mine = np.arange(comm.Get_rank(), len(store) if store is not None else 0, comm.Get_size())
     for start in range(0, len(mine), batch_size):
-        indices = mine[start:start + batch_size]
+        indices = mine[start : start + batch_size]
         data, offsets = store.read_many(indices)
-        x = np.stack([decode(data[offsets[k]:offsets[k + 1]]) for k in range(len(indices))])
+        x = np.stack([decode(data[offsets[k] : offsets[k + 1]]) for k in range(len(indices))])
         correct += int(np.sum(np.asarray(predict(x)) == store.labels[indices]))
         count += len(indices)
     return correct, count
@@ -121,23 +134,31 @@ def compression_codec(text):
 
 
 def add_common_arguments(parser):
-    parser.add_argument("--data", help="a packed hpcdl store of .npy samples to train on "
-                                       "(default: pack the scikit-learn digits)")
+    parser.add_argument(
+        "--data", help="a packed hpcdl store of .npy samples to train on (default: pack the scikit-learn digits)"
+    )
     parser.add_argument("--test-data", help="a packed store of held-out samples (with --data; default: none)")
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="the prefetcher's shuffle and the model's init")
-    parser.add_argument("--compression", type=codec_text, default="none",
-                        help="gradient codec as hpcdl.compression.from_text reads it: none, fp16, bf16, int8, "
-                             "topk, or with settings, e.g. 'int8(block=64)', 'topk(ratio=0.05)'")
+    parser.add_argument(
+        "--compression",
+        type=codec_text,
+        default="none",
+        help="gradient codec as hpcdl.compression.from_text reads it: none, fp16, bf16, int8, "
+        "topk, or with settings, e.g. 'int8(block=64)', 'topk(ratio=0.05)'",
+    )
     parser.add_argument("--ram-mib", type=int, default=256, help="prefetcher RAM tier per rank")
-    parser.add_argument("--cache-dir", help="node-local directory for the prefetcher's disk tier "
-                                            "(default: $HPCDL_SCRATCH if set, else no disk tier)")
+    parser.add_argument(
+        "--cache-dir",
+        help="node-local directory for the prefetcher's disk tier (default: $HPCDL_SCRATCH if set, else no disk tier)",
+    )
     parser.add_argument("--disk-mib", type=int, default=1024, help="prefetcher disk tier per rank")
-    parser.add_argument("--metrics", help="rank 0 appends each epoch's figures, unrounded, to this file "
-                                          "(one JSON object a line)")
+    parser.add_argument(
+        "--metrics", help="rank 0 appends each epoch's figures, unrounded, to this file (one JSON object a line)"
+    )
 
 
 def gradient_traffic():
@@ -159,20 +180,30 @@ class EpochReport:
         stalled = self.prefetcher.stats()["stall_seconds"]
         stall, self.stalled = stalled - self.stalled, stalled
         sent, dense = gradient_traffic()
-        totals = self.comm.allreduce(np.array([samples, loss_sum, correct, test_correct, test_count, sent, dense],
-                                              dtype=np.float64))
+        totals = self.comm.allreduce(
+            np.array([samples, loss_sum, correct, test_correct, test_count, sent, dense], dtype=np.float64)
+        )
         stall_max = self.comm.allreduce(stall, op=MPI.MAX)
         seconds = self.comm.allreduce(seconds, op=MPI.MAX)
         samples, loss_sum, correct, test_correct, test_count, sent, dense = totals
-        figures = {"epoch": epoch, "loss": loss_sum / samples, "train_acc": correct / samples,
-                   "test_acc": ratio(test_correct, test_count), "samples_per_s": rate(samples, seconds),
-                   "stall_s": stall_max, "stall_fraction": ratio(stall_max, seconds),
-                   "grad_bytes_sent": sent, "grad_bytes_dense": dense}
-        log(f"epoch {epoch:3d}  loss {figures['loss']:.4f}  train acc {figures['train_acc']:.3f}  "
+        figures = {
+            "epoch": epoch,
+            "loss": loss_sum / samples,
+            "train_acc": correct / samples,
+            "test_acc": ratio(test_correct, test_count),
+            "samples_per_s": rate(samples, seconds),
+            "stall_s": stall_max,
+            "stall_fraction": ratio(stall_max, seconds),
+            "grad_bytes_sent": sent,
+            "grad_bytes_dense": dense,
+        }
+        log(
+            f"epoch {epoch:3d}  loss {figures['loss']:.4f}  train acc {figures['train_acc']:.3f}  "
             f"test acc {show(figures['test_acc'], '.3f', 'n/a')}  {show(figures['samples_per_s'], '8.0f')} "
             f"samples/s  stall {stall_max:.3f} s ({show(figures['stall_fraction'], '.1%')})  "
             f"grad bytes sent {sent / 1e6:.2f} MB vs dense {dense / 1e6:.2f} MB "
-            f"({show(ratio(dense, sent), '.2f', '1.00')}x fewer)")
+            f"({show(ratio(dense, sent), '.2f', '1.00')}x fewer)"
+        )
         if self.metrics and self.comm.Get_rank() == 0:
             with open(self.metrics, "a") as fh:
                 fh.write(json.dumps(figures) + "\n")

@@ -23,12 +23,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from digits_data import (
+    EpochReport,
+    add_common_arguments,
+    compression_codec,
+    decode,
+    evaluate,  # noqa: E402
+    feature_count,
+    log,
+    make_prefetcher,
+    prepare_stores,
+)
 
 import hpcdl  # noqa: E402
 import hpcdl.prefetch  # noqa: E402
 import hpcdl.tensorflow  # noqa: E402
-from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, evaluate,  # noqa: E402
-                         feature_count, log, make_prefetcher, prepare_stores)
 
 
 class Report(tf.keras.callbacks.Callback):
@@ -43,10 +52,16 @@ class Report(tf.keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self.started
-        test_correct, test_count = evaluate(self.test, lambda x: np.argmax(self.model(x, training=False), 1),
-                                            self.comm)
-        self.report(epoch, seconds, self.samples, logs["loss"] * self.samples, logs["accuracy"] * self.samples,
-                    test_correct, test_count)
+        test_correct, test_count = evaluate(self.test, lambda x: np.argmax(self.model(x, training=False), 1), self.comm)
+        self.report(
+            epoch,
+            seconds,
+            self.samples,
+            logs["loss"] * self.samples,
+            logs["accuracy"] * self.samples,
+            test_correct,
+            test_count,
+        )
 
 
 def main():
@@ -62,31 +77,50 @@ def main():
     features, classes = feature_count(train), max(len(train.classes), 2)
 
     tf.keras.utils.set_random_seed(args.seed)
-    model = tf.keras.Sequential([tf.keras.Input((features,)),
-                                 tf.keras.layers.Dense(args.hidden, activation="relu"),
-                                 tf.keras.layers.Dense(args.hidden, activation="relu"),
-                                 tf.keras.layers.Dense(classes)])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.Input((features,)),
+            tf.keras.layers.Dense(args.hidden, activation="relu"),
+            tf.keras.layers.Dense(args.hidden, activation="relu"),
+            tf.keras.layers.Dense(classes),
+        ]
+    )
     optimizer = hpcdl.tensorflow.DistributedOptimizer(
-        tf.keras.optimizers.SGD(args.lr, momentum=0.9),
-        compression=compression_codec(args.compression))
+        tf.keras.optimizers.SGD(args.lr, momentum=0.9), compression=compression_codec(args.compression)
+    )
     # jit_compile=False: the allreduce is a host call XLA cannot compile (Keras' "auto" turns XLA on with a GPU)
-    model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"], jit_compile=False)
+    model.compile(
+        optimizer=optimizer,
+        loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        jit_compile=False,
+    )
 
     with make_prefetcher(train, args, comm) as prefetcher:
         # one dataset over the whole run; steps_per_epoch makes fit keep its iterator across epochs
         dataset = hpcdl.tensorflow.tf_dataset(
-            prefetcher, transform=decode,
+            prefetcher,
+            transform=decode,
             output_signature=(tf.TensorSpec([features], tf.float32), tf.TensorSpec([], tf.int32)),
         ).batch(prefetcher.local_batch)
-        log(f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
+        log(
+            f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
             f"{features} features, {classes} classes, compression {args.compression}, model.fit, "
-            f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch")
+            f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch"
+        )
         report = EpochReport(comm, prefetcher)
-        model.fit(dataset, epochs=args.epochs, steps_per_epoch=prefetcher.steps_per_epoch, shuffle=False, verbose=0,
-                  callbacks=[hpcdl.tensorflow.BroadcastGlobalVariablesCallback(root=0),
-                             hpcdl.tensorflow.MetricAverageCallback(),
-                             Report(report, prefetcher.steps_per_epoch * prefetcher.local_batch, test, comm)])
+        model.fit(
+            dataset,
+            epochs=args.epochs,
+            steps_per_epoch=prefetcher.steps_per_epoch,
+            shuffle=False,
+            verbose=0,
+            callbacks=[
+                hpcdl.tensorflow.BroadcastGlobalVariablesCallback(root=0),
+                hpcdl.tensorflow.MetricAverageCallback(),
+                Report(report, prefetcher.steps_per_epoch * prefetcher.local_batch, test, comm),
+            ],
+        )
         report.summary()
 
 

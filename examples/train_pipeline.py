@@ -31,9 +31,13 @@ def main():
     parser.add_argument("--layers", type=int, default=3, help="hidden Linear+ReLU blocks")
     parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--compression", type=hpcdl.compression.from_text, default="none",
-                        help="codec of the per-stage gradient allreduce over the replicas, as "
-                             "hpcdl.compression.from_text reads it (none, fp16, bf16, int8, 'int8(block=64)', ...)")
+    parser.add_argument(
+        "--compression",
+        type=hpcdl.compression.from_text,
+        default="none",
+        help="codec of the per-stage gradient allreduce over the replicas, as "
+        "hpcdl.compression.from_text reads it (none, fp16, bf16, int8, 'int8(block=64)', ...)",
+    )
     parser.add_argument("--save", default=None, help="path of a checkpoint of the whole model")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -50,8 +54,9 @@ def main():
         layers += [torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(args.hidden, 10))
 
-    pipe = hpcdl.torch.Pipeline(model, F.cross_entropy, args.micro_batches, schedule=args.schedule,
-                                stages=args.stages, comm=comm)
+    pipe = hpcdl.torch.Pipeline(
+        model, F.cross_entropy, args.micro_batches, schedule=args.schedule, stages=args.stages, comm=comm
+    )
     optimizer = torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9)
     replicas, replica = pipe.data_comm.Get_size(), pipe.data_comm.Get_rank()
     if replicas > 1:
@@ -64,16 +69,19 @@ def main():
         losses, start = [], time.perf_counter()
         for step in range(steps):
             first = (step * replicas + replica) * args.batch
-            rows = order[first:first + args.batch]
+            rows = order[first : first + args.batch]
             optimizer.zero_grad()
             loss = pipe.train_step(x_all[rows] if pipe.is_first else None, y_all[rows] if pipe.is_last else None)
             optimizer.step()
             losses.append(loss)
         seconds = time.perf_counter() - start
         if pipe.is_last and replica == 0:
-            print(f"epoch {epoch}: loss {sum(losses) / len(losses):.4f}, "
-                  f"{steps * args.batch * replicas / seconds:.0f} samples/s "
-                  f"({pipe.stages} stages x {replicas} replicas, {args.schedule}, M={args.micro_batches})", flush=True)
+            print(
+                f"epoch {epoch}: loss {sum(losses) / len(losses):.4f}, "
+                f"{steps * args.batch * replicas / seconds:.0f} samples/s "
+                f"({pipe.stages} stages x {replicas} replicas, {args.schedule}, M={args.micro_batches})",
+                flush=True,
+            )
 
     state = pipe.full_state_dict()
     if args.save and replica == 0 and pipe.is_first:

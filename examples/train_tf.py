@@ -19,12 +19,21 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from digits_data import (
+    EpochReport,
+    add_common_arguments,
+    compression_codec,
+    decode,
+    evaluate,  # noqa: E402
+    feature_count,
+    log,
+    make_prefetcher,
+    prepare_stores,
+)
 
 import hpcdl  # noqa: E402
 import hpcdl.prefetch  # noqa: E402
 import hpcdl.tensorflow  # noqa: E402
-from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, evaluate,  # noqa: E402
-                         feature_count, log, make_prefetcher, prepare_stores)
 
 
 def main():
@@ -41,10 +50,14 @@ def main():
     features, classes = feature_count(train), max(len(train.classes), 2)
 
     tf.keras.utils.set_random_seed(args.seed)
-    model = tf.keras.Sequential([tf.keras.Input((features,)),
-                                 tf.keras.layers.Dense(args.hidden, activation="relu"),
-                                 tf.keras.layers.Dense(args.hidden, activation="relu"),
-                                 tf.keras.layers.Dense(classes)])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.Input((features,)),
+            tf.keras.layers.Dense(args.hidden, activation="relu"),
+            tf.keras.layers.Dense(args.hidden, activation="relu"),
+            tf.keras.layers.Dense(classes),
+        ]
+    )
     optimizer = tf.keras.optimizers.SGD(args.lr, momentum=0.9)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     codec = compression_codec(args.compression)
@@ -63,13 +76,17 @@ def main():
     with make_prefetcher(train, args, comm) as prefetcher:
         # one epoch per pass over the dataset; the prefetcher stages the whole run ahead
         dataset = hpcdl.tensorflow.tf_dataset(
-            prefetcher, transform=decode, epochs=1,
+            prefetcher,
+            transform=decode,
+            epochs=1,
             output_signature=(tf.TensorSpec([features], tf.float32), tf.TensorSpec([], tf.int32)),
         ).batch(prefetcher.local_batch)
-        log(f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
+        log(
+            f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
             f"{features} features, {classes} classes, compression {args.compression}, "
             f"{'eager' if args.eager else 'tf.function'}, "
-            f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch")
+            f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch"
+        )
         report = EpochReport(comm, prefetcher, args.metrics)
         for epoch in range(args.epochs):
             started = time.perf_counter()

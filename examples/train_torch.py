@@ -18,12 +18,21 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from digits_data import (
+    EpochReport,
+    add_common_arguments,
+    compression_codec,
+    decode,
+    evaluate,  # noqa: E402
+    feature_count,
+    log,
+    make_prefetcher,
+    prepare_stores,
+)
 
 import hpcdl  # noqa: E402
 import hpcdl.prefetch  # noqa: E402
 import hpcdl.torch  # noqa: E402
-from digits_data import (EpochReport, add_common_arguments, compression_codec, decode, evaluate,  # noqa: E402
-                         feature_count, log, make_prefetcher, prepare_stores)
 
 
 def main():
@@ -39,13 +48,19 @@ def main():
     features, classes = feature_count(train), max(len(train.classes), 2)
 
     torch.manual_seed(args.seed)  # the same on every rank; broadcast_parameters makes sure
-    model = torch.nn.Sequential(torch.nn.Linear(features, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, args.hidden), torch.nn.ReLU(),
-                                torch.nn.Linear(args.hidden, classes))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(features, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, args.hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(args.hidden, classes),
+    )
     optimizer = hpcdl.torch.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9), model.named_parameters(),
+        torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+        model.named_parameters(),
         compression=compression_codec(args.compression),
-        bucket_bytes=args.bucket_bytes)
+        bucket_bytes=args.bucket_bytes,
+    )
     hpcdl.torch.broadcast_parameters(model.state_dict(), root_rank=0)
     hpcdl.torch.broadcast_optimizer_state(optimizer, root_rank=0)
 
@@ -53,10 +68,13 @@ def main():
         # one epoch per pass over the loader; the prefetcher stages the whole run ahead
         loader = torch.utils.data.DataLoader(
             hpcdl.torch.TorchDataset(prefetcher, transform=lambda view: torch.from_numpy(decode(view)), epochs=1),
-            batch_size=prefetcher.local_batch)
-        log(f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
+            batch_size=prefetcher.local_batch,
+        )
+        log(
+            f"{hpcdl.size()} ranks, {len(train)} train / {len(test) if test else 0} test samples, "
             f"{features} features, {classes} classes, compression {args.compression}, "
-            f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch")
+            f"{prefetcher.steps_per_epoch} steps of {prefetcher.local_batch} per rank and epoch"
+        )
         report = EpochReport(comm, prefetcher, args.metrics)
         for epoch in range(args.epochs):
             model.train()

@@ -23,20 +23,60 @@ _core = load_core(lambda: importlib.import_module("hpcdl._core"))
 
 from hpcdl import _env, compression  # noqa: E402
 from hpcdl._core import EngineWarning, Handle, StallWarning
-from hpcdl.collectives import (DTYPES, allgather, allgather_async, allreduce, allreduce_async, alltoall,
-                               alltoall_async, barrier, broadcast, broadcast_async, configure, grouped_allreduce,
-                               grouped_allreduce_async, reducescatter, reducescatter_async, stats)
-from hpcdl.errors import (CancelledError, CorruptDataError, HpcdlError, MismatchError, MPIError,
-                          StallTimeoutError)
+from hpcdl.collectives import (
+    DTYPES,
+    allgather,
+    allgather_async,
+    allreduce,
+    allreduce_async,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_async,
+    configure,
+    grouped_allreduce,
+    grouped_allreduce_async,
+    reducescatter,
+    reducescatter_async,
+    stats,
+)
+from hpcdl.errors import CancelledError, CorruptDataError, HpcdlError, MismatchError, MPIError, StallTimeoutError
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "allreduce", "allreduce_async", "grouped_allreduce", "grouped_allreduce_async", "broadcast", "broadcast_async",
-    "barrier", "configure", "stats", "DTYPES",
-    "allgather", "allgather_async", "reducescatter", "reducescatter_async", "alltoall", "alltoall_async",
-    "compression", "init", "rank", "size", "local_rank", "local_size", "abort_on_uncaught_exception", "Handle",
-    "StallWarning", "EngineWarning", "HpcdlError", "MismatchError", "MPIError", "CancelledError", "CorruptDataError",
+    "allreduce",
+    "allreduce_async",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "broadcast",
+    "broadcast_async",
+    "barrier",
+    "configure",
+    "stats",
+    "DTYPES",
+    "allgather",
+    "allgather_async",
+    "reducescatter",
+    "reducescatter_async",
+    "alltoall",
+    "alltoall_async",
+    "compression",
+    "init",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "abort_on_uncaught_exception",
+    "Handle",
+    "StallWarning",
+    "EngineWarning",
+    "HpcdlError",
+    "MismatchError",
+    "MPIError",
+    "CancelledError",
+    "CorruptDataError",
     "StallTimeoutError",
 ]
 
@@ -148,8 +188,10 @@ def _abort_job_on_uncaught_exception(kind, value, tb):
     if not _core.in_mpi_process():  # a forked child: the job is its parent's
         return
     comm = MPI.COMM_WORLD
-    sys.stderr.write(f"[hpcdl rank {comm.Get_rank()}] uncaught {kind.__name__}: aborting the job (MPI_Abort) "
-                     f"so that the other {comm.Get_size() - 1} ranks do not wait for this one\n")
+    sys.stderr.write(
+        f"[hpcdl rank {comm.Get_rank()}] uncaught {kind.__name__}: aborting the job (MPI_Abort) "
+        f"so that the other {comm.Get_size() - 1} ranks do not wait for this one\n"
+    )
     sys.stderr.flush()
     time.sleep(1.0)  # MPI_Abort ends the launcher's forwarding at once: let it pass this output on first
     comm.Abort(1)

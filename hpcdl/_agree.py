@@ -37,8 +37,11 @@ def call_on_every_rank(comm, fn, *args):
             kind, message, code = info
             try:
                 # An OSError keeps its errno (ENOSPC, ENOENT: what callers test for).
-                exc = kind(code, f"[hpcdl rank {rank}] {message}") if code is not None else \
-                    kind(f"[hpcdl rank {rank}] {message}")
+                exc = (
+                    kind(code, f"[hpcdl rank {rank}] {message}")
+                    if code is not None
+                    else kind(f"[hpcdl rank {rank}] {message}")
+                )
             except Exception:  # noqa: BLE001 - a type that takes other arguments
                 exc = HpcdlError(f"[hpcdl rank {rank}] {kind.__name__}: {message}")
             raise exc
@@ -91,8 +94,12 @@ def check_same_identity(comm, identity, where, what, hint=""):
         shown = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
         parts.append(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {ident}: {shown}")
     more = len(groups) - _MAX_LISTED
-    raise MismatchError(f"{what} differ across ranks: " + "; ".join(parts) + (f"; ... {more} more" if more > 0 else "")
-                        + (f". {hint}" if hint else ""))
+    raise MismatchError(
+        f"{what} differ across ranks: "
+        + "; ".join(parts)
+        + (f"; ... {more} more" if more > 0 else "")
+        + (f". {hint}" if hint else "")
+    )
 
 
 def _ranks(ranks):
@@ -128,13 +135,15 @@ def _differences(everyone):
         for name, (shape, dtype) in ref.items():
             if name in have and have[name] != (shape, dtype):
                 other_shape, other_dtype = have[name]
-                found.append(f"'{name}' is {dtype}{list(shape)} on rank 0 but "
-                             f"{other_dtype}{list(other_shape)} on rank {rank}")
+                found.append(
+                    f"'{name}' is {dtype}{list(shape)} on rank 0 but {other_dtype}{list(other_shape)} on rank {rank}"
+                )
         common_ref = [n for n, _, _ in ref_entries if n in have]
         common = [n for n, _, _ in entries if n in ref]
         if common_ref != common and len(found) == before:
-            found.append(f"the order differs on rank {rank} (rank 0: {_names(common_ref)}; "
-                         f"rank {rank}: {_names(common)})")
+            found.append(
+                f"the order differs on rank {rank} (rank 0: {_names(common_ref)}; rank {rank}: {_names(common)})"
+            )
     return found[:_MAX_LISTED] + ([f"... {len(found) - _MAX_LISTED} more"] if len(found) > _MAX_LISTED else [])
 
 

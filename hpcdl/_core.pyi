@@ -53,11 +53,22 @@ class Handle:
 class ResultBytes:
     """An operation's result bytes (buffer protocol, zero-copy)."""
 
-def submit(kind: int, buf: Optional[Buffer], comm: MPI.Comm, name: Optional[str], reduce_op: int = ...,
-           root: int = ..., chunk_bytes: int = ..., codec: str = ..., deferred: bool = ...,
-           rows: Optional[int] = ..., splits: Sequence[int] = ...) -> Handle: ...
-def submit_group(buffers: List[Buffer], comm: MPI.Comm, name: Optional[str], reduce_op: int = ...,
-                 chunk_bytes: int = ...) -> Handle: ...
+def submit(
+    kind: int,
+    buf: Optional[Buffer],
+    comm: MPI.Comm,
+    name: Optional[str],
+    reduce_op: int = ...,
+    root: int = ...,
+    chunk_bytes: int = ...,
+    codec: str = ...,
+    deferred: bool = ...,
+    rows: Optional[int] = ...,
+    splits: Sequence[int] = ...,
+) -> Handle: ...
+def submit_group(
+    buffers: List[Buffer], comm: MPI.Comm, name: Optional[str], reduce_op: int = ..., chunk_bytes: int = ...
+) -> Handle: ...
 def transfer(send: bool, buf: Buffer, comm: MPI.Comm, peer: int, tag: int) -> Handle: ...
 def parse_op(op: str) -> int: ...
 def set_stall_limits(warn_seconds: float, error_seconds: float) -> None: ...
@@ -99,17 +110,41 @@ SOURCES: Tuple[str, str, str, str]
 
 def shuffle_draw(seed: int, epoch: int, k: int) -> int: ...
 def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray: ...
-def stream_layout(samples: int, global_batch: int, ranks: int, epochs: int, seed: int, drop_last: bool,
-                  rank: int = ...) -> Tuple[int, int, int]: ...
-def rank_stream(samples: int, global_batch: int, ranks: int, rank: int, epochs: int, seed: int, drop_last: bool,
-                start: int = ...) -> np.ndarray: ...
+def stream_layout(
+    samples: int, global_batch: int, ranks: int, epochs: int, seed: int, drop_last: bool, rank: int = ...
+) -> Tuple[int, int, int]: ...
+def rank_stream(
+    samples: int, global_batch: int, ranks: int, rank: int, epochs: int, seed: int, drop_last: bool, start: int = ...
+) -> np.ndarray: ...
 def placement(stream: Any, sizes: Any, ram_bytes: int, disk_bytes: int) -> Dict[str, Any]: ...
-def plan(samples: int, global_batch: int, ranks: int, rank: int, epochs: int, seed: int, drop_last: bool,
-         start: int, sizes: Any, ram_bytes: int, disk_bytes: int, peer_ram: Sequence[int],
-         peer_disk: Sequence[int]) -> Dict[str, Any]: ...
-def peer_sources(samples: int, global_batch: int, ranks: int, epochs: int, seed: int, drop_last: bool, start: int,
-                 sizes: Any, ram_capacity: Sequence[int], disk_capacity: Sequence[int],
-                 rank: int) -> Tuple[np.ndarray, np.ndarray]: ...
+def plan(
+    samples: int,
+    global_batch: int,
+    ranks: int,
+    rank: int,
+    epochs: int,
+    seed: int,
+    drop_last: bool,
+    start: int,
+    sizes: Any,
+    ram_bytes: int,
+    disk_bytes: int,
+    peer_ram: Sequence[int],
+    peer_disk: Sequence[int],
+) -> Dict[str, Any]: ...
+def peer_sources(
+    samples: int,
+    global_batch: int,
+    ranks: int,
+    epochs: int,
+    seed: int,
+    drop_last: bool,
+    start: int,
+    sizes: Any,
+    ram_capacity: Sequence[int],
+    disk_capacity: Sequence[int],
+    rank: int,
+) -> Tuple[np.ndarray, np.ndarray]: ...
 def peer_message_pieces(total: int, max_message: int) -> List[Tuple[int, int]]: ...
 
 class PrefetchOptions:

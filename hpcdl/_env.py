@@ -84,50 +84,111 @@ class Variable:
         self.name, self.parse, self.default, self.range, self.what = name, parse, default, range, what
 
 
-VARIABLES = {v.name: v for v in (
-    Variable("HPCDL_ABORT_ON_EXCEPTION", _flag_unless_0, "1", "0 turns it off",
-             "with several ranks, an uncaught exception ends the job (`MPI_Abort`) instead of leaving the other "
-             "ranks waiting ([troubleshooting.md](troubleshooting.md)); read at `import hpcdl`"),
-    Variable("HPCDL_TIMELINE", _text, "unset", "a path",
-             "record a Chrome-trace timeline of every rank into this file ([troubleshooting.md](troubleshooting.md))"),
-    Variable("HPCDL_TIMELINE_WAIT_SECONDS", _seconds, "30", ">= 0",
-             "how long rank 0 waits at exit for the other ranks' timeline parts"),
-    Variable("HPCDL_TRACE", _text, "unset", "a path",
-             "the prefetcher's own trace file (ignored while `HPCDL_TIMELINE` is set) ([prefetch.md](prefetch.md))"),
-    Variable("HPCDL_DLIO_TRAIN_STORE", _text, "`DATA/train.hpcdl`", "a path",
-             "DLIO's training store ([dlio.md](dlio.md))"),
-    Variable("HPCDL_DLIO_VALID_STORE", _text, "`DATA/valid.hpcdl`", "a path", "DLIO's evaluation store"),
-    Variable("HPCDL_DLIO_RAM", parse_bytes, "1G", "a size (`32G`)", "DLIO: the RAM tier per rank"),
-    Variable("HPCDL_DLIO_DISK_DIR", _text, "unset (off)", "a directory", "DLIO: the node-local disk tier"),
-    Variable("HPCDL_DLIO_DISK", parse_bytes, "0", "a size", "DLIO: the disk tier's bytes per rank"),
-    Variable("HPCDL_DLIO_THREADS", _count, "max(4, `reader.read_threads`)", ">= 0 (0: 1)",
-             "DLIO: staging threads per rank"),
-    Variable("HPCDL_DLIO_READ_CONCURRENCY", _text, "auto", "`auto` or an integer >= 0",
-             "DLIO: the prefetcher's `read_concurrency`"),
-    Variable("HPCDL_DLIO_PACK", _flag_if_1, "0", "1 turns it on",
-             "DLIO: pack the data set into the store at start-up when it is missing (collective)"),
-)}
+VARIABLES = {
+    v.name: v
+    for v in (
+        Variable(
+            "HPCDL_ABORT_ON_EXCEPTION",
+            _flag_unless_0,
+            "1",
+            "0 turns it off",
+            "with several ranks, an uncaught exception ends the job (`MPI_Abort`) instead of leaving the other "
+            "ranks waiting ([troubleshooting.md](troubleshooting.md)); read at `import hpcdl`",
+        ),
+        Variable(
+            "HPCDL_TIMELINE",
+            _text,
+            "unset",
+            "a path",
+            "record a Chrome-trace timeline of every rank into this file ([troubleshooting.md](troubleshooting.md))",
+        ),
+        Variable(
+            "HPCDL_TIMELINE_WAIT_SECONDS",
+            _seconds,
+            "30",
+            ">= 0",
+            "how long rank 0 waits at exit for the other ranks' timeline parts",
+        ),
+        Variable(
+            "HPCDL_TRACE",
+            _text,
+            "unset",
+            "a path",
+            "the prefetcher's own trace file (ignored while `HPCDL_TIMELINE` is set) ([prefetch.md](prefetch.md))",
+        ),
+        Variable(
+            "HPCDL_DLIO_TRAIN_STORE",
+            _text,
+            "`DATA/train.hpcdl`",
+            "a path",
+            "DLIO's training store ([dlio.md](dlio.md))",
+        ),
+        Variable("HPCDL_DLIO_VALID_STORE", _text, "`DATA/valid.hpcdl`", "a path", "DLIO's evaluation store"),
+        Variable("HPCDL_DLIO_RAM", parse_bytes, "1G", "a size (`32G`)", "DLIO: the RAM tier per rank"),
+        Variable("HPCDL_DLIO_DISK_DIR", _text, "unset (off)", "a directory", "DLIO: the node-local disk tier"),
+        Variable("HPCDL_DLIO_DISK", parse_bytes, "0", "a size", "DLIO: the disk tier's bytes per rank"),
+        Variable(
+            "HPCDL_DLIO_THREADS",
+            _count,
+            "max(4, `reader.read_threads`)",
+            ">= 0 (0: 1)",
+            "DLIO: staging threads per rank",
+        ),
+        Variable(
+            "HPCDL_DLIO_READ_CONCURRENCY",
+            _text,
+            "auto",
+            "`auto` or an integer >= 0",
+            "DLIO: the prefetcher's `read_concurrency`",
+        ),
+        Variable(
+            "HPCDL_DLIO_PACK",
+            _flag_if_1,
+            "0",
+            "1 turns it on",
+            "DLIO: pack the data set into the store at start-up when it is missing (collective)",
+        ),
+    )
+}
 
 # The engine's variables: their defaults (the C++ side's) and what they do, for the docs table.
 ENGINE_DOCS = {
-    "HPCDL_CHUNK_BYTES": (f"{_core.DEFAULT_CHUNK_BYTES >> 20} MiB",
-                          "ring pipeline chunk (also `hpcdl.configure(chunk_bytes=)`; the same on every rank)"),
-    "HPCDL_STALL_WARNING_SECONDS": (f"{_core.DEFAULT_STALL_WARNING_SECONDS:g}",
-                                    "warn when an operation waits for ranks that have not submitted it (0: off)"),
-    "HPCDL_STALL_ERROR_SECONDS": (f"{_core.DEFAULT_STALL_ERROR_SECONDS:g} (0: wait forever)",
-                                  "fail such an operation instead"),
-    "HPCDL_WAIT_SLEEP_US": ("200", "longest sleep between polls of a waiting operation (0: block in MPI; the engine "
-                                   "thread's within 1 us to 1 ms; a wait only point-to-point transfers keep grows "
-                                   "past it, [pipeline.md](pipeline.md))"),
+    "HPCDL_CHUNK_BYTES": (
+        f"{_core.DEFAULT_CHUNK_BYTES >> 20} MiB",
+        "ring pipeline chunk (also `hpcdl.configure(chunk_bytes=)`; the same on every rank)",
+    ),
+    "HPCDL_STALL_WARNING_SECONDS": (
+        f"{_core.DEFAULT_STALL_WARNING_SECONDS:g}",
+        "warn when an operation waits for ranks that have not submitted it (0: off)",
+    ),
+    "HPCDL_STALL_ERROR_SECONDS": (
+        f"{_core.DEFAULT_STALL_ERROR_SECONDS:g} (0: wait forever)",
+        "fail such an operation instead",
+    ),
+    "HPCDL_WAIT_SLEEP_US": (
+        "200",
+        "longest sleep between polls of a waiting operation (0: block in MPI; the engine "
+        "thread's within 1 us to 1 ms; a wait only point-to-point transfers keep grows "
+        "past it, [pipeline.md](pipeline.md))",
+    ),
     "HPCDL_ENGINE_SLICE_US": ("100", "the engine thread's scheduler slice (Linux 6.12+; 0: the system's)"),
-    "HPCDL_AGREEMENT_FLAT": ("0", "1: every rank reports to the coordinator directly instead of up a binomial tree "
-                                  "(`bench/agreement.py` compares the two)"),
-    "HPCDL_TIMELINE_MAX_EVENTS": ("1000000", "trace events a rank keeps in memory while `HPCDL_TIMELINE` (or the "
-                                             "prefetcher's `HPCDL_TRACE`) records, ~140 B each; later ones are counted "
-                                             "in the trace's `otherData.dropped_events` and named at exit"),
-    "HPCDL_RESIDUAL_TTL_OPS": ("1000", "a name's error-feedback residual is freed once this many named compressed "
-                                       "allreduces ran on its communicator without it (0: never; "
-                                       "[compression.md](compression.md#residual-memory))"),
+    "HPCDL_AGREEMENT_FLAT": (
+        "0",
+        "1: every rank reports to the coordinator directly instead of up a binomial tree "
+        "(`bench/agreement.py` compares the two)",
+    ),
+    "HPCDL_TIMELINE_MAX_EVENTS": (
+        "1000000",
+        "trace events a rank keeps in memory while `HPCDL_TIMELINE` (or the "
+        "prefetcher's `HPCDL_TRACE`) records, ~140 B each; later ones are counted "
+        "in the trace's `otherData.dropped_events` and named at exit",
+    ),
+    "HPCDL_RESIDUAL_TTL_OPS": (
+        "1000",
+        "a name's error-feedback residual is freed once this many named compressed "
+        "allreduces ran on its communicator without it (0: never; "
+        "[compression.md](compression.md#residual-memory))",
+    ),
 }
 
 
@@ -152,8 +213,10 @@ def doc_table():
     rows = ["| variable | default | range | what |", "|---|---|---|---|"]
     for kind, low, high, variable in ENGINE_SETTINGS.values():
         bounds = f">= {low}" if high is None else f"{low} to {high}"
-        rows.append(f"| `{variable}` | {ENGINE_DOCS[variable][0]} | {'integer' if kind is int else 'number'} "
-                    f"{bounds} | {ENGINE_DOCS[variable][1]} |")
+        rows.append(
+            f"| `{variable}` | {ENGINE_DOCS[variable][0]} | {'integer' if kind is int else 'number'} "
+            f"{bounds} | {ENGINE_DOCS[variable][1]} |"
+        )
     rows += [f"| `{v.name}` | {v.default} | {v.range} | {v.what} |" for v in VARIABLES.values()]
     return "\n".join(rows)
 

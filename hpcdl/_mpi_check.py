@@ -15,9 +15,11 @@ import os
 import re
 
 LIBMPI = re.compile(r"^libmpi\.so(\.\d+)*$")  # libmpi.so.12 (MPICH), libmpi.so.40 (Open MPI); not libmpi_cxx
-REBUILD = ("rebuild hpcdl against the MPI that mpi4py loads: in this environment, "
-           "MPICC=/path/to/that/mpicc pip install --no-build-isolation --force-reinstall --no-deps hpcdl "
-           "(or ./scripts/bootstrap.sh in a checkout); docs/building.md")
+REBUILD = (
+    "rebuild hpcdl against the MPI that mpi4py loads: in this environment, "
+    "MPICC=/path/to/that/mpicc pip install --no-build-isolation --force-reinstall --no-deps hpcdl "
+    "(or ./scripts/bootstrap.sh in a checkout); docs/building.md"
+)
 
 
 def loaded_libmpis():
@@ -53,10 +55,12 @@ def describe(path):
 
 
 def mismatch_message(what, theirs, ours, rebuild=REBUILD):
-    return (f"{what}: two MPI libraries, which do not mix in one process.\n"
-            f"  mpi4py loads:  {describe(theirs)}\n"
-            f"  hpcdl's core:  {describe(ours)}\n"
-            f"Fix: {rebuild}")
+    return (
+        f"{what}: two MPI libraries, which do not mix in one process.\n"
+        f"  mpi4py loads:  {describe(theirs)}\n"
+        f"  hpcdl's core:  {describe(ours)}\n"
+        f"Fix: {rebuild}"
+    )
 
 
 def load_core(import_core):
@@ -78,8 +82,10 @@ def load_core(import_core):
 def mpi4py_libmpi():
     """{"path", "version"} of the libmpi mpi4py loads in this environment (MPI not initialized)."""
     import mpi4py
+
     mpi4py.rc.initialize = False
     from mpi4py import MPI  # noqa: F401  (loads libmpi)
+
     libs = loaded_libmpis()
     if not libs:
         raise SystemExit("mpi4py.MPI loaded no libmpi.so* file")

@@ -16,7 +16,6 @@ arrays (hpcdl works in place): pass ``tensor.contiguous()``.
 """
 
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -57,8 +56,10 @@ def numpy_view(tensor):
 
 def _require_contiguous(tensor):
     if not tensor.is_contiguous():
-        raise ValueError("tensor is not contiguous; hpcdl works in place: pass tensor.contiguous() "
-                         "(and copy the result back if you need it in the original)")
+        raise ValueError(
+            "tensor is not contiguous; hpcdl works in place: pass tensor.contiguous() "
+            "(and copy the result back if you need it in the original)"
+        )
 
 
 _side_streams = {}

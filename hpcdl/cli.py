@@ -9,15 +9,16 @@ import sys
 
 
 def _mpi_cuda_support():
-    """"yes"/"no" from MPIX_Query_cuda_support of the libmpi this process loaded, or "unknown"
+    """ "yes"/"no" from MPIX_Query_cuda_support of the libmpi this process loaded, or "unknown"
     (no such function there, or no way to find the library). hpcdl stages CUDA tensors through
     host memory either way; a CUDA-aware MPI could take device pointers directly."""
     import ctypes
 
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps
-                            if os.path.basename(line.split()[-1]).startswith("libmpi.so")})
+            paths = sorted(
+                {line.split()[-1] for line in maps if os.path.basename(line.split()[-1]).startswith("libmpi.so")}
+            )
     except OSError:
         return "unknown"
     for path in paths:
@@ -35,15 +36,21 @@ def _cmd_info(args):
 
     import hpcdl
 
-    levels = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
-              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    levels = {
+        MPI.THREAD_SINGLE: "single",
+        MPI.THREAD_FUNNELED: "funneled",
+        MPI.THREAD_SERIALIZED: "serialized",
+        MPI.THREAD_MULTIPLE: "multiple",
+    }
     print(f"hpcdl {hpcdl.__version__}")
     print(f"MPI library: {MPI.Get_library_version().splitlines()[0].strip()}")
     print(f"MPI standard: {'.'.join(map(str, MPI.Get_version()))}")
     print(f"thread level: {levels.get(MPI.Query_thread(), MPI.Query_thread())} (hpcdl needs multiple)")
     print(f"ranks: {MPI.COMM_WORLD.Get_size()}")
-    print(f"CUDA-aware MPI: {_mpi_cuda_support()} (MPIX_Query_cuda_support; hpcdl stages CUDA tensors "
-          "through pinned host memory either way)")
+    print(
+        f"CUDA-aware MPI: {_mpi_cuda_support()} (MPIX_Query_cuda_support; hpcdl stages CUDA tensors "
+        "through pinned host memory either way)"
+    )
     return 0
 
 
@@ -61,9 +68,16 @@ def _cmd_pack(args):
 
     comm = MPI.COMM_WORLD
     try:
-        result = store.pack(args.src, args.dst, shards=args.shards, shard_bytes=args.shard_bytes,
-                            comm=comm, force=args.force, progress=not args.quiet,
-                            threads=args.threads or store.DEFAULT_THREADS)
+        result = store.pack(
+            args.src,
+            args.dst,
+            shards=args.shards,
+            shard_bytes=args.shard_bytes,
+            comm=comm,
+            force=args.force,
+            progress=not args.quiet,
+            threads=args.threads or store.DEFAULT_THREADS,
+        )
     except (OSError, ValueError) as exc:
         if comm.Get_rank() == 0:
             print(f"hpcdl pack: error: {exc}", file=sys.stderr)
@@ -71,9 +85,11 @@ def _cmd_pack(args):
     if comm.Get_rank() == 0:
         mb = result.bytes / 1e6
         reused = f", {result.reused_shards} reused from an earlier run" if result.reused_shards else ""
-        print(f"packed {result.samples} samples ({mb:.1f} MB) into {result.shards} shards{reused} in "
-              f"{result.seconds:.1f} s ({result.samples / result.seconds:.0f} files/s, "
-              f"{mb / result.seconds:.1f} MB/s) with {comm.Get_size()} rank(s) -> {args.dst}")
+        print(
+            f"packed {result.samples} samples ({mb:.1f} MB) into {result.shards} shards{reused} in "
+            f"{result.seconds:.1f} s ({result.samples / result.seconds:.0f} files/s, "
+            f"{mb / result.seconds:.1f} MB/s) with {comm.Get_size()} rank(s) -> {args.dst}"
+        )
         if result.skipped:
             print(f"WARNING: {len(result.skipped)} file(s) skipped (not packed):", file=sys.stderr)
             _print_skipped(result.skipped, 10)
@@ -99,15 +115,21 @@ def _verify_findings(st, report):
     Each entry: {shard, first, samples, reason} plus name for a single sample."""
     import numpy as np
 
-    findings = [{"shard": os.path.basename(path), "first": first, "samples": count, "reason": reason}
-                for path, first, count, reason in report.damaged]
+    findings = [
+        {"shard": os.path.basename(path), "first": first, "samples": count, "reason": reason}
+        for path, first, count, reason in report.damaged
+    ]
     groups = {}
     for index, name, reason in report.problems:
         shard = int(np.searchsorted(st.shard_first, index, side="right")) - 1
         groups.setdefault((shard, reason), []).append((index, name))
     for (shard, reason), samples in groups.items():
-        entry = {"shard": os.path.basename(st.shard_paths[shard]), "first": samples[0][0],
-                 "samples": len(samples), "reason": reason}
+        entry = {
+            "shard": os.path.basename(st.shard_paths[shard]),
+            "first": samples[0][0],
+            "samples": len(samples),
+            "reason": reason,
+        }
         if len(samples) == 1:
             entry["name"] = samples[0][1]
         findings.append(entry)
@@ -134,13 +156,26 @@ def _cmd_verify(args):
     findings = _verify_findings(st, report)
     bad = sum(f["samples"] for f in findings)
     if args.json:
-        print(json.dumps({"store": st.root, "samples": report.samples, "shards": len(st.shard_paths),
-                          "bytes_read": report.bytes_read, "seconds": report.seconds,
-                          "ok": report.samples - bad, "bad": bad, "problems": findings}))
+        print(
+            json.dumps(
+                {
+                    "store": st.root,
+                    "samples": report.samples,
+                    "shards": len(st.shard_paths),
+                    "bytes_read": report.bytes_read,
+                    "seconds": report.seconds,
+                    "ok": report.samples - bad,
+                    "bad": bad,
+                    "problems": findings,
+                }
+            )
+        )
         return 0 if not findings else 1
     mb = report.bytes_read / 1e6
-    print(f"verified {report.samples} samples in {len(st.shard_paths)} shards: read {mb:.1f} MB in "
-          f"{report.seconds:.2f} s ({mb / max(report.seconds, 1e-9):.1f} MB/s)")
+    print(
+        f"verified {report.samples} samples in {len(st.shard_paths)} shards: read {mb:.1f} MB in "
+        f"{report.seconds:.2f} s ({mb / max(report.seconds, 1e-9):.1f} MB/s)"
+    )
     if not findings:
         print("OK: every checksum matches")
         return 0
@@ -163,23 +198,29 @@ def _cmd_ls(args):
         return 1
     readable = np.ones(len(st), dtype=bool)
     for k, _ in st.damaged:
-        readable[st.shard_first[k]:st.shard_first[k] + st.shard_counts[k]] = False
+        readable[st.shard_first[k] : st.shard_first[k] + st.shard_counts[k]] = False
     sizes = st.sizes[readable]
     total = int(st.shard_data_bytes.sum())  # the manifest's figure: a damaged shard's sizes are unknown
     print(f"store {st.root} (format version {st.attrs['format_version']}, packed from {st.attrs['source']})")
     print(f"samples: {len(st)}   bytes: {total} ({total / 1e6:.1f} MB)")
     if len(sizes):
-        print(f"sample size: min {int(sizes.min())}  median {int(np.median(sizes))}  "
-              f"mean {sizes.mean():.0f}  max {int(sizes.max())} bytes")
+        print(
+            f"sample size: min {int(sizes.min())}  median {int(np.median(sizes))}  "
+            f"mean {sizes.mean():.0f}  max {int(sizes.max())} bytes"
+        )
     print(f"shards: {len(st.shard_paths)}")
     for k, path in enumerate(st.shard_paths):
         lo, n = int(st.shard_first[k]), int(st.shard_counts[k])
         status = " DAMAGED" if any(d[0] == k for d in st.damaged) else ""
-        print(f"  {os.path.basename(path)}  samples {lo}..{lo + n - 1}  {os.path.getsize(path) if os.path.exists(path) else 0} bytes{status}")
+        print(
+            f"  {os.path.basename(path)}  samples {lo}..{lo + n - 1}  {os.path.getsize(path) if os.path.exists(path) else 0} bytes{status}"
+        )
     counts = np.bincount(st.labels[st.labels >= 0], minlength=len(st.classes))
-    print(f"classes: {len(st.classes)}" + (f"  (unlabelled top-level files: {int((st.labels < 0).sum())})"
-                                             if (st.labels < 0).any() else ""))
-    for label, name in enumerate(st.classes[:args.classes]):
+    print(
+        f"classes: {len(st.classes)}"
+        + (f"  (unlabelled top-level files: {int((st.labels < 0).sum())})" if (st.labels < 0).any() else "")
+    )
+    for label, name in enumerate(st.classes[: args.classes]):
         print(f"  {label:5d}  {name}  {int(counts[label])}")
     if len(st.classes) > args.classes:
         print(f"  ... and {len(st.classes) - args.classes} more (--classes N shows more)")
@@ -197,14 +238,54 @@ def _cmd_ls(args):
 
 # name: (what it measures, its small defaults; N = -n). Options given after these win.
 BENCHES = {
-    "allreduce": ("allreduce bandwidth: hpcdl against MPI_Allreduce (bench/allreduce.py)",
-                  ["--sizes", "64KiB,1MiB,4MiB", "--systems", "hpcdl,mpi", "--budget", "0.5", "--max-iters", "20"]),
-    "store": ("small-file reads: files, h5py and the store, 1 and N ranks (bench/store.py)",
-              ["--fs", "plain", "--files", "2000", "--classes", "10", "--cold-samples", "500",
-               "--strace-samples", "500", "--repeats", "1", "--shards", "2", "--ranks", "1,N"]),
-    "prefetch": ("epoch time and stalls: DataLoader against the prefetcher on N ranks (bench/prefetch.py)",
-                 ["--slowfs", "", "--files", "1000", "--epochs", "2", "--batch", "16*N", "--compute", "0.01",
-                  "--ranks", "N", "--variants", "emulated", "--runs", "1", "--prefetch-factors", "4"]),
+    "allreduce": (
+        "allreduce bandwidth: hpcdl against MPI_Allreduce (bench/allreduce.py)",
+        ["--sizes", "64KiB,1MiB,4MiB", "--systems", "hpcdl,mpi", "--budget", "0.5", "--max-iters", "20"],
+    ),
+    "store": (
+        "small-file reads: files, h5py and the store, 1 and N ranks (bench/store.py)",
+        [
+            "--fs",
+            "plain",
+            "--files",
+            "2000",
+            "--classes",
+            "10",
+            "--cold-samples",
+            "500",
+            "--strace-samples",
+            "500",
+            "--repeats",
+            "1",
+            "--shards",
+            "2",
+            "--ranks",
+            "1,N",
+        ],
+    ),
+    "prefetch": (
+        "epoch time and stalls: DataLoader against the prefetcher on N ranks (bench/prefetch.py)",
+        [
+            "--slowfs",
+            "",
+            "--files",
+            "1000",
+            "--epochs",
+            "2",
+            "--batch",
+            "16*N",
+            "--compute",
+            "0.01",
+            "--ranks",
+            "N",
+            "--variants",
+            "emulated",
+            "--runs",
+            "1",
+            "--prefetch-factors",
+            "4",
+        ],
+    ),
 }
 
 
@@ -219,8 +300,10 @@ def mpiexec_path():
             return os.path.join(folder, "mpiexec")
     found = shutil.which("mpiexec")
     if found is None:
-        raise FileNotFoundError("no mpiexec beside this Python, beside mpi4py's mpicc or on PATH; "
-                                "load your site's MPI module or pip install mpich")
+        raise FileNotFoundError(
+            "no mpiexec beside this Python, beside mpi4py's mpicc or on PATH; "
+            "load your site's MPI module or pip install mpich"
+        )
     return found
 
 
@@ -249,11 +332,12 @@ def load_bench(name):
 def _bench_argv(args):
     """The bench script's arguments: small defaults, then --out, then what the user added."""
     n = args.ranks
-    defaults = [{"N": str(n), "1,N": "1" if n == 1 else f"1,{n}", "16*N": str(16 * n)}.get(a, a)
-                for a in BENCHES[args.bench][1]]
+    defaults = [
+        {"N": str(n), "1,N": "1" if n == 1 else f"1,{n}", "16*N": str(16 * n)}.get(a, a) for a in BENCHES[args.bench][1]
+    ]
     if getattr(args, "slowfs", False):  # the scripts' own default: the emulated slow file system
         at = defaults.index("--fs" if args.bench == "store" else "--slowfs")
-        del defaults[at:at + 2]
+        del defaults[at : at + 2]
     return defaults + ["--out", args.out] + args.bench_args
 
 
@@ -273,8 +357,18 @@ def _cmd_bench(args):
             return 2
     if self_launch:
         # One process as typed: start the ranks, each of which runs the benchmark in-process.
-        cmd = [mpiexec, "-n", str(args.ranks), sys.executable, "-m", "hpcdl", "bench", "allreduce",
-               "--out", args.out] + args.bench_args
+        cmd = [
+            mpiexec,
+            "-n",
+            str(args.ranks),
+            sys.executable,
+            "-m",
+            "hpcdl",
+            "bench",
+            "allreduce",
+            "--out",
+            args.out,
+        ] + args.bench_args
         print(f"[hpcdl] {' '.join(cmd)}", flush=True)
         return subprocess.call(cmd)
     if args.bench != "allreduce":
@@ -283,13 +377,18 @@ def _cmd_bench(args):
 
             if MPI.COMM_WORLD.Get_size() > 1:
                 if MPI.COMM_WORLD.Get_rank() == 0:
-                    print(f"hpcdl bench {args.bench}: error: run it as one process; it starts its own "
-                          f"mpiexec -n {args.ranks} (-n N)", file=sys.stderr)
+                    print(
+                        f"hpcdl bench {args.bench}: error: run it as one process; it starts its own "
+                        f"mpiexec -n {args.ranks} (-n N)",
+                        file=sys.stderr,
+                    )
                 return 2
     status = load_bench(args.bench).main(_bench_argv(args)) or 0
     if args.bench == "prefetch" and status == 0 and not args.slowfs:
-        print("the store was a plain temporary directory (no slow file system; --slowfs for it); the "
-              "model rows predict the throttled file system of --iops/--bps")
+        print(
+            "the store was a plain temporary directory (no slow file system; --slowfs for it); the "
+            "model rows predict the throttled file system of --iops/--bps"
+        )
     return status
 
 
@@ -302,48 +401,86 @@ def _parser():
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("info", help="version, MPI library, thread level and whether the MPI is CUDA-aware")
     p.set_defaults(func=_cmd_info)
-    p = sub.add_parser("pack", help="pack a directory of small files into an HDF5 store",
-                       description="Pack every file under SRC into an hpcdl store in directory DST "
-                       "(class = first-level sub-directory). Run under mpiexec -n P to split the work.")
+    p = sub.add_parser(
+        "pack",
+        help="pack a directory of small files into an HDF5 store",
+        description="Pack every file under SRC into an hpcdl store in directory DST "
+        "(class = first-level sub-directory). Run under mpiexec -n P to split the work.",
+    )
     p.add_argument("src", metavar="SRC", help="source directory")
     p.add_argument("dst", metavar="DST", help="destination directory (created)")
-    p.add_argument("--shards", type=positive_int_type("--shards"), default=None,
-                   help="number of shards (default: by --shard-bytes)")
-    p.add_argument("--shard-bytes", type=size_type(), default="1G",
-                   help="target shard size when --shards is not given (default 1G)")
+    p.add_argument(
+        "--shards",
+        type=positive_int_type("--shards"),
+        default=None,
+        help="number of shards (default: by --shard-bytes)",
+    )
+    p.add_argument(
+        "--shard-bytes",
+        type=size_type(),
+        default="1G",
+        help="target shard size when --shards is not given (default 1G)",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing store at DST")
-    p.add_argument("--threads", type=positive_int_type("--threads"), default=None,
-                   help="files read at once per rank (default: hpcdl.store.DEFAULT_THREADS)")
+    p.add_argument(
+        "--threads",
+        type=positive_int_type("--threads"),
+        default=None,
+        help="files read at once per rank (default: hpcdl.store.DEFAULT_THREADS)",
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_pack)
     p = sub.add_parser("verify", help="check every sample's checksum of a store")
     p.add_argument("dst", metavar="DST", help="store directory (or its manifest.h5)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--json", action="store_true", help="one JSON object on stdout: store, samples, shards, "
-                   "bytes_read, seconds, ok, bad, problems [{shard, first, samples, reason[, name]}] (or error)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="one JSON object on stdout: store, samples, shards, "
+        "bytes_read, seconds, ok, bad, problems [{shard, first, samples, reason[, name]}] (or error)",
+    )
     p.set_defaults(func=_cmd_verify)
     p = sub.add_parser("ls", help="summary of a store: counts, sizes, label histogram")
     p.add_argument("dst", metavar="DST", help="store directory (or its manifest.h5)")
     p.add_argument("--classes", type=int, default=50, help="classes to list (default 50)")
     p.add_argument("--skipped", action="store_true", help="list every file skipped when packing")
     p.set_defaults(func=_cmd_ls)
-    p = sub.add_parser("bench", help="run a benchmark with small defaults: a table, CSV and PNG",
-                       description="Run one of hpcdl's benchmarks (bench/NAME.py) with small defaults "
-                       "that finish in well under a minute; rank 0 prints a table and writes CSV and PNG "
-                       "to --out.")
+    p = sub.add_parser(
+        "bench",
+        help="run a benchmark with small defaults: a table, CSV and PNG",
+        description="Run one of hpcdl's benchmarks (bench/NAME.py) with small defaults "
+        "that finish in well under a minute; rank 0 prints a table and writes CSV and PNG "
+        "to --out.",
+    )
     benches = p.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name, (summary, defaults) in BENCHES.items():
-        b = benches.add_parser(name, help=summary, description=summary, allow_abbrev=False,
-                               formatter_class=argparse.RawDescriptionHelpFormatter,
-                               epilog=f"defaults passed to bench/{name}.py: {' '.join(repr(a) if not a else a for a in defaults)}"
-                               f"\nAny other option goes to bench/{name}.py and wins over these; its options: "
-                               f"python bench/{name}.py --help (bench/ of a checkout; installed: hpcdl/bench/)")
-        b.add_argument("-n", dest="ranks", type=int, default=4, metavar="N", help="ranks (default 4)"
-                       + ("; under mpiexec/srun: the ranks it was started with" if name == "allreduce" else ""))
+        b = benches.add_parser(
+            name,
+            help=summary,
+            description=summary,
+            allow_abbrev=False,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            epilog=f"defaults passed to bench/{name}.py: {' '.join(repr(a) if not a else a for a in defaults)}"
+            f"\nAny other option goes to bench/{name}.py and wins over these; its options: "
+            f"python bench/{name}.py --help (bench/ of a checkout; installed: hpcdl/bench/)",
+        )
+        b.add_argument(
+            "-n",
+            dest="ranks",
+            type=int,
+            default=4,
+            metavar="N",
+            help="ranks (default 4)"
+            + ("; under mpiexec/srun: the ranks it was started with" if name == "allreduce" else ""),
+        )
         b.add_argument("--out", default="hpcdl-bench", help="directory for the CSV and PNG (default ./hpcdl-bench)")
         if name != "allreduce":
-            b.add_argument("--slowfs", action="store_true", help="use the emulated slow file system "
-                           "(bench/slowfs.sh; needs root) instead of a plain temporary directory")
+            b.add_argument(
+                "--slowfs",
+                action="store_true",
+                help="use the emulated slow file system "
+                "(bench/slowfs.sh; needs root) instead of a plain temporary directory",
+            )
         b.set_defaults(func=_cmd_bench)
     return parser
 

@@ -27,13 +27,17 @@ DTYPES = tuple(_core.DTYPES)
 OPS = tuple(_core.OPS)
 
 
-_config = {"chunk_bytes": _core.DEFAULT_CHUNK_BYTES, "stall_warning_seconds": _core.DEFAULT_STALL_WARNING_SECONDS,
-           "stall_error_seconds": _core.DEFAULT_STALL_ERROR_SECONDS}
+_config = {
+    "chunk_bytes": _core.DEFAULT_CHUNK_BYTES,
+    "stall_warning_seconds": _core.DEFAULT_STALL_WARNING_SECONDS,
+    "stall_error_seconds": _core.DEFAULT_STALL_ERROR_SECONDS,
+}
 _config.update((k, v) for k, v in _from_environment().items() if k in _config)
 
 
-def configure(chunk_bytes: int | None = None, stall_warning_seconds: float | None = None,
-              stall_error_seconds: float | None = None) -> dict[str, Any]:
+def configure(
+    chunk_bytes: int | None = None, stall_warning_seconds: float | None = None, stall_error_seconds: float | None = None
+) -> dict[str, Any]:
     """Set engine tunables for this process; returns the settings now in force.
 
     chunk_bytes: size of a ring pipeline chunk, 64 B to 1 GiB (every rank must
@@ -54,8 +58,11 @@ def configure(chunk_bytes: int | None = None, stall_warning_seconds: float | Non
     binomial tree (bench/agreement.py compares the two). HPCDL_RESIDUAL_TTL_OPS:
     the lifetime of an unused error-feedback residual (hpcdl.compression).
     """
-    for key, value in (("chunk_bytes", chunk_bytes), ("stall_warning_seconds", stall_warning_seconds),
-                       ("stall_error_seconds", stall_error_seconds)):
+    for key, value in (
+        ("chunk_bytes", chunk_bytes),
+        ("stall_warning_seconds", stall_warning_seconds),
+        ("stall_error_seconds", stall_error_seconds),
+    ):
         if value is not None:
             _config[key] = _checked(key, value, f"{key}={value!r}")
     _core.set_stall_limits(_config["stall_warning_seconds"], _config["stall_error_seconds"])
@@ -72,8 +79,15 @@ def _comm(comm):
     return comm
 
 
-def allreduce_async(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None,
-                    dtype: str | None = None, compression: Any = None, deferred: bool = False) -> Any:
+def allreduce_async(
+    buf: Any,
+    op: str = "sum",
+    comm: MPI.Comm | None = None,
+    name: str | None = None,
+    dtype: str | None = None,
+    compression: Any = None,
+    deferred: bool = False,
+) -> Any:
     """Start an in-place allreduce of ``buf``; returns a Handle (``wait()``, ``done()``:
     whichever first sees the operation finished raises its error and lets go of ``buf``).
 
@@ -111,16 +125,31 @@ def allreduce_async(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, nam
     comm = _comm(comm)
 
     def run(array, array_dtype):
-        return _core.submit(_core.KIND_ALLREDUCE, _core.Buffer(array, array_dtype, True), comm, name, reduce_op, 0,
-                            _config["chunk_bytes"], codec, bool(deferred))
+        return _core.submit(
+            _core.KIND_ALLREDUCE,
+            _core.Buffer(array, array_dtype, True),
+            comm,
+            name,
+            reduce_op,
+            0,
+            _config["chunk_bytes"],
+            codec,
+            bool(deferred),
+        )
 
     if deferred and _tensors.is_torch(buf) and _tensors.staged(buf):
         raise ValueError("deferred=True takes host memory: a CUDA tensor is staged by hpcdl itself")
     return _tensors.submit(buf, dtype, True, run)
 
 
-def allreduce(buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None,
-              dtype: str | None = None, compression: Any = None) -> Any:
+def allreduce(
+    buf: Any,
+    op: str = "sum",
+    comm: MPI.Comm | None = None,
+    name: str | None = None,
+    dtype: str | None = None,
+    compression: Any = None,
+) -> Any:
     """Allreduce ``buf`` in place over ``comm`` and return it.
 
     Ring reduce-scatter + allgather, pipelined in chunks; every rank ends with
@@ -170,8 +199,9 @@ class GroupHandle:
         return getattr(self._handle, attribute)
 
 
-def grouped_allreduce_async(bufs: Sequence[Any], op: str = "sum", comm: MPI.Comm | None = None,
-                            name: str | None = None) -> GroupHandle:
+def grouped_allreduce_async(
+    bufs: Sequence[Any], op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None
+) -> GroupHandle:
     """Start an in-place allreduce of every array or tensor in ``bufs`` as one
     operation: one agreement for the group (its arrays' dtypes and shapes, in order,
     are what ranks compare), then each array through its own ring, so each result is
@@ -188,35 +218,38 @@ def grouped_allreduce_async(bufs: Sequence[Any], op: str = "sum", comm: MPI.Comm
     results = [_tensors.submit(buf, None, True, take) for buf in bufs]
     if not members:
         return GroupHandle(None, [], [])
-    handle = _core.submit_group([_core.Buffer(m.array, m.dtype, True) for m in members], comm, name, reduce_op,
-                                _config["chunk_bytes"])
+    handle = _core.submit_group(
+        [_core.Buffer(m.array, m.dtype, True) for m in members], comm, name, reduce_op, _config["chunk_bytes"]
+    )
     for member in members:
         member.group = handle
     return GroupHandle(handle, members, results)
 
 
-def grouped_allreduce(bufs: Sequence[Any], op: str = "sum", comm: MPI.Comm | None = None,
-                      name: str | None = None) -> list[Any]:
+def grouped_allreduce(
+    bufs: Sequence[Any], op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None
+) -> list[Any]:
     """Allreduce every array or tensor of ``bufs`` in place, agreed as one operation;
     returns the list of results."""
     return grouped_allreduce_async(bufs, op, comm, name).wait()
 
 
-def broadcast_async(buf: Any, root: int = 0, comm: MPI.Comm | None = None, name: str | None = None,
-                    dtype: str | None = None) -> Any:
+def broadcast_async(
+    buf: Any, root: int = 0, comm: MPI.Comm | None = None, name: str | None = None, dtype: str | None = None
+) -> Any:
     """Start an in-place broadcast of ``buf`` from ``root``; returns a Handle."""
     comm = _comm(comm)
     receives = comm.Get_rank() != root
 
     def run(array, array_dtype):
-        return _core.submit(_core.KIND_BROADCAST, _core.Buffer(array, array_dtype, receives), comm, name, 0,
-                            int(root))
+        return _core.submit(_core.KIND_BROADCAST, _core.Buffer(array, array_dtype, receives), comm, name, 0, int(root))
 
     return _tensors.submit(buf, dtype, receives, run)
 
 
-def broadcast(buf: Any, root: int = 0, comm: MPI.Comm | None = None, name: str | None = None,
-              dtype: str | None = None) -> Any:
+def broadcast(
+    buf: Any, root: int = 0, comm: MPI.Comm | None = None, name: str | None = None, dtype: str | None = None
+) -> Any:
     """Broadcast ``buf`` from ``root`` into every rank's ``buf`` and return it."""
     return broadcast_async(buf, root, comm, name, dtype).wait()
 
@@ -229,6 +262,7 @@ def _first_dimension(array, what):
 
 def _new_array(array):
     """The result of a core handle as an array of ``array``'s dtype and row shape."""
+
     def make(handle):
         data, counts = handle.result()
         return np.frombuffer(data, dtype=array.dtype).reshape((sum(counts),) + array.shape[1:]), counts
@@ -249,8 +283,16 @@ def allgather_async(buf, comm=None, name=None, dtype=None):
     comm = _comm(comm)
     array, core_dtype, convert = _tensors.intake(buf)
     rows = _first_dimension(array, "allgather")
-    handle = _core.submit(_core.KIND_ALLGATHER, _core.Buffer(array, dtype or core_dtype, False), comm, name, 0, 0,
-                          _config["chunk_bytes"], rows=rows)
+    handle = _core.submit(
+        _core.KIND_ALLGATHER,
+        _core.Buffer(array, dtype or core_dtype, False),
+        comm,
+        name,
+        0,
+        0,
+        _config["chunk_bytes"],
+        rows=rows,
+    )
     make = _new_array(array)
     return _tensors.OutputHandle(handle, lambda h: convert(make(h)[0]))
 
@@ -272,14 +314,22 @@ def reducescatter_async(buf, op="sum", comm=None, name=None, dtype=None):
     array, core_dtype, convert = _tensors.intake(buf)
     rows = _first_dimension(array, "reducescatter")
     work = np.array(array, copy=True, order="C")
-    handle = _core.submit(_core.KIND_REDUCESCATTER, _core.Buffer(work, dtype or core_dtype, True), comm, name,
-                          reduce_op, 0, _config["chunk_bytes"], rows=rows)
+    handle = _core.submit(
+        _core.KIND_REDUCESCATTER,
+        _core.Buffer(work, dtype or core_dtype, True),
+        comm,
+        name,
+        reduce_op,
+        0,
+        _config["chunk_bytes"],
+        rows=rows,
+    )
     rank = comm.Get_rank()
 
     def mine(h):
         rows_of_rank = h.result()[1]  # the engine's split (RingPlan::even_offsets)
         begin = sum(rows_of_rank[:rank])
-        return convert(work[begin:begin + rows_of_rank[rank]])
+        return convert(work[begin : begin + rows_of_rank[rank]])
 
     return _tensors.OutputHandle(handle, mine)
 
@@ -306,15 +356,28 @@ def alltoall_async(buf, splits=None, comm=None, name=None, dtype=None):
     rows = _first_dimension(array, "alltoall")
     if splits is None:
         if rows % size:
-            raise ValueError(f"alltoall without splits divides the first dimension equally: {rows} rows do not "
-                             f"divide by {size} ranks; pass splits")
+            raise ValueError(
+                f"alltoall without splits divides the first dimension equally: {rows} rows do not "
+                f"divide by {size} ranks; pass splits"
+            )
         splits = [rows // size] * size
     splits = [int(n) for n in (splits.tolist() if hasattr(splits, "tolist") else splits)]
     if len(splits) != size or any(n < 0 for n in splits) or sum(splits) != rows:
-        raise ValueError(f"alltoall splits must be {size} non-negative row counts summing to the first dimension "
-                         f"({rows}), got {splits}")
-    handle = _core.submit(_core.KIND_ALLTOALL, _core.Buffer(array, dtype or core_dtype, False), comm, name, 0, 0,
-                          _config["chunk_bytes"], rows=rows, splits=splits)
+        raise ValueError(
+            f"alltoall splits must be {size} non-negative row counts summing to the first dimension "
+            f"({rows}), got {splits}"
+        )
+    handle = _core.submit(
+        _core.KIND_ALLTOALL,
+        _core.Buffer(array, dtype or core_dtype, False),
+        comm,
+        name,
+        0,
+        0,
+        _config["chunk_bytes"],
+        rows=rows,
+        splits=splits,
+    )
     make = _new_array(array)
 
     def finish(h):

@@ -31,8 +31,22 @@ import numpy as np
 
 from hpcdl import _core
 
-__all__ = ["Codec", "NoCompression", "FP16", "BF16", "Int8", "TopK", "PowerSGD", "from_config", "from_text",
-           "from_text_list", "residual", "free_residual", "residual_memory", "reset_state"]
+__all__ = [
+    "Codec",
+    "NoCompression",
+    "FP16",
+    "BF16",
+    "Int8",
+    "TopK",
+    "PowerSGD",
+    "from_config",
+    "from_text",
+    "from_text_list",
+    "residual",
+    "free_residual",
+    "residual_memory",
+    "reset_state",
+]
 
 
 def _integer(value):
@@ -193,10 +207,17 @@ class PowerSGD(Codec):
     MIN_NORM = 1e-30  # a P column whose norm is below this is left as it is (zero stays zero), not blown up
 
     def __init__(self, rank=1, warmup_steps=10, seed=0):
-        for setting, value, least, most in (("rank", rank, 1, None), ("warmup_steps", warmup_steps, 0, None),
-                                            ("seed", seed, 0, 2**32 - 1)):  # the seed fills the generator's high word
-            if (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least
-                    or (most is not None and value > most)):
+        for setting, value, least, most in (
+            ("rank", rank, 1, None),
+            ("warmup_steps", warmup_steps, 0, None),
+            ("seed", seed, 0, 2**32 - 1),
+        ):  # the seed fills the generator's high word
+            if (
+                not isinstance(value, numbers.Integral)
+                or isinstance(value, bool)
+                or value < least
+                or (most is not None and value > most)
+            ):
                 bound = f">= {least}" if most is None else f"in [{least}, {most}]"
                 raise ValueError(f"PowerSGD {setting} must be an integer {bound}, got {value!r}")
         self.rank, self.warmup_steps, self.seed = int(rank), int(warmup_steps), int(seed)
@@ -235,8 +256,10 @@ class PowerSGD(Codec):
         return rng.standard_normal((m, self.rank), dtype=np.float32)
 
     def encoded_size(self, count):
-        raise TypeError("PowerSGD's size depends on the matrix shape: rank * (n + m) float32 values per "
-                        "n x m gradient (docs/compression.md)")
+        raise TypeError(
+            "PowerSGD's size depends on the matrix shape: rank * (n + m) float32 values per "
+            "n x m gradient (docs/compression.md)"
+        )
 
 
 _CODECS = {c.name: c for c in (NoCompression, FP16, BF16, Int8, TopK, PowerSGD)}
@@ -281,14 +304,17 @@ def canonical(compression):
     if not isinstance(compression, Codec):
         raise TypeError(f"compression must be an hpcdl.compression codec or None, got {type(compression).__name__}")
     if isinstance(compression, _FRAMEWORK_CODECS):
-        raise TypeError(f"{compression!r} factors gradient matrices of a model: pass it to "
-                        "hpcdl.torch.DistributedOptimizer(..., compression=...), not to an allreduce of one buffer")
+        raise TypeError(
+            f"{compression!r} factors gradient matrices of a model: pass it to "
+            "hpcdl.torch.DistributedOptimizer(..., compression=...), not to an allreduce of one buffer"
+        )
     return compression.canonical()
 
 
 def residual(name, comm=None):
     """A copy (float32) of the error-feedback residual kept for tensor ``name``, or None."""
     from mpi4py import MPI
+
     return _core.residual(MPI.COMM_WORLD if comm is None else comm, name)
 
 
@@ -297,6 +323,7 @@ def free_residual(name, comm=None):
     COMM_WORLD) now, on this rank; True when there was one. Its next compressed
     allreduce starts from a zero residual."""
     from mpi4py import MPI
+
     if not isinstance(name, str):
         raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
     return _core.free_residual(MPI.COMM_WORLD if comm is None else comm, name)

@@ -33,7 +33,7 @@ FORWARD, BACKWARD = "F", "B"
 # Tags on the link's private communicator: two reserved, then two per micro-batch.
 _ABORT_TAG, _HEADER_TAG, _FIRST_DATA_TAG = 1, 2, 4
 _MAX_WAIT_SLEEP_S = 200e-6
-_HANDLE_WAIT_SLICE_S = 0.005   # between abort checks while blocked on an engine handle
+_HANDLE_WAIT_SLICE_S = 0.005  # between abort checks while blocked on an engine handle
 _ABORT_BYTES = 4096
 _HEADER_BYTES = 4096
 
@@ -180,7 +180,7 @@ class Link:
     def check_abort(self):
         status = MPI.Status()
         if self.aborted is None and self._abort and self._abort.Test(status):
-            self.aborted = self._abort_buffer[:status.Get_count(MPI.BYTE)].decode(errors="replace")
+            self.aborted = self._abort_buffer[: status.Get_count(MPI.BYTE)].decode(errors="replace")
         if self.aborted is not None:
             raise PipelineError(self.aborted)
 

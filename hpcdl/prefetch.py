@@ -57,12 +57,17 @@ def _read_settings(store, world, asked, staging_bytes, tier_bytes):
     that differ in "auto" cannot hang; the settings change only how the store
     is read, never the bytes delivered, so ranks need not agree on them.
     A probe that cannot read the store falls back to FALLBACK_IOPS/BANDWIDTH."""
+
     def measured():
         try:
             return probe.measure(store.shard_paths) + ("probe",)
         except OSError as exc:
-            warn(f"could not measure the store for read settings ({exc}); assuming {FALLBACK_IOPS:.0f} IOPS "
-                 f"and {FALLBACK_BANDWIDTH / 1e6:.0f} MB/s", PrefetchWarning, stacklevel=4)
+            warn(
+                f"could not measure the store for read settings ({exc}); assuming {FALLBACK_IOPS:.0f} IOPS "
+                f"and {FALLBACK_BANDWIDTH / 1e6:.0f} MB/s",
+                PrefetchWarning,
+                stacklevel=4,
+            )
             return FALLBACK_IOPS, FALLBACK_BANDWIDTH, None, "fallback"
 
     auto = any(v is None for v in asked.values())
@@ -78,10 +83,19 @@ def _read_settings(store, world, asked, staging_bytes, tier_bytes):
         chosen = {k: derived[k] if v is None else v for k, v in asked.items()}
         chosen.update(store_iops=iops, store_bandwidth=bandwidth, store_parallel_gain=gain, measured_by=how)
         if world.Get_rank() == 0:
-            _log.info("read settings from the store's %.0f IOPS, %.1f MB/s and %s x with %d readers (%s): "
-                      "read_gap %d, read_bytes %d, lookahead_bytes %d, read_concurrency %d", iops, bandwidth / 1e6,
-                      "unknown" if gain is None else f"{gain:.2f}", probe.PARALLEL_STREAMS, how, chosen["read_gap"],
-                      chosen["read_bytes"], chosen["lookahead_bytes"], chosen["read_concurrency"])
+            _log.info(
+                "read settings from the store's %.0f IOPS, %.1f MB/s and %s x with %d readers (%s): "
+                "read_gap %d, read_bytes %d, lookahead_bytes %d, read_concurrency %d",
+                iops,
+                bandwidth / 1e6,
+                "unknown" if gain is None else f"{gain:.2f}",
+                probe.PARALLEL_STREAMS,
+                how,
+                chosen["read_gap"],
+                chosen["read_bytes"],
+                chosen["lookahead_bytes"],
+                chosen["read_concurrency"],
+            )
     chosen["auto"] = sorted(k for k, v in asked.items() if v is None)
     return chosen
 
@@ -111,8 +125,7 @@ def placement(stream, sizes, ram_bytes, disk_bytes=0):
     return _core.placement(stream, sizes, ram_bytes, disk_bytes)
 
 
-def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_bytes=0, drop_last=True,
-         start=(0, 0)):
+def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_bytes=0, drop_last=True, start=(0, 0)):
     """What rank ``rank`` of a ``ranks``-rank Prefetcher computes at start-up,
     in this process alone (the same C++ call): a dict with its ``stream`` from
     ``start`` (rank_stream()), its placement (placement()'s keys) and, with
@@ -126,13 +139,27 @@ def plan(samples, batch_size, ranks, rank, epochs, seed, sizes, ram_bytes, disk_
     """
     layout = _core.stream_layout(samples, batch_size, ranks, epochs, seed, drop_last, rank)
     position = _start_position(start, samples, batch_size, epochs, seed, drop_last, layout)
-    per_rank = [[int(v)] * ranks if isinstance(v, (int, np.integer)) else [int(x) for x in v]
-                for v in (ram_bytes, disk_bytes)]
+    per_rank = [
+        [int(v)] * ranks if isinstance(v, (int, np.integer)) else [int(x) for x in v] for v in (ram_bytes, disk_bytes)
+    ]
     if any(len(v) != ranks for v in per_rank):
         raise ValueError(f"ram_bytes and disk_bytes need one value or one per rank ({ranks})")
     peer_ram, peer_disk = _peer_capacities(ranks, *per_rank)
-    return _core.plan(samples, batch_size, ranks, rank, epochs, seed, drop_last, position, sizes,
-                      per_rank[0][rank], per_rank[1][rank], peer_ram, peer_disk)
+    return _core.plan(
+        samples,
+        batch_size,
+        ranks,
+        rank,
+        epochs,
+        seed,
+        drop_last,
+        position,
+        sizes,
+        per_rank[0][rank],
+        per_rank[1][rank],
+        peer_ram,
+        peer_disk,
+    )
 
 
 def _peer_capacities(ranks, ram, disk):
@@ -151,10 +178,11 @@ def _start_position(start, samples, batch_size, epochs, seed, drop_last, layout)
         run = {"samples": samples, "global_batch": batch_size, "seed": seed, "drop_last": drop_last}
         differ = {key: (start.get(key), value) for key, value in run.items() if start.get(key) != value}
         if differ:
-            raise ValueError("cannot resume from this state: it is of another run ("
-                             + ", ".join(f"{key} {theirs!r} there, {ours!r} here"
-                                         for key, (theirs, ours) in differ.items())
-                             + "); resuming needs the same samples, global batch, seed and drop_last")
+            raise ValueError(
+                "cannot resume from this state: it is of another run ("
+                + ", ".join(f"{key} {theirs!r} there, {ours!r} here" for key, (theirs, ours) in differ.items())
+                + "); resuming needs the same samples, global batch, seed and drop_last"
+            )
         epoch, sample = int(start["epoch"]), int(start["sample_in_epoch"])
         if sample % batch_size:
             raise ValueError(f"state sample_in_epoch={sample} is not a multiple of the global batch {batch_size}")
@@ -183,7 +211,7 @@ class Batch:
         return len(self.indices)
 
     def __getitem__(self, j):
-        return self.data[int(self.offsets[j]):int(self.offsets[j + 1])]
+        return self.data[int(self.offsets[j]) : int(self.offsets[j + 1])]
 
     def samples(self):
         """The samples as uint8 views."""
@@ -269,26 +297,55 @@ class Prefetcher:
     next batch; the batches before and after it are delivered.
     """
 
-    def __init__(self, store, batch_size, epochs, seed, comm=None, ram_bytes=DEFAULT_RAM_BYTES, disk_dir=None,
-                 disk_bytes=0, staging_threads=_CORE_DEFAULTS.staging_threads, drop_last=True, start=(0, 0),
-                 staging_bytes=_CORE_DEFAULTS.staging_bytes, ram_threads=_CORE_DEFAULTS.ram_threads,
-                 disk_threads=_CORE_DEFAULTS.disk_threads, peer_timeout=_CORE_DEFAULTS.peer_timeout,
-                 read_bytes=DEFAULT_READ_BYTES, read_gap=DEFAULT_READ_GAP, lookahead_bytes=DEFAULT_LOOKAHEAD_BYTES,
-                 read_concurrency=DEFAULT_READ_CONCURRENCY, _serve_delay=_CORE_DEFAULTS.serve_delay,
-                 _span_delay=_CORE_DEFAULTS.span_delay, _peer_message_bytes=_CORE_DEFAULTS.peer_message_bytes):
+    def __init__(
+        self,
+        store,
+        batch_size,
+        epochs,
+        seed,
+        comm=None,
+        ram_bytes=DEFAULT_RAM_BYTES,
+        disk_dir=None,
+        disk_bytes=0,
+        staging_threads=_CORE_DEFAULTS.staging_threads,
+        drop_last=True,
+        start=(0, 0),
+        staging_bytes=_CORE_DEFAULTS.staging_bytes,
+        ram_threads=_CORE_DEFAULTS.ram_threads,
+        disk_threads=_CORE_DEFAULTS.disk_threads,
+        peer_timeout=_CORE_DEFAULTS.peer_timeout,
+        read_bytes=DEFAULT_READ_BYTES,
+        read_gap=DEFAULT_READ_GAP,
+        lookahead_bytes=DEFAULT_LOOKAHEAD_BYTES,
+        read_concurrency=DEFAULT_READ_CONCURRENCY,
+        _serve_delay=_CORE_DEFAULTS.serve_delay,
+        _span_delay=_CORE_DEFAULTS.span_delay,
+        _peer_message_bytes=_CORE_DEFAULTS.peer_message_bytes,
+    ):
         self._core = None
         self.comm = comm
         world = comm if comm is not None else MPI.COMM_SELF
         self.rank, self.ranks = world.Get_rank(), world.Get_size()
 
         def open_store():  # what one rank alone can get wrong raises on every rank, naming it
-            for name, value in (("batch_size", batch_size), ("epochs", epochs), ("ram_bytes", ram_bytes),
-                                ("disk_bytes", disk_bytes), ("staging_threads", staging_threads),
-                                ("staging_bytes", staging_bytes)):
+            for name, value in (
+                ("batch_size", batch_size),
+                ("epochs", epochs),
+                ("ram_bytes", ram_bytes),
+                ("disk_bytes", disk_bytes),
+                ("staging_threads", staging_threads),
+                ("staging_bytes", staging_bytes),
+            ):
                 if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
                     raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-            asked = {name: size_or_auto(value, name) for name, value in
-                     (("read_bytes", read_bytes), ("read_gap", read_gap), ("lookahead_bytes", lookahead_bytes))}
+            asked = {
+                name: size_or_auto(value, name)
+                for name, value in (
+                    ("read_bytes", read_bytes),
+                    ("read_gap", read_gap),
+                    ("lookahead_bytes", lookahead_bytes),
+                )
+            }
             asked["read_concurrency"] = count_or_auto(read_concurrency, "read_concurrency")
             opened = store if isinstance(store, Store) else Store(store)
             return opened, asked, opened.fingerprint()
@@ -296,26 +353,42 @@ class Prefetcher:
         self.store, asked, fingerprint = call_on_every_rank(world, open_store)
         n = len(self.store)
         if self.ranks > 1:  # peers serve each other's samples: they must hold the same ones
-            check_same_identity(world, f"fingerprint {fingerprint}",
-                                f"'{self.store.root}' ({n} samples, {int(self.store.sizes.sum())} bytes)",
-                                "the stores (their samples' count, sizes, CRC32Cs and labels)",
-                                "Every rank must read the same data set: a per-node copy may be stale (copied "
-                                "from another version) or incomplete; Store(path).fingerprint() on each shows which")
-        self.batch_size, self.num_epochs, self.seed, self.drop_last = int(batch_size), int(epochs), int(seed), bool(drop_last)
+            check_same_identity(
+                world,
+                f"fingerprint {fingerprint}",
+                f"'{self.store.root}' ({n} samples, {int(self.store.sizes.sum())} bytes)",
+                "the stores (their samples' count, sizes, CRC32Cs and labels)",
+                "Every rank must read the same data set: a per-node copy may be stale (copied "
+                "from another version) or incomplete; Store(path).fingerprint() on each shows which",
+            )
+        self.batch_size, self.num_epochs, self.seed, self.drop_last = (
+            int(batch_size),
+            int(epochs),
+            int(seed),
+            bool(drop_last),
+        )
 
         def validate():
-            layout = _core.stream_layout(n, self.batch_size, self.ranks, self.num_epochs, self.seed,
-                                         self.drop_last)
-            position = _start_position(start, n, self.batch_size, self.num_epochs, self.seed, self.drop_last,
-                                       layout)
+            layout = _core.stream_layout(n, self.batch_size, self.ranks, self.num_epochs, self.seed, self.drop_last)
+            position = _start_position(start, n, self.batch_size, self.num_epochs, self.seed, self.drop_last, layout)
             return layout[0], layout[1], position
 
         self.local_batch, self.steps_per_epoch, position = call_on_every_rank(world, validate)
         disk_bytes = int(disk_bytes) if disk_dir else 0
         if self.ranks > 1:
-            check_same_on_all_ranks(world, [], "the prefetcher's settings",
-                                    {"samples": n, "batch_size": self.batch_size, "epochs": self.num_epochs,
-                                     "seed": self.seed, "drop_last": self.drop_last, "start position": position})
+            check_same_on_all_ranks(
+                world,
+                [],
+                "the prefetcher's settings",
+                {
+                    "samples": n,
+                    "batch_size": self.batch_size,
+                    "epochs": self.num_epochs,
+                    "seed": self.seed,
+                    "drop_last": self.drop_last,
+                    "start position": position,
+                },
+            )
             every = world.allgather((int(ram_bytes), disk_bytes))  # each rank's tier capacities
             peer_ram, peer_disk = _peer_capacities(self.ranks, [ram for ram, _ in every], [disk for _, disk in every])
         else:
@@ -323,18 +396,36 @@ class Prefetcher:
         self._position = position
         self.read_settings = _read_settings(self.store, world, asked, int(staging_bytes), int(ram_bytes) + disk_bytes)
         options = _core.PrefetchOptions(
-            samples=n, global_batch=self.batch_size, ranks=self.ranks, epochs=self.num_epochs, seed=self.seed,
-            drop_last=self.drop_last, rank=self.rank, start=position, ram_bytes=int(ram_bytes),
-            disk_bytes=disk_bytes, disk_dir=disk_dir or "", staging_bytes=int(staging_bytes),
-            staging_threads=max(int(staging_threads), 1), ram_threads=max(int(ram_threads), 1),
-            disk_threads=max(int(disk_threads), 1), peer_ram_bytes=peer_ram, peer_disk_bytes=peer_disk,
-            peer_timeout=float(peer_timeout), serve_delay=float(_serve_delay), span_delay=float(_span_delay),
+            samples=n,
+            global_batch=self.batch_size,
+            ranks=self.ranks,
+            epochs=self.num_epochs,
+            seed=self.seed,
+            drop_last=self.drop_last,
+            rank=self.rank,
+            start=position,
+            ram_bytes=int(ram_bytes),
+            disk_bytes=disk_bytes,
+            disk_dir=disk_dir or "",
+            staging_bytes=int(staging_bytes),
+            staging_threads=max(int(staging_threads), 1),
+            ram_threads=max(int(ram_threads), 1),
+            disk_threads=max(int(disk_threads), 1),
+            peer_ram_bytes=peer_ram,
+            peer_disk_bytes=peer_disk,
+            peer_timeout=float(peer_timeout),
+            serve_delay=float(_serve_delay),
+            span_delay=float(_span_delay),
             peer_message_bytes=int(_peer_message_bytes),
-            **{k: int(self.read_settings[k]) for k in asked})
+            **{k: int(self.read_settings[k]) for k in asked},
+        )
         self._trace = _env.get(TRACE_ENV)
         if self._trace and timeline.enabled():  # taking the events here would take them from the timeline
-            warn(f"{TRACE_ENV} is ignored while HPCDL_TIMELINE is set: the timeline has the prefetcher's events",
-                 PrefetchWarning, stacklevel=2)
+            warn(
+                f"{TRACE_ENV} is ignored while HPCDL_TIMELINE is set: the timeline has the prefetcher's events",
+                PrefetchWarning,
+                stacklevel=2,
+            )
             self._trace = None
         if self._trace:
             timeline.record()
@@ -370,8 +461,14 @@ class Prefetcher:
         (start=state): samples of the global order consumed in the epoch, and
         the run they belong to."""
         epoch, step = self.position
-        return {"epoch": int(epoch), "sample_in_epoch": int(step) * self.batch_size, "seed": self.seed,
-                "global_batch": self.batch_size, "samples": len(self.store), "drop_last": self.drop_last}
+        return {
+            "epoch": int(epoch),
+            "sample_in_epoch": int(step) * self.batch_size,
+            "seed": self.seed,
+            "global_batch": self.batch_size,
+            "samples": len(self.store),
+            "drop_last": self.drop_last,
+        }
 
     def peer_sources(self):
         """(source_rank, source_key) per sample, as plan() gives them (empty without a peer tier)."""
@@ -402,8 +499,9 @@ class Prefetcher:
             raise
         self._position += self.local_batch
         self._emit_warnings()
-        return Batch(epoch, step, ids, self.store.labels[ids.astype(np.int64)],
-                     self._staging[ring:ring + nbytes], offsets)
+        return Batch(
+            epoch, step, ids, self.store.labels[ids.astype(np.int64)], self._staging[ring : ring + nbytes], offsets
+        )
 
     # ------------------------------------------------------------------ reporting
 
@@ -462,6 +560,7 @@ class Prefetcher:
 
     def __repr__(self):
         state = "closed" if self._core is None else f"next {self.position}"
-        return (f"<hpcdl.prefetch.Prefetcher rank {self.rank}/{self.ranks}: {len(self.store)} samples, "
-                f"batch {self.batch_size}, {self.num_epochs} epochs, {state}>")
-
+        return (
+            f"<hpcdl.prefetch.Prefetcher rank {self.rank}/{self.ranks}: {len(self.store)} samples, "
+            f"batch {self.batch_size}, {self.num_epochs} epochs, {state}>"
+        )

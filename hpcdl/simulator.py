@@ -35,32 +35,35 @@ __all__ = ["System", "predict", "coalesced_reads", "main"]
 class System:
     """One run and one machine. Bandwidths in bytes/s; the store's are for the
     whole cluster (a shared file system), the others per rank."""
+
     samples: int
     sample_bytes: float
     ranks: int
     epochs: int
-    batch: int                    # global batch
-    compute: float                # seconds per step (forward + backward)
-    ram_bytes: float = 0.0        # per rank
-    disk_bytes: float = 0.0       # per rank
-    store_bw: float = 1e9         # aggregate
-    store_iops: float = 1e5       # aggregate reads per second
-    disk_bw: float = 2e9          # per rank (read; writes assumed as fast)
-    net_bw: float = 10e9          # per rank, peer transfers
-    ram_bw: float = 10e9          # per rank memcpy into the staging buffer
+    batch: int  # global batch
+    compute: float  # seconds per step (forward + backward)
+    ram_bytes: float = 0.0  # per rank
+    disk_bytes: float = 0.0  # per rank
+    store_bw: float = 1e9  # aggregate
+    store_iops: float = 1e5  # aggregate reads per second
+    disk_bw: float = 2e9  # per rank (read; writes assumed as fast)
+    net_bw: float = 10e9  # per rank, peer transfers
+    ram_bw: float = 10e9  # per rank memcpy into the staging buffer
     peers: bool = True
-    read_bytes: float = 0.0       # coalesced fills: the largest span (0: one read per sample)
-    read_gap: float = 0.0         # the largest gap read through
+    read_bytes: float = 0.0  # coalesced fills: the largest span (0: one read per sample)
+    read_gap: float = 0.0  # the largest gap read through
     lookahead_bytes: float = 0.0  # store fills sorted together
-    node_ranks: int = 1           # ranks sharing one page cache (a node)
+    node_ranks: int = 1  # ranks sharing one page cache (a node)
 
 
 def _binomial_pmf(n, p):
     """P(X = f) for f = 0..n, computed in logs (n up to thousands of epochs)."""
     if p >= 1.0:
         return [0.0] * n + [1.0]
-    logs = [math.lgamma(n + 1) - math.lgamma(f + 1) - math.lgamma(n - f + 1) + f * math.log(p)
-            + (n - f) * math.log1p(-p) for f in range(n + 1)]
+    logs = [
+        math.lgamma(n + 1) - math.lgamma(f + 1) - math.lgamma(n - f + 1) + f * math.log(p) + (n - f) * math.log1p(-p)
+        for f in range(n + 1)
+    ]
     return [math.exp(x) for x in logs]
 
 
@@ -174,10 +177,14 @@ def predict(sys):
         t_ram = reads * sys.sample_bytes / sys.ram_bw
         prefetch.append(max(compute, t_store, t_disk, t_peer, t_ram))
         total = max(sum(hits[:2]) + peer + store, 1e-12)
-        sources.append({"ram": hits[0] / total, "disk": hits[1] / total, "peer": peer / total,
-                        "store": store / total})
-    return {"naive": [naive] * E, "staging": [staging] * E, "prefetch": prefetch, "compute": [compute] * E,
-            "sources": sources}
+        sources.append({"ram": hits[0] / total, "disk": hits[1] / total, "peer": peer / total, "store": store / total})
+    return {
+        "naive": [naive] * E,
+        "staging": [staging] * E,
+        "prefetch": prefetch,
+        "compute": [compute] * E,
+        "sources": sources,
+    }
 
 
 _size = size_type(allow_zero=True)
@@ -198,30 +205,51 @@ def main(argv=None):
     ap.add_argument("--disk-bw", type=_size, default=2e9)
     ap.add_argument("--net-bw", type=_size, default=10e9)
     ap.add_argument("--no-peers", action="store_true")
-    ap.add_argument("--read-bytes", default="0", help="coalesced fills: largest span (0: per sample; auto: the "
-                                                       "prefetcher's rule for --store-iops and --store-bw)")
+    ap.add_argument(
+        "--read-bytes",
+        default="0",
+        help="coalesced fills: largest span (0: per sample; auto: the "
+        "prefetcher's rule for --store-iops and --store-bw)",
+    )
     ap.add_argument("--read-gap", default="0", help="a size or auto")
     ap.add_argument("--lookahead", default="0", help="a size or auto")
     ap.add_argument("--node-ranks", type=int, default=1, help="ranks sharing a page cache")
     a = ap.parse_args(argv)
     try:
-        reads = {"read_bytes": size_or_auto(a.read_bytes, "--read-bytes"),
-                 "read_gap": size_or_auto(a.read_gap, "--read-gap"),
-                 "lookahead_bytes": size_or_auto(a.lookahead, "--lookahead")}
+        reads = {
+            "read_bytes": size_or_auto(a.read_bytes, "--read-bytes"),
+            "read_gap": size_or_auto(a.read_gap, "--read-gap"),
+            "lookahead_bytes": size_or_auto(a.lookahead, "--lookahead"),
+        }
     except ValueError as exc:
         ap.error(str(exc))
     derived = read_settings(a.store_iops, a.store_bw, tier_bytes=a.ram + a.disk)
     reads = {k: derived[k] if v is None else v for k, v in reads.items()}
-    system = System(samples=a.samples, sample_bytes=a.sample_bytes, ranks=a.ranks, epochs=a.epochs, batch=a.batch,
-                    compute=a.compute, ram_bytes=a.ram, disk_bytes=a.disk, store_bw=a.store_bw,
-                    store_iops=a.store_iops, disk_bw=a.disk_bw, net_bw=a.net_bw, peers=not a.no_peers,
-                    node_ranks=a.node_ranks, **reads)
+    system = System(
+        samples=a.samples,
+        sample_bytes=a.sample_bytes,
+        ranks=a.ranks,
+        epochs=a.epochs,
+        batch=a.batch,
+        compute=a.compute,
+        ram_bytes=a.ram,
+        disk_bytes=a.disk,
+        store_bw=a.store_bw,
+        store_iops=a.store_iops,
+        disk_bw=a.disk_bw,
+        net_bw=a.net_bw,
+        peers=not a.no_peers,
+        node_ranks=a.node_ranks,
+        **reads,
+    )
     out = predict(system)
     print(f"{'epoch':>5} {'naive s':>10} {'staging s':>10} {'prefetch s':>11} {'compute s':>10}  sources")
     for e in range(system.epochs):
         src = " ".join(f"{k} {v:.0%}" for k, v in out["sources"][e].items())
-        print(f"{e + 1:>5} {out['naive'][e]:>10.2f} {out['staging'][e]:>10.2f} {out['prefetch'][e]:>11.2f} "
-              f"{out['compute'][e]:>10.2f}  {src}")
+        print(
+            f"{e + 1:>5} {out['naive'][e]:>10.2f} {out['staging'][e]:>10.2f} {out['prefetch'][e]:>11.2f} "
+            f"{out['compute'][e]:>10.2f}  {src}"
+        )
 
 
 if __name__ == "__main__":

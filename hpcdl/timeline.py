@@ -57,8 +57,10 @@ def _part(path, rank):
 
 def spans(rank, raw):
     """The core's recorded events (_core.timeline_take()) as Chrome-trace "X" events of process `rank`."""
-    return [{"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": track, "ts": start, "dur": dur}
-            for name, cat, start, dur, track in raw]
+    return [
+        {"name": name, "cat": cat, "ph": "X", "pid": rank, "tid": track, "ts": start, "dur": dur}
+        for name, cat, start, dur, track in raw
+    ]
 
 
 def write_trace(path, events, **other):
@@ -73,12 +75,13 @@ def write_trace(path, events, **other):
 
 def _events(rank, raw, dropped):
     events = [{"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}]
-    events += [{"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
-               for tid, name in TRACKS.items()]
+    events += [
+        {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": name}}
+        for tid, name in TRACKS.items()
+    ]
     if dropped:
         events.append({"name": DROPPED, "ph": "M", "pid": rank, "args": {"events": dropped}})
     return events + spans(rank, raw)
-
 
 
 def write():
@@ -109,7 +112,8 @@ def write():
         os.remove(p)
     note = f", no part from ranks {missing}" if missing else ""
     if dropped:
-        note += (f"; {sum(dropped.values())} events past HPCDL_TIMELINE_MAX_EVENTS not kept "
-                 f"(ranks {sorted(dropped)})")
-    print(f"[hpcdl rank 0] timeline: {len(merged)} events from {size - len(missing)} ranks in {path}{note}",
-          file=sys.stderr)
+        note += f"; {sum(dropped.values())} events past HPCDL_TIMELINE_MAX_EVENTS not kept (ranks {sorted(dropped)})"
+    print(
+        f"[hpcdl rank 0] timeline: {len(merged)} events from {size - len(missing)} ranks in {path}{note}",
+        file=sys.stderr,
+    )

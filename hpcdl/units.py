@@ -22,11 +22,13 @@ def parse_bytes(text, allow_zero=False):
 
 def _argparse_type(parse):
     """parse(text) as an argparse ``type=``: its ValueError's message becomes the usage error."""
+
     def parse_argument(text):
         try:
             return parse(text)
         except ValueError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
+
     return parse_argument
 
 

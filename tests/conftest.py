@@ -30,8 +30,11 @@ def _imports(path, module):
     if re.search(rf"^\s*(import|from)\s+{module}\b", text, re.M):
         return True
     helpers = re.findall(r"^\s*from\s+helpers\.(\w+)\s+import", text, re.M)
-    return any(_imports(path.parent.parent / "helpers" / f"{h}.py", module) for h in helpers
-               if (path.parent.parent / "helpers" / f"{h}.py").exists() and path.parent.name != "helpers")
+    return any(
+        _imports(path.parent.parent / "helpers" / f"{h}.py", module)
+        for h in helpers
+        if (path.parent.parent / "helpers" / f"{h}.py").exists() and path.parent.name != "helpers"
+    )
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -94,9 +97,14 @@ world_only = pytest.mark.parametrize("comm", ["world"], indirect=True)
 def start_job(argv, merge_stderr=True, **kwargs):
     """A child process (an mpiexec job, a pip run) in its own session, so that a test can
     kill everything it started, and only that, with finish_job."""
-    return subprocess.Popen(argv, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
-                            start_new_session=True, **kwargs)
+    return subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
 
 
 def finish_job(proc, timeout):
@@ -107,6 +115,8 @@ def finish_job(proc, timeout):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"{' '.join(map(str, proc.args))} still ran after {timeout} s; its output:\n"
-                    f"{(out or '')[-4000:]}{(err or '')[-2000:]}")
+        pytest.fail(
+            f"{' '.join(map(str, proc.args))} still ran after {timeout} s; its output:\n"
+            f"{(out or '')[-4000:]}{(err or '')[-2000:]}"
+        )
     return proc.returncode, out, err

@@ -81,6 +81,5 @@ log(f"Total img/sec on {hvd.size()} ranks: {hvd.size() * mean:.1f} +-{hvd.size()
 # every rank holds rank 0's weights after the run (the gradients were averaged)
 with torch.no_grad():
     checksum = torch.tensor([sum(float(p.double().sum()) for p in model.parameters())], dtype=torch.float64)
-differ = hvd.allreduce(torch.tensor([int(not torch.equal(checksum, hvd.broadcast(checksum, root_rank=0)))]),
-                       op=hvd.Sum)
+differ = hvd.allreduce(torch.tensor([int(not torch.equal(checksum, hvd.broadcast(checksum, root_rank=0)))]), op=hvd.Sum)
 log(f"Ranks whose weights differ from rank 0's: {int(differ.item())}")

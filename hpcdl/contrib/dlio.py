@@ -36,8 +36,10 @@ try:
     from dlio_benchmark.data_loader.base_data_loader import BaseDataLoader
     from dlio_benchmark.utils.utility import DLIOMPI
 except ImportError as exc:  # the plugin is only meaningful inside DLIO
-    raise ImportError("hpcdl.contrib.dlio needs DLIO: pip install --no-deps -r requirements-dlio.txt "
-                      f"(scripts/bootstrap.sh does it) [{exc}]") from exc
+    raise ImportError(
+        "hpcdl.contrib.dlio needs DLIO: pip install --no-deps -r requirements-dlio.txt "
+        f"(scripts/bootstrap.sh does it) [{exc}]"
+    ) from exc
 
 from hpcdl import _env
 from hpcdl._agree import call_on_every_rank
@@ -67,8 +69,8 @@ class HpcdlDataLoader(BaseDataLoader):
         super().__init__(format_type, dataset_type, epoch, DataLoaderType.CUSTOM)
         self.kind = "train" if dataset_type is DatasetType.TRAIN else "valid"
         self.prefetcher = None
-        self.epochs = []        # the prefetcher's epochs, one per DLIO pass over this set
-        self.delivered = []     # per epoch: the sample indices this rank handed to DLIO
+        self.epochs = []  # the prefetcher's epochs, one per DLIO pass over this set
+        self.delivered = []  # per epoch: the sample indices this rank handed to DLIO
         self.epoch_stalls = []  # per epoch: seconds DLIO's loop waited for this rank's prefetcher
         self.passes = 0
         self.passes_done = 0
@@ -84,8 +86,10 @@ class HpcdlDataLoader(BaseDataLoader):
         """Where this set's store is; raises on settings this loader cannot serve."""
         args = self._args
         if args.num_samples_per_file != 1:
-            raise ValueError(f"hpcdl's DLIO loader serves one sample per file (each file is a store sample); "
-                             f"num_samples_per_file is {args.num_samples_per_file}")
+            raise ValueError(
+                f"hpcdl's DLIO loader serves one sample per file (each file is a store sample); "
+                f"num_samples_per_file is {args.num_samples_per_file}"
+            )
         default = os.path.join(args.data_folder, f"{self.kind}.hpcdl")
         return _env.get(f"HPCDL_DLIO_{self.kind.upper()}_STORE", default)
 
@@ -93,17 +97,23 @@ class HpcdlDataLoader(BaseDataLoader):
         """The store, checked against DLIO's set, and the prefetcher's tier settings."""
         args = self._args
         if not os.path.exists(os.path.join(path, MANIFEST)):
-            raise FileNotFoundError(f"no hpcdl store at {path}: pack DLIO's files first "
-                                    f"(hpcdl pack {os.path.join(args.data_folder, self.kind)} {path})")
+            raise FileNotFoundError(
+                f"no hpcdl store at {path}: pack DLIO's files first "
+                f"(hpcdl pack {os.path.join(args.data_folder, self.kind)} {path})"
+            )
         store = Store(path)
         if len(store) != self.num_samples:
-            raise ValueError(f"the store {path} holds {len(store)} samples but DLIO's {self.kind} set has "
-                             f"{self.num_samples} (num_files_{'train' if self.kind == 'train' else 'eval'})")
-        tiers = {"ram_bytes": _env.get("HPCDL_DLIO_RAM", DEFAULT_RAM_BYTES),
-                 "disk_dir": _env.get("HPCDL_DLIO_DISK_DIR") or None,
-                 "disk_bytes": _env.get("HPCDL_DLIO_DISK", 0),
-                 "staging_threads": _env.get("HPCDL_DLIO_THREADS", max(4, args.read_threads)),
-                 "read_concurrency": _env.get("HPCDL_DLIO_READ_CONCURRENCY", "auto")}
+            raise ValueError(
+                f"the store {path} holds {len(store)} samples but DLIO's {self.kind} set has "
+                f"{self.num_samples} (num_files_{'train' if self.kind == 'train' else 'eval'})"
+            )
+        tiers = {
+            "ram_bytes": _env.get("HPCDL_DLIO_RAM", DEFAULT_RAM_BYTES),
+            "disk_dir": _env.get("HPCDL_DLIO_DISK_DIR") or None,
+            "disk_bytes": _env.get("HPCDL_DLIO_DISK", 0),
+            "staging_threads": _env.get("HPCDL_DLIO_THREADS", max(4, args.read_threads)),
+            "read_concurrency": _env.get("HPCDL_DLIO_READ_CONCURRENCY", "auto"),
+        }
         return store, tiers
 
     def read(self):
@@ -116,23 +126,29 @@ class HpcdlDataLoader(BaseDataLoader):
         path = call_on_every_rank(comm, self._store_path)
         if _env.get("HPCDL_DLIO_PACK", False):
             if not all(comm.allgather(os.path.exists(os.path.join(path, MANIFEST)))):
-                pack(os.path.join(self._args.data_folder, self.kind), path, comm=comm,
-                     progress=comm.Get_rank() == 0)
+                pack(os.path.join(self._args.data_folder, self.kind), path, comm=comm, progress=comm.Get_rank() == 0)
         store, tiers = call_on_every_rank(comm, self._open, path)
         # DLIO's batch_size is per rank; the prefetcher takes the global batch.
-        self.prefetcher = Prefetcher(store, self.batch_size * comm.Get_size(), self.passes, self._args.seed,
-                                     comm=comm, **tiers)
+        self.prefetcher = Prefetcher(
+            store, self.batch_size * comm.Get_size(), self.passes, self._args.seed, comm=comm, **tiers
+        )
         self.epochs = self.prefetcher.epochs()
         if comm.Get_rank() == 0:
-            print(f"[hpcdl rank 0] DLIO {self.kind}: {len(store)} samples from {store.root}, "
-                  f"{self.prefetcher.steps_per_epoch} steps of {self.batch_size} per rank, {self.passes} "
-                  f"epoch(s), RAM tier {tiers['ram_bytes'] >> 20} MiB/rank", file=sys.stderr, flush=True)
+            print(
+                f"[hpcdl rank 0] DLIO {self.kind}: {len(store)} samples from {store.root}, "
+                f"{self.prefetcher.steps_per_epoch} steps of {self.batch_size} per rank, {self.passes} "
+                f"epoch(s), RAM tier {tiers['ram_bytes'] >> 20} MiB/rank",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def next(self):
         """One epoch's batches (Batch objects: zero-copy views, valid until the next one)."""
         if self.passes_done >= len(self.epochs):
-            raise RuntimeError(f"[hpcdl rank {self._args.my_rank}] DLIO asked for a {self.kind} epoch "
-                               f"that was not planned (read() not called, or the run is over)")
+            raise RuntimeError(
+                f"[hpcdl rank {self._args.my_rank}] DLIO asked for a {self.kind} epoch "
+                f"that was not planned (read() not called, or the run is over)"
+            )
         # An epoch DLIO left early (train.total_training_steps) is skipped by the next one.
         epoch = self.passes_done
         for batch in self.epochs[epoch]:
@@ -151,9 +167,17 @@ class HpcdlDataLoader(BaseDataLoader):
         pf, self.prefetcher = self.prefetcher, None
         self.epochs = []
         pf.close()
-        report = {"rank": self._args.my_rank, "ranks": self._args.comm_size, "samples": len(pf.store),
-                  "batch_size": self.batch_size, "seed": self._args.seed, "steps_per_epoch": pf.steps_per_epoch,
-                  "delivered": self.delivered, "epoch_stall_seconds": self.epoch_stalls, "stats": pf.stats()}
+        report = {
+            "rank": self._args.my_rank,
+            "ranks": self._args.comm_size,
+            "samples": len(pf.store),
+            "batch_size": self.batch_size,
+            "seed": self._args.seed,
+            "steps_per_epoch": pf.steps_per_epoch,
+            "delivered": self.delivered,
+            "epoch_stall_seconds": self.epoch_stalls,
+            "stats": pf.stats(),
+        }
         path = os.path.join(self._args.output_folder, f"hpcdl_{self.kind}_rank{self._args.my_rank}.json")
         with open(path + ".tmp", "w") as fh:
             json.dump(report, fh, default=_jsonable)

@@ -248,8 +248,10 @@ def start_timeline(file_path, mark_cycles=False):
     """Record hpcdl's timeline (hpcdl.timeline) to ``file_path``, written at exit.
     mark_cycles has no meaning in hpcdl (no cycle loop): True raises ValueError."""
     if mark_cycles:
-        raise ValueError("start_timeline(mark_cycles=True): hpcdl's engine has no cycles to mark "
-                         "(it agrees per operation); see docs/horovod.md")
+        raise ValueError(
+            "start_timeline(mark_cycles=True): hpcdl's engine has no cycles to mark "
+            "(it agrees per operation); see docs/horovod.md"
+        )
     from hpcdl import timeline
 
     timeline.enable(file_path, comm())
@@ -361,11 +363,17 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     is_root = rank() == root_rank
     payload = np.frombuffer(pickle.dumps(obj), np.uint8).copy() if is_root else None
     length = np.array([payload.size if is_root else 0], np.int64)
-    wait(hpcdl.broadcast_async(length, root=root_in(process_set, root_rank), comm=comm_of(process_set),
-                               name=f"{name}.length"))
+    wait(
+        hpcdl.broadcast_async(
+            length, root=root_in(process_set, root_rank), comm=comm_of(process_set), name=f"{name}.length"
+        )
+    )
     data = payload if is_root else np.empty(int(length[0]), np.uint8)
-    wait(hpcdl.broadcast_async(data, root=root_in(process_set, root_rank), comm=comm_of(process_set),
-                               name=f"{name}.bytes"))
+    wait(
+        hpcdl.broadcast_async(
+            data, root=root_in(process_set, root_rank), comm=comm_of(process_set), name=f"{name}.bytes"
+        )
+    )
     return obj if is_root else pickle.loads(data.tobytes())  # the root keeps its own, as in Horovod
 
 
@@ -394,11 +402,11 @@ def allgather_object(obj, name=None, process_set=global_process_set):
     world = comm_of(process_set)
     data = np.frombuffer(pickle.dumps(obj), np.uint8)
     padded = np.zeros(-(-data.size // 4), np.int32)
-    padded.view(np.uint8)[:data.size] = data
+    padded.view(np.uint8)[: data.size] = data
     lengths = wait(hpcdl.allgather_async(np.array([data.size], np.int64), world, f"{name}.lengths"))
     gathered = wait(hpcdl.allgather_async(padded, world, f"{name}.bytes")).view(np.uint8)
     out, at = [], 0
     for length in lengths.tolist():
-        out.append(pickle.loads(gathered[at:at + length].tobytes()))
+        out.append(pickle.loads(gathered[at : at + length].tobytes()))
         at += -(-length // 4) * 4
     return out

@@ -61,8 +61,9 @@ class FP16Compressor(Compressor):
 
 def compression_names(fp16):
     """The compressors by Horovod's names, with a framework's FP16Compressor."""
-    return type("Compression", (), {"__doc__": "The compressors by Horovod's names.",
-                                    "none": NoneCompressor, "fp16": fp16})
+    return type(
+        "Compression", (), {"__doc__": "The compressors by Horovod's names.", "none": NoneCompressor, "fp16": fp16}
+    )
 
 
 def codec(compression, user):
@@ -73,6 +74,8 @@ def codec(compression, user):
         return hpcdl.compression.FP16()
     if isinstance(compression, hpcdl.compression.Codec):
         return compression
-    raise ValueError(f"compression={compression!r}: {user} takes Compression.none, "
-                     "Compression.fp16 or one of hpcdl.compression's codecs (a custom Compressor's "
-                     "compress/decompress cannot run inside hpcdl's fused buckets)")
+    raise ValueError(
+        f"compression={compression!r}: {user} takes Compression.none, "
+        "Compression.fp16 or one of hpcdl.compression's codecs (a custom Compressor's "
+        "compress/decompress cannot run inside hpcdl's fused buckets)"
+    )

@@ -13,5 +13,17 @@ from hpcdl.store.manifest import FORMAT, FORMAT_VERSION, MANIFEST, crc32c, shard
 from hpcdl.store.packing import DEFAULT_SHARD_BYTES, PackResult, pack
 from hpcdl.store.reader import DEFAULT_THREADS, Store, StoreWarning, VerifyReport
 
-__all__ = ["pack", "Store", "StoreWarning", "PackResult", "VerifyReport", "crc32c", "shard_name", "MANIFEST",
-           "FORMAT", "FORMAT_VERSION", "DEFAULT_SHARD_BYTES", "DEFAULT_THREADS"]
+__all__ = [
+    "pack",
+    "Store",
+    "StoreWarning",
+    "PackResult",
+    "VerifyReport",
+    "crc32c",
+    "shard_name",
+    "MANIFEST",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "DEFAULT_SHARD_BYTES",
+    "DEFAULT_THREADS",
+]

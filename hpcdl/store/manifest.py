@@ -70,7 +70,6 @@ def _manifest_path(path):
     return os.path.join(path, MANIFEST) if os.path.isdir(path) else path
 
 
-
 def _fsync_path(path, directory=False):
     fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
@@ -97,12 +96,20 @@ def write_manifest(src, dst, label_names, summaries, skipped_listing, pack_secon
         _create_checked(f, "label_names", label_names, text)
         _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
         _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
-        f.attrs.update({"format": FORMAT, "format_version": FORMAT_VERSION,
-                        "num_samples": int(counts.sum()),
-                        "total_bytes": int(sum(s["bytes"] for s in summaries)),
-                        "num_shards": n, "checksum": "crc32c", "source": os.path.abspath(src),
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        "pack_seconds": pack_seconds})
+        f.attrs.update(
+            {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "num_samples": int(counts.sum()),
+                "total_bytes": int(sum(s["bytes"] for s in summaries)),
+                "num_shards": n,
+                "checksum": "crc32c",
+                "source": os.path.abspath(src),
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "pack_seconds": pack_seconds,
+            }
+        )
+
     write_small_hdf5(tmp, "the manifest", fill)
     _fsync_path(tmp)
     os.replace(tmp, path)

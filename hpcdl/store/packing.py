@@ -20,8 +20,18 @@ from mpi4py import MPI
 from hpcdl import _core
 from hpcdl._agree import call_on_every_rank
 from hpcdl.errors import CorruptDataError
-from hpcdl.store.manifest import (_SHARD_PREFIX, _TMP_SUFFIX, FORMAT, FORMAT_VERSION, MANIFEST, _create_checked,
-                                  _fsync_path, _read_checked, shard_name, write_manifest)
+from hpcdl.store.manifest import (
+    _SHARD_PREFIX,
+    _TMP_SUFFIX,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    _create_checked,
+    _fsync_path,
+    _read_checked,
+    shard_name,
+    write_manifest,
+)
 from hpcdl.store.progress import _bar, _Progress
 from hpcdl.store.reader import DEFAULT_THREADS, Store
 from hpcdl.store.space import SHARD_OVERHEAD_BYTES, require_space, shard_bytes_needed, write_hdf5
@@ -29,8 +39,8 @@ from hpcdl.units import positive_int
 
 DEFAULT_SHARD_BYTES = 1 << 30
 _LOCK = ".hpcdl-pack.lock"
-_WRITE_BLOCK = 16 << 20     # bytes gathered before one HDF5 write
-_READ_WINDOW = 256          # files in flight per packing rank
+_WRITE_BLOCK = 16 << 20  # bytes gathered before one HDF5 write
+_READ_WINDOW = 256  # files in flight per packing rank
 
 
 PackResult = namedtuple("PackResult", "samples bytes shards skipped reused_shards seconds")
@@ -43,6 +53,7 @@ def _display(rel):
 
 
 # --------------------------------------------------------------------------- listing
+
 
 def _list_source(src, exclude, progress):
     """Regular files under src as sorted [(relpath bytes, size, mtime_ns)] and the
@@ -105,6 +116,7 @@ def _label_of(rel):
 
 # --------------------------------------------------------------------------- planning
 
+
 def _plan(src, files, shards, shard_bytes, nranks):
     """Split the sorted files into contiguous shards of about equal bytes.
 
@@ -126,8 +138,10 @@ def _plan(src, files, shards, shard_bytes, nranks):
     bounds.append(len(files))
     plans = []
     for k in range(shards):
-        work = [(rel, size, mtime, label_of_class.get(_label_of(rel), -1))
-                for rel, size, mtime in files[bounds[k]:bounds[k + 1]]]
+        work = [
+            (rel, size, mtime, label_of_class.get(_label_of(rel), -1))
+            for rel, size, mtime in files[bounds[k] : bounds[k + 1]]
+        ]
         digest = hashlib.sha256(repr((FORMAT_VERSION, os.path.abspath(src), k, shards, work)).encode())
         plans.append({"index": k, "count": shards, "files": work, "digest": digest.hexdigest()})
     return [c.decode() for c in classes], plans
@@ -197,12 +211,16 @@ class _PackLock:
     @staticmethod
     def _busy_message(dst, holder):
         if holder is None:
-            return (f"another hpcdl pack is writing to '{dst}' (its lock file {_LOCK} is unreadable); "
-                    f"if no pack is running there, delete '{os.path.join(dst, _LOCK)}'")
+            return (
+                f"another hpcdl pack is writing to '{dst}' (its lock file {_LOCK} is unreadable); "
+                f"if no pack is running there, delete '{os.path.join(dst, _LOCK)}'"
+            )
         host, pid, started = holder
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-        return (f"another hpcdl pack is writing to '{dst}': pid {pid} on host {host}, started {since}; wait for "
-                f"it to finish, or if it is dead, delete '{os.path.join(dst, _LOCK)}'")
+        return (
+            f"another hpcdl pack is writing to '{dst}': pid {pid} on host {host}, started {since}; wait for "
+            f"it to finish, or if it is dead, delete '{os.path.join(dst, _LOCK)}'"
+        )
 
     def release(self):
         if self._is_mine():
@@ -220,16 +238,24 @@ def _prepare_destination(dst, force):
     """Make dst (locked by this run) ready: new, empty, or an unfinished store to
     continue. Never overwrites a finished store (or foreign files) unless force."""
     names = [n for n in os.listdir(dst) if n != _LOCK]
-    ours = [n for n in names if n == MANIFEST or n.startswith(_SHARD_PREFIX)
-            or (n.startswith("." + _SHARD_PREFIX) and n.endswith(_TMP_SUFFIX))]
+    ours = [
+        n
+        for n in names
+        if n == MANIFEST
+        or n.startswith(_SHARD_PREFIX)
+        or (n.startswith("." + _SHARD_PREFIX) and n.endswith(_TMP_SUFFIX))
+    ]
     foreign = sorted(set(names) - set(ours))
     if not force:
         if MANIFEST in names:
-            raise FileExistsError(f"destination '{dst}' already holds a packed store; "
-                                  "pass --force (force=True) to replace it")
+            raise FileExistsError(
+                f"destination '{dst}' already holds a packed store; pass --force (force=True) to replace it"
+            )
         if foreign:
-            raise FileExistsError(f"destination '{dst}' is not empty and is not an hpcdl store "
-                                  f"(it holds {foreign[0]!r}...); choose another or pass --force")
+            raise FileExistsError(
+                f"destination '{dst}' is not empty and is not an hpcdl store "
+                f"(it holds {foreign[0]!r}...); choose another or pass --force"
+            )
     if MANIFEST in names:  # first, so no manifest ever lists a shard being replaced
         os.remove(os.path.join(dst, MANIFEST))
     for n in ours:
@@ -245,6 +271,7 @@ def _remove_stale_shards(dst, plans):
 
 
 # --------------------------------------------------------------------------- writing
+
 
 def _read_file(root, rel, planned_size):
     """(bytes, crc, None) or (None, None, reason)."""
@@ -269,11 +296,18 @@ def _reuse_shard(path, plan):
         with h5py.File(path, "r", locking=False) as f:
             if f.attrs.get("plan_digest") != plan["digest"] or not f.attrs.get("complete"):
                 return None
-            return {"index": plan["index"], "samples": int(f.attrs["num_samples"]),
-                    "bytes": int(f.attrs["data_bytes_used"]), "reused": True,
-                    "skipped": [(n.decode(), r.decode()) for n, r in
-                                zip(_read_checked(f, "skipped_names", "the shard"),
-                                    _read_checked(f, "skipped_reasons", "the shard"))]}
+            return {
+                "index": plan["index"],
+                "samples": int(f.attrs["num_samples"]),
+                "bytes": int(f.attrs["data_bytes_used"]),
+                "reused": True,
+                "skipped": [
+                    (n.decode(), r.decode())
+                    for n, r in zip(
+                        _read_checked(f, "skipped_names", "the shard"), _read_checked(f, "skipped_reasons", "the shard")
+                    )
+                ],
+            }
     except (OSError, KeyError, ValueError, CorruptDataError):
         return None
 
@@ -289,8 +323,9 @@ def _write_shard(src, dst, plan, pool, progress):
             return summary
         os.remove(final)
     tmp = os.path.join(dst, "." + name + _TMP_SUFFIX)
-    summary = write_hdf5(tmp, shard_bytes_needed(plan["files"]), f"shard {name}",
-                         lambda f: _fill_shard(f, src, plan, pool, progress))
+    summary = write_hdf5(
+        tmp, shard_bytes_needed(plan["files"]), f"shard {name}", lambda f: _fill_shard(f, src, plan, pool, progress)
+    )
     _fsync_path(tmp)
     os.replace(tmp, final)
     _fsync_path(dst, directory=True)
@@ -307,7 +342,7 @@ def _fill_shard(f, src, plan, pool, progress):
     data = f.create_dataset("data", shape=(planned,), dtype=np.uint8)
     pending, start, at = [], 0, 0
     for w in range(0, len(files), _READ_WINDOW):
-        window = files[w:w + _READ_WINDOW]
+        window = files[w : w + _READ_WINDOW]
         results = pool.map(lambda item: _read_file(root, item[0], item[1]), window)
         for (rel, size, _, label), (content, crc, reason) in zip(window, results):
             if reason is not None:
@@ -334,16 +369,32 @@ def _fill_shard(f, src, plan, pool, progress):
     _create_checked(f, "names", names, text)
     _create_checked(f, "skipped_names", [s[0] for s in skipped], text)
     _create_checked(f, "skipped_reasons", [s[1] for s in skipped], text)
-    f.attrs.update({"format": FORMAT + "-shard", "format_version": FORMAT_VERSION,
-                    "shard_index": plan["index"], "num_shards": plan["count"],
-                    "num_samples": len(offsets), "data_bytes_used": at,
-                    "checksum": "crc32c", "plan_digest": plan["digest"], "complete": 1})
-    return {"index": plan["index"], "samples": len(offsets), "bytes": at, "reused": False,
-            "skipped": skipped}
+    f.attrs.update(
+        {
+            "format": FORMAT + "-shard",
+            "format_version": FORMAT_VERSION,
+            "shard_index": plan["index"],
+            "num_shards": plan["count"],
+            "num_samples": len(offsets),
+            "data_bytes_used": at,
+            "checksum": "crc32c",
+            "plan_digest": plan["digest"],
+            "complete": 1,
+        }
+    )
+    return {"index": plan["index"], "samples": len(offsets), "bytes": at, "reused": False, "skipped": skipped}
 
 
-def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, force=False,
-         progress=True, threads=DEFAULT_THREADS):
+def pack(
+    src_dir,
+    dst,
+    shards=None,
+    shard_bytes=DEFAULT_SHARD_BYTES,
+    comm=None,
+    force=False,
+    progress=True,
+    threads=DEFAULT_THREADS,
+):
     """Pack every regular file under ``src_dir`` into an hpcdl store in directory ``dst``.
 
     Collective over ``comm`` (default ``MPI.COMM_WORLD``): rank 0 lists the
@@ -385,8 +436,11 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
         label_names, plans = _plan(src_dir, files, shards, shard_bytes, nranks)
         _remove_stale_shards(dst, plans)
         to_write = [p for p in plans if _reuse_shard(os.path.join(dst, shard_name(p["index"], p["count"])), p) is None]
-        require_space(dst, sum(shard_bytes_needed(p["files"]) for p in to_write) + SHARD_OVERHEAD_BYTES,
-                      f"packing {sum(len(p['files']) for p in to_write)} files into {len(to_write)} shards")
+        require_space(
+            dst,
+            sum(shard_bytes_needed(p["files"]) for p in to_write) + SHARD_OVERHEAD_BYTES,
+            f"packing {sum(len(p['files']) for p in to_write)} files into {len(to_write)} shards",
+        )
         return label_names, plans, skipped, sum(f[1] for f in files)
 
     try:
@@ -422,13 +476,16 @@ def pack(src_dir, dst, shards=None, shard_bytes=DEFAULT_SHARD_BYTES, comm=None, 
             if rank != 0:
                 return None
             every = [s for part in gathered for s in part]
-            skipped = write_manifest(src_dir, dst, label_names, every, skipped_listing,
-                                      time.monotonic() - started)
+            skipped = write_manifest(src_dir, dst, label_names, every, skipped_listing, time.monotonic() - started)
             Store(dst).close()  # no success reported over a store that does not open (index checked)
-            return PackResult(samples=sum(s["samples"] for s in every), bytes=sum(s["bytes"] for s in every),
-                              shards=len(every), skipped=skipped,
-                              reused_shards=sum(s["reused"] for s in every),
-                              seconds=time.monotonic() - started)
+            return PackResult(
+                samples=sum(s["samples"] for s in every),
+                bytes=sum(s["bytes"] for s in every),
+                shards=len(every),
+                skipped=skipped,
+                reused_shards=sum(s["reused"] for s in every),
+                seconds=time.monotonic() - started,
+            )
 
         result = call_on_every_rank(comm, manifest_on_rank0)
         return comm.bcast(result, root=0)

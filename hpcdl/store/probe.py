@@ -13,22 +13,22 @@ import time
 
 from hpcdl import _core
 
-PROBE_SECONDS = 0.2          # the one-stream probe's budget: 40% small reads, 60% the sequential read
-SMALL_READ = 4096            # one request's worth: its time is the per-request cost
+PROBE_SECONDS = 0.2  # the one-stream probe's budget: 40% small reads, 60% the sequential read
+SMALL_READ = 4096  # one request's worth: its time is the per-request cost
 SMALL_READS = 64
-LARGE_READ = 16 << 20        # the sequential read the bandwidth is taken from, at most
+LARGE_READ = 16 << 20  # the sequential read the bandwidth is taken from, at most
 LARGE_CHUNK = 1 << 20
 # A page-cache hit reads in microseconds: the clamps keep what such a probe derives sane.
 MAX_IOPS, MAX_BANDWIDTH = 1e7, 1e11
 MIN_GAP, MAX_GAP = 4 << 10, 4 << 20
 MIN_READ, MAX_READ = 1 << 20, 64 << 20
 MAX_LOOKAHEAD = 1 << 30
-SPAN_GAPS = 16               # a span of 16 gaps: one request's cost is ~1/17 of the span's time
-WINDOW_SPANS = 8             # a look-ahead window of 8 spans: dense enough in the file for spans to merge
-PARALLEL_SECONDS = 0.6       # one reader, then PARALLEL_STREAMS at once: half of it each
-PARALLEL_STREAMS = 4         # ... each at most LARGE_READ / PARALLEL_STREAMS bytes
-PARALLEL_CHUNK = 256 << 10   # their read size: many pieces in each phase's measured half
-PARALLEL_GAIN = 1.5          # concurrent reads worth having: at least this times one stream's bandwidth
+SPAN_GAPS = 16  # a span of 16 gaps: one request's cost is ~1/17 of the span's time
+WINDOW_SPANS = 8  # a look-ahead window of 8 spans: dense enough in the file for spans to merge
+PARALLEL_SECONDS = 0.6  # one reader, then PARALLEL_STREAMS at once: half of it each
+PARALLEL_STREAMS = 4  # ... each at most LARGE_READ / PARALLEL_STREAMS bytes
+PARALLEL_CHUNK = 256 << 10  # their read size: many pieces in each phase's measured half
+PARALLEL_GAIN = 1.5  # concurrent reads worth having: at least this times one stream's bandwidth
 
 __all__ = ["measure", "read_settings"]
 
@@ -110,8 +110,10 @@ def _streams_rate(path, offsets, limit, seconds):
     burst left out; a piece read across the midpoint counts by its time in it)."""
     streams = [[] for _ in offsets]
     start = time.monotonic()
-    readers = [threading.Thread(target=_sequential, args=(path, at, limit, start + seconds, chunks, PARALLEL_CHUNK))
-               for at, chunks in zip(offsets, streams)]  # os.pread releases the GIL: the reads overlap
+    readers = [
+        threading.Thread(target=_sequential, args=(path, at, limit, start + seconds, chunks, PARALLEL_CHUNK))
+        for at, chunks in zip(offsets, streams)
+    ]  # os.pread releases the GIL: the reads overlap
     for reader in readers:
         reader.start()
     for reader in readers:
@@ -165,8 +167,9 @@ def measure(paths, seconds=PROBE_SECONDS, parallel_seconds=PARALLEL_SECONDS):
     # One reader, then PARALLEL_STREAMS at once, each phase measured alike, none re-reading cached bytes.
     limit = LARGE_READ // PARALLEL_STREAMS
     first = _disjoint_offsets(rng, size, LARGE_READ, 1, [(offset, offset + LARGE_READ)])
-    rest = first and _disjoint_offsets(rng, size, limit, PARALLEL_STREAMS,
-                                       [(offset, offset + LARGE_READ), (first[0], first[0] + LARGE_READ)])
+    rest = first and _disjoint_offsets(
+        rng, size, limit, PARALLEL_STREAMS, [(offset, offset + LARGE_READ), (first[0], first[0] + LARGE_READ)]
+    )
     if not rest:  # a store too small to read apart from the cache: the gain is unknown
         return iops, bandwidth, None
     alone = _streams_rate(path, first, LARGE_READ, parallel_seconds / 2)

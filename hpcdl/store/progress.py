@@ -29,8 +29,13 @@ class _Progress:
         self.start = time.monotonic()
         self.total_files = total_files
         self.finished_ranks = 0
-        self.bar = _bar(enabled and self.rank == 0, total=total_bytes, unit="B", unit_scale=True,
-                        desc="[hpcdl rank 0] packing") if self.rank == 0 else None
+        self.bar = (
+            _bar(
+                enabled and self.rank == 0, total=total_bytes, unit="B", unit_scale=True, desc="[hpcdl rank 0] packing"
+            )
+            if self.rank == 0
+            else None
+        )
 
     def advance(self, files, nbytes):
         if self.rank == 0:

@@ -26,7 +26,6 @@ class StoreWarning(UserWarning):
     """A store opens but lacks a safeguard (e.g. packed by an older hpcdl without index checksums)."""
 
 
-
 VerifyReport = namedtuple("VerifyReport", "samples bytes_read seconds problems damaged")
 VerifyReport.__doc__ = """Result of Store.verify(): problems is a list of (index, name, reason) of bad
 samples in readable shards; damaged a list of (shard path, first sample, samples, reason) of shards
@@ -52,10 +51,10 @@ class _Names:
             i += n
         if not 0 <= i < n:
             raise IndexError(f"name index {i} out of range [0, {n})")
-        return self._blob[self._offsets[i]:self._offsets[i + 1]].decode("utf-8")
+        return self._blob[self._offsets[i] : self._offsets[i + 1]].decode("utf-8")
 
     def raw(self, i):
-        return self._blob[self._offsets[i]:self._offsets[i + 1]]
+        return self._blob[self._offsets[i] : self._offsets[i + 1]]
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -95,16 +94,19 @@ class Store:
         self.root = os.path.dirname(os.path.abspath(self.path))
         self._args = (path, threads, verify_checksums, allow_damaged)
         if not os.path.exists(self.path):
-            raise FileNotFoundError(f"no hpcdl store at '{path}' (missing {MANIFEST}: not packed, "
-                                    "or the packing did not finish)")
+            raise FileNotFoundError(
+                f"no hpcdl store at '{path}' (missing {MANIFEST}: not packed, or the packing did not finish)"
+            )
         try:
             with h5py.File(self.path, "r", locking=False) as m:
                 if m.attrs.get("format") != FORMAT:
                     raise CorruptDataError(f"'{self.path}' is not an hpcdl store manifest")
                 version = int(m.attrs["format_version"])
                 if version > FORMAT_VERSION:
-                    raise HpcdlError(f"store '{self.path}' has format version {version}; this hpcdl "
-                                     f"reads up to {FORMAT_VERSION}: upgrade hpcdl")
+                    raise HpcdlError(
+                        f"store '{self.path}' has format version {version}; this hpcdl "
+                        f"reads up to {FORMAT_VERSION}: upgrade hpcdl"
+                    )
                 self._checked = version >= _FIRST_CHECKED_VERSION
 
                 def read(name):
@@ -123,9 +125,13 @@ class Store:
         except (OSError, KeyError, ValueError) as exc:
             raise CorruptDataError(f"cannot read the manifest '{self.path}': {exc}") from None
         if not self._checked:
-            warn(f"store '{self.root}' was packed by an older hpcdl (format version {version}) "
-                          "without index checksums: damaged labels, names or offsets cannot be detected; "
-                          "re-pack it", StoreWarning, stacklevel=2)
+            warn(
+                f"store '{self.root}' was packed by an older hpcdl (format version {version}) "
+                "without index checksums: damaged labels, names or offsets cannot be detected; "
+                "re-pack it",
+                StoreWarning,
+                stacklevel=2,
+            )
         self.shard_paths = [os.path.join(self.root, f) for f in shard_files]
         self.shard_first = first
         self.shard_counts = counts
@@ -135,8 +141,10 @@ class Store:
                 info, shard_labels, shard_names = self._open_shard(path_k, int(counts[k]), self._checked)
             except (OSError, KeyError, ValueError, CorruptDataError) as exc:
                 last = int(first[k] + counts[k]) - 1
-                reason = (f"shard '{path_k}' cannot be used ({exc}); samples {first[k]}..{last} "
-                          "are lost: the file is truncated or damaged, re-pack the store")
+                reason = (
+                    f"shard '{path_k}' cannot be used ({exc}); samples {first[k]}..{last} "
+                    "are lost: the file is truncated or damaged, re-pack the store"
+                )
                 if not allow_damaged:
                     raise CorruptDataError(reason) from None
                 self.damaged.append((k, reason))
@@ -152,8 +160,11 @@ class Store:
         del name_parts
         self.shard_infos = infos  # kept: the prefetcher opens its own reader over the same shards
         self._reader = _core.Reader(infos, threads, verify_checksums)
-        self.sizes = np.concatenate([i["sizes"] if "sizes" in i else np.zeros(i["count"], np.uint64)
-                                     for i in infos]) if infos else np.zeros(0, np.uint64)
+        self.sizes = (
+            np.concatenate([i["sizes"] if "sizes" in i else np.zeros(i["count"], np.uint64) for i in infos])
+            if infos
+            else np.zeros(0, np.uint64)
+        )
         self._fingerprint = None
 
     @staticmethod
@@ -163,15 +174,19 @@ class Store:
 
         with h5py.File(path, "r", locking=False) as f:
             if not f.attrs.get("complete") or int(f.attrs["num_samples"]) != expected:
-                raise CorruptDataError(f"it holds {f.attrs.get('num_samples')} samples, "
-                                       f"the manifest says {expected}")
+                raise CorruptDataError(f"it holds {f.attrs.get('num_samples')} samples, the manifest says {expected}")
             data = f["data"]
             if data.chunks is not None or data.compression or data.dtype != np.uint8 or data.ndim != 1:
                 raise CorruptDataError("its data set is not a contiguous, unfiltered 1-D uint8 array")
             offset = data.id.get_offset()  # None when the data set is empty (never allocated)
-            info = {"path": path, "data_offset": 0 if offset is None else offset,
-                    "data_bytes": data.shape[0], "offsets": read("offsets"),
-                    "sizes": read("sizes"), "crc32c": read("crc32c")}
+            info = {
+                "path": path,
+                "data_offset": 0 if offset is None else offset,
+                "data_bytes": data.shape[0],
+                "offsets": read("offsets"),
+                "sizes": read("sizes"),
+                "crc32c": read("crc32c"),
+            }
             return info, read("labels").astype(np.int32), list(read("names"))
 
     def _open_reader(self):
@@ -291,18 +306,25 @@ class Store:
         bar = _bar(progress, total=int(self.sizes.sum()), unit="B", unit_scale=True, desc="verify")
         started = time.monotonic()
         problems, bytes_read = [], 0
-        damaged = [(self.shard_paths[k], int(self.shard_first[k]), int(self.shard_counts[k]), reason)
-                   for k, reason in self.damaged]
+        damaged = [
+            (self.shard_paths[k], int(self.shard_first[k]), int(self.shard_counts[k]), reason)
+            for k, reason in self.damaged
+        ]
         for k in range(len(self.shard_paths)):
             if "damaged" in self.shard_infos[k]:
                 continue
             bad, reasons, nbytes = self._open_reader().verify_shard(k)
             problems.extend((i, self.names[i], r) for i, r in zip(bad, reasons))
             bytes_read += nbytes
-            bar.update(int(self.sizes[self.shard_first[k]:self.shard_first[k] + self.shard_counts[k]].sum()))
+            bar.update(int(self.sizes[self.shard_first[k] : self.shard_first[k] + self.shard_counts[k]].sum()))
         bar.close()
-        return VerifyReport(samples=len(self), bytes_read=bytes_read,
-                            seconds=time.monotonic() - started, problems=problems, damaged=damaged)
+        return VerifyReport(
+            samples=len(self),
+            bytes_read=bytes_read,
+            seconds=time.monotonic() - started,
+            problems=problems,
+            damaged=damaged,
+        )
 
     def close(self):
         self._reader = None

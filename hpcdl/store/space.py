@@ -42,8 +42,9 @@ def shard_bytes_needed(files):
 def no_space(path, needed, what, while_writing=False):
     """The OSError (ENOSPC) a pack raises when ``what`` needs more than ``path``'s file system has."""
     how = "ran out of space writing" if while_writing else "needs"
-    return OSError(errno.ENOSPC, f"no space left on '{path}': {what} {how} {_mb(needed)}; "
-                                 f"{_mb(free_bytes(path))} free now")
+    return OSError(
+        errno.ENOSPC, f"no space left on '{path}': {what} {how} {_mb(needed)}; {_mb(free_bytes(path))} free now"
+    )
 
 
 def require_space(path, needed, what):

@@ -15,11 +15,23 @@ imports them.
 """
 
 from hpcdl.tensorflow.data import tf_dataset
-from hpcdl.tensorflow.keras import (BroadcastGlobalVariablesCallback, DistributedOptimizer, MetricAverageCallback,
-                                    load_model)
+from hpcdl.tensorflow.keras import (
+    BroadcastGlobalVariablesCallback,
+    DistributedOptimizer,
+    MetricAverageCallback,
+    load_model,
+)
 from hpcdl.tensorflow.powersgd import PowerSGDState, powersgd_state
 from hpcdl.tensorflow.tape import DistributedGradientTape, broadcast_variables
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "broadcast_variables",
-           "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "load_model", "tf_dataset",
-           "PowerSGDState", "powersgd_state"]
+__all__ = [
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+    "broadcast_variables",
+    "BroadcastGlobalVariablesCallback",
+    "MetricAverageCallback",
+    "load_model",
+    "tf_dataset",
+    "PowerSGDState",
+    "powersgd_state",
+]

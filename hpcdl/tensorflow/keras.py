@@ -65,8 +65,9 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
         raise ValueError("wrap the optimizer before it is built: its variables would not be carried over")
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedOptimizerMixin, type(optimizer)), {})
     distributed = cls.from_config(optimizer.get_config())
-    distributed._hpcdl_allreduce = _GradientAllreduce(compression, op, comm, name,
-                                                      "the gradients of DistributedOptimizer", sparse_as_dense)
+    distributed._hpcdl_allreduce = _GradientAllreduce(
+        compression, op, comm, name, "the gradients of DistributedOptimizer", sparse_as_dense
+    )
     if isinstance(compression, PowerSGD):  # tracked: tf.train.Checkpoint(optimizer=...) saves Q and the residuals
         distributed.powersgd_state = powersgd_state(name)
     return distributed
@@ -79,8 +80,16 @@ def _keras_optimizer_classes(base=tf.keras.optimizers.Optimizer):
             yield from _keras_optimizer_classes(cls)
 
 
-def load_model(filepath, compression=None, op="average", comm=None, name="keras", custom_objects=None,
-               sparse_as_dense=False, **kwargs):
+def load_model(
+    filepath,
+    compression=None,
+    op="average",
+    comm=None,
+    name="keras",
+    custom_objects=None,
+    sparse_as_dense=False,
+    **kwargs,
+):
     """keras.models.load_model for a model saved while training with DistributedOptimizer.
 
     The file names the optimizer class "Distributed<Class>", which only exists
@@ -89,13 +98,23 @@ def load_model(filepath, compression=None, op="average", comm=None, name="keras"
     on over the ranks. A model for inference alone loads anywhere with
     keras.models.load_model(filepath, compile=False).
     """
-    def rewrap(base):
-        return classmethod(lambda cls, config, custom_objects=None: DistributedOptimizer(
-            base.from_config(config), compression=compression, op=op, comm=comm, name=name,
-            sparse_as_dense=sparse_as_dense))
 
-    rebuild = {f"Distributed{base.__name__}": type(f"Distributed{base.__name__}", (base,), {"from_config": rewrap(base)})
-               for base in set(_keras_optimizer_classes())}
+    def rewrap(base):
+        return classmethod(
+            lambda cls, config, custom_objects=None: DistributedOptimizer(
+                base.from_config(config),
+                compression=compression,
+                op=op,
+                comm=comm,
+                name=name,
+                sparse_as_dense=sparse_as_dense,
+            )
+        )
+
+    rebuild = {
+        f"Distributed{base.__name__}": type(f"Distributed{base.__name__}", (base,), {"from_config": rewrap(base)})
+        for base in set(_keras_optimizer_classes())
+    }
     rebuild.update(custom_objects or {})
     return tf.keras.models.load_model(filepath, custom_objects=rebuild, **kwargs)
 
@@ -118,11 +137,14 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         optimizer = self.model.optimizer
-        if (isinstance(optimizer, tf.keras.optimizers.LossScaleOptimizer)
-                and isinstance(optimizer.inner_optimizer, _DistributedOptimizerMixin)):
+        if isinstance(optimizer, tf.keras.optimizers.LossScaleOptimizer) and isinstance(
+            optimizer.inner_optimizer, _DistributedOptimizerMixin
+        ):
             # its finiteness check would run on each rank's own gradients: ranks could disagree on the step
-            raise ValueError("a LossScaleOptimizer (Keras adds one for mixed_float16) wraps hpcdl's "
-                             "DistributedOptimizer: wrap it instead, DistributedOptimizer(LossScaleOptimizer(opt))")
+            raise ValueError(
+                "a LossScaleOptimizer (Keras adds one for mixed_float16) wraps hpcdl's "
+                "DistributedOptimizer: wrap it instead, DistributedOptimizer(LossScaleOptimizer(opt))"
+            )
         broadcast_variables(self.model.variables, root=self.root, comm=self.comm)
 
     def on_train_batch_end(self, batch, logs=None):

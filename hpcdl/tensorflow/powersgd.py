@@ -40,8 +40,10 @@ def _state_for(codec, name):
     if state is None:
         state = _STATES[name] = PowerSGDState(codec)
     elif state.codec != codec:
-        raise ValueError(f"the PowerSGD state named {name!r} is for {state.codec!r}, not {codec!r}: "
-                         f"give this tape or optimizer another name")
+        raise ValueError(
+            f"the PowerSGD state named {name!r} is for {state.codec!r}, not {codec!r}: "
+            f"give this tape or optimizer another name"
+        )
     return state
 
 
@@ -50,7 +52,7 @@ def orthogonalize(p):
     the earlier ones, then divided by its norm (at least PowerSGD.MIN_NORM: zero stays zero)."""
     cols = []
     for i in range(p.shape[1]):
-        col = p[:, i:i + 1]
+        col = p[:, i : i + 1]
         if cols:
             done = tf.concat(cols, axis=1)
             col = col - tf.matmul(done, tf.matmul(done, col, transpose_a=True))
@@ -75,8 +77,9 @@ class PowerSGDState(tf.Module):
         new = [(k, s) for k, s in zip(keys, shapes) if k not in self.q]
         if not new:
             return
-        check_same_on_all_ranks(comm, [(k, s, "float32") for k, s in new], "the matrices PowerSGD compresses",
-                                {"codec": repr(self.codec)})
+        check_same_on_all_ranks(
+            comm, [(k, s, "float32") for k, s in new], "the matrices PowerSGD compresses", {"codec": repr(self.codec)}
+        )
         with tf.init_scope():
             for key, (n, m) in new:
                 self.q[key] = tf.Variable(self.codec.initial_q(key, m), trainable=False, name="q")
@@ -85,8 +88,11 @@ class PowerSGDState(tf.Module):
     def reduce(self, grads, keys, comm, dense, allreduce_p, allreduce_q):
         """The averaged gradients: low-rank approximations for the compressed ones (after the
         warm-up), dense averages (``dense``, a list -> list allreduce) for the others."""
-        low = [i for i, g in enumerate(grads) if g.dtype == tf.float32 and g.shape.is_fully_defined()
-               and self.codec.compresses(g.shape)]
+        low = [
+            i
+            for i, g in enumerate(grads)
+            if g.dtype == tf.float32 and g.shape.is_fully_defined() and self.codec.compresses(g.shape)
+        ]
         if comm.Get_size() == 1 or not low:
             return dense(grads)
         shapes = [self.codec.matrix_shape(grads[i].shape) for i in low]
@@ -106,8 +112,9 @@ class PowerSGDState(tf.Module):
                 approx = tf.matmul(p, q, transpose_b=True)
                 missed = mat - approx
                 self.residual[k].assign(tf.where(tf.math.is_finite(missed), missed, tf.zeros_like(missed)))
-                dead = tf.logical_or(tf.logical_not(tf.reduce_all(tf.math.is_finite(q), axis=0)),
-                                     tf.reduce_all(tf.equal(q, 0.0), axis=0))
+                dead = tf.logical_or(
+                    tf.logical_not(tf.reduce_all(tf.math.is_finite(q), axis=0)), tf.reduce_all(tf.equal(q, 0.0), axis=0)
+                )
                 self.q[k].assign(tf.where(dead[tf.newaxis, :], self.codec.initial_q(k, q.shape[0]), q))
                 out[i] = tf.reshape(approx, grads[i].shape)
             return out

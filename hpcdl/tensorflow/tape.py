@@ -30,6 +30,7 @@ from hpcdl.tensorflow.powersgd import _state_for
 
 __all__ = ["DistributedGradientTape", "broadcast_variables"]
 
+
 def _core_view(array):
     """A C-contiguous array for the core and its dtype argument (bfloat16 travels as uint16 bits)."""
     array = np.ascontiguousarray(array)
@@ -43,8 +44,10 @@ def _state_keys(sources):
     tf.Variable's name; two sources of one name raise ValueError."""
     keys = [getattr(s, "path", None) or getattr(s, "name", None) or f"source.{i}" for i, s in enumerate(sources)]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"PowerSGD keys its state by variable path, and these repeat: "
-                         f"{sorted(k for k in set(keys) if keys.count(k) > 1)}")
+        raise ValueError(
+            f"PowerSGD keys its state by variable path, and these repeat: "
+            f"{sorted(k for k in set(keys) if keys.count(k) > 1)}"
+        )
     return keys
 
 
@@ -70,8 +73,10 @@ class _GradientAllreduce:
             if op != "average":
                 raise ValueError(f"PowerSGD averages its factors: op must be 'average', not {op!r}")
             self._powersgd = _state_for(compression, name)
-            self._factors = [_GradientAllreduce(None, op, comm, f"{name}.{f}", f"the PowerSGD factors {f} of {what}")
-                             for f in ("P", "Q")]
+            self._factors = [
+                _GradientAllreduce(None, op, comm, f"{name}.{f}", f"the PowerSGD factors {f} of {what}")
+                for f in ("P", "Q")
+            ]
             compression = None  # the gradients PowerSGD leaves alone are averaged densely
         self.compression = compression
         self.op = op
@@ -87,13 +92,21 @@ class _GradientAllreduce:
         grads_in = [tf.zeros_like(s) if g is None else g for s, g in zip(flat_sources, flat_grads)]
         if self._powersgd is not None:  # PowerSGD factors dense matrices: IndexedSlices go dense
             dense = [tf.convert_to_tensor(g) for g in grads_in]
-            reduced = self._powersgd.reduce(dense, _state_keys(flat_sources), self.comm, self.allreduce,
-                                            self._factors[0].allreduce, self._factors[1].allreduce)
+            reduced = self._powersgd.reduce(
+                dense,
+                _state_keys(flat_sources),
+                self.comm,
+                self.allreduce,
+                self._factors[0].allreduce,
+                self._factors[1].allreduce,
+            )
             return tf.nest.pack_sequence_as(grads, reduced)
         gathered = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads_in]
         if any(gathered) and self.op not in ("average", "sum"):
-            raise ValueError(f"IndexedSlices gradients are allgathered, which sums or averages them, not "
-                             f"op={self.op!r}: pass sparse_as_dense=True")
+            raise ValueError(
+                f"IndexedSlices gradients are allgathered, which sums or averages them, not "
+                f"op={self.op!r}: pass sparse_as_dense=True"
+            )
         tensors = []
         for g, sparse in zip(grads_in, gathered):
             tensors.extend([g.indices, g.values] if sparse else [tf.convert_to_tensor(g)])
@@ -118,10 +131,17 @@ class _GradientAllreduce:
         if tf.executing_eagerly():
             return [tf.convert_to_tensor(a) for a in self._reduce_arrays(gathered, *[t.numpy() for t in tensors])]
         if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
-            raise ValueError("hpcdl's allreduce cannot run inside an XLA-compiled function: use "
-                             "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) for Keras")
-        reduced = tf.numpy_function(lambda *arrays: self._reduce_arrays(gathered, *arrays), tensors,
-                                    [t.dtype for t in tensors], stateful=True, name="hpcdl_allreduce")
+            raise ValueError(
+                "hpcdl's allreduce cannot run inside an XLA-compiled function: use "
+                "tf.function(jit_compile=False), or model.compile(..., jit_compile=False) for Keras"
+            )
+        reduced = tf.numpy_function(
+            lambda *arrays: self._reduce_arrays(gathered, *arrays),
+            tensors,
+            [t.dtype for t in tensors],
+            stateful=True,
+            name="hpcdl_allreduce",
+        )
         for out, t in zip(reduced, tensors):
             out.set_shape(t.shape)
         position = 0
@@ -136,17 +156,26 @@ class _GradientAllreduce:
         entries, position = [], 0
         for i, sparse in enumerate(gathered):
             if sparse:
-                indices, values = arrays[position:position + 2]
-                entries += [(f"gradient.{i}.indices", (), indices.dtype.name),
-                            (f"gradient.{i}.values", values.shape[1:], values.dtype.name)]
+                indices, values = arrays[position : position + 2]
+                entries += [
+                    (f"gradient.{i}.indices", (), indices.dtype.name),
+                    (f"gradient.{i}.values", values.shape[1:], values.dtype.name),
+                ]
             else:
                 entries.append((f"gradient.{i}", arrays[position].shape, arrays[position].dtype.name))
             position += 2 if sparse else 1
         signature = tuple(entries)
         if signature not in self._verified:
-            check_same_on_all_ranks(self.comm, entries, self._what,
-                                    {"op": self.op, "name": self.name,
-                                     "compression": None if self.compression is None else repr(self.compression)})
+            check_same_on_all_ranks(
+                self.comm,
+                entries,
+                self._what,
+                {
+                    "op": self.op,
+                    "name": self.name,
+                    "compression": None if self.compression is None else repr(self.compression),
+                },
+            )
             self._verified.add(signature)
 
     def _reduce_arrays(self, gathered, *arrays):
@@ -155,8 +184,15 @@ class _GradientAllreduce:
         for i, sparse in enumerate(gathered):
             if sparse:
                 name = f"{self.name}.sparse.{i}"
-                sparse_handles.append((position, [self._allgather(a, f"{name}.{part}") for a, part in
-                                                  zip(arrays[position:position + 2], ("indices", "values"))]))
+                sparse_handles.append(
+                    (
+                        position,
+                        [
+                            self._allgather(a, f"{name}.{part}")
+                            for a, part in zip(arrays[position : position + 2], ("indices", "values"))
+                        ],
+                    )
+                )
                 position += 2
             else:
                 dense.append(position)
@@ -165,7 +201,7 @@ class _GradientAllreduce:
         for i, array in zip(dense, self._reduce_dense([arrays[i] for i in dense])):
             out[i] = array
         for position, handles in sparse_handles:
-            indices, values = (h.wait().view(a.dtype) for h, a in zip(handles, arrays[position:position + 2]))
+            indices, values = (h.wait().view(a.dtype) for h, a in zip(handles, arrays[position : position + 2]))
             if self.op == "average":
                 values = values / values.dtype.type(self.comm.Get_size())
             out[position], out[position + 1] = indices, values
@@ -184,8 +220,9 @@ class _GradientAllreduce:
         for dtype_name, members in groups.items():
             fused = np.concatenate([np.ravel(arrays[i]) for i in members])
             buffer, core_dtype = _core_view(fused)
-            handle = hpcdl.allreduce_async(buffer, op=self.op, comm=self.comm, name=f"{self.name}.{dtype_name}",
-                                           dtype=core_dtype, **extra)
+            handle = hpcdl.allreduce_async(
+                buffer, op=self.op, comm=self.comm, name=f"{self.name}.{dtype_name}", dtype=core_dtype, **extra
+            )
             pending.append((handle, fused, members))
         out = [None] * len(arrays)
         for handle, fused, members in pending:
@@ -193,7 +230,7 @@ class _GradientAllreduce:
             offset = 0
             for i in members:
                 n = arrays[i].size
-                out[i] = fused[offset:offset + n].reshape(arrays[i].shape)
+                out[i] = fused[offset : offset + n].reshape(arrays[i].shape)
                 offset += n
         return out
 
@@ -225,8 +262,9 @@ class DistributedGradientTape:
 
     def __init__(self, tape, compression=None, op="average", comm=None, name="tf", sparse_as_dense=False):
         self._tape = tape
-        self._reduce = _GradientAllreduce(compression, op, comm, name, "the gradients of DistributedGradientTape",
-                                          sparse_as_dense)
+        self._reduce = _GradientAllreduce(
+            compression, op, comm, name, "the gradients of DistributedGradientTape", sparse_as_dense
+        )
 
     def __getattr__(self, attr):  # watch(), stop_recording(), ... of the wrapped tape
         return getattr(self._tape, attr)
@@ -248,17 +286,24 @@ def broadcast_variables(variables, root=0, comm=None):
     comm = MPI.COMM_WORLD if comm is None else comm
     variables = list(variables)
     values = [np.array(v.numpy()) for v in variables]
-    check_same_on_all_ranks(comm, [(f"variable.{i}", a.shape, a.dtype.name) for i, a in enumerate(values)],
-                            "the variables to broadcast", {"root": int(root)})
+    check_same_on_all_ranks(
+        comm,
+        [(f"variable.{i}", a.shape, a.dtype.name) for i, a in enumerate(values)],
+        "the variables to broadcast",
+        {"root": int(root)},
+    )
     pending = []
     for i, value in enumerate(values):
         if value.dtype.name in hpcdl.DTYPES:
             buffer, core_dtype = _core_view(value)
-            pending.append(hpcdl.broadcast_async(buffer, root=root, comm=comm, name=f"tf.broadcast.{i}",
-                                                 dtype=core_dtype))
+            pending.append(
+                hpcdl.broadcast_async(buffer, root=root, comm=comm, name=f"tf.broadcast.{i}", dtype=core_dtype)
+            )
         else:
-            raise TypeError(f"variable {i} ({getattr(variables[i], 'path', variables[i].name)}) has dtype "
-                            f"{value.dtype}, which hpcdl does not broadcast")
+            raise TypeError(
+                f"variable {i} ({getattr(variables[i], 'path', variables[i].name)}) has dtype "
+                f"{value.dtype}, which hpcdl does not broadcast"
+            )
     for handle in pending:
         handle.wait()
     for variable, value in zip(variables, values):

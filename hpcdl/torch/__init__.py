@@ -15,9 +15,23 @@ modules; hpcdl's core API never imports them.
 """
 
 from hpcdl.torch.data import TorchDataset
-from hpcdl.torch.optimizer import (DEFAULT_BUCKET_BYTES, DistributedOptimizer, broadcast_optimizer_state,
-                                   broadcast_parameters, ddp_comm_hook)
+from hpcdl.torch.optimizer import (
+    DEFAULT_BUCKET_BYTES,
+    DistributedOptimizer,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    ddp_comm_hook,
+)
 from hpcdl.torch.pipeline import Pipeline, PipelineError, PipeSplit
 
-__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "ddp_comm_hook",
-           "DEFAULT_BUCKET_BYTES", "Pipeline", "PipeSplit", "PipelineError", "TorchDataset"]
+__all__ = [
+    "DistributedOptimizer",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "ddp_comm_hook",
+    "DEFAULT_BUCKET_BYTES",
+    "Pipeline",
+    "PipeSplit",
+    "PipelineError",
+    "TorchDataset",
+]

@@ -33,16 +33,16 @@ class Bucket:
         self.index = index
         self.name = name
         self.compression = compression
-        self.slots = slots                  # [(param, offset, numel)]
+        self.slots = slots  # [(param, offset, numel)]
         self.staged = staged
         self.device = slots[0][0].device
         numel = sum(n for _, _, n in slots)
         # One rank: the average is the gradient itself; a device bucket stays on the device.
         self.local = staged and size == 1
         self.dtype = dtype
-        self.filled = set()                 # params whose gradient is in the buffer
+        self.filled = set()  # params whose gradient is in the buffer
         self.handle = None
-        self.launched = None                # the hpcdl-cuda thread's job for a staged bucket
+        self.launched = None  # the hpcdl-cuda thread's job for a staged bucket
         # gradient_as_bucket_view: .grad becomes the parameter's slot of a host bucket (reduced in place)
         self.grad_as_view = grad_as_view and not staged and not self.local
         if self.local:
@@ -58,9 +58,15 @@ class Bucket:
 
     def submit(self, op, comm, deferred):
         """Announce this step's allreduce of the bucket; returns its handle (also kept in self.handle)."""
-        self.handle = hpcdl.allreduce_async(self.array, op=op, comm=comm, name=self.name, dtype=self.core_dtype,
-                                            deferred=deferred, **({} if self.compression is None
-                                                                  else {"compression": self.compression}))
+        self.handle = hpcdl.allreduce_async(
+            self.array,
+            op=op,
+            comm=comm,
+            name=self.name,
+            dtype=self.core_dtype,
+            deferred=deferred,
+            **({} if self.compression is None else {"compression": self.compression}),
+        )
         return self.handle
 
     def timings(self):
@@ -69,7 +75,7 @@ class Bucket:
 
     def view(self, offset, numel, param):
         """Where param's gradient is gathered (on its device for a staged bucket)."""
-        return self.gather[offset:offset + numel].view(param.shape)
+        return self.gather[offset : offset + numel].view(param.shape)
 
     def deliver(self, param, reduced):
         """Leave param's reduced gradient (its slot of result()) in param.grad: a copy, or with
@@ -147,8 +153,9 @@ def make_buckets(named, bucket_bytes, name, first_index, reducible, build, weigh
 
     for pname, p in reversed(named):
         if p.dtype not in reducible:
-            raise TypeError(f"parameter '{pname}' has dtype {p.dtype}; hpcdl reduces "
-                            f"{', '.join(str(t) for t in reducible)}")
+            raise TypeError(
+                f"parameter '{pname}' has dtype {p.dtype}; hpcdl reduces {', '.join(str(t) for t in reducible)}"
+            )
         key = (p.dtype, p.device)
         slots = open_slots.setdefault(key, [])
         offset = sum(n for _, _, n in slots)

@@ -33,8 +33,10 @@ class TorchDataset(IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         if info is not None and info.num_workers > 0:
-            raise RuntimeError("TorchDataset runs in the main process: use DataLoader(..., num_workers=0); "
-                               "the prefetcher already reads on its own threads")
+            raise RuntimeError(
+                "TorchDataset runs in the main process: use DataLoader(..., num_workers=0); "
+                "the prefetcher already reads on its own threads"
+            )
         for count, epoch in enumerate(self.prefetcher.epochs()):
             if self.epochs is not None and count >= self.epochs:
                 return

@@ -20,8 +20,8 @@ import torch
 
 from hpcdl.compression import BF16, FP16, Int8, TopK
 
-_TINY_ABSMAX = 2.0 ** -100  # blocks below it are staged at 2^64 times their values (include/hpcdl/codecs/codecs.hpp)
-_TINY_SHIFT = 2.0 ** 64
+_TINY_ABSMAX = 2.0**-100  # blocks below it are staged at 2^64 times their values (include/hpcdl/codecs/codecs.hpp)
+_TINY_SHIFT = 2.0**64
 
 
 def device_codec(codec):
@@ -88,8 +88,7 @@ class Int8Encoder(_Encoder):
         # the core clamps with max(-127, r) first, which turns NaN into -127
         q = torch.where(torch.isnan(r), torch.full_like(r, -127.0), r.clamp(-127.0, 127.0))
         unit = scale * shift
-        err = torch.where(tiny[:, None], (staged - q * unit[:, None]) * (1.0 / _TINY_SHIFT),
-                          staged - q * unit[:, None])
+        err = torch.where(tiny[:, None], (staged - q * unit[:, None]) * (1.0 / _TINY_SHIFT), staged - q * unit[:, None])
         err = torch.where(torch.isfinite(2.0 * scale)[:, None], err, torch.zeros_like(err))
         q8 = q.to(torch.int8).view(-1)[:n]
         encoded = torch.cat([scale.view(torch.uint8), q8.view(torch.uint8)])

@@ -35,8 +35,8 @@ _REDUCIBLE = {t: name for t, name in _BROADCASTABLE.items() if t.is_floating_poi
 # Bucket names key error-feedback residuals: a name stays with one live optimizer
 # per communicator. Default names are counted per communicator ("torch", "torch.1",
 # ...), the same on every rank since construction is collective.
-_names_in_use = {}      # (communicator, name) -> weakref to the optimizer holding it
-_defaults_given = {}    # communicator -> default names handed out
+_names_in_use = {}  # (communicator, name) -> weakref to the optimizer holding it
+_defaults_given = {}  # communicator -> default names handed out
 
 
 def _comm_key(comm):
@@ -62,16 +62,28 @@ def _dense(pname, grad, sparse_as_dense):
         return grad
     if sparse_as_dense:
         return grad.to_dense()
-    raise TypeError(f"parameter '{pname}' has a sparse gradient ({grad.layout}); DistributedOptimizer "
-                    "allgathers sparse COO gradients and reduces dense ones: pass sparse_as_dense=True to "
-                    "densify it")
+    raise TypeError(
+        f"parameter '{pname}' has a sparse gradient ({grad.layout}); DistributedOptimizer "
+        "allgathers sparse COO gradients and reduces dense ones: pass sparse_as_dense=True to "
+        "densify it"
+    )
 
 
 class _DistributedOptimizerMixin:
     """Methods of the class DistributedOptimizer() builds over the user's optimizer class."""
 
-    def _hpcdl_setup(self, named_parameters, compression, bucket_bytes, op, backward_passes_per_step,
-                     comm, name, sparse_as_dense, gradient_as_bucket_view):
+    def _hpcdl_setup(
+        self,
+        named_parameters,
+        compression,
+        bucket_bytes,
+        op,
+        backward_passes_per_step,
+        comm,
+        name,
+        sparse_as_dense,
+        gradient_as_bucket_view,
+    ):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
         if bucket_bytes < 1:
@@ -90,36 +102,69 @@ class _DistributedOptimizerMixin:
         params = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         named = self._named(named_parameters, params)
         check_same_on_all_ranks(
-            self._comm, [(n, p.shape, p.dtype) for n, p in named], "the parameters of DistributedOptimizer",
-            {"bucket_bytes": self._bucket_bytes, "op": op, "name": name, "name_in_use": in_use,
-             "backward_passes_per_step": self.backward_passes_per_step, "sparse_as_dense": self._sparse_as_dense,
-             "gradient_as_bucket_view": self._grad_as_view,
-             "compression": None if compression is None else repr(compression)})
+            self._comm,
+            [(n, p.shape, p.dtype) for n, p in named],
+            "the parameters of DistributedOptimizer",
+            {
+                "bucket_bytes": self._bucket_bytes,
+                "op": op,
+                "name": name,
+                "name_in_use": in_use,
+                "backward_passes_per_step": self.backward_passes_per_step,
+                "sparse_as_dense": self._sparse_as_dense,
+                "gradient_as_bucket_view": self._grad_as_view,
+                "compression": None if compression is None else repr(compression),
+            },
+        )
         if in_use:
-            raise ValueError(f"another DistributedOptimizer on this communicator is named '{name}' (bucket names "
-                             "key error-feedback residuals): give this one another name, leave name unset, or "
-                             "remove_hooks() of the other first")
+            raise ValueError(
+                f"another DistributedOptimizer on this communicator is named '{name}' (bucket names "
+                "key error-feedback residuals): give this one another name, leave name unset, or "
+                "remove_hooks() of the other first"
+            )
         self._name = name
         _names_in_use[(_comm_key(self._comm), name)] = weakref.ref(self)
         self._size = self._comm.Get_size()
         self._low_rank = powersgd.Schedule(compression) if isinstance(compression, PowerSGD) else None
         self._lock = threading.Lock()
         self._buckets, self._bucket_of, self._passes, self._name_of = [], {}, {}, {}
-        self._round_open = False            # this step's bucket allreduces are submitted
-        self._sparse = {}                   # param -> its sparse gradient's allgathers (indices, values) this step
+        self._round_open = False  # this step's bucket allreduces are submitted
+        self._sparse = {}  # param -> its sparse gradient's allgathers (indices, values) this step
         self._synchronized = False
         self._last_timings = []
         self._add_parameters(named)
 
     def _add_parameters(self, named):
         if self._low_rank is not None:
-            buckets = powersgd.build_buckets(named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
-                                             _tensors.staged, self._low_rank, self._size, self._grad_as_view)
+            buckets = powersgd.build_buckets(
+                named,
+                self._bucket_bytes,
+                self._name,
+                len(self._buckets),
+                _REDUCIBLE,
+                _tensors.staged,
+                self._low_rank,
+                self._size,
+                self._grad_as_view,
+            )
         else:
             buckets = _buckets.make_buckets(
-                named, self._bucket_bytes, self._name, len(self._buckets), _REDUCIBLE,
-                lambda i, bname, dtype, slots: _buckets.Bucket(i, bname, dtype, slots, _tensors.staged(slots[0][0]),
-                                                               self._compression, self._size, self._grad_as_view))
+                named,
+                self._bucket_bytes,
+                self._name,
+                len(self._buckets),
+                _REDUCIBLE,
+                lambda i, bname, dtype, slots: _buckets.Bucket(
+                    i,
+                    bname,
+                    dtype,
+                    slots,
+                    _tensors.staged(slots[0][0]),
+                    self._compression,
+                    self._size,
+                    self._grad_as_view,
+                ),
+            )
         self._buckets += buckets
         self._bucket_of.update((p, (b, off, n)) for b in buckets for p, off, n in b.slots)
         self._passes.update((p, 0) for _, p in named)
@@ -135,8 +180,12 @@ class _DistributedOptimizerMixin:
         group = len(self.param_groups) - 1
         new = [p for p in self.param_groups[-1]["params"] if p.requires_grad and p not in self._bucket_of]
         named = [(f"param_group.{group}.{i}", p) for i, p in enumerate(new)]
-        check_same_on_all_ranks(self._comm, [(n, p.shape, p.dtype) for n, p in named],
-                                "the parameters added to DistributedOptimizer", {"group": group})
+        check_same_on_all_ranks(
+            self._comm,
+            [(n, p.shape, p.dtype) for n, p in named],
+            "the parameters added to DistributedOptimizer",
+            {"group": group},
+        )
         self._add_parameters(named)
 
     @staticmethod
@@ -151,8 +200,10 @@ class _DistributedOptimizerMixin:
         given = {p for _, p in named}
         unnamed = sum(1 for p in params if p not in given)
         if unnamed:
-            raise ValueError(f"{unnamed} parameters of the optimizer are missing from named_parameters "
-                             "(pass model.named_parameters() of the model the optimizer trains)")
+            raise ValueError(
+                f"{unnamed} parameters of the optimizer are missing from named_parameters "
+                "(pass model.named_parameters() of the model the optimizer trains)"
+            )
         in_optimizer = set(params)
         return [(n, p) for n, p in named if p in in_optimizer]
 
@@ -168,7 +219,8 @@ class _DistributedOptimizerMixin:
                 raise RuntimeError(
                     f"a gradient was computed {self._passes[param]} times before step() with "
                     f"backward_passes_per_step={self.backward_passes_per_step}: call step() (or "
-                    "synchronize()) after each group of backward passes, or raise backward_passes_per_step")
+                    "synchronize()) after each group of backward passes, or raise backward_passes_per_step"
+                )
             gathered = param.grad.layout == torch.sparse_coo and not self._sparse_as_dense
             try:
                 grad = None if gathered else _dense(self._name_of[param], param.grad, self._sparse_as_dense)
@@ -194,8 +246,10 @@ class _DistributedOptimizerMixin:
         path): every rank's entries, concatenated, are the sum of the gradients."""
         grad = grad.coalesce()
         name = f"{self._name}.sparse.{self._name_of[param]}"
-        return (hpcdl.allgather_async(grad.indices().t().contiguous(), self._comm, f"{name}.indices"),
-                hpcdl.allgather_async(grad.values().contiguous(), self._comm, f"{name}.values"))
+        return (
+            hpcdl.allgather_async(grad.indices().t().contiguous(), self._comm, f"{name}.indices"),
+            hpcdl.allgather_async(grad.values().contiguous(), self._comm, f"{name}.values"),
+        )
 
     def _finish_sparse(self):
         """The gathered sparse gradients into .grad (averaged: values / size), uncoalesced (under self._lock)."""
@@ -311,7 +365,7 @@ class _DistributedOptimizerMixin:
                         timings += bucket.timings()
                         reduced = bucket.result()
                         for p, offset, numel in bucket.slots:
-                            flat = reduced[offset:offset + numel].view(p.shape)
+                            flat = reduced[offset : offset + numel].view(p.shape)
                             if p in self._sparse:
                                 continue
                             if p in bucket.filled:
@@ -379,9 +433,18 @@ class _DistributedOptimizerMixin:
         self._hook_handles = []  # its name is free again
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=None, bucket_bytes=DEFAULT_BUCKET_BYTES,
-                         op="average", backward_passes_per_step=1, comm=None, name=None, sparse_as_dense=False,
-                         gradient_as_bucket_view=False):
+def DistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    compression=None,
+    bucket_bytes=DEFAULT_BUCKET_BYTES,
+    op="average",
+    backward_passes_per_step=1,
+    comm=None,
+    name=None,
+    sparse_as_dense=False,
+    gradient_as_bucket_view=False,
+):
     """Wrap a torch optimizer so step() applies the gradients averaged over all ranks.
 
     Returns an instance of a subclass of the optimizer's class that shares the
@@ -440,8 +503,17 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=None, buc
     wrapped.__dict__.update(optimizer.__dict__)  # shares param_groups, state and hooks
     wrapped.optimizer = optimizer
     wrapped._base_class = type(optimizer)
-    wrapped._hpcdl_setup(named_parameters, compression, bucket_bytes, op, backward_passes_per_step, comm, name,
-                         sparse_as_dense, gradient_as_bucket_view)
+    wrapped._hpcdl_setup(
+        named_parameters,
+        compression,
+        bucket_bytes,
+        op,
+        backward_passes_per_step,
+        comm,
+        name,
+        sparse_as_dense,
+        gradient_as_bucket_view,
+    )
     return wrapped
 
 
@@ -462,19 +534,23 @@ def broadcast_parameters(params, root_rank=0, comm=None):
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     named = _named_tensors(params)
-    check_same_on_all_ranks(comm, [(n, t.shape, t.dtype) for n, t in named], "the tensors to broadcast",
-                            {"root_rank": int(root_rank)})
+    check_same_on_all_ranks(
+        comm, [(n, t.shape, t.dtype) for n, t in named], "the tensors to broadcast", {"root_rank": int(root_rank)}
+    )
     pending = []
     for name, tensor in named:
         target = tensor.detach()
         # hpcdl works in place: a non-contiguous tensor goes through a contiguous copy
         buf = target if target.is_contiguous() else target.contiguous()
         if buf.dtype not in _BROADCASTABLE:
-            raise TypeError(f"parameter {name!r} has dtype {buf.dtype}, which hpcdl does not broadcast "
-                            f"(it takes {', '.join(hpcdl.DTYPES)})")
+            raise TypeError(
+                f"parameter {name!r} has dtype {buf.dtype}, which hpcdl does not broadcast "
+                f"(it takes {', '.join(hpcdl.DTYPES)})"
+            )
         # CPU zero-copy, CUDA staged (hpcdl._tensors)
-        pending.append((target, buf, hpcdl.broadcast_async(buf, root=root_rank, comm=comm,
-                                                           name=f"torch.broadcast.{name}")))
+        pending.append(
+            (target, buf, hpcdl.broadcast_async(buf, root=root_rank, comm=comm, name=f"torch.broadcast.{name}"))
+        )
     for target, buf, handle in pending:
         handle.wait()
         if buf is not target:
@@ -509,8 +585,13 @@ def ddp_comm_hook(state, bucket):
     state = state or {}
     buffer = bucket.buffer()
     codec = state.get("compression")
-    handle = hpcdl.allreduce_async(buffer, op="average", comm=state.get("comm"), name=f"ddp.bucket.{bucket.index()}",
-                                   **({} if codec is None else {"compression": codec}))
+    handle = hpcdl.allreduce_async(
+        buffer,
+        op="average",
+        comm=state.get("comm"),
+        name=f"ddp.bucket.{bucket.index()}",
+        **({} if codec is None else {"compression": codec}),
+    )
     future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
 
     def finish():

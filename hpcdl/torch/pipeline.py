@@ -24,8 +24,17 @@ from mpi4py import MPI
 
 from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
 from hpcdl.errors import MismatchError
-from hpcdl.pipeline import (BACKWARD, FORWARD, Link, PipelineError, balanced_split, data_tag,
-                            max_micro_batches, pipeline_grid, stage_actions)
+from hpcdl.pipeline import (
+    BACKWARD,
+    FORWARD,
+    Link,
+    PipelineError,
+    balanced_split,
+    data_tag,
+    max_micro_batches,
+    pipeline_grid,
+    stage_actions,
+)
 
 __all__ = ["Pipeline", "PipeSplit", "PipelineError"]
 
@@ -47,6 +56,7 @@ def _describe(shape, dtype):
 
 class _Saved:
     """A tensor autograd saved for backward; its release tells the counter."""
+
     __slots__ = ("tensor", "counter", "micro_batch", "key")
 
     def __init__(self, tensor, counter, micro_batch, key):
@@ -65,7 +75,7 @@ class _ActivationCounter:
 
     def __init__(self, params):
         self._param_storages = {p.untyped_storage().data_ptr() for p in params}
-        self._live = collections.defaultdict(dict)   # micro-batch -> {tensor: [saves, bytes]}
+        self._live = collections.defaultdict(dict)  # micro-batch -> {tensor: [saves, bytes]}
         self._live_bytes = 0
         self.peak_micro_batches = 0
         self.peak_bytes = 0
@@ -127,37 +137,51 @@ class Pipeline:
     layout and settings, else MismatchError on every rank.
     """
 
-    def __init__(self, model, loss_fn, micro_batches, schedule="1f1b", stages=None, balance="params",
-                 sample=None, comm=None):
+    def __init__(
+        self, model, loss_fn, micro_batches, schedule="1f1b", stages=None, balance="params", sample=None, comm=None
+    ):
         comm = MPI.COMM_WORLD if comm is None else comm
         if not isinstance(model, torch.nn.Sequential):
             raise TypeError(f"Pipeline takes an nn.Sequential, got {type(model).__name__}")
         stages = comm.Get_size() if stages is None else int(stages)
         check_same_on_all_ranks(
-            comm, [(n, t.shape, t.dtype) for n, t in model.state_dict().items()], "the pipelined models",
-            {"stages": stages, "micro_batches": int(micro_batches), "schedule": schedule,
-             "balance": balance if isinstance(balance, str) else [int(i) for i in balance],
-             "layers": [type(m).__name__ for m in model]})
+            comm,
+            [(n, t.shape, t.dtype) for n, t in model.state_dict().items()],
+            "the pipelined models",
+            {
+                "stages": stages,
+                "micro_batches": int(micro_batches),
+                "schedule": schedule,
+                "balance": balance if isinstance(balance, str) else [int(i) for i in balance],
+                "layers": [type(m).__name__ for m in model],
+            },
+        )
         _check_settings(schedule, micro_batches)
         self.pipeline_comm, self.data_comm = pipeline_grid(comm, stages)
         self.stages, self.stage = stages, self.pipeline_comm.Get_rank()
         self.micro_batches, self.schedule = int(micro_batches), schedule
         self.layer_names = [name for name, _ in model.named_children()]
         self.starts = _stage_starts(model, balance, stages, sample, comm)
-        self.module = torch.nn.Sequential(collections.OrderedDict(
-            list(model.named_children())[slice(*self._layers_of(self.stage))]))
+        self.module = torch.nn.Sequential(
+            collections.OrderedDict(list(model.named_children())[slice(*self._layers_of(self.stage))])
+        )
         self.loss_fn = loss_fn
         self._actions = stage_actions(schedule, stages, self.stage, self.micro_batches)
         self._link = Link(self.pipeline_comm)
         self._counter = _ActivationCounter(list(self.module.parameters()))
-        self._input_layout = None    # (shape, dtype) of a micro-batch entering this stage
-        self._output_layout = None   # ... and leaving it
+        self._input_layout = None  # (shape, dtype) of a micro-batch entering this stage
+        self._output_layout = None  # ... and leaving it
         self._failed = None
-        self._step_device = None     # the stage's device, as train_step found it
+        self._step_device = None  # the stage's device, as train_step found it
         self._closed = False
-        self._action_cpu = {FORWARD: [], BACKWARD: []}   # this step's CPU per action (last_step_times)
-        self._last_step = {"step_s": 0.0, "waited_s": 0.0, "forward_cpu_s": [], "backward_cpu_s": [],
-                           "other_cpu_s": 0.0}
+        self._action_cpu = {FORWARD: [], BACKWARD: []}  # this step's CPU per action (last_step_times)
+        self._last_step = {
+            "step_s": 0.0,
+            "waited_s": 0.0,
+            "forward_cpu_s": [],
+            "backward_cpu_s": [],
+            "other_cpu_s": 0.0,
+        }
 
     def _layers_of(self, stage):
         """(first, end) layer indices of ``stage``."""
@@ -185,16 +209,24 @@ class Pipeline:
         replicas (data_comm); its allreduce starts during the last micro-batch's
         backward. kwargs (compression=, bucket_bytes=...) go to DistributedOptimizer."""
         from hpcdl.torch.optimizer import DistributedOptimizer
-        return DistributedOptimizer(optimizer, self.named_parameters(), comm=self.data_comm,
-                                    backward_passes_per_step=self.micro_batches,
-                                    name=f"pipeline.stage{self.stage}", **kwargs)
+
+        return DistributedOptimizer(
+            optimizer,
+            self.named_parameters(),
+            comm=self.data_comm,
+            backward_passes_per_step=self.micro_batches,
+            name=f"pipeline.stage{self.stage}",
+            **kwargs,
+        )
 
     def activation_stats(self):
         """Measured since construction: the most micro-batches whose saved activations
         were alive at once on this stage, and the most bytes they held."""
-        return {"peak_micro_batches": self._counter.peak_micro_batches,
-                "peak_bytes": self._counter.peak_bytes,
-                "live_micro_batches": self._counter.live_micro_batches()}
+        return {
+            "peak_micro_batches": self._counter.peak_micro_batches,
+            "peak_bytes": self._counter.peak_bytes,
+            "live_micro_batches": self._counter.live_micro_batches(),
+        }
 
     def last_step_times(self):
         """The last train_step's wall-clock seconds (step_s), the part of it this stage
@@ -253,16 +285,23 @@ class Pipeline:
             raise PipelineError("this pipeline was closed")
         if self._failed is not None:
             raise PipelineError(f"this pipeline failed in an earlier step ({self._failed}); build a new one")
-        start, waited, cpu, waited_cpu = (time.perf_counter(), self._link.waited_s, time.thread_time(),
-                                           self._link.waited_cpu_s)
+        start, waited, cpu, waited_cpu = (
+            time.perf_counter(),
+            self._link.waited_s,
+            time.thread_time(),
+            self._link.waited_cpu_s,
+        )
         try:
             self._action_cpu = {FORWARD: [], BACKWARD: []}
             loss = self._step(inputs, targets)
             work = sum(self._action_cpu[FORWARD]) + sum(self._action_cpu[BACKWARD])
-            self._last_step = {"step_s": time.perf_counter() - start, "waited_s": self._link.waited_s - waited,
-                               "forward_cpu_s": self._action_cpu[FORWARD], "backward_cpu_s": self._action_cpu[BACKWARD],
-                               "other_cpu_s": max(0.0, time.thread_time() - cpu - work
-                                                  - (self._link.waited_cpu_s - waited_cpu))}
+            self._last_step = {
+                "step_s": time.perf_counter() - start,
+                "waited_s": self._link.waited_s - waited,
+                "forward_cpu_s": self._action_cpu[FORWARD],
+                "backward_cpu_s": self._action_cpu[BACKWARD],
+                "other_cpu_s": max(0.0, time.thread_time() - cpu - work - (self._link.waited_cpu_s - waited_cpu)),
+            }
             return loss
         except PipelineError as exc:  # another stage failed and told us
             self._failed = str(exc)
@@ -281,15 +320,17 @@ class Pipeline:
         if self.is_first:
             for chunk in x:
                 if (tuple(chunk.shape), chunk.dtype) != self._input_layout:
-                    raise ValueError(f"a micro-batch is {_describe(chunk.shape, chunk.dtype)} but was "
-                                     f"{_describe(*self._input_layout)} at the first step (the layout is "
-                                     "agreed once: build a new Pipeline for another batch shape)")
+                    raise ValueError(
+                        f"a micro-batch is {_describe(chunk.shape, chunk.dtype)} but was "
+                        f"{_describe(*self._input_layout)} at the first step (the layout is "
+                        "agreed once: build a new Pipeline for another batch shape)"
+                    )
         self._held, self._receives, self._sends = {}, {}, []
         self._step_device = self._device()  # looked up once: a lookup walks the module tree
         total = None
         for index, (kind, mb) in enumerate(self._actions):
             cpu, waited_cpu = time.thread_time(), self._link.waited_cpu_s
-            for kind_ahead, mb_ahead in self._actions[index:index + _RECEIVE_AHEAD + 1]:
+            for kind_ahead, mb_ahead in self._actions[index : index + _RECEIVE_AHEAD + 1]:
                 self._post_receive(kind_ahead, mb_ahead)
             if kind == FORWARD:
                 loss = self._forward(mb, x[mb] if x else None, y[mb] if y else None)
@@ -324,15 +365,18 @@ class Pipeline:
             out = self._dry_run(*layout)
         except Exception as exc:
             where = "the input" if self.is_first else f"stage {self.stage - 1}'s output"
-            raise ValueError(f"stage {self.stage} (layers {self._layer_range()}) cannot take {where} "
-                             f"{_describe(*layout)}: {exc}") from exc
+            raise ValueError(
+                f"stage {self.stage} (layers {self._layer_range()}) cannot take {where} {_describe(*layout)}: {exc}"
+            ) from exc
         self._output_layout = (tuple(out.shape), out.dtype)
         if not self.is_last:
             self._link.wait(self._link.send_object(self._output_layout, self.stage + 1))
 
     def _dry_run(self, shape, dtype):
-        state = {n: torch.empty_like(t, device="meta") for n, t in
-                 list(self.module.named_parameters()) + list(self.module.named_buffers())}
+        state = {
+            n: torch.empty_like(t, device="meta")
+            for n, t in list(self.module.named_parameters()) + list(self.module.named_buffers())
+        }
         with torch.no_grad():
             try:
                 return torch.func.functional_call(self.module, state, (torch.empty(shape, dtype=dtype, device="meta"),))
@@ -388,8 +432,10 @@ class Pipeline:
             self._held[mb] = (inp, loss)
             return loss.detach()
         if (tuple(out.shape), out.dtype) != self._output_layout:
-            raise ValueError(f"stage {self.stage}'s output for micro-batch {mb} is {_describe(out.shape, out.dtype)}, "
-                             f"not the {_describe(*self._output_layout)} agreed at the first step")
+            raise ValueError(
+                f"stage {self.stage}'s output for micro-batch {mb} is {_describe(out.shape, out.dtype)}, "
+                f"not the {_describe(*self._output_layout)} agreed at the first step"
+            )
         self._send(out, FORWARD, mb, self.stage + 1)
         self._held[mb] = (inp, out)
         return None
@@ -426,14 +472,17 @@ def _stage_starts(model, balance, stages, sample, comm):
         if balance == "marks":
             starts = [0] + [i + 1 for i, layer in enumerate(layers) if isinstance(layer, PipeSplit)]
             if len(starts) != stages or starts[-1] >= len(layers):
-                raise ValueError(f"the model's {len(starts) - 1} PipeSplit marks make {len(starts)} stages "
-                                 f"(a mark must not end the model), not {stages}")
+                raise ValueError(
+                    f"the model's {len(starts) - 1} PipeSplit marks make {len(starts)} stages "
+                    f"(a mark must not end the model), not {stages}"
+                )
             return starts
         raise ValueError(f'balance must be "params", "time", "marks" or a list of stage starts, got {balance!r}')
     starts = [int(i) for i in balance]
     if len(starts) != stages or starts[0] != 0 or sorted(set(starts)) != starts or starts[-1] >= len(layers):
-        raise ValueError(f"balance={starts} must be {stages} increasing layer indices starting at 0 "
-                         f"and below {len(layers)}")
+        raise ValueError(
+            f"balance={starts} must be {stages} increasing layer indices starting at 0 and below {len(layers)}"
+        )
     return starts
 
 

@@ -41,7 +41,7 @@ def orthogonalize(p):
     """Gram-Schmidt on the columns of the n x r matrix p, in place: each column minus its
     projection on the earlier ones, then divided by its norm (unless below MIN_NORM)."""
     for i in range(p.shape[1]):
-        col = p[:, i:i + 1]
+        col = p[:, i : i + 1]
         if i:
             done = p[:, :i]
             col -= done @ (done.T @ col)
@@ -112,14 +112,20 @@ class Schedule:
     def state_dict(self):
         """This rank's state: steps, and per compressed matrix its Q (the same on every rank) and
         its residual (this rank's own)."""
-        return {"codec": self.codec.get_config(), "steps": self.steps,
-                "matrices": {name: {"q": m.q.detach().clone(), "residual": m.residual.detach().clone()}
-                             for name, m in self.matrices().items()}}
+        return {
+            "codec": self.codec.get_config(),
+            "steps": self.steps,
+            "matrices": {
+                name: {"q": m.q.detach().clone(), "residual": m.residual.detach().clone()}
+                for name, m in self.matrices().items()
+            },
+        }
 
     def load_state_dict(self, state):
         if state.get("codec") != self.codec.get_config():
-            raise ValueError(f"the PowerSGD state is for {state.get('codec')!r}, this optimizer runs "
-                             f"{self.codec.get_config()!r}")
+            raise ValueError(
+                f"the PowerSGD state is for {state.get('codec')!r}, this optimizer runs {self.codec.get_config()!r}"
+            )
         saved = state["matrices"]
         mine = self.matrices()
         missing = sorted(set(mine) - set(saved))
@@ -128,8 +134,10 @@ class Schedule:
         for name, m in mine.items():
             for key, tensor in (("q", m.q), ("residual", m.residual)):
                 if tuple(saved[name][key].shape) != tuple(tensor.shape):
-                    raise ValueError(f"the PowerSGD state's {key} of '{name}' has shape "
-                                     f"{tuple(saved[name][key].shape)}, not {tuple(tensor.shape)}")
+                    raise ValueError(
+                        f"the PowerSGD state's {key} of '{name}' has shape "
+                        f"{tuple(saved[name][key].shape)}, not {tuple(tensor.shape)}"
+                    )
         with torch.no_grad():
             for name, m in mine.items():
                 m.q.copy_(saved[name]["q"])
@@ -152,10 +160,10 @@ class LowRankBucket(Bucket):
         super().__init__(index, name, torch.float32, slots, staged, None, size)
         self.schedule = schedule
         self.can_compress = not self.local and size > 1  # one rank: the gradients stay exact
-        self.compressing = False   # this step's mode, fixed when its allreduce is submitted
+        self.compressing = False  # this step's mode, fixed when its allreduce is submitted
         self.q_submitted = False
         self.matrices, self.p_timings, self.matrix_of = [], None, {}
-        self.in_grad = set()       # parameters whose approximation result() wrote into .grad
+        self.in_grad = set()  # parameters whose approximation result() wrote into .grad
         if not self.can_compress:
             return
         rank, device = schedule.codec.rank, self.device
@@ -166,15 +174,28 @@ class LowRankBucket(Bucket):
         self.p_array, self.q_array = self.p_host.numpy(), self.q_host.numpy()
         self.p_dev = torch.empty_like(self.p_host, device=device) if staged else self.p_host
         self.q_dev = torch.empty_like(self.q_host, device=device) if staged else self.q_host
-        self.q0 = torch.cat([torch.from_numpy(schedule.codec.initial_q(names[p], m)).view(-1)
-                             for (p, _, _), (_, m) in zip(slots, shapes)]).to(device)
+        self.q0 = torch.cat(
+            [
+                torch.from_numpy(schedule.codec.initial_q(names[p], m)).view(-1)
+                for (p, _, _), (_, m) in zip(slots, shapes)
+            ]
+        ).to(device)
         self.q_dev.copy_(self.q0)
         self.residual = torch.zeros(self.gather.numel(), dtype=torch.float32, device=device)
         p_at = q_at = 0
         for (param, offset, numel), (n, m) in zip(slots, shapes):
-            self.matrices.append(Matrix(names[param], n, m, self.gather[offset:offset + numel],
-                                         self.residual[offset:offset + numel], self.p_dev[p_at:p_at + n * rank],
-                                         self.q_dev[q_at:q_at + m * rank], self.q0[q_at:q_at + m * rank]))
+            self.matrices.append(
+                Matrix(
+                    names[param],
+                    n,
+                    m,
+                    self.gather[offset : offset + numel],
+                    self.residual[offset : offset + numel],
+                    self.p_dev[p_at : p_at + n * rank],
+                    self.q_dev[q_at : q_at + m * rank],
+                    self.q0[q_at : q_at + m * rank],
+                )
+            )
             self.matrix_of[param] = self.matrices[-1]
             p_at, q_at = p_at + n * rank, q_at + m * rank
         schedule.buckets.append(self)
@@ -185,8 +206,9 @@ class LowRankBucket(Bucket):
         self.in_grad = set()
         if not self.compressing:
             return super().submit(op, comm, deferred)
-        self.handle = hpcdl.allreduce_async(self.p_array, op="average", comm=comm, name=f"{self.name}.P",
-                                            deferred=deferred)
+        self.handle = hpcdl.allreduce_async(
+            self.p_array, op="average", comm=comm, name=f"{self.name}.P", deferred=deferred
+        )
         self.comm = comm
         return self.handle
 
@@ -248,8 +270,14 @@ class LowRankBucket(Bucket):
         """param.grad when this step's approximation can be written into it (its gradient was
         taken this step, a dense contiguous float32 tensor on the bucket's device), else None."""
         grad = param.grad
-        if (param in self.filled and grad is not None and grad.layout == torch.strided and grad.is_contiguous()
-                and grad.dtype == torch.float32 and grad.device == self.device):
+        if (
+            param in self.filled
+            and grad is not None
+            and grad.layout == torch.strided
+            and grad.is_contiguous()
+            and grad.dtype == torch.float32
+            and grad.device == self.device
+        ):
             return grad
         return None
 
@@ -265,11 +293,20 @@ def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, 
     factored = {p for _, p in named if p.dtype == torch.float32 and schedule.codec.compresses(p.shape)}
     compressed = [(n, p) for n, p in named if p in factored]
     dense = [(n, p) for n, p in named if p not in factored]
-    buckets = make_buckets(compressed, bucket_bytes, name, first_index, reducible,
-                           lambda i, bname, dtype, slots: LowRankBucket(i, bname, slots, staged_of(slots[0][0]),
-                                                                        schedule, size, names),
-                           weigh=lambda p: schedule.codec.factor_bytes(p.shape))
-    return buckets + make_buckets(dense, _DENSE_BUCKET, name, first_index + len(buckets), reducible,
-                                  lambda i, bname, dtype, slots: Bucket(i, bname, dtype, slots,
-                                                                        staged_of(slots[0][0]), None, size,
-                                                                        grad_as_view))
+    buckets = make_buckets(
+        compressed,
+        bucket_bytes,
+        name,
+        first_index,
+        reducible,
+        lambda i, bname, dtype, slots: LowRankBucket(i, bname, slots, staged_of(slots[0][0]), schedule, size, names),
+        weigh=lambda p: schedule.codec.factor_bytes(p.shape),
+    )
+    return buckets + make_buckets(
+        dense,
+        _DENSE_BUCKET,
+        name,
+        first_index + len(buckets),
+        reducible,
+        lambda i, bname, dtype, slots: Bucket(i, bname, dtype, slots, staged_of(slots[0][0]), None, size, grad_as_view),
+    )

@@ -19,8 +19,9 @@ def local_gpu():
     return torch.device("cuda", local_rank % torch.cuda.device_count())
 
 
-@pytest.fixture(params=[pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason=NO_CUDA)]),
-                        "staged-cpu"])
+@pytest.fixture(
+    params=[pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason=NO_CUDA)]), "staged-cpu"]
+)
 def device(request):
     if request.param == "cuda":
         gpu = local_gpu()

@@ -11,8 +11,9 @@ STEPS, LOCAL_BATCH = 4, 6
 
 def make_model(seed=0, hidden=16):
     tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.Input((10,)), tf.keras.layers.Dense(hidden, activation="tanh"),
-                                tf.keras.layers.Dense(4)])
+    return tf.keras.Sequential(
+        [tf.keras.Input((10,)), tf.keras.layers.Dense(hidden, activation="tanh"), tf.keras.layers.Dense(4)]
+    )
 
 
 def global_data(size, steps=STEPS, per_rank=LOCAL_BATCH, seed=7):

@@ -44,7 +44,7 @@ def train_distributed(comm, steps, per_rank, use_function):
     step_fn = tf.function(step_fn) if use_function else step_fn
     for step in range(steps):
         x, y = full_batch(step, per_rank, size)
-        step_fn(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+        step_fn(x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank])
     return model
 
 
@@ -54,8 +54,15 @@ def train_reference(steps, per_rank, size):
     for step in range(steps):
         x, y = full_batch(step, per_rank, size)
         with tf.GradientTape() as tape:
-            loss = tf.add_n([LOSS(y[r * per_rank:(r + 1) * per_rank], model(x[r * per_rank:(r + 1) * per_rank]))
-                             for r in range(size)]) / size
+            loss = (
+                tf.add_n(
+                    [
+                        LOSS(y[r * per_rank : (r + 1) * per_rank], model(x[r * per_rank : (r + 1) * per_rank]))
+                        for r in range(size)
+                    ]
+                )
+                / size
+            )
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
     return model

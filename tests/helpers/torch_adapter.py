@@ -11,9 +11,13 @@ torch.set_num_threads(1)
 
 def make_model(seed=0, dtype=torch.float32, hidden=32):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(12, hidden), torch.nn.Tanh(),
-                               torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
-                               torch.nn.Linear(hidden, 5)).to(dtype)
+    return torch.nn.Sequential(
+        torch.nn.Linear(12, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.Tanh(),
+        torch.nn.Linear(hidden, 5),
+    ).to(dtype)
 
 
 def full_batch(step, per_rank, size, dtype=torch.float32):
@@ -37,8 +41,14 @@ def params_digest(model):
 
 def train_distributed(comm, steps, per_rank, dtype=torch.float32, bucket_bytes=512, passes=1, **kw):
     model = make_model(dtype=dtype)
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                                   bucket_bytes=bucket_bytes, backward_passes_per_step=passes, comm=comm, **kw)
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        model.named_parameters(),
+        bucket_bytes=bucket_bytes,
+        backward_passes_per_step=passes,
+        comm=comm,
+        **kw,
+    )
     rank, size = comm.Get_rank(), comm.Get_size()
     for step in range(steps):
         x, y = full_batch(step, per_rank * passes, size, dtype)
@@ -61,8 +71,10 @@ def train_reference(steps, per_rank, size, dtype=torch.float32):
         x, y = full_batch(step, per_rank, size, dtype)
         opt.zero_grad()
         # mean over ranks of per-rank mean losses = the mean over the global batch
-        losses = [loss_of(model, x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank])
-                  for r in range(size)]
+        losses = [
+            loss_of(model, x[r * per_rank : (r + 1) * per_rank], y[r * per_rank : (r + 1) * per_rank])
+            for r in range(size)
+        ]
         (sum(losses) / size).backward()
         opt.step()
     return model
@@ -77,7 +89,7 @@ def train_amp(comm, steps, per_rank, size, inf_step, inf_rank, clip=None, distri
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     if distributed:
         opt = hvt.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=512, comm=comm, name="amp")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
     rank = comm.Get_rank() if distributed else 0
     shares = [rank] if distributed else list(range(size))
     scales, skipped = [], []
@@ -86,7 +98,7 @@ def train_amp(comm, steps, per_rank, size, inf_step, inf_rank, clip=None, distri
         opt.zero_grad()
         losses = []
         for r in shares:
-            loss = loss_of(model, x[r * per_rank:(r + 1) * per_rank], y[r * per_rank:(r + 1) * per_rank])
+            loss = loss_of(model, x[r * per_rank : (r + 1) * per_rank], y[r * per_rank : (r + 1) * per_rank])
             losses.append(loss * float("inf") if (step, r) == (inf_step, inf_rank) else loss)
         before = params_digest(model)
         scaler.scale(sum(losses) / len(losses)).backward()
@@ -103,4 +115,6 @@ def train_amp(comm, steps, per_rank, size, inf_step, inf_rank, clip=None, distri
 
 
 def max_difference(a, b):
-    return max(float((p.detach().double() - q.detach().double()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+    return max(
+        float((p.detach().double() - q.detach().double()).abs().max()) for p, q in zip(a.parameters(), b.parameters())
+    )

@@ -22,6 +22,7 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl
+
 from conftest import agree, collective, multi_rank, outcome
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -59,7 +60,7 @@ def digest(a):
 
 
 def tolerance(dtype, size, reference_abs):
-    eps = {"float32": 2.0 ** -23, "float64": 2.0 ** -52, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+    eps = {"float32": 2.0**-23, "float64": 2.0**-52, "float16": 2.0**-10, "bfloat16": 2.0**-7}
     # one rounding per hop, each bounded by eps times the running partial result
     return 2 * size * eps[dtype] * reference_abs + 1e-30
 
@@ -122,8 +123,11 @@ def test_allreduce_average(comm, dtype):
     agree(comm, not problems, problems)
 
 
-@pytest.mark.parametrize("dtype, op", [(d, op) for d in NUMERIC for op in OPS]
-                         + [(d, op) for d in NUMERIC if d not in FLOATS for op in ("sum", "average")])
+@pytest.mark.parametrize(
+    "dtype, op",
+    [(d, op) for d in NUMERIC for op in OPS]
+    + [(d, op) for d in NUMERIC if d not in FLOATS for op in ("sum", "average")],
+)
 def test_every_op_on_every_numeric_dtype(comm, dtype, op):
     """Min, max, product on every type; the integers' sum and floor-divided average:
     float64 references for floats, numpy's own wrapping arithmetic for integers."""
@@ -172,15 +176,29 @@ def test_reduction_ops_on_sub_communicators(sub_size):
 @multi_rank
 def test_mismatched_op_names_both_ops(comm):
     rank = comm.Get_rank()
-    _, err = outcome(hpcdl.allreduce, np.ones(8, dtype=np.int16), op="max" if rank == 0 else "product",
-                     name="mismatched.minmax", comm=comm)
-    ok = (isinstance(err, hpcdl.MismatchError) and "op differs: max on rank 0" in str(err)
-          and "product on rank" in str(err))
+    _, err = outcome(
+        hpcdl.allreduce,
+        np.ones(8, dtype=np.int16),
+        op="max" if rank == 0 else "product",
+        name="mismatched.minmax",
+        comm=comm,
+    )
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and "op differs: max on rank 0" in str(err)
+        and "product on rank" in str(err)
+    )
     agree(comm, ok, repr(err))
 
 
-GROUP = [("float32", (1001,)), ("float16", (3, 7)), ("int64", (5,)), ("bfloat16", (65, 63)), ("uint8", (0,)),
-         ("float64", (2, 2, 2))]
+GROUP = [
+    ("float32", (1001,)),
+    ("float16", (3, 7)),
+    ("int64", (5,)),
+    ("bfloat16", (65, 63)),
+    ("uint8", (0,)),
+    ("float64", (2, 2, 2)),
+]
 
 
 def group_of(rank, op):
@@ -199,10 +217,15 @@ def test_grouped_allreduce_is_bitwise_each_arrays_own_allreduce(comm, op):
     for i, a in enumerate(alone):
         collective(comm, lambda: hpcdl.allreduce(a, op=op, comm=comm, name=f"alone.{i}"))
     exact = exact_reference([group_of(r, op)[2] for r in range(size)], "int64", op, size)
-    ok = (all(r is g for r, g in zip(results, grouped)) and [g.shape for g in grouped] == [s for _, s in GROUP]
-          and all(g.tobytes() == a.tobytes() for g, a in zip(grouped, alone))
-          and np.array_equal(grouped[2], exact) and len(set(comm.allgather(digest(grouped[0])))) == 1
-          and counted["grouped_allreduce"]["none"]["ops"] == 1 and "allreduce" not in counted)
+    ok = (
+        all(r is g for r, g in zip(results, grouped))
+        and [g.shape for g in grouped] == [s for _, s in GROUP]
+        and all(g.tobytes() == a.tobytes() for g, a in zip(grouped, alone))
+        and np.array_equal(grouped[2], exact)
+        and len(set(comm.allgather(digest(grouped[0])))) == 1
+        and counted["grouped_allreduce"]["none"]["ops"] == 1
+        and "allreduce" not in counted
+    )
     agree(comm, ok, f"{[g.ravel()[:2] for g in grouped]} {[a.ravel()[:2] for a in alone]} {counted}")
 
 
@@ -215,10 +238,14 @@ def test_grouped_allreduce_of_mismatched_arrays_raises_on_every_rank(comm):
     before = [a.copy() for a in arrays]
     _, err = outcome(hpcdl.grouped_allreduce, arrays, comm=comm, name="group.mismatch")
     message = str(err)
-    ok = (isinstance(err, hpcdl.MismatchError) and "arrays differ" in message
-          and f"(float32[24], int32[3]) on rank {size - 1}" in message and "(float32[4, 6], int32[3]) on rank" in message
-          and all(np.array_equal(a, b) for a, b in zip(arrays, before)))
-    _, fewer = outcome(hpcdl.grouped_allreduce, arrays[:1 + (rank == 0)], comm=comm, name="group.fewer")
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and "arrays differ" in message
+        and f"(float32[24], int32[3]) on rank {size - 1}" in message
+        and "(float32[4, 6], int32[3]) on rank" in message
+        and all(np.array_equal(a, b) for a, b in zip(arrays, before))
+    )
+    _, fewer = outcome(hpcdl.grouped_allreduce, arrays[: 1 + (rank == 0)], comm=comm, name="group.fewer")
     ok2 = isinstance(fewer, hpcdl.MismatchError) and "arrays differ" in str(fewer)
     agree(comm, ok and ok2, f"{err!r} / {fewer!r}")
 
@@ -308,8 +335,7 @@ def test_named_ops_submitted_in_different_orders(comm):
     arrays = {n: np.full(100 + i, float(rank + i), dtype=np.float32) for i, n in enumerate(names)}
     handles = [hpcdl.allreduce_async(arrays[names[i]], name=names[i], comm=comm) for i in order]
     collective(comm, lambda: [h.wait() for h in handles])
-    bad = [n for i, n in enumerate(names)
-           if not np.all(arrays[n] == sum(r + i for r in range(size)))]
+    bad = [n for i, n in enumerate(names) if not np.all(arrays[n] == sum(r + i for r in range(size)))]
     agree(comm, not bad, f"wrong results for {bad}")
 
 
@@ -329,8 +355,11 @@ def test_ops_agreed_while_a_ring_runs():
     collective(WORLD, lambda: [h.wait() for h in [first, *handles]])
     bad = [n for i, n in enumerate(names) if not np.all(arrays[n] == sum(r * i for r in range(size)))]
     big_ok = bool(np.all(big == sum(range(size))))
-    agree(WORLD, not bad and big_ok and isinstance(mismatch, hpcdl.MismatchError),
-          f"wrong results for {bad}, big ring right: {big_ok}, mismatch raised: {mismatch!r}")
+    agree(
+        WORLD,
+        not bad and big_ok and isinstance(mismatch, hpcdl.MismatchError),
+        f"wrong results for {bad}, big ring right: {big_ok}, mismatch raised: {mismatch!r}",
+    )
 
 
 def test_async_handle_done_and_wait_return_buffer(comm):
@@ -352,9 +381,16 @@ def test_deferred_allreduce_moves_data_only_after_mark_ready():
     collective(WORLD, handle.wait)
     expected = sum(contribution(r, a.size, "float32").astype(np.float64) for r in range(size))
     t = handle.timings()
-    ordered = t["submitted_us"] <= t["ready_us"] <= t["agreed_us"] or t["submitted_us"] <= t["agreed_us"] <= t["ready_us"]
-    ok = (np.allclose(a, expected, rtol=1e-5, atol=1e-4) and len(set(WORLD.allgather(digest(a)))) == 1
-          and ordered and t["ready_us"] <= t["started_us"] and t["ready_us"] - t["submitted_us"] >= 0.045e6 * rank)
+    ordered = (
+        t["submitted_us"] <= t["ready_us"] <= t["agreed_us"] or t["submitted_us"] <= t["agreed_us"] <= t["ready_us"]
+    )
+    ok = (
+        np.allclose(a, expected, rtol=1e-5, atol=1e-4)
+        and len(set(WORLD.allgather(digest(a)))) == 1
+        and ordered
+        and t["ready_us"] <= t["started_us"]
+        and t["ready_us"] - t["submitted_us"] >= 0.045e6 * rank
+    )
     agree(WORLD, ok, t)
 
 
@@ -362,8 +398,9 @@ def test_deferred_allreduce_moves_data_only_after_mark_ready():
 def test_deferred_mismatch_raises_on_every_rank_without_mark_ready(comm):
     """The check runs at submission: a disagreement surfaces before any data is ready."""
     rank = comm.Get_rank()
-    handle = hpcdl.allreduce_async(np.zeros(10 + (rank == 0), dtype=np.float32), name="deferred.mismatch",
-                                   deferred=True, comm=comm)
+    handle = hpcdl.allreduce_async(
+        np.zeros(10 + (rank == 0), dtype=np.float32), name="deferred.mismatch", deferred=True, comm=comm
+    )
     deadline = time.monotonic() + 60
     finished, err = False, None
     while not finished and err is None and time.monotonic() < deadline:
@@ -411,8 +448,14 @@ def test_stats_count_ring_bytes_exactly(comm):
     total_sent = comm.allreduce(row["bytes_sent"])
     total_received = comm.allreduce(row["bytes_received"])
     expected = 2 * (size - 1) * n * 4
-    agree(comm, row["ops"] == 1 and total_sent == expected and total_received == expected
-          and row["dense_bytes"] == row["bytes_sent"], f"{row}, total {total_sent} vs {expected}")
+    agree(
+        comm,
+        row["ops"] == 1
+        and total_sent == expected
+        and total_received == expected
+        and row["dense_bytes"] == row["bytes_sent"],
+        f"{row}, total {total_sent} vs {expected}",
+    )
 
 
 @multi_rank
@@ -423,8 +466,13 @@ def test_mismatched_count_raises_on_every_rank(comm):
     before = a.copy()
     _, err = outcome(hpcdl.allreduce, a, name="mismatched.count", comm=comm)
     message = str(err)
-    ok = (isinstance(err, hpcdl.MismatchError) and "mismatched.count" in message and "count differs" in message
-          and f"rank {comm.Get_size() - 1}" in message and np.array_equal(a, before))
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and "mismatched.count" in message
+        and "count differs" in message
+        and f"rank {comm.Get_size() - 1}" in message
+        and np.array_equal(a, before)
+    )
     agree(comm, ok, repr(err))
     # The engine keeps working afterwards.
     ok2, detail = check_allreduce(comm, 100, "float32", "sum")
@@ -454,8 +502,14 @@ def test_mismatched_shape_with_equal_count_raises_on_every_rank(comm, call):
     _, err = outcome(getattr(hpcdl, call), a, comm=comm, name=f"mismatched.shape.{call}")
     message = str(err)
     others = "rank 1" if comm.Get_size() == 2 else "ranks 1, "
-    ok = (isinstance(err, hpcdl.MismatchError) and "shape differs" in message and "[17, 1311] on rank 0" in message
-          and f"[17, 23, 57] on {others}" in message and "count differs" not in message and np.array_equal(a, before))
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and "shape differs" in message
+        and "[17, 1311] on rank 0" in message
+        and f"[17, 23, 57] on {others}" in message
+        and "count differs" not in message
+        and np.array_equal(a, before)
+    )
     agree(comm, ok, repr(err))
 
 
@@ -479,8 +533,13 @@ def test_a_cached_operation_whose_shape_changes_is_a_mismatch():
     warm = [outcome(collective, WORLD, hpcdl.allreduce, a, name="cached.shape")[1] for _ in range(5)]
     changed = a.reshape(60) if rank == size - 1 else a
     _, err = outcome(hpcdl.allreduce, changed, name="cached.shape")
-    ok = (all(e is None for e in warm) and isinstance(err, hpcdl.MismatchError) and "shape differs" in str(err)
-          and f"[60] on rank {size - 1}" in str(err) and f"[6, 10] on rank{'s' if size > 2 else ''} 0" in str(err))
+    ok = (
+        all(e is None for e in warm)
+        and isinstance(err, hpcdl.MismatchError)
+        and "shape differs" in str(err)
+        and f"[60] on rank {size - 1}" in str(err)
+        and f"[6, 10] on rank{'s' if size > 2 else ''} 0" in str(err)
+    )
     agree(WORLD, ok, f"{warm} {err!r}")
 
 
@@ -571,14 +630,21 @@ def test_mismatch_after_many_cached_steps_is_named_on_every_rank():
     finally:
         hpcdl.configure(stall_warning_seconds=60)
     err = errors["cached.changes"]
-    named = (isinstance(err, hpcdl.MismatchError) and "'cached.changes'" in str(err) and "count differs" in str(err)
-             and f"101 on rank {size - 1}" in str(err))
+    named = (
+        isinstance(err, hpcdl.MismatchError)
+        and "'cached.changes'" in str(err)
+        and "count differs" in str(err)
+        and f"101 on rank {size - 1}" in str(err)
+    )
     others_ran = errors["cached.a"] is None and errors["cached.b"] is None
     # The next step, back in agreement, runs.
     arrays["cached.changes"] = np.zeros(100, dtype=np.float32)
     after, after_err = outcome(run_named_step, names, arrays, 21, rank)
-    agree(WORLD, cached_ok and named and others_ran and after is True,
-          f"cached steps right: {cached_ok}, {errors}, after: {after} {after_err!r}")
+    agree(
+        WORLD,
+        cached_ok and named and others_ran and after is True,
+        f"cached steps right: {cached_ok}, {errors}, after: {after} {after_err!r}",
+    )
 
 
 def test_stall_of_an_op_seen_before_names_the_missing_rank_inside_the_tree():
@@ -640,8 +706,14 @@ def test_broadcast_root_disagreement_and_bad_root(comm):
     a = np.zeros(10, dtype=np.float32)
     _, err = outcome(hpcdl.broadcast, a, root=0 if rank else 1, name="bcast.roots", comm=comm)
     _, err2 = outcome(hpcdl.broadcast, a, root=size, comm=comm)
-    agree(comm, isinstance(err, hpcdl.MismatchError) and "root differs" in str(err)
-          and isinstance(err2, ValueError) and "root" in str(err2), f"{err!r} / {err2!r}")
+    agree(
+        comm,
+        isinstance(err, hpcdl.MismatchError)
+        and "root differs" in str(err)
+        and isinstance(err2, ValueError)
+        and "root" in str(err2),
+        f"{err!r} / {err2!r}",
+    )
 
 
 @multi_rank
@@ -694,16 +766,18 @@ def test_unnamed_ops_from_two_threads_never_pair_across_threads():
             first_done.set()
         results[thread_name] = outcome(handle.wait)
 
-    threads = [threading.Thread(target=reduce, args=(ones, rank == 0, "reduce-ones"), name="reduce-ones"),
-               threading.Thread(target=reduce, args=(hundreds, rank != 0, "reduce-hundreds"),
-                                name="reduce-hundreds")]
+    threads = [
+        threading.Thread(target=reduce, args=(ones, rank == 0, "reduce-ones"), name="reduce-ones"),
+        threading.Thread(target=reduce, args=(hundreds, rank != 0, "reduce-hundreds"), name="reduce-hundreds"),
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     errors = {k: err for k, (_, err) in results.items()}
-    ok = (len(errors) == 2 and all(isinstance(e, hpcdl.MismatchError) and "submitting thread differs" in str(e)
-                                   for e in errors.values()))
+    ok = len(errors) == 2 and all(
+        isinstance(e, hpcdl.MismatchError) and "submitting thread differs" in str(e) for e in errors.values()
+    )
     agree(WORLD, ok and np.all(ones == 1) and np.all(hundreds == 100), f"{errors!r}, {ones[0]}, {hundreds[0]}")
 
 
@@ -721,8 +795,11 @@ def test_unnamed_ops_from_two_threads_in_the_same_order_are_right(comm):
         t.start()
         t.join(120)
     errors = [err for _, err in results.values() if err is not None]
-    agree(comm, not errors and np.all(ones == size * size) and np.all(hundreds == 100 * size),
-          f"{errors!r}, {ones[0]}, {hundreds[0]}")
+    agree(
+        comm,
+        not errors and np.all(ones == size * size) and np.all(hundreds == 100 * size),
+        f"{errors!r}, {ones[0]}, {hundreds[0]}",
+    )
 
 
 def test_handles_polled_with_done_release_their_buffers(comm):
@@ -760,7 +837,7 @@ def test_an_intercommunicator_is_refused_on_every_rank():
     (a 4-rank sum gave 5 on every rank): refused at submission, before any data moves."""
     rank = WORLD.Get_rank()
     half = WORLD.Split(rank % 2, rank)
-    inter = half.Create_intercomm(0, WORLD, 1 - rank % 2, tag=77)   # the other group's first rank leads it
+    inter = half.Create_intercomm(0, WORLD, 1 - rank % 2, tag=77)  # the other group's first rank leads it
     _, error = outcome(lambda: hpcdl.allreduce(np.ones(4, dtype=np.float32), comm=inter))
     inter.Free()
     half.Free()
@@ -789,8 +866,11 @@ def test_stall_error_names_a_rank_that_gave_up_not_one_that_never_submitted():
             ok = isinstance(first, hpcdl.StallTimeoutError) and f"never submitted by rank {last}" in str(first)
             err = first
         else:
-            ok = (isinstance(second, hpcdl.StallTimeoutError) and "never submitted" not in str(second)
-                  and f"{others}, which submitted it earlier and gave up on it" in str(second))
+            ok = (
+                isinstance(second, hpcdl.StallTimeoutError)
+                and "never submitted" not in str(second)
+                and f"{others}, which submitted it earlier and gave up on it" in str(second)
+            )
             err = second
         b = np.ones(8, dtype=np.float32)
         collective(WORLD, hpcdl.allreduce, b, name="after.given.up")

@@ -9,9 +9,10 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl
-from conftest import agree, multi_rank, outcome
 from hpcdl import _core
 from hpcdl.compression import BF16, FP16, Int8, TopK
+
+from conftest import agree, multi_rank, outcome
 from helpers.compression import ODD_COUNTS, k_largest
 
 WORLD = MPI.COMM_WORLD
@@ -44,7 +45,7 @@ def int8_ring_bound(inputs, block, size):
     for x in inputs:
         padded = np.concatenate([np.zeros(block - 1), np.abs(x.astype(np.float64)), np.zeros(block - 1)])
         total += np.lib.stride_tricks.sliding_window_view(padded, 2 * block - 1).max(axis=1)
-    return ((1 + 1 / 254) ** size - 1) * total + 4 * size * 2.0 ** -23 * total
+    return ((1 + 1 / 254) ** size - 1) * total + 4 * size * 2.0**-23 * total
 
 
 @pytest.mark.mpi(min_size=2)
@@ -74,11 +75,12 @@ def test_int8_ring_within_bound_and_bitwise_identical(op):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("codec", [FP16(), BF16(), Int8(rounding="stochastic", seed=5), TopK(0.05),
-                                   TopK(0.05, algorithm="split")], ids=str)
+@pytest.mark.parametrize(
+    "codec", [FP16(), BF16(), Int8(rounding="stochastic", seed=5), TopK(0.05), TopK(0.05, algorithm="split")], ids=str
+)
 def test_other_codecs_bitwise_identical_and_close(comm, codec):
     rank, size = comm.Get_rank(), comm.Get_size()
-    rel = {"fp16": 2.0 ** -10, "bf16": 2.0 ** -7}.get(codec.name, 2 / 127)
+    rel = {"fp16": 2.0**-10, "bf16": 2.0**-7}.get(codec.name, 2 / 127)
     problems = []
     for count in ODD_COUNTS:
         inputs = [contribution(r, count) for r in range(size)]
@@ -171,7 +173,7 @@ def test_topk_large_tensor_identity_ties_and_misled_sample():
     ties = [(((np.arange(count) * (7 + r)) % 13) - 6).astype(np.float32) for r in range(size)]
     misled = [contribution(r, count) for r in range(size)]
     for r, x in enumerate(misled):
-        x[:65536 * 16:16] = 1000.0 + r + np.arange(65536, dtype=np.float32) / 65536
+        x[: 65536 * 16 : 16] = 1000.0 + r + np.arange(65536, dtype=np.float32) / 65536
     differ = []
     for inputs in (ties, misled):
         data = inputs[rank].copy()
@@ -180,15 +182,18 @@ def test_topk_large_tensor_identity_ties_and_misled_sample():
     # The sample misled the other way (tiny values where it looks): far more
     # than 4k + 64 above its threshold, yet no rank sends more than k pairs.
     low = contribution(rank, count)
-    low[:65536 * 16:16] = 1e-6
+    low[: 65536 * 16 : 16] = 1e-6
     hpcdl.stats(reset=True)
     hpcdl.allreduce(low, compression=codec)
     sent = sum(row["bytes_sent"] for row in hpcdl.stats(reset=True)["allreduce"].values())
     same = len(set(WORLD.allgather(digest(low)))) == 1
     limit = (size - 1) * 8 * codec.k(count)
-    agree(WORLD, gap <= 1e-4 and differ == [0, 0] and same and sent <= limit,
-          f"identity gap {gap}, values differing from the k largest (ties, misled sample): {differ}, "
-          f"ranks identical {same}, sent {sent} of at most {limit} bytes")
+    agree(
+        WORLD,
+        gap <= 1e-4 and differ == [0, 0] and same and sent <= limit,
+        f"identity gap {gap}, values differing from the k largest (ties, misled sample): {differ}, "
+        f"ranks identical {same}, sent {sent} of at most {limit} bytes",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -209,8 +214,11 @@ def test_error_feedback_recovers_what_topk_dropped():
     truth = steps * size * grad.astype(np.float64)
     err_ef, err_plain = np.abs(with_ef - truth).max(), np.abs(without - truth).max()
     hpcdl.compression.reset_state()
-    agree(WORLD, err_ef < 0.2 * err_plain and hpcdl.compression.residual("ef.constant") is None,
-          f"{err_ef} vs {err_plain}")
+    agree(
+        WORLD,
+        err_ef < 0.2 * err_plain and hpcdl.compression.residual("ef.constant") is None,
+        f"{err_ef} vs {err_plain}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -223,14 +231,27 @@ def test_nan_and_inf_propagate_without_hanging(comm, codec):
         data[100] = 50  # make topk pick more than the specials
     hpcdl.allreduce(data, compression=codec, comm=comm)
     same = len(set(comm.allgather(digest(data)))) == 1
-    agree(comm, same and not np.isfinite(data[5]) and not np.isfinite(data[700]) and np.isfinite(data[300]),
-          f"{data[[5, 700, 300]]}, same {same}")
+    agree(
+        comm,
+        same and not np.isfinite(data[5]) and not np.isfinite(data[700]) and np.isfinite(data[300]),
+        f"{data[[5, 700, 300]]}, same {same}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("codec,bad", [(FP16(), 1e5), (FP16(), np.inf), (BF16(), np.nan), (Int8(block=16), np.inf),
-                                       (Int8(block=512), np.nan), (TopK(0.1), np.inf), (TopK(0.002), np.nan)],
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize(
+    "codec,bad",
+    [
+        (FP16(), 1e5),
+        (FP16(), np.inf),
+        (BF16(), np.nan),
+        (Int8(block=16), np.inf),
+        (Int8(block=512), np.nan),
+        (TopK(0.1), np.inf),
+        (TopK(0.002), np.nan),
+    ],
+    ids=lambda v: str(v),
+)
 @pytest.mark.parametrize("op", ["sum", "average"])
 def test_one_non_finite_step_does_not_poison_error_feedback(codec, bad, op):
     """One step where rank 0's g[3] and g[1500:1510] are non-finite (AMP's loss
@@ -268,10 +289,15 @@ def test_codec_disagreement_is_a_mismatch_on_every_rank(comm):
     codec = Int8(block=128) if rank == 1 else Int8()
     _, err = outcome(hpcdl.allreduce, data, name="mismatched.codec", compression=codec, comm=comm)
     message = str(err)
-    ok = (isinstance(err, hpcdl.MismatchError) and "compression differs" in message
-          and "int8(block=128) on rank 1" in message and np.array_equal(data, before))
-    _, err2 = outcome(hpcdl.allreduce, data.copy(), name="codec.vs.none",
-                      compression=None if rank == 0 else FP16(), comm=comm)
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and "compression differs" in message
+        and "int8(block=128) on rank 1" in message
+        and np.array_equal(data, before)
+    )
+    _, err2 = outcome(
+        hpcdl.allreduce, data.copy(), name="codec.vs.none", compression=None if rank == 0 else FP16(), comm=comm
+    )
     ok2 = isinstance(err2, hpcdl.MismatchError) and "none on rank 0" in str(err2)
     agree(comm, ok and ok2, f"{err!r} / {err2!r}")
 
@@ -291,9 +317,14 @@ def test_stats_measure_compressed_bytes_exactly(comm):
     expected_int8 = 2 * (size - 1) * sum(math.ceil(s / block) * 4 + s for s in seg_lens)
     expected_topk = size * (size - 1) * 8 * TopK(0.01).k(n)
     totals = {k: comm.allreduce(r["bytes_sent"]) for k, r in (("int8", int8), ("topk", topk))}
-    ok = (totals["int8"] == expected_int8 and totals["topk"] == expected_topk
-          and int8["dense_bytes"] == dense["bytes_sent"] == topk["dense_bytes"]
-          and int8["dense_bytes"] / int8["bytes_sent"] > 3.9 and int8["ops"] == 1 and int8["seconds"] > 0)
+    ok = (
+        totals["int8"] == expected_int8
+        and totals["topk"] == expected_topk
+        and int8["dense_bytes"] == dense["bytes_sent"] == topk["dense_bytes"]
+        and int8["dense_bytes"] / int8["bytes_sent"] > 3.9
+        and int8["ops"] == 1
+        and int8["seconds"] > 0
+    )
     agree(comm, ok, f"{rows}, totals {totals} vs {expected_int8}, {expected_topk}")
 
 
@@ -312,5 +343,8 @@ def test_free_residual_and_residual_memory():
         freed_all = freed_all and hpcdl.compression.free_residual(name) and hpcdl.compression.residual(name) is None
     left = hpcdl.compression.residual_memory()
     again = hpcdl.compression.free_residual("unique.0")
-    agree(WORLD, peak == 4 * count and freed_all and left == 0 and again is False,
-          f"peak {peak} bytes, every one freed {freed_all}, left {left}, freed twice {again}")
+    agree(
+        WORLD,
+        peak == 4 * count and freed_all and left == 0 and again is False,
+        f"peak {peak} bytes, every one freed {freed_all}, left {left}, freed twice {again}",
+    )

@@ -15,8 +15,9 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import hpcdl
-from conftest import agree
 from hpcdl.compression import Int8, TopK
+
+from conftest import agree
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -44,7 +45,7 @@ class MLP:
         out, at = [], 0
         for s in self.shapes:
             n = int(np.prod(s))
-            out.append(flat[at:at + n].reshape(s))
+            out.append(flat[at : at + n].reshape(s))
             at += n
         return out
 
@@ -92,8 +93,11 @@ def train(compression, name):
 def test_compressed_sgd_matches_dense_accuracy_on_digits():
     dense, dense_same = train(None, "digits.grad")
     results = {}
-    for label, codec in (("topk1%+ef", TopK(0.01)), ("topk1%split+ef", TopK(0.01, algorithm="split")),
-                         ("int8", Int8())):
+    for label, codec in (
+        ("topk1%+ef", TopK(0.01)),
+        ("topk1%split+ef", TopK(0.01, algorithm="split")),
+        ("int8", Int8()),
+    ):
         results[label] = train(codec, "digits.grad")
     bad = {label: acc for label, (acc, same) in results.items() if not same or acc < dense - 0.015}
     detail = f"dense {dense:.4f}, " + ", ".join(f"{k} {a:.4f} (ranks identical: {s})" for k, (a, s) in results.items())

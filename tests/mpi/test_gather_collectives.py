@@ -13,6 +13,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
+
 from conftest import agree, collective, multi_rank, outcome
 from helpers.device import device  # noqa: F401 - the fixture
 
@@ -58,8 +59,13 @@ def test_allgather_of_uneven_rows_is_the_concatenation_in_rank_order(comm, dtype
     before = mine.copy()
     out = on(comm, hpcdl.allgather, mine, name=f"gather.{dtype}")
     expected = np.concatenate([block(r, rows_of(r), dtype) for r in range(size)])
-    ok = (out.dtype == mine.dtype and out.shape == expected.shape and out.tobytes() == expected.tobytes()
-          and mine.tobytes() == before.tobytes() and same_everywhere(comm, out))
+    ok = (
+        out.dtype == mine.dtype
+        and out.shape == expected.shape
+        and out.tobytes() == expected.tobytes()
+        and mine.tobytes() == before.tobytes()
+        and same_everywhere(comm, out)
+    )
     agree(comm, ok, f"{out.dtype} {out.shape} vs {expected.shape}")
 
 
@@ -102,9 +108,14 @@ def test_allgather_of_torch_and_tensorflow_tensors(device):
     expected = torch.cat([torch.arange(rows_of(r) * 2, dtype=torch.bfloat16).reshape(-1, 2) + r for r in range(size)])
     tf_out = collective(WORLD, hpcdl.allgather, tf.constant([[rank, rank]] * (rank + 1), tf.int32), name="gather.tf")
     tf_expected = np.concatenate([[[r, r]] * (r + 1) for r in range(size)]).astype(np.int32)
-    ok = (isinstance(out, torch.Tensor) and out.device == mine.device and out.dtype == torch.bfloat16
-          and torch.equal(out.cpu(), expected) and isinstance(tf_out, tf.Tensor)
-          and np.array_equal(tf_out.numpy(), tf_expected))
+    ok = (
+        isinstance(out, torch.Tensor)
+        and out.device == mine.device
+        and out.dtype == torch.bfloat16
+        and torch.equal(out.cpu(), expected)
+        and isinstance(tf_out, tf.Tensor)
+        and np.array_equal(tf_out.numpy(), tf_expected)
+    )
     agree(WORLD, ok, f"{out.device} {out.dtype} {tuple(out.shape)}; {tf_out.shape}")
 
 
@@ -162,8 +173,12 @@ def test_reducescatter_gives_each_rank_its_rows_of_the_reduction(comm, dtype, op
         exact = exact // size if dtype.startswith("int") else exact / size
     begin, end = segment(rank, size, rows)
     tol = {"float16": 2e-2, "bfloat16": 1e-1, "float32": 1e-5}.get(dtype, 1e-12)
-    ok = (out.shape == (end - begin,) + ROW and out.dtype == mine.dtype and mine.tobytes() == before.tobytes()
-          and np.allclose(out.astype(np.float64), exact[begin:end], rtol=tol, atol=tol * size))
+    ok = (
+        out.shape == (end - begin,) + ROW
+        and out.dtype == mine.dtype
+        and mine.tobytes() == before.tobytes()
+        and np.allclose(out.astype(np.float64), exact[begin:end], rtol=tol, atol=tol * size)
+    )
     agree(comm, ok, f"{out.shape} rows {begin}:{end}")
 
 
@@ -199,8 +214,9 @@ def test_alltoall_with_splits_delivers_each_ranks_rows_in_rank_order(comm, dtype
     splits, mine = sent_by(rank, size, dtype)
     received, got_splits = on(comm, hpcdl.alltoall, mine, splits=splits, name=f"a2a.{dtype}")
     expected_splits = [sent_by(r, size, dtype)[0][rank] for r in range(size)]
-    expected = np.concatenate([np.full((n,) + ROW, 10 * r + rank).astype(np_dtype(dtype))
-                               for r, n in enumerate(expected_splits)])
+    expected = np.concatenate(
+        [np.full((n,) + ROW, 10 * r + rank).astype(np_dtype(dtype)) for r, n in enumerate(expected_splits)]
+    )
     ok = got_splits == expected_splits and received.tobytes() == expected.tobytes() and received.shape == expected.shape
     agree(comm, ok, f"{got_splits} vs {expected_splits}")
 

@@ -11,6 +11,7 @@ from mpi4py import MPI
 import hpcdl.horovod.tensorflow as hvd_tf
 import hpcdl.horovod.tensorflow.keras as hvd_keras
 import hpcdl.horovod.torch as hvd
+
 from conftest import agree, collective
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -40,11 +41,20 @@ def test_torch_allgather_forms_and_types():
     out = collective(WORLD, hvd.allgather, data(rank))
     handle = hvd.allgather_async(data(rank), name="hvd.ag.async")
     async_out = collective(WORLD, hvd.synchronize, handle)
-    grouped = collective(WORLD, hvd.grouped_allgather, [data(rank), torch.full((rank + 1,), rank, dtype=torch.uint8)],
-                         name="hvd.ag.group")
+    grouped = collective(
+        WORLD,
+        hvd.grouped_allgather,
+        [data(rank), torch.full((rank + 1,), rank, dtype=torch.uint8)],
+        name="hvd.ag.group",
+    )
     masks = torch.cat([torch.full((r + 1,), r, dtype=torch.uint8) for r in range(size)])
-    ok = (torch.equal(out, expected) and torch.equal(async_out, expected) and torch.equal(grouped[0], expected)
-          and grouped[1].dtype == torch.uint8 and torch.equal(grouped[1], masks))
+    ok = (
+        torch.equal(out, expected)
+        and torch.equal(async_out, expected)
+        and torch.equal(grouped[0], expected)
+        and grouped[1].dtype == torch.uint8
+        and torch.equal(grouped[1], masks)
+    )
     agree(WORLD, ok, f"{out.shape} {grouped[1].tolist()}")
 
 
@@ -68,9 +78,14 @@ def test_torch_reducescatter_and_alltoall():
     expected_splits = [(r + rank) % 2 for r in range(size)]
     expected = torch.cat([torch.full((k, 2), 10 * r + rank) for r, k in enumerate(expected_splits)])
     equal = collective(WORLD, hvd.alltoall, torch.arange(size) + 10 * rank, name="hvd.a2a.equal")
-    ok = (torch.allclose(avg, total[mine] / size) and torch.allclose(summed, total[mine])
-          and got_splits.dtype == torch.int32 and got_splits.tolist() == expected_splits and torch.equal(got, expected)
-          and torch.equal(equal, torch.tensor([10 * r + rank for r in range(size)])))
+    ok = (
+        torch.allclose(avg, total[mine] / size)
+        and torch.allclose(summed, total[mine])
+        and got_splits.dtype == torch.int32
+        and got_splits.tolist() == expected_splits
+        and torch.equal(got, expected)
+        and torch.equal(equal, torch.tensor([10 * r + rank for r in range(size)]))
+    )
     agree(WORLD, ok, f"{avg.shape} {got_splits.tolist()} {equal.tolist()}")
 
 
@@ -82,7 +97,7 @@ def test_torch_gradients_through_allgather_reducescatter_and_alltoall():
     (hvd.allgather(x) * weights * (rank + 1)).sum().backward()
     offset = sum(rows(r) for r in range(rank))
     # this rank's rows of the average over ranks of (r + 1) * weights
-    expected = (weights[offset:offset + rows(rank)] * sum(range(1, size + 1)) / size).expand(rows(rank), 3)
+    expected = (weights[offset : offset + rows(rank)] * sum(range(1, size + 1)) / size).expand(rows(rank), 3)
     ag_ok = torch.allclose(x.grad, expected)
 
     y = data(rank, size).requires_grad_()
@@ -120,15 +135,20 @@ def test_tensorflow_allgather_reducescatter_alltoall(graph):
     sent = tf.constant([[rank]] * size, tf.int32)
 
     def run(x, y, sent):
-        return (hvd_tf.allgather(x, name="tf.ag"), hvd_tf.reducescatter(y, op=hvd_tf.Sum, name="tf.rs"),
-                hvd_tf.alltoall(sent, name="tf.a2a"))
+        return (
+            hvd_tf.allgather(x, name="tf.ag"),
+            hvd_tf.reducescatter(y, op=hvd_tf.Sum, name="tf.rs"),
+            hvd_tf.alltoall(sent, name="tf.a2a"),
+        )
 
-    gathered, scattered, (received, received_splits) = collective(WORLD, tf.function(run) if graph else run, x, y,
-                                                                   sent)
+    gathered, scattered, (received, received_splits) = collective(WORLD, tf.function(run) if graph else run, x, y, sent)
     total = sum(data(r, n) for r in range(size)).numpy()
-    ok = (np.array_equal(gathered.numpy(), torch.cat([data(r) for r in range(size)]).numpy())
-          and np.allclose(scattered.numpy(), total[2 * rank:2 * rank + 2])
-          and received.numpy().ravel().tolist() == list(range(size)) and received_splits.numpy().tolist() == [1] * size)
+    ok = (
+        np.array_equal(gathered.numpy(), torch.cat([data(r) for r in range(size)]).numpy())
+        and np.allclose(scattered.numpy(), total[2 * rank : 2 * rank + 2])
+        and received.numpy().ravel().tolist() == list(range(size))
+        and received_splits.numpy().tolist() == [1] * size
+    )
     agree(WORLD, ok, f"{gathered.shape} {scattered.shape} {received.numpy().ravel().tolist()}")
 
 
@@ -140,7 +160,7 @@ def test_tensorflow_allgather_gradient_is_this_ranks_rows_of_the_average():
         loss = tf.reduce_sum(hvd_tf.allgather(x) * weights * (rank + 1))
     grad = tape.gradient(loss, x)
     offset = sum(rows(r) for r in range(rank))
-    expected = np.broadcast_to(weights[offset:offset + rows(rank)] * sum(range(1, size + 1)) / size, (rows(rank), 3))
+    expected = np.broadcast_to(weights[offset : offset + rows(rank)] * sum(range(1, size + 1)) / size, (rows(rank), 3))
     agree(WORLD, np.allclose(np.asarray(grad), expected), np.asarray(grad).tolist())
 
 
@@ -148,8 +168,12 @@ def test_keras_allgather_and_reducescatter_return_numpy_values():
     rank, size = hvd_keras.rank(), hvd_keras.size()
     gathered = collective(WORLD, hvd_keras.allgather, np.full((rank + 1, 2), rank, np.float32), name="keras.ag")
     scattered = collective(WORLD, hvd_keras.reducescatter, np.full((size, 2), rank + 1.0), name="keras.rs")
-    ok = (isinstance(gathered, np.ndarray) and gathered[:, 0].tolist() == [r for r in range(size) for _ in range(r + 1)]
-          and isinstance(scattered, np.ndarray) and np.allclose(scattered, (size + 1) / 2))
+    ok = (
+        isinstance(gathered, np.ndarray)
+        and gathered[:, 0].tolist() == [r for r in range(size) for _ in range(r + 1)]
+        and isinstance(scattered, np.ndarray)
+        and np.allclose(scattered, (size + 1) / 2)
+    )
     agree(WORLD, ok, f"{gathered.tolist()} {scattered.tolist()}")
 
 
@@ -176,8 +200,12 @@ def test_sync_batch_norm_equals_batch_norm_over_the_global_batch():
     weight_grad = WORLD.allreduce(sync.weight.grad.numpy())
     sync.eval()
     evaluated = sync(full[mine])
-    ok = (torch.allclose(out, out_ref[mine].detach()) and torch.allclose(x.grad, x_ref.grad[mine])
-          and torch.allclose(sync.running_mean, ref.running_mean) and torch.allclose(sync.running_var, ref.running_var)
-          and np.allclose(weight_grad, ref.weight.grad.numpy())
-          and torch.allclose(evaluated, ref.eval()(full)[mine].detach()))
+    ok = (
+        torch.allclose(out, out_ref[mine].detach())
+        and torch.allclose(x.grad, x_ref.grad[mine])
+        and torch.allclose(sync.running_mean, ref.running_mean)
+        and torch.allclose(sync.running_var, ref.running_var)
+        and np.allclose(weight_grad, ref.weight.grad.numpy())
+        and torch.allclose(evaluated, ref.eval()(full)[mine].detach())
+    )
     agree(WORLD, ok, f"{(out - out_ref[mine]).abs().max()}")

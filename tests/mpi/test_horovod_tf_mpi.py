@@ -13,6 +13,7 @@ from mpi4py import MPI
 import hpcdl.horovod.tensorflow as hvd
 import hpcdl.horovod.tensorflow.keras as hvd_keras
 import hpcdl.tensorflow as hvd_tf
+
 from conftest import agree, collective, outcome
 from helpers.keras_fit import LOCAL_BATCH, LOSS, fit, global_data, make_model
 
@@ -52,8 +53,10 @@ def test_allreduce_eager_and_in_tf_function_against_float64_reference(dtype):
     want_sum = reference_sum(dtype)
     want_avg = want_sum / size if dtype.is_floating else np.floor_divide(want_sum, size)
     tol = 1e-4 if dtype == tf.float32 else 1e-12
-    ok = all(np.allclose(t.numpy().astype(np.float64), want, rtol=tol, atol=tol) and t.dtype == dtype
-             for t, want in ((summed, want_sum), (average, want_avg), (graph_sum, want_sum), (graph_avg, want_avg)))
+    ok = all(
+        np.allclose(t.numpy().astype(np.float64), want, rtol=tol, atol=tol) and t.dtype == dtype
+        for t, want in ((summed, want_sum), (average, want_avg), (graph_sum, want_sum), (graph_avg, want_avg))
+    )
     agree(WORLD, ok, f"{dtype.name}: sum diff {np.abs(summed.numpy() - want_sum).max()}")
 
 
@@ -137,13 +140,30 @@ def test_keras_fit_with_horovod_callbacks_equals_hpcdls_own_fit():
     x, y = global_data(size)
     mine = quarter(x, rank, size), quarter(y, rank, size)
     ours = make_model(seed=rank)  # different on every rank: the callback starts all from rank 0's
-    history = collective(WORLD, fit, ours, hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.5)), *mine,
-                         LOCAL_BATCH, epochs=2, callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
-                                                           hvd_keras.callbacks.MetricAverageCallback()])
+    history = collective(
+        WORLD,
+        fit,
+        ours,
+        hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.5)),
+        *mine,
+        LOCAL_BATCH,
+        epochs=2,
+        callbacks=[
+            hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0),
+            hvd_keras.callbacks.MetricAverageCallback(),
+        ],
+    )
     theirs = make_model(seed=rank)
-    own = collective(WORLD, fit, theirs, hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5)), *mine,
-                     LOCAL_BATCH, epochs=2, callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0),
-                                                       hvd_tf.MetricAverageCallback()])
+    own = collective(
+        WORLD,
+        fit,
+        theirs,
+        hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5)),
+        *mine,
+        LOCAL_BATCH,
+        epochs=2,
+        callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0), hvd_tf.MetricAverageCallback()],
+    )
     losses = WORLD.allgather(history.history["loss"])
     ok = digest(ours) == digest(theirs) and history.history["loss"] == own.history["loss"]
     agree(WORLD, ok and all(loss == losses[0] for loss in losses), f"losses {losses}")
@@ -160,9 +180,17 @@ def test_learning_rate_warmup_rises_from_a_size_th_to_the_initial_rate():
             seen.append(float(self.model.optimizer.learning_rate.numpy()))
 
     steps = len(quarter(x, rank, size)) // LOCAL_BATCH
-    collective(WORLD, fit, make_model(), hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
-               quarter(x, rank, size), quarter(y, rank, size), LOCAL_BATCH, epochs=3,
-               callbacks=[hvd_keras.callbacks.LearningRateWarmupCallback(0.8, warmup_epochs=2), Record()])
+    collective(
+        WORLD,
+        fit,
+        make_model(),
+        hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(0.01)),
+        quarter(x, rank, size),
+        quarter(y, rank, size),
+        LOCAL_BATCH,
+        epochs=3,
+        callbacks=[hvd_keras.callbacks.LearningRateWarmupCallback(0.8, warmup_epochs=2), Record()],
+    )
     want = [0.8 / size * ((e + (b + 1) / steps) * (size - 1) / 2 + 1) for e in range(2) for b in range(steps)]
     want += [want[-1]] * steps  # after the warm-up the rate stays
     agree(WORLD, np.allclose(seen, want) and np.isclose(want[-1], 0.8), f"seen {seen}, want {want}")
@@ -184,8 +212,9 @@ def test_process_sets_in_tensorflow():
         return mine.ranks, summed, variable
 
     members, summed, variable = collective(WORLD, run)
-    agree(WORLD, summed.numpy()[0] == sum(members) and variable.numpy()[0] == members[0],
-          f"{members} {summed} {variable}")
+    agree(
+        WORLD, summed.numpy()[0] == sum(members) and variable.numpy()[0] == members[0], f"{members} {summed} {variable}"
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -203,8 +232,10 @@ def test_min_max_product_eager_and_in_tf_function(dtype):
     low = collective(WORLD, hvd.allreduce, tf.constant(data(rank)), op=hvd.Min, name=f"min.{dtype.name}")
     high, product = collective(WORLD, in_graph, tf.constant(data(rank)))
     stack = np.stack([data(r).astype(np.float64) for r in range(size)])
-    ok = all(t.dtype == dtype and np.array_equal(t.numpy().astype(np.float64), want)
-             for t, want in ((low, stack.min(0)), (high, stack.max(0)), (product, stack.prod(0))))
+    ok = all(
+        t.dtype == dtype and np.array_equal(t.numpy().astype(np.float64), want)
+        for t, want in ((low, stack.min(0)), (high, stack.max(0)), (product, stack.prod(0)))
+    )
     agree(WORLD, ok, f"{low} {high} {product}")
 
 
@@ -217,12 +248,15 @@ def test_allreduce_of_indexed_slices_allgathers_them(use_function):
     rng = np.random.default_rng(40 + rank)
     rows = rank + 1
     values, indices = rng.normal(size=(rows, 3)), rng.integers(0, 6, rows)
-    slices = tf.IndexedSlices(tf.constant(values, tf.float32), tf.constant(indices, tf.int64), tf.constant([6, 3],
-                                                                                                           tf.int64))
+    slices = tf.IndexedSlices(
+        tf.constant(values, tf.float32), tf.constant(indices, tf.int64), tf.constant([6, 3], tf.int64)
+    )
 
     def both(s):
-        return (hvd.allreduce(s, name=f"slices.avg.{use_function}"),
-                hvd.allreduce(s, op=hvd.Sum, name=f"slices.sum.{use_function}"))
+        return (
+            hvd.allreduce(s, name=f"slices.avg.{use_function}"),
+            hvd.allreduce(s, op=hvd.Sum, name=f"slices.sum.{use_function}"),
+        )
 
     run = tf.function(both) if use_function else both
     average, summed = collective(WORLD, run, slices)
@@ -232,10 +266,13 @@ def test_allreduce_of_indexed_slices_allgathers_them(use_function):
         np.add.at(want, i, v)
     got_sum = tf.convert_to_tensor(summed).numpy().astype(np.float64)
     got_avg = tf.convert_to_tensor(average).numpy().astype(np.float64)
-    ok = (isinstance(summed, tf.IndexedSlices) and np.array_equal(summed.indices.numpy(),
-                                                                    np.concatenate([i for _, i in everyone]))
-          and np.allclose(got_sum, want, atol=1e-5) and np.allclose(got_avg, want / size, atol=1e-5)
-          and len(set(WORLD.allgather(got_avg.tobytes()))) == 1)
+    ok = (
+        isinstance(summed, tf.IndexedSlices)
+        and np.array_equal(summed.indices.numpy(), np.concatenate([i for _, i in everyone]))
+        and np.allclose(got_sum, want, atol=1e-5)
+        and np.allclose(got_avg, want / size, atol=1e-5)
+        and len(set(WORLD.allgather(got_avg.tobytes()))) == 1
+    )
     _, err = outcome(hvd.allreduce, slices, op=hvd.Max, name="slices.max")
     ok = ok and isinstance(err, ValueError) and "IndexedSlices" in str(err)
     agree(WORLD, ok, f"{np.max(np.abs(got_sum - want))}, {err!r}")
@@ -250,8 +287,9 @@ def test_horovod_tape_passes_sparse_as_dense(sparse_as_dense):
     table = tf.Variable(tf.zeros((4, 2)))
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tf.gather(table, [rank % 4]) * float(rank + 1))
-    grad = collective(WORLD, hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense).gradient, loss,
-                      [table])[0]
+    grad = collective(
+        WORLD, hvd.DistributedGradientTape(tape, sparse_as_dense=sparse_as_dense).gradient, loss, [table]
+    )[0]
     want = np.zeros((4, 2))
     for r in range(size):
         want[r % 4] += (r + 1) / size
@@ -282,7 +320,9 @@ def test_grouped_allreduce_eager_in_tf_function_and_its_gradient():
     grad = collective(WORLD, gradient)
     want = [reference_sum(d) for d in dtypes]
     averages = [w / size if d.is_floating else np.floor_divide(w, size) for w, d in zip(want, dtypes)]
-    ok = (all(np.allclose(t.numpy(), a, rtol=1e-5) and t.dtype == d for t, a, d in zip(eager, averages, dtypes))
-          and all(np.allclose(t.numpy(), w, rtol=1e-5) for t, w in zip(graph, want))
-          and np.allclose(grad.numpy(), 3 * size))
+    ok = (
+        all(np.allclose(t.numpy(), a, rtol=1e-5) and t.dtype == d for t, a, d in zip(eager, averages, dtypes))
+        and all(np.allclose(t.numpy(), w, rtol=1e-5) for t, w in zip(graph, want))
+        and np.allclose(grad.numpy(), 3 * size)
+    )
     agree(WORLD, ok, f"{[t.numpy().ravel()[:2] for t in eager]} {grad}")

@@ -12,6 +12,7 @@ from mpi4py import MPI
 import hpcdl.compression
 import hpcdl.horovod.torch as hvd
 import hpcdl.torch as hvt
+
 from conftest import agree, collective, outcome
 from helpers.device import device  # noqa: F401 - the fixture
 from helpers.torch_adapter import full_batch, loss_of, make_model, params_digest
@@ -48,8 +49,11 @@ def test_basics_describe_the_job():
     layout = WORLD.allgather((hvd.local_rank(), hvd.local_size(), hvd.cross_rank(), hvd.cross_size()))
     agree(WORLD, hvd.size() == size and hvd.rank() == rank and hvd.is_homogeneous(), "rank/size")
     # one node here: every rank is local, one node across
-    agree(WORLD, all(lr == r and ls == size and cr == 0 and cs == 1 for r, (lr, ls, cr, cs) in enumerate(layout)),
-          str(layout))
+    agree(
+        WORLD,
+        all(lr == r and ls == size and cr == 0 and cs == 1 for r, (lr, ls, cr, cs) in enumerate(layout)),
+        str(layout),
+    )
 
 
 @pytest.mark.mpi(min_size=3)
@@ -83,10 +87,15 @@ def test_allreduce_values_against_float64_reference(dtype):
     want_sum = reference_sum(dtype)
     want_avg = want_sum / size if dtype.is_floating_point else np.floor_divide(want_sum, size)
     tol = 1e-4 if dtype == torch.float32 else 1e-12
-    ok = (np.allclose(summed.double().numpy(), want_sum, rtol=tol, atol=tol)
-          and np.allclose(average.double().numpy(), want_avg, rtol=tol, atol=tol)
-          and torch.equal(deprecated, summed) and returned is in_place and torch.equal(in_place, average)
-          and torch.equal(mine, kept) and summed.dtype == dtype)
+    ok = (
+        np.allclose(summed.double().numpy(), want_sum, rtol=tol, atol=tol)
+        and np.allclose(average.double().numpy(), want_avg, rtol=tol, atol=tol)
+        and torch.equal(deprecated, summed)
+        and returned is in_place
+        and torch.equal(in_place, average)
+        and torch.equal(mine, kept)
+        and summed.dtype == dtype
+    )
     agree(WORLD, ok, f"{dtype}: sum diff {np.abs(summed.double().numpy() - want_sum).max()}")
 
 
@@ -116,8 +125,7 @@ def test_async_handles_poll_and_synchronize():
         return [hvd.synchronize(h) for h in handles]
 
     results = collective(WORLD, run)
-    ok = all(np.allclose(r.numpy(), reference_sum(torch.float64, (k + 3,)), rtol=1e-12)
-             for k, r in enumerate(results))
+    ok = all(np.allclose(r.numpy(), reference_sum(torch.float64, (k + 3,)), rtol=1e-12) for k, r in enumerate(results))
     ok = ok and all(torch.equal(t, o) for t, o in zip(tensors[:3], originals[:3]))  # out of place
     ok = ok and all(r is t for r, t in zip(results[3:], tensors[3:]))  # in place
     _, again = outcome(hvd.synchronize, 1 << 40)
@@ -211,8 +219,9 @@ def test_distributed_optimizer_equals_hpcdls_own():
     size = WORLD.Get_size()
 
     def horovod_sgd(model, **kw):
-        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                        named_parameters=model.named_parameters(), **kw)
+        return hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5), named_parameters=model.named_parameters(), **kw
+        )
 
     theirs = collective(WORLD, train, hpcdl_sgd)
     ours = collective(WORLD, train, horovod_sgd)
@@ -226,8 +235,11 @@ def test_distributed_optimizer_equals_hpcdls_own():
     pairs = [(ours, theirs), (predivided, theirs), (summed, summed_own), (clipped, clipped_own), (fp16, fp16_own)]
     same = [params_digest(a) == params_digest(b) for a, b in pairs]
     digests = WORLD.allgather(params_digest(ours))
-    agree(WORLD, all(same) and len(set(digests)) == 1 and params_digest(ours) != params_digest(clipped),
-          f"identical per pair: {same}")
+    agree(
+        WORLD,
+        all(same) and len(set(digests)) == 1 and params_digest(ours) != params_digest(clipped),
+        f"identical per pair: {same}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -243,8 +255,9 @@ def test_broadcast_parameters_and_optimizer_state():
     digests = WORLD.allgather(params_digest(model))
     lrs = WORLD.allgather(opt.param_groups[0]["lr"])
     steps = WORLD.allgather(len(opt.state_dict()["state"]))
-    agree(WORLD, len(set(digests)) == 1 and set(lrs) == {0.01} and len(set(steps)) == 1 and steps[0] > 0,
-          f"{lrs} {steps}")
+    agree(
+        WORLD, len(set(digests)) == 1 and set(lrs) == {0.01} and len(set(steps)) == 1 and steps[0] > 0, f"{lrs} {steps}"
+    )
 
 
 @pytest.mark.mpi(min_size=4)
@@ -267,10 +280,19 @@ def test_process_sets_reduce_and_broadcast_among_their_members():
 
     mine, summed, average, got, obj, not_member, removed, root = collective(WORLD, run)
     members = evens if rank % 2 == 0 else odds
-    ok = (summed.item() == sum(members) and average.item() == sum(members) // len(members)
-          and got.item() == root and obj == {"from": root} and mine.size() is None and removed == [True, True])
-    agree(WORLD, ok and isinstance(not_member, ValueError) and "is not in" in str(not_member),
-          f"{summed} {average} {got} {obj} {not_member!r}")
+    ok = (
+        summed.item() == sum(members)
+        and average.item() == sum(members) // len(members)
+        and got.item() == root
+        and obj == {"from": root}
+        and mine.size() is None
+        and removed == [True, True]
+    )
+    agree(
+        WORLD,
+        ok and isinstance(not_member, ValueError) and "is not in" in str(not_member),
+        f"{summed} {average} {got} {obj} {not_member!r}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -294,10 +316,14 @@ def test_collectives_on_device_tensors(device):
 
     (summed, in_place, averaged_ints, flags, x_grad), where = collective(WORLD, run)
     want = reference_sum(torch.float64)
-    ok = (where.type == device.type and np.allclose(summed.numpy(), want * 0.5, rtol=1e-12)
-          and np.allclose(in_place.numpy(), want / size, rtol=1e-12)
-          and np.array_equal(averaged_ints.numpy(), np.floor_divide(reference_sum(torch.int64), size))
-          and flags.tolist() == [root % 2 == 0, True, True] and np.allclose(x_grad.numpy(), size))
+    ok = (
+        where.type == device.type
+        and np.allclose(summed.numpy(), want * 0.5, rtol=1e-12)
+        and np.allclose(in_place.numpy(), want / size, rtol=1e-12)
+        and np.array_equal(averaged_ints.numpy(), np.floor_divide(reference_sum(torch.int64), size))
+        and flags.tolist() == [root % 2 == 0, True, True]
+        and np.allclose(x_grad.numpy(), size)
+    )
     agree(WORLD, ok, f"on {device}: flags {flags.tolist()}, grad {x_grad}")
 
 
@@ -323,10 +349,13 @@ def test_min_max_product_in_every_form(dtype):
 
     mine, low, high, product = collective(WORLD, run)
     stack = np.stack([data(r).to(torch.float64).numpy() for r in range(size)])
-    ok = (torch.equal(mine, data(rank)) and low.dtype == high.dtype == product.dtype == dtype
-          and np.array_equal(low.to(torch.float64).numpy(), stack.min(0))
-          and np.array_equal(high.to(torch.float64).numpy(), stack.max(0))
-          and np.array_equal(product.to(torch.float64).numpy(), stack.prod(0)))
+    ok = (
+        torch.equal(mine, data(rank))
+        and low.dtype == high.dtype == product.dtype == dtype
+        and np.array_equal(low.to(torch.float64).numpy(), stack.min(0))
+        and np.array_equal(high.to(torch.float64).numpy(), stack.max(0))
+        and np.array_equal(product.to(torch.float64).numpy(), stack.prod(0))
+    )
     agree(WORLD, ok, f"{low} {high} {product}")
 
 
@@ -364,10 +393,15 @@ def test_grouped_allreduce_forms_and_gradient():
 
     tensors, out, in_place, highest, alone, x_grad, y_grad = collective(WORLD, run)
     inputs = [[rank_data(r, dtype) for r in range(size)] for dtype in DTYPES]
-    ok = (all(torch.equal(t, torch.tensor(rank_data(rank, d)).to(d)) for t, d in zip(tensors, DTYPES))
-          and all(np.allclose(o.to(torch.float64).numpy(), sum(i), rtol=1e-5) for o, i in zip(out, inputs))
-          and all(torch.equal(p, a) for p, a in zip(in_place, alone))
-          and all(np.array_equal(h.to(torch.float64).numpy(), np.max([np.asarray(v, h.numpy().dtype) for v in i], 0))
-                  for h, i in zip(highest, inputs))
-          and torch.all(x_grad == size) and torch.all(y_grad == 2 * size))
+    ok = (
+        all(torch.equal(t, torch.tensor(rank_data(rank, d)).to(d)) for t, d in zip(tensors, DTYPES))
+        and all(np.allclose(o.to(torch.float64).numpy(), sum(i), rtol=1e-5) for o, i in zip(out, inputs))
+        and all(torch.equal(p, a) for p, a in zip(in_place, alone))
+        and all(
+            np.array_equal(h.to(torch.float64).numpy(), np.max([np.asarray(v, h.numpy().dtype) for v in i], 0))
+            for h, i in zip(highest, inputs)
+        )
+        and torch.all(x_grad == size)
+        and torch.all(y_grad == 2 * size)
+    )
     agree(WORLD, ok, f"{[o.flatten()[:2] for o in out]} {x_grad} {y_grad}")

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from conftest import agree, outcome
 import hpcdl
 from hpcdl import _core
 from hpcdl.errors import MismatchError
+
+from conftest import agree, outcome
 
 
 def partner(comm):
@@ -84,8 +85,7 @@ def test_many_tags_match_their_own_messages(pair_comm):
             return True, ""
         got = {t: np.zeros(1000 + 17 * t, dtype=np.uint8) for t in tags}
         receives = [recv(got[t], comm, peer, t) for t in reversed(tags)]
-        sends = [send(pattern(1000 + 17 * t, 1000 * comm.Get_rank() + t), comm, peer, t)
-                 for t in tags]
+        sends = [send(pattern(1000 + 17 * t, 1000 * comm.Get_rank() + t), comm, peer, t) for t in tags]
         for h in receives + sends:
             h.wait(60)
         bad = [t for t in tags if not np.array_equal(got[t], pattern(1000 + 17 * t, 1000 * peer + t))]
@@ -114,8 +114,13 @@ def test_size_mismatch_fails_the_receiver_clearly(pair_comm, sent):
     error, exc = outcome(run)
     if comm.Get_rank() % 2 == 1 and peer is not None:
         text = str(error)
-        ok = (exc is None and isinstance(error, MismatchError) and f"rank {peer}" in text
-              and f"rank {comm.Get_rank()}" in text and "16 bytes" in text)
+        ok = (
+            exc is None
+            and isinstance(error, MismatchError)
+            and f"rank {peer}" in text
+            and f"rank {comm.Get_rank()}" in text
+            and "16 bytes" in text
+        )
         agree(comm, ok, f"expected a MismatchError naming ranks {peer} and {comm.Get_rank()}, got {exc or error!r}")
     else:
         agree(comm, exc is None, repr(exc))
@@ -152,7 +157,9 @@ def test_transfer_progresses_while_python_makes_no_mpi_call(pair_comm):
         h.wait(120)
         return done_before_wait and np.array_equal(got, pattern(nbytes, 3)), (
             "the 64 MiB receive had not completed after 8 s without MPI calls on this thread"
-            if not done_before_wait else "the bytes differ")
+            if not done_before_wait
+            else "the bytes differ"
+        )
 
     settle(comm, run)
 

@@ -16,8 +16,9 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.torch as hvt
-from conftest import agree, collective, multi_rank, outcome, world_only
 from hpcdl.pipeline import PipelineError, pipeline_grid
+
+from conftest import agree, collective, multi_rank, outcome, world_only
 from helpers.pipeline import LR, make_model, max_difference, train_pipeline, train_single
 
 
@@ -66,8 +67,7 @@ def test_hybrid_2x2_equals_single_process_and_replicas_are_identical(comm, sched
     steps = 4
 
     def run():
-        pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2, schedule=schedule, stages=2,
-                            comm=comm)
+        pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2, schedule=schedule, stages=2, comm=comm)
         replica = pipe.data_comm.Get_rank()
         opt = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=LR), bucket_bytes=256)
         train_pipeline(pipe, steps, rows=8, replica=replica, optimizer=opt)
@@ -87,8 +87,9 @@ def test_hybrid_2x2_equals_single_process_and_replicas_are_identical(comm, sched
 def test_hybrid_with_int8_compression_keeps_replicas_identical_and_learns(comm):
     def run():
         pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2, stages=2, comm=comm)
-        opt = pipe.distributed_optimizer(torch.optim.SGD(pipe.parameters(), lr=LR),
-                                         compression=hpcdl.compression.Int8())
+        opt = pipe.distributed_optimizer(
+            torch.optim.SGD(pipe.parameters(), lr=LR), compression=hpcdl.compression.Int8()
+        )
         losses = train_pipeline(pipe, 6, rows=8, replica=0, optimizer=opt)
         return pipe, losses
 
@@ -117,10 +118,12 @@ def test_1f1b_holds_at_most_stages_micro_batches_of_activations(comm):
 
     def verify(result):
         stage, peaks = result
-        ok = (peaks["1f1b"]["peak_micro_batches"] == comm.Get_size() - stage
-              and peaks["gpipe"]["peak_micro_batches"] == m
-              and peaks["1f1b"]["peak_bytes"] < peaks["gpipe"]["peak_bytes"]
-              and peaks["1f1b"]["live_micro_batches"] == peaks["gpipe"]["live_micro_batches"] == 0)
+        ok = (
+            peaks["1f1b"]["peak_micro_batches"] == comm.Get_size() - stage
+            and peaks["gpipe"]["peak_micro_batches"] == m
+            and peaks["1f1b"]["peak_bytes"] < peaks["gpipe"]["peak_bytes"]
+            and peaks["1f1b"]["live_micro_batches"] == peaks["gpipe"]["live_micro_batches"] == 0
+        )
         return ok, f"stage {stage}: {peaks}"
 
     verdict(comm, run, verify)
@@ -141,8 +144,12 @@ def test_last_step_times_report_each_actions_cpu_within_the_step(comm, schedule)
     def verify(times):
         work = times["forward_cpu_s"] + times["backward_cpu_s"] + [times["other_cpu_s"]]
         # one thread's CPU cannot exceed the wall time it ran in
-        ok = (len(times["forward_cpu_s"]) == len(times["backward_cpu_s"]) == m and min(work) >= 0
-              and sum(work) <= times["step_s"] + 1e-3 and 0 <= times["waited_s"] <= times["step_s"])
+        ok = (
+            len(times["forward_cpu_s"]) == len(times["backward_cpu_s"]) == m
+            and min(work) >= 0
+            and sum(work) <= times["step_s"] + 1e-3
+            and 0 <= times["waited_s"] <= times["step_s"]
+        )
         return ok, f"rank {comm.Get_rank()}: {times}"
 
     verdict(comm, run, verify)
@@ -168,12 +175,14 @@ def test_checkpoint_saves_and_loads_the_whole_model_and_close_ends_the_pipeline(
         whole = True
         if pipe.stage == 0:  # the whole model, under the original model's keys
             reference = train_single(2).state_dict()
-            whole = list(state) == list(reference) and all((state[k] - reference[k]).abs().max() < 1e-5
-                                                           for k in reference)
+            whole = list(state) == list(reference) and all(
+                (state[k] - reference[k]).abs().max() < 1e-5 for k in reference
+            )
         _, after_close = outcome(train_pipeline, pipe, 1)
         closed = isinstance(after_close, PipelineError) and "closed" in str(after_close)
-        return same_stage and whole and closed, (f"stage {pipe.stage}: loaded equal {same_stage}, whole model "
-                                                 f"{whole}, after close(): {after_close!r}")
+        return same_stage and whole and closed, (
+            f"stage {pipe.stage}: loaded equal {same_stage}, whole model {whole}, after close(): {after_close!r}"
+        )
 
     verdict(comm, run, verify)
 
@@ -193,8 +202,12 @@ def expect_error_everywhere(comm, fn, kind, pattern):
 @pytest.mark.timeout(120)
 @world_only
 def test_stage_count_that_does_not_divide_the_ranks(comm):
-    expect_error_everywhere(comm, lambda: hvt.Pipeline(make_model(), F.cross_entropy, 2, stages=3),
-                            ValueError, "3 pipeline stages do not divide the 4 ranks")
+    expect_error_everywhere(
+        comm,
+        lambda: hvt.Pipeline(make_model(), F.cross_entropy, 2, stages=3),
+        ValueError,
+        "3 pipeline stages do not divide the 4 ranks",
+    )
 
 
 @pytest.mark.mpi(min_size=4)
@@ -202,21 +215,30 @@ def test_stage_count_that_does_not_divide_the_ranks(comm):
 @world_only
 def test_micro_batches_that_do_not_divide_the_batch(comm):
     pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=3)
-    expect_error_everywhere(comm, lambda: train_pipeline(pipe, 1, rows=16), PipelineError,
-                            r"stage [03] of 4 failed: ValueError: 3 micro-batches do not divide the "
-                            r"(inputs|targets)' batch of 16")
+    expect_error_everywhere(
+        comm,
+        lambda: train_pipeline(pipe, 1, rows=16),
+        PipelineError,
+        r"stage [03] of 4 failed: ValueError: 3 micro-batches do not divide the "
+        r"(inputs|targets)' batch of 16",
+    )
 
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(120)
 @world_only
 def test_stage_output_that_does_not_fit_the_next_stage(comm):
-    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Linear(16, 8), torch.nn.Linear(12, 8),
-                                torch.nn.Linear(8, 5))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 16), torch.nn.Linear(16, 8), torch.nn.Linear(12, 8), torch.nn.Linear(8, 5)
+    )
     pipe = hvt.Pipeline(model, F.cross_entropy, micro_batches=2)
-    expect_error_everywhere(comm, lambda: train_pipeline(pipe, 1), PipelineError,
-                            r"stage 2 of 4 failed: ValueError: stage 2 \(layers 2\.\.2\) cannot take stage 1's "
-                            r"output float32\[8, 8\]")
+    expect_error_everywhere(
+        comm,
+        lambda: train_pipeline(pipe, 1),
+        PipelineError,
+        r"stage 2 of 4 failed: ValueError: stage 2 \(layers 2\.\.2\) cannot take stage 1's "
+        r"output float32\[8, 8\]",
+    )
     # the pipeline is unusable afterwards, on every rank, without waiting on anyone
     expect_error_everywhere(comm, lambda: train_pipeline(pipe, 1), PipelineError, "failed in an earlier step")
 
@@ -227,8 +249,12 @@ def test_stage_output_that_does_not_fit_the_next_stage(comm):
 def test_batch_shape_changed_after_the_first_step(comm):
     pipe = hvt.Pipeline(make_model(), F.cross_entropy, micro_batches=2)
     collective(comm, train_pipeline, pipe, 1, rows=16)
-    expect_error_everywhere(comm, lambda: train_pipeline(pipe, 1, rows=8), PipelineError,
-                            r"stage 0 of 4 failed: .*float32\[4, 12\] but was float32\[8, 12\] at the first step")
+    expect_error_everywhere(
+        comm,
+        lambda: train_pipeline(pipe, 1, rows=8),
+        PipelineError,
+        r"stage 0 of 4 failed: .*float32\[4, 12\] but was float32\[8, 12\] at the first step",
+    )
 
 
 @pytest.mark.mpi(min_size=4)
@@ -238,10 +264,16 @@ def test_batch_shape_changed_after_the_first_step(comm):
 def test_ranks_that_disagree_on_the_schedule(comm, setting):
     odd_rank = 2 if setting == "schedule" else 1
     odd = comm.Get_rank() == odd_rank
-    kwargs = {"schedule": "gpipe" if odd and setting == "schedule" else "1f1b",
-              "micro_batches": 4 if odd and setting == "micro_batches" else 2}
-    expect_error_everywhere(comm, lambda: hvt.Pipeline(make_model(), F.cross_entropy, **kwargs),
-                            hpcdl.MismatchError, f"{setting} is .* on rank 0 but .* on rank {odd_rank}")
+    kwargs = {
+        "schedule": "gpipe" if odd and setting == "schedule" else "1f1b",
+        "micro_batches": 4 if odd and setting == "micro_batches" else 2,
+    }
+    expect_error_everywhere(
+        comm,
+        lambda: hvt.Pipeline(make_model(), F.cross_entropy, **kwargs),
+        hpcdl.MismatchError,
+        f"{setting} is .* on rank 0 but .* on rank {odd_rank}",
+    )
 
 
 @pytest.mark.mpi(min_size=4)
@@ -269,14 +301,19 @@ class Widen(torch.nn.Module):
 @pytest.mark.timeout(120)
 @world_only
 def test_stage_output_that_changes_after_the_first_step(comm):
-    model = torch.nn.Sequential(torch.nn.Linear(12, 8), torch.nn.Linear(8, 8), Widen(), torch.nn.Linear(8, 8),
-                                torch.nn.Linear(8, 5))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(12, 8), torch.nn.Linear(8, 8), Widen(), torch.nn.Linear(8, 8), torch.nn.Linear(8, 5)
+    )
     pipe = hvt.Pipeline(model, F.cross_entropy, micro_batches=2, balance=[0, 1, 3, 4])
     collective(comm, train_pipeline, pipe, 1)
     model[2].extra = 1  # stage 1 (layers 1-2) now sends float32[8, 9] where float32[8, 8] was agreed
-    expect_error_everywhere(comm, lambda: train_pipeline(pipe, 1), PipelineError,
-                            r"stage 1 of 4 failed: ValueError: stage 1's output for micro-batch 0 is "
-                            r"float32\[8, 9\], not the float32\[8, 8\] agreed at the first step")
+    expect_error_everywhere(
+        comm,
+        lambda: train_pipeline(pipe, 1),
+        PipelineError,
+        r"stage 1 of 4 failed: ValueError: stage 1's output for micro-batch 0 is "
+        r"float32\[8, 9\], not the float32\[8, 8\] agreed at the first step",
+    )
 
 
 @pytest.mark.mpi(min_size=4)

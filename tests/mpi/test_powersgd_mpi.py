@@ -11,9 +11,10 @@ import torch
 from mpi4py import MPI
 
 import hpcdl.torch as hvt
-from conftest import agree, collective, multi_rank, outcome, world_only
 from hpcdl import _tensors
 from hpcdl.compression import PowerSGD
+
+from conftest import agree, collective, multi_rank, outcome, world_only
 from helpers.device import device  # noqa: F401 - the fixture
 from helpers.powersgd import Reference
 from helpers.torch_adapter import full_batch, loss_of, make_model, max_difference, params_digest
@@ -35,8 +36,14 @@ def group(request):
 
 
 def make_optimizer(model, comm, codec, name, bucket_bytes=256):
-    return hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model.named_parameters(),
-                                    compression=codec, bucket_bytes=bucket_bytes, comm=comm, name=name)
+    return hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=LR),
+        model.named_parameters(),
+        compression=codec,
+        bucket_bytes=bucket_bytes,
+        comm=comm,
+        name=name,
+    )
 
 
 def run(model, opt, comm, steps, first=0):
@@ -87,8 +94,7 @@ def reference(size, codec, steps):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("codec", [PowerSGD(rank=1, warmup_steps=1), PowerSGD(rank=2, warmup_steps=0, seed=5)],
-                         ids=str)
+@pytest.mark.parametrize("codec", [PowerSGD(rank=1, warmup_steps=1), PowerSGD(rank=2, warmup_steps=0, seed=5)], ids=str)
 def test_training_matches_the_float64_reference_with_the_same_bits_on_every_rank(group, codec):
     got, timings = collective(WORLD, train, group, codec, 5, "psgd.ref")
     want = reference(group.Get_size(), codec, 5)
@@ -96,8 +102,11 @@ def test_training_matches_the_float64_reference_with_the_same_bits_on_every_rank
     digests = group.allgather(params_digest(got))
     names = [t["name"] for t in timings[-1]]
     factored = group.Get_size() == 1 or any(n.endswith(".P") for n in names)
-    agree(WORLD, diff < 1e-4 and len(set(digests)) == 1 and factored,
-          f"max diff {diff} to the float64 reference, {len(set(digests))} distinct results, ops {names}")
+    agree(
+        WORLD,
+        diff < 1e-4 and len(set(digests)) == 1 and factored,
+        f"max diff {diff} to the float64 reference, {len(set(digests))} distinct results, ops {names}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -111,12 +120,17 @@ def test_warmup_steps_are_dense_allreduces(comm):
     _, later = collective(WORLD, train, comm, PowerSGD(rank=1, warmup_steps=3), 4, "psgd.later")
     names = [[t["name"] for t in step] for step in timings]
     factored = [t["name"] for t in later[-1] if t["name"].endswith((".P", ".Q"))]
-    ordered = all(p["ready_us"] <= q["submitted_us"] <= q["finished_us"]
-                  for p, q in zip(later[-1], later[-1][1:]) if p["name"].endswith(".P"))
+    ordered = all(
+        p["ready_us"] <= q["submitted_us"] <= q["finished_us"]
+        for p, q in zip(later[-1], later[-1][1:])
+        if p["name"].endswith(".P")
+    )
     diff = max_difference(warm, dense)
-    agree(WORLD, diff < 1e-6 and not any(n.endswith(".P") for s in names for n in s)
-          and len(factored) == 4 and ordered,
-          f"max diff to dense {diff}, warm-up ops {names}, after it {factored}, P before Q {ordered}")
+    agree(
+        WORLD,
+        diff < 1e-6 and not any(n.endswith(".P") for s in names for n in s) and len(factored) == 4 and ordered,
+        f"max diff to dense {diff}, warm-up ops {names}, after it {factored}, P before Q {ordered}",
+    )
 
 
 def _saved(obj):
@@ -151,10 +165,16 @@ def test_state_dict_round_trip_resumes_bit_for_bit(comm):
     kept = state["hpcdl_powersgd"]["matrices"]
     residuals = comm.allgather(b"".join(m["residual"].numpy().tobytes() for m in kept.values()))
     qs = comm.allgather(b"".join(m["q"].numpy().tobytes() for m in kept.values()))
-    agree(WORLD, params_digest(got) == params_digest(whole) and steps == 3 and len(kept) == 3
-          and len(set(qs)) == 1 and len(set(residuals)) == comm.Get_size(),
-          f"resumed == uninterrupted {params_digest(got) == params_digest(whole)}, steps {steps}, "
-          f"matrices {sorted(kept)}, distinct Q {len(set(qs))}, distinct residuals {len(set(residuals))}")
+    agree(
+        WORLD,
+        params_digest(got) == params_digest(whole)
+        and steps == 3
+        and len(kept) == 3
+        and len(set(qs)) == 1
+        and len(set(residuals)) == comm.Get_size(),
+        f"resumed == uninterrupted {params_digest(got) == params_digest(whole)}, steps {steps}, "
+        f"matrices {sorted(kept)}, distinct Q {len(set(qs))}, distinct residuals {len(set(residuals))}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -183,8 +203,11 @@ def test_the_staged_path_equals_the_host_path(device):
     diff = max_difference(got, want)
     digests = WORLD.allgather(params_digest(got))
     factored = any(t["name"].endswith(".Q") for t in timings[-1])
-    agree(WORLD, diff < 1e-5 and len(set(digests)) == 1 and factored,
-          f"max diff {diff} to the host path, {len(set(digests))} distinct results, factored {factored}")
+    agree(
+        WORLD,
+        diff < 1e-5 and len(set(digests)) == 1 and factored,
+        f"max diff {diff} to the host path, {len(set(digests))} distinct results, factored {factored}",
+    )
 
 
 def digits_accuracy(codec, name, steps=300, batch=32, hidden=64):
@@ -194,14 +217,24 @@ def digits_accuracy(codec, name, steps=300, batch=32, hidden=64):
 
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split((x / 16.0).astype(np.float32), y, test_size=0.3,
-                                                        random_state=0, stratify=y)
+    x_train, x_test, y_train, y_test = train_test_split(
+        (x / 16.0).astype(np.float32), y, test_size=0.3, random_state=0, stratify=y
+    )
     x_mine, y_mine = torch.from_numpy(x_train[rank::size]), torch.from_numpy(y_train[rank::size])
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
-                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   model.named_parameters(), compression=codec, name=name)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 10),
+    )
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        model.named_parameters(),
+        compression=codec,
+        name=name,
+    )
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(steps):
         pick = torch.randint(0, len(y_mine), (batch,), generator=g)
@@ -217,8 +250,10 @@ def digits_accuracy(codec, name, steps=300, batch=32, hidden=64):
 @pytest.mark.mpi(min_size=2)
 def test_digits_train_within_one_point_of_dense():
     dense, dense_same = collective(WORLD, digits_accuracy, None, "digits.dense")
-    results = {str(c): collective(WORLD, digits_accuracy, c, f"digits.{c.rank}")
-               for c in (PowerSGD(rank=1, warmup_steps=10), PowerSGD(rank=4, warmup_steps=10))}
+    results = {
+        str(c): collective(WORLD, digits_accuracy, c, f"digits.{c.rank}")
+        for c in (PowerSGD(rank=1, warmup_steps=10), PowerSGD(rank=4, warmup_steps=10))
+    }
     detail = f"dense {dense:.4f}, " + ", ".join(f"{k} {a:.4f} (ranks identical: {s})" for k, (a, s) in results.items())
     if WORLD.Get_rank() == 0:
         print(f"[hpcdl rank 0] digits accuracy: {detail}")

@@ -15,6 +15,7 @@ from mpi4py import MPI
 from hpcdl.errors import MismatchError
 from hpcdl.prefetch import Prefetcher, PrefetchWarning
 from hpcdl.store import Store
+
 from conftest import agree, collective, multi_rank, outcome, world_only
 from helpers.prefetch import STALE_EDITS, copies_made_by_rank0, store_made_by_rank0
 
@@ -55,7 +56,7 @@ def test_every_sample_once_per_epoch_across_ranks(comm, shared_store):
     per_rank = steps * batch // comm.Get_size()
     ok = True
     for e in range(epochs):
-        seen = np.concatenate([x[e * per_rank:(e + 1) * per_rank] for x in every]).astype(np.int64)
+        seen = np.concatenate([x[e * per_rank : (e + 1) * per_rank] for x in every]).astype(np.int64)
         counts = np.bincount(seen, minlength=len(st))
         ok &= counts.max() == 1 and counts.sum() == steps * batch
     agree(comm, ok, "a sample read twice (or missed) in an epoch")
@@ -78,8 +79,11 @@ def test_peer_fetches_deliver_the_right_bytes(comm, shared_store):
     peer_hits = comm.allreduce(stats["hits"]["peer"])
     peer_fills = comm.allreduce(stats["peer_fills"])
     served = comm.allreduce(stats["served_to_peers"])
-    agree(comm, peer_hits > 0 and peer_fills > 0 and peer_hits + peer_fills == served,
-          f"peer hits {peer_hits}, peer fills {peer_fills}, served {served}")
+    agree(
+        comm,
+        peer_hits > 0 and peer_fills > 0 and peer_hits + peer_fills == served,
+        f"peer hits {peer_hits}, peer fills {peer_fills}, served {served}",
+    )
     agree(comm, sum(stats["hits"].values()) == len(ids), f"hits {stats['hits']} for {len(ids)} reads")
 
 
@@ -94,8 +98,18 @@ def test_each_sample_is_read_from_the_store_once_per_job(comm, shared_store, tie
     ram, disk = (total, 0) if tiers == "ram" else (total // 4, total)
 
     def run():
-        with Prefetcher(st, 8, 3, 21, comm=comm, ram_bytes=ram, disk_dir=disk_dir, disk_bytes=disk,
-                        peer_timeout=30.0, read_gap=read_gap) as pf:
+        with Prefetcher(
+            st,
+            8,
+            3,
+            21,
+            comm=comm,
+            ram_bytes=ram,
+            disk_dir=disk_dir,
+            disk_bytes=disk,
+            peer_timeout=30.0,
+            read_gap=read_gap,
+        ) as pf:
             ids, right = delivered(pf, st)
         return ids, right, pf.stats()
 
@@ -152,8 +166,9 @@ def test_a_peer_that_stops_answering_costs_a_few_timeouts(comm, shared_store):
     gone = 12.0 if comm.Get_rank() == 1 else 0.0
 
     def run():
-        with Prefetcher(st, 8, 4, 17, comm=comm, ram_bytes=ram, staging_threads=4, peer_timeout=0.5,
-                        _serve_delay=gone) as pf:
+        with Prefetcher(
+            st, 8, 4, 17, comm=comm, ram_bytes=ram, staging_threads=4, peer_timeout=0.5, _serve_delay=gone
+        ) as pf:
             ids, right = delivered(pf, st)
             return right, pf.stats()
 
@@ -162,8 +177,11 @@ def test_a_peer_that_stops_answering_costs_a_few_timeouts(comm, shared_store):
     timeouts = comm.allgather((stats["peer_timeouts"], stats["peers_gone"]))
     agree(comm, sum(t for t, _ in timeouts) > 0, "no request to rank 1 timed out")
     # (a loaded machine may time out on a healthy peer too: the bound is per peer given up on)
-    agree(comm, all(t <= 5 * g and (g > 0) == (t > 0) for t, g in timeouts),
-          f"(timeouts, peers given up on) per rank {timeouts}: a gone peer cost more than one timeout per thread")
+    agree(
+        comm,
+        all(t <= 5 * g and (g > 0) == (t > 0) for t, g in timeouts),
+        f"(timeouts, peers given up on) per rank {timeouts}: a gone peer cost more than one timeout per thread",
+    )
 
 
 @multi_rank
@@ -182,8 +200,11 @@ def test_peer_replies_in_pieces_deliver_the_right_bytes(comm, shared_store):
     agree(comm, right, "wrong bytes")
     peer_hits, served = comm.allreduce(stats["hits"]["peer"]), comm.allreduce(stats["served_to_peers"])
     peer_fills = comm.allreduce(stats["peer_fills"])
-    agree(comm, peer_hits + peer_fills > 0 and peer_hits + peer_fills == served,
-          f"peer hits {peer_hits}, peer fills {peer_fills}, served {served}")
+    agree(
+        comm,
+        peer_hits + peer_fills > 0 and peer_hits + peer_fills == served,
+        f"peer hits {peer_hits}, peer fills {peer_fills}, served {served}",
+    )
     agree(comm, stats["peer_timeouts"] == 0 and stats["peer_errors"] == 0, repr(stats))
 
 
@@ -215,9 +236,16 @@ def test_ranks_reading_different_stores_raise_on_every_rank(comm, store_copies, 
         pf.close()
     others = "rank 1 has" if comm.Get_size() == 2 else f"ranks 1-{comm.Get_size() - 1} have"
     text = str(err)
-    agree(comm, isinstance(err, MismatchError) and "the stores" in text and "rank 0 has fingerprint" in text
-          and f"{others} fingerprint" in text and f"'{store_copies[stale]}'" in text
-          and f"'{store_copies['fresh']}'" in text, repr(err))
+    agree(
+        comm,
+        isinstance(err, MismatchError)
+        and "the stores" in text
+        and "rank 0 has fingerprint" in text
+        and f"{others} fingerprint" in text
+        and f"'{store_copies[stale]}'" in text
+        and f"'{store_copies['fresh']}'" in text,
+        repr(err),
+    )
     st = Store(store_copies["same"] if rank == 0 else store_copies["fresh"])
     with Prefetcher(st, 8, 2, 5, comm=comm, ram_bytes=(1 << 30) if rank == 0 else 0) as pf:
         ids, right = delivered(pf, st)
@@ -252,8 +280,11 @@ def test_a_peer_that_sends_other_bytes_is_not_served(comm, store_copies, stale, 
     agree(comm, right, "a sample that is not this rank's store's was delivered")
     damaged = [m for m in messages if " sent sample " in m]
     named = all(st.shard_paths[0] in m and ("rank 0 sent" in m) == (rank != 0) for m in damaged)
-    agree(comm, stats.get("peer_damaged", 0) >= 1 and stats["peers_gone"] >= 1 and damaged and named,
-          f"peer_damaged {stats.get('peer_damaged')}, peers_gone {stats['peers_gone']}, warnings {messages}")
+    agree(
+        comm,
+        stats.get("peer_damaged", 0) >= 1 and stats["peers_gone"] >= 1 and damaged and named,
+        f"peer_damaged {stats.get('peer_damaged')}, peers_gone {stats['peers_gone']}, warnings {messages}",
+    )
 
 
 @multi_rank
@@ -285,6 +316,7 @@ def test_a_prefetcher_dropped_without_close_is_closed(comm, shared_store):
     bounded by its timeout), which joins the threads and frees the peer tier's
     communicator; the ranks go on with a new one."""
     import gc
+
     pf = Prefetcher(shared_store, 8, 1, 0, comm=comm)
     core = pf._core
     next(iter(pf))

@@ -10,6 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl.prefetch import Prefetcher, plan
+
 from conftest import agree, collective, multi_rank, world_only
 from helpers.prefetch import store_made_by_rank0
 
@@ -30,8 +31,9 @@ def test_prefetcher_runs_exactly_plan(comm, shared_store):
 
     def run():
         try:
-            with Prefetcher(st, 8, 4, 31, comm=comm, ram_bytes=rams[me], disk_dir=disk_dir, disk_bytes=disks[me],
-                            start=(1, 2)) as pf:
+            with Prefetcher(
+                st, 8, 4, 31, comm=comm, ram_bytes=rams[me], disk_dir=disk_dir, disk_bytes=disks[me], start=(1, 2)
+            ) as pf:
                 return pf.placement(), pf.peer_sources()
         finally:
             if disk_dir:
@@ -87,8 +89,19 @@ def test_a_4_rank_checkpoint_resumes_on_fewer_ranks(comm, shared_store, resume_r
     finally:
         if sub != MPI.COMM_NULL:
             sub.Free()
-    agree(comm, state == {"epoch": 0, "sample_in_epoch": steps // 2 * batch, "seed": seed, "global_batch": batch,
-                          "samples": len(st), "drop_last": True}, f"state {state}")
+    agree(
+        comm,
+        state
+        == {
+            "epoch": 0,
+            "sample_in_epoch": steps // 2 * batch,
+            "seed": seed,
+            "global_batch": batch,
+            "samples": len(st),
+            "drop_last": True,
+        },
+        f"state {state}",
+    )
     if tail is not None:
         ok = len(head) + len(tail) == len(whole) == epochs * steps
         ok = ok and all((a == b).all() for a, b in zip(head + tail, whole))

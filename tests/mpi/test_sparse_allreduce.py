@@ -10,8 +10,9 @@ import pytest
 from mpi4py import MPI
 
 import hpcdl
-from conftest import agree, collective
 from hpcdl.compression import TopK
+
+from conftest import agree, collective
 from helpers.compression import k_largest
 
 WORLD = MPI.COMM_WORLD
@@ -68,7 +69,7 @@ def check_split(comm, count, ratio, op, make):
     if data.tobytes() != expected.tobytes():
         problems.append(f"{np.count_nonzero(data != expected)} values differ from the reference")
     # Against float64: every value is its float64 sum up to float32 rounding (p products, p sums).
-    bound = 2 * size * 2.0 ** -23 * abs64[selected] + 1e-30
+    bound = 2 * size * 2.0**-23 * abs64[selected] + 1e-30
     if np.any(np.abs(data[selected] - sums64[selected]) > bound):
         problems.append("selected values off their float64 sums")
     if len(set(comm.allgather(digest(data)))) != 1:
@@ -80,8 +81,16 @@ def check_split(comm, count, ratio, op, make):
 @pytest.mark.parametrize("op", ["sum", "average"])
 def test_split_matches_reference_and_is_identical_on_every_rank(op):
     problems = []
-    for count, ratio in [(1, 0.5), (2, 0.5), (3, 1.0), (7, 0.3), (1000, 0.01), (4097, 0.05), (100_003, 0.01),
-                         (300_001, 0.001)]:
+    for count, ratio in [
+        (1, 0.5),
+        (2, 0.5),
+        (3, 1.0),
+        (7, 0.3),
+        (1000, 0.01),
+        (4097, 0.05),
+        (100_003, 0.01),
+        (300_001, 0.001),
+    ]:
         for make in (integers, normal):
             problems.append(check_split(WORLD, count, ratio, op, make))
     problems = [p for p in problems if p]
@@ -100,7 +109,9 @@ def own_window(rank, count, size=WORLD.Get_size()):
 @pytest.mark.mpi(min_size=2)
 def test_split_with_empty_blocks_between_ranks():
     """The pairwise exchange sends no message for an empty block; the sums stay in rank order."""
-    problems = [check_split(WORLD, count, 0.01, op, own_window) for count in (10_000, 65_537) for op in ("sum", "average")]
+    problems = [
+        check_split(WORLD, count, 0.01, op, own_window) for count in (10_000, 65_537) for op in ("sum", "average")
+    ]
     problems = [p for p in problems if p]
     agree(WORLD, not problems, problems)
 
@@ -159,7 +170,7 @@ def skewed(rank, count):
     """Large values only in the first twentieth of the indices: ranges of equal
     length would send every pair to rank 0."""
     x = normal(rank, count)
-    x[:count // 20] *= 1000
+    x[: count // 20] *= 1000
     return x
 
 
@@ -185,16 +196,18 @@ def test_split_bytes_per_rank_flat_in_p_and_auto_picks_the_fewer():
 
     def measure():
         two = received_per_rank(pair, TopK(ratio), count) if pair != MPI.COMM_NULL else None
-        return two, received_per_rank(WORLD, TopK(ratio), count), \
-            received_per_rank(WORLD, TopK(ratio, algorithm="allgather"), count), \
-            received_per_rank(WORLD, TopK(ratio, algorithm="split"), count, skewed)
+        return (
+            two,
+            received_per_rank(WORLD, TopK(ratio), count),
+            received_per_rank(WORLD, TopK(ratio, algorithm="allgather"), count),
+            received_per_rank(WORLD, TopK(ratio, algorithm="split"), count, skewed),
+        )
 
     two, auto, allgather, skew = collective(WORLD, measure)
     if pair != MPI.COMM_NULL:
         pair.Free()
     p2 = WORLD.bcast(two, root=0)
-    ok = p2 == 8 * k and allgather == (size - 1) * 8 * k and auto <= 2 * p2 and skew <= 2 * p2 \
-        and auto < allgather
+    ok = p2 == 8 * k and allgather == (size - 1) * 8 * k and auto <= 2 * p2 and skew <= 2 * p2 and auto < allgather
     agree(WORLD, ok, f"p=2 {p2} (8k = {8 * k}), p={size}: auto {auto}, allgather {allgather}, skewed split {skew}")
 
 
@@ -207,6 +220,8 @@ def test_split_nan_propagates_and_identical():
         data[100] = 50
     hpcdl.allreduce(data, compression=TopK(0.1, algorithm="split"))
     same = len(set(WORLD.allgather(digest(data)))) == 1
-    agree(WORLD, same and np.isnan(data[5]) and np.isinf(data[700]) and np.count_nonzero(data) == 100,
-          f"{data[[5, 700, 100]]}, non-zeros {np.count_nonzero(data)}, same {same}")
-
+    agree(
+        WORLD,
+        same and np.isnan(data[5]) and np.isinf(data[700]) and np.count_nonzero(data) == 100,
+        f"{data[[5, 700, 100]]}, non-zeros {np.count_nonzero(data)}, same {same}",
+    )

@@ -9,6 +9,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl import store
+
 from conftest import agree, collective, multi_rank, outcome
 from helpers.store import check_round_trip, make_tree
 
@@ -18,8 +19,9 @@ def shared_tree(comm):
     """A source tree made by rank 0 in a directory every rank sees."""
     base = collective(comm, lambda: tempfile.mkdtemp(prefix="hpcdl-store-") if comm.Get_rank() == 0 else None)
     base = comm.bcast(base, root=0)
-    content = collective(comm, lambda: make_tree(os.path.join(base, "src"), files=150)
-                         if comm.Get_rank() == 0 else None)
+    content = collective(
+        comm, lambda: make_tree(os.path.join(base, "src"), files=150) if comm.Get_rank() == 0 else None
+    )
     content = comm.bcast(content, root=0)
     yield base, content
     comm.Barrier()
@@ -32,12 +34,16 @@ def shared_tree(comm):
 def test_mpi_pack_matches_single_rank(comm, shared_tree):
     base, content = shared_tree
     src = os.path.join(base, "src")
-    result = collective(comm, lambda: store.pack(src, os.path.join(base, "multi"), shards=6, comm=comm,
-                                                 progress=False))
+    result = collective(comm, lambda: store.pack(src, os.path.join(base, "multi"), shards=6, comm=comm, progress=False))
     agree(comm, result.samples == len(content) and result.shards == 6, result)
-    collective(comm, lambda: store.pack(src, os.path.join(base, "single"), shards=2,
-                                        comm=MPI.COMM_SELF, progress=False)
-               if comm.Get_rank() == 0 else None)
+    collective(
+        comm,
+        lambda: (
+            store.pack(src, os.path.join(base, "single"), shards=2, comm=MPI.COMM_SELF, progress=False)
+            if comm.Get_rank() == 0
+            else None
+        ),
+    )
     comm.Barrier()
 
     def compare():
@@ -47,7 +53,7 @@ def test_mpi_pack_matches_single_rank(comm, shared_tree):
         mine = range(comm.Get_rank(), len(multi), comm.Get_size())
         data, offsets = multi.read_many(list(mine))
         for k, i in enumerate(mine):
-            assert data[offsets[k]:offsets[k + 1]].tobytes() == content[multi.names[i]]
+            assert data[offsets[k] : offsets[k + 1]].tobytes() == content[multi.names[i]]
         check_round_trip(multi, content) if comm.Get_rank() == 0 else None
         assert multi.verify().problems == []
 
@@ -62,8 +68,7 @@ def test_mpi_pack_errors_reach_every_rank(comm, shared_tree):
     collective(comm, lambda: store.pack(src, dst, comm=comm, progress=False))
     _, err = outcome(store.pack, src, dst, comm=comm, progress=False)
     agree(comm, isinstance(err, FileExistsError) and "already holds" in str(err), repr(err))
-    _, err = outcome(store.pack, os.path.join(base, "missing"), os.path.join(base, "x"), comm=comm,
-                     progress=False)
+    _, err = outcome(store.pack, os.path.join(base, "missing"), os.path.join(base, "x"), comm=comm, progress=False)
     agree(comm, isinstance(err, FileNotFoundError), repr(err))
 
 

@@ -8,6 +8,7 @@ import torch
 from mpi4py import MPI
 
 import hpcdl
+
 from conftest import agree, collective, outcome
 from helpers.device import device  # noqa: F401 - the fixture
 
@@ -30,12 +31,21 @@ def test_allreduce_of_tensors_equals_that_of_arrays(device, dtype, op):
     mine = rank_values(rank, dtype=dtype)
     array = mine.view(torch.int16).numpy().copy() if dtype == torch.bfloat16 else mine.numpy().copy()
     out = collective(WORLD, hpcdl.allreduce, t, op=op, name=f"tensor.{dtype}.{op}")
-    collective(WORLD, hpcdl.allreduce, array, op=op, name=f"array.{dtype}.{op}",
-               dtype="bfloat16" if dtype == torch.bfloat16 else None)
+    collective(
+        WORLD,
+        hpcdl.allreduce,
+        array,
+        op=op,
+        name=f"array.{dtype}.{op}",
+        dtype="bfloat16" if dtype == torch.bfloat16 else None,
+    )
     got = t.cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     digests = WORLD.allgather(got)
-    agree(WORLD, out is t and t.data_ptr() == ptr and got == array.tobytes() and len(set(digests)) == 1,
-          f"in place {out is t and t.data_ptr() == ptr}, equals numpy {got == array.tobytes()}")
+    agree(
+        WORLD,
+        out is t and t.data_ptr() == ptr and got == array.tobytes() and len(set(digests)) == 1,
+        f"in place {out is t and t.data_ptr() == ptr}, equals numpy {got == array.tobytes()}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -47,9 +57,11 @@ def test_async_collectives_of_tensors_overlap_and_land_in_place(device):
     hb = hpcdl.broadcast_async(b, root=size - 1, name="async.bcast")
     results = collective(WORLD, lambda: [h.wait() for h in handles] + [hb.wait()])
     total = sum(range(size))
-    ok = (all(r is t for r, t in zip(results, tensors + [b]))
-          and all(torch.all(t.cpu() == total + i * size) for i, t in enumerate(tensors))
-          and torch.all(b.cpu() == size - 1))
+    ok = (
+        all(r is t for r, t in zip(results, tensors + [b]))
+        and all(torch.all(t.cpu() == total + i * size) for i, t in enumerate(tensors))
+        and torch.all(b.cpu() == size - 1)
+    )
     agree(WORLD, ok, [t[:2].tolist() for t in tensors] + [b.tolist()])
 
 
@@ -83,8 +95,12 @@ def _mismatched_shape_error(tensor_of):
     rank = WORLD.Get_rank()
     t = tensor_of(torch.ones((17, 1311) if rank == 0 else (17, 23, 57)))
     _, err = outcome(hpcdl.allreduce, t, name="tensor.shape")
-    ok = (isinstance(err, hpcdl.MismatchError) and "shape differs" in str(err)
-          and "[17, 1311] on rank 0" in str(err) and torch.all(t.cpu() == 1))
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and "shape differs" in str(err)
+        and "[17, 1311] on rank 0" in str(err)
+        and torch.all(t.cpu() == 1)
+    )
     return ok, repr(err)
 
 

@@ -4,13 +4,13 @@ concatenated batch, broadcasts, the Keras callback, and bad input on every rank.
 import hashlib
 
 import numpy as np
-
 import pytest
 import tensorflow as tf
 from mpi4py import MPI
 
 import hpcdl
 import hpcdl.tensorflow as hvd_tf
+
 from conftest import agree, collective, outcome
 from helpers.tf_adapter import LOSS, full_batch, make_model, max_difference, train_distributed, train_reference
 
@@ -45,10 +45,18 @@ def test_broadcast_variables_and_keras_callback():
     initial_on_0 = WORLD.bcast(digest(fitted) if rank == 0 else None)
     fitted.compile(optimizer=tf.keras.optimizers.SGD(0.0), loss=LOSS)
     x, y = full_batch(0, 8, 1)
-    collective(WORLD, fitted.fit, x, y, batch_size=4, epochs=1, verbose=0,
-               callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(root=0)])
+    collective(
+        WORLD,
+        fitted.fit,
+        x,
+        y,
+        batch_size=4,
+        epochs=1,
+        verbose=0,
+        callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(root=0)],
+    )
     second = WORLD.allgather(digest(fitted))
-    ok = (len(set(first)) == 1 and first[0][1] == root and len(set(second)) == 1 and second[0] == initial_on_0)
+    ok = len(set(first)) == 1 and first[0][1] == root and len(set(second)) == 1 and second[0] == initial_on_0
     agree(WORLD, ok, f"{first} / {second} vs {initial_on_0}")
 
 
@@ -61,8 +69,12 @@ def test_variable_on_some_ranks_only_raises_everywhere():
     with tf.GradientTape() as tape:
         loss = LOSS(y, model(x))
     _, err2 = outcome(hvd_tf.DistributedGradientTape(tape, name="bad").gradient, loss, model.trainable_variables)
-    ok = (isinstance(err, hpcdl.MismatchError) and f"on rank {size - 1} but not on rank 0" in str(err)
-          and isinstance(err2, hpcdl.MismatchError) and "gradients of DistributedGradientTape" in str(err2))
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and f"on rank {size - 1} but not on rank 0" in str(err)
+        and isinstance(err2, hpcdl.MismatchError)
+        and "gradients of DistributedGradientTape" in str(err2)
+    )
     agree(WORLD, ok, f"{err!r} / {err2!r}")
 
 
@@ -78,8 +90,14 @@ def test_mismatched_tensor_shapes_raise_on_every_rank():
 
 def embedding_model(dtype="float32"):
     """An Embedding (its gradient is IndexedSlices) before a Dense layer, same weights on every rank."""
-    model = tf.keras.Sequential([tf.keras.Input((2,), dtype="int32"), tf.keras.layers.Embedding(20, 6, dtype=dtype),
-                                 tf.keras.layers.Flatten(dtype=dtype), tf.keras.layers.Dense(5, dtype=dtype)])
+    model = tf.keras.Sequential(
+        [
+            tf.keras.Input((2,), dtype="int32"),
+            tf.keras.layers.Embedding(20, 6, dtype=dtype),
+            tf.keras.layers.Flatten(dtype=dtype),
+            tf.keras.layers.Dense(5, dtype=dtype),
+        ]
+    )
     rng = np.random.default_rng(3)
     model.set_weights([rng.normal(size=w.shape).astype(dtype) for w in model.get_weights()])
     return model
@@ -125,14 +143,15 @@ def test_indexed_slices_gradients_gathered_or_dense_with_the_tape(use_function, 
         with tf.GradientTape() as tape:
             loss = SPARSE_LOSS(y, model(x))
         grads = hvd_tf.DistributedGradientTape(tape, name=name, sparse_as_dense=sparse_as_dense).gradient(
-            loss, model.trainable_variables)
+            loss, model.trainable_variables
+        )
         kinds.append(type(grads[0]).__name__)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
     run = tf.function(step) if use_function else step
     for i in range(3):
         x, y = embedding_batch(i, 4, size)
-        collective(WORLD, run, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        collective(WORLD, run, x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4])
     diff = max_weight_difference(model, embedding_reference(3, 4, size))
     digests = set(WORLD.allgather(digest(model)))
     want = "Tensor" if sparse_as_dense else "IndexedSlices"
@@ -147,12 +166,24 @@ def test_indexed_slices_gradients_in_keras_fit(sparse_as_dense):
     gradient gathered or made dense; equal to float64 on the concatenated batch."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     model = embedding_model()
-    model.compile(optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), name=f"sparse.fit.{sparse_as_dense}",
-                                                        sparse_as_dense=sparse_as_dense), loss=SPARSE_LOSS)
+    model.compile(
+        optimizer=hvd_tf.DistributedOptimizer(
+            tf.keras.optimizers.SGD(0.5), name=f"sparse.fit.{sparse_as_dense}", sparse_as_dense=sparse_as_dense
+        ),
+        loss=SPARSE_LOSS,
+    )
     for i in range(3):
         x, y = embedding_batch(i, 4, size)
-        collective(WORLD, model.fit, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4], batch_size=4, epochs=1,
-                   verbose=0, shuffle=False)
+        collective(
+            WORLD,
+            model.fit,
+            x[rank * 4 : (rank + 1) * 4],
+            y[rank * 4 : (rank + 1) * 4],
+            batch_size=4,
+            epochs=1,
+            verbose=0,
+            shuffle=False,
+        )
     diff = max_weight_difference(model, embedding_reference(3, 4, size))
     digests = set(WORLD.allgather(digest(model)))
     agree(WORLD, diff < 1e-5 and len(digests) == 1, f"max diff {diff}, {len(digests)} distinct")
@@ -177,6 +208,11 @@ def test_indexed_slices_with_other_rows_on_each_rank_and_bad_op():
     with tf.GradientTape() as tape2:
         loss2 = tf.reduce_sum(tf.gather(table, [0]))
     _, err = outcome(hvd_tf.DistributedGradientTape(tape2, op="max", name="sparse.max").gradient, loss2, [table])
-    ok = (isinstance(grad, tf.IndexedSlices) and grad.values.shape[0] == size * (size - 1) // 2
-          and np.array_equal(got, want) and isinstance(err, ValueError) and "sparse_as_dense" in str(err))
+    ok = (
+        isinstance(grad, tf.IndexedSlices)
+        and grad.values.shape[0] == size * (size - 1) // 2
+        and np.array_equal(got, want)
+        and isinstance(err, ValueError)
+        and "sparse_as_dense" in str(err)
+    )
     agree(WORLD, ok, f"{type(grad).__name__} {got.tolist()} vs {want.tolist()}, {err!r}")

@@ -11,8 +11,9 @@ import tensorflow as tf
 from mpi4py import MPI
 
 import hpcdl.tensorflow as hvd_tf
-from conftest import agree, collective
 from hpcdl.compression import PowerSGD
+
+from conftest import agree, collective
 from helpers.powersgd import Reference
 from helpers.tf_adapter import LOSS, full_batch, make_model
 
@@ -49,8 +50,10 @@ def train_tape(comm, codec, name, use_function, steps=STEPS, model=None, first=0
 
 def train_fit(comm, codec, name):
     model = make_model()
-    model.compile(optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(LR), compression=codec, comm=comm,
-                                                        name=name), loss=LOSS)
+    model.compile(
+        optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(LR), compression=codec, comm=comm, name=name),
+        loss=LOSS,
+    )
     for step in range(STEPS):  # one batch per fit call: the batches of the reference
         x, y = mine(step, comm)
         model.fit(x, y, batch_size=PER_RANK, epochs=1, verbose=0, shuffle=False)
@@ -115,8 +118,11 @@ def test_training_matches_the_float64_reference_with_the_same_bits_on_every_rank
     diff = max_difference(got, reference(group.Get_size(), codec, [v.path for v in got.trainable_variables]))
     digests = group.allgather(digest(got))
     compressed = group.Get_size() == 1 or bool(hvd_tf.powersgd_state(name).q)
-    agree(WORLD, diff < 1e-4 and len(set(digests)) == 1 and compressed,
-          f"max diff {diff} to the float64 reference, {len(set(digests))} distinct results")
+    agree(
+        WORLD,
+        diff < 1e-4 and len(set(digests)) == 1 and compressed,
+        f"max diff {diff} to the float64 reference, {len(set(digests))} distinct results",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -125,8 +131,11 @@ def test_warmup_steps_equal_dense_training():
     dense = collective(WORLD, train_tape, WORLD, None, "tfpsgd.dense", False)
     state = hvd_tf.powersgd_state("tfpsgd.warm")
     untouched = all(not np.any(r.numpy()) for r in state.residual.values())
-    agree(WORLD, digest(warm) == digest(dense) and int(state.steps.numpy()) == STEPS and untouched,
-          "the warm-up differs from dense training or left a residual")
+    agree(
+        WORLD,
+        digest(warm) == digest(dense) and int(state.steps.numpy()) == STEPS and untouched,
+        "the warm-up differs from dense training or left a residual",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -146,5 +155,8 @@ def test_checkpoint_round_trip_resumes_bit_for_bit(tmp_path_factory):
     fresh = hvd_tf.powersgd_state("tfpsgd.resumed")
     tf.train.Checkpoint(powersgd=fresh).read(path)
     collective(WORLD, train_tape, WORLD, codec, "tfpsgd.resumed", False, steps=2, model=model, first=3)
-    agree(WORLD, digest(model) == straight and int(fresh.steps.numpy()) == 5,
-          f"resuming from the checkpoint changed the training (steps {int(fresh.steps.numpy())})")
+    agree(
+        WORLD,
+        digest(model) == straight and int(fresh.steps.numpy()) == 5,
+        f"resuming from the checkpoint changed the training (steps {int(fresh.steps.numpy())})",
+    )

@@ -15,9 +15,18 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.torch as hvt
+
 from conftest import agree, collective, outcome
-from helpers.torch_adapter import (full_batch, loss_of, make_model, max_difference, params_digest, train_amp,
-                                   train_distributed, train_reference)
+from helpers.torch_adapter import (
+    full_batch,
+    loss_of,
+    make_model,
+    max_difference,
+    params_digest,
+    train_amp,
+    train_distributed,
+    train_reference,
+)
 
 WORLD = MPI.COMM_WORLD
 
@@ -51,14 +60,22 @@ def test_grad_scaler_equals_single_process_amp_and_skips_on_every_rank(clip):
     step 1 makes every rank skip that step and halve its scale."""
     size = WORLD.Get_size()
     got, scales, skipped = collective(WORLD, train_amp, WORLD, 5, 6, size, inf_step=1, inf_rank=size - 1, clip=clip)
-    want, want_scales, want_skipped = train_amp(WORLD, 5, 6, size, inf_step=1, inf_rank=size - 1, clip=clip,
-                                                distributed=False)
+    want, want_scales, want_skipped = train_amp(
+        WORLD, 5, 6, size, inf_step=1, inf_rank=size - 1, clip=clip, distributed=False
+    )
     diff = max_difference(got, want)
     views = WORLD.allgather((params_digest(got), scales, skipped))
-    agree(WORLD, diff < 2e-5 and len({repr(v) for v in views}) == 1 and skipped == want_skipped
-          and want_skipped[1] and not any(want_skipped[2:]) and scales == want_scales,
-          f"max diff {diff}, skipped {skipped} vs {want_skipped}, scales {scales} vs {want_scales}, "
-          f"{len({repr(v) for v in views})} distinct views")
+    agree(
+        WORLD,
+        diff < 2e-5
+        and len({repr(v) for v in views}) == 1
+        and skipped == want_skipped
+        and want_skipped[1]
+        and not any(want_skipped[2:])
+        and scales == want_scales,
+        f"max diff {diff}, skipped {skipped} vs {want_skipped}, scales {scales} vs {want_scales}, "
+        f"{len({repr(v) for v in views})} distinct views",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -79,14 +96,15 @@ def test_parameters_without_gradient_on_some_ranks():
             return (self.even if rank % 2 == 0 else self.odd)(torch.tanh(self.trunk(x)))
 
     model = Branchy()
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                                   bucket_bytes=64, name="branchy")
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), bucket_bytes=64, name="branchy"
+    )
 
     def train():
         for step in range(3):
             x, y = full_batch(step, 4, WORLD.Get_size())
             opt.zero_grad()
-            loss = loss_of(model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+            loss = loss_of(model, x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4])
             loss.backward()
             # Buckets that backward left incomplete went at its end: waiting on
             # another hpcdl operation before step() neither hangs nor raises.
@@ -110,8 +128,9 @@ def test_first_bucket_allreduce_starts_before_backward_ends():
     for _ in range(4):
         layers += [torch.nn.Linear(512, 512), torch.nn.Tanh()]
     model = torch.nn.Sequential(*layers, torch.nn.Linear(512, 10))
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(),
-                                   bucket_bytes=1 << 20, name="overlap")
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), model.named_parameters(), bucket_bytes=1 << 20, name="overlap"
+    )
     x = torch.randn(512, 256)
     y = torch.randint(0, 10, (512,))
     results = []
@@ -127,8 +146,9 @@ def test_first_bucket_allreduce_starts_before_backward_ends():
         # each one's data moves only once its bucket is.
         announced_early = all(b["submitted_us"] <= first["ready_us"] for b in timings)
         in_order = all(b["submitted_us"] <= b["ready_us"] <= b["started_us"] <= b["finished_us"] for b in timings)
-        results.append((first["started_us"] < backward_end_us, announced_early and in_order, first,
-                        backward_end_us, len(timings)))
+        results.append(
+            (first["started_us"] < backward_end_us, announced_early and in_order, first, backward_end_us, len(timings))
+        )
 
     for _ in range(3):
         collective(WORLD, step)
@@ -144,11 +164,15 @@ def test_parameter_on_some_ranks_only_raises_everywhere():
     model = make_model()
     if rank == size - 1:
         model.add_module("extra", torch.nn.Linear(2, 2))
-    _, err = outcome(hvt.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1),
-                     model.named_parameters(), name="extra")
+    _, err = outcome(
+        hvt.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), name="extra"
+    )
     message = str(err)
-    ok = (isinstance(err, hpcdl.MismatchError) and "'extra.weight'" in message
-          and f"on rank {size - 1} but not on rank 0" in message)
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and "'extra.weight'" in message
+        and f"on rank {size - 1} but not on rank 0" in message
+    )
     agree(WORLD, ok, repr(err))
 
 
@@ -156,10 +180,14 @@ def test_parameter_on_some_ranks_only_raises_everywhere():
 def test_different_models_across_ranks_raise_everywhere():
     rank = WORLD.Get_rank()
     model = make_model(hidden=32 if rank != 1 else 33)
-    _, err = outcome(hvt.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1),
-                     model.named_parameters(), name="shapes")
-    ok = (isinstance(err, hpcdl.MismatchError) and "'0.weight' is torch.float32[32, 12] on rank 0" in str(err)
-          and "[33, 12] on rank 1" in str(err))
+    _, err = outcome(
+        hvt.DistributedOptimizer, torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), name="shapes"
+    )
+    ok = (
+        isinstance(err, hpcdl.MismatchError)
+        and "'0.weight' is torch.float32[32, 12] on rank 0" in str(err)
+        and "[33, 12] on rank 1" in str(err)
+    )
     _, err2 = outcome(hvt.broadcast_parameters, model.state_dict())
     ok2 = isinstance(err2, hpcdl.MismatchError) and "tensors to broadcast" in str(err2)
     agree(WORLD, ok and ok2, f"{err!r} / {err2!r}")
@@ -181,8 +209,13 @@ def test_broadcast_parameters_and_optimizer_state_from_root():
     digests = WORLD.allgather((params_digest(model), model.steps.item(), model.mask.tolist()))
     momentum = opt.state[model[0].weight].get("momentum_buffer")
     mom_digests = WORLD.allgather(None if momentum is None else hashlib.sha1(momentum.numpy().tobytes()).hexdigest())
-    ok = (len(set(map(repr, digests))) == 1 and digests[0][1] == root and opt.param_groups[0]["lr"] == 0.1 * (root + 1)
-          and mom_digests[0] is not None and len(set(mom_digests)) == 1)
+    ok = (
+        len(set(map(repr, digests))) == 1
+        and digests[0][1] == root
+        and opt.param_groups[0]["lr"] == 0.1 * (root + 1)
+        and mom_digests[0] is not None
+        and len(set(mom_digests)) == 1
+    )
     agree(WORLD, ok, f"{digests}, {mom_digests}, lr {opt.param_groups[0]['lr']}")
 
 
@@ -204,7 +237,7 @@ def test_ddp_comm_hook_equals_reference():
             for step in range(4):
                 x, y = full_batch(step, 6, size)
                 opt.zero_grad()
-                loss_of(model, x[rank * 6:(rank + 1) * 6], y[rank * 6:(rank + 1) * 6]).backward()
+                loss_of(model, x[rank * 6 : (rank + 1) * 6], y[rank * 6 : (rank + 1) * 6]).backward()
                 opt.step()
 
         hpcdl.stats(reset=True)
@@ -222,15 +255,14 @@ def test_parameters_added_after_wrapping_are_averaged():
     like the others (issue 30.3), so every rank ends with the same weights."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     model, head = make_model(), _seeded_head()
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                                   name="added")
+    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), name="added")
     opt.add_param_group({"params": head.parameters(), "lr": 0.25})
 
     def train():
         for step in range(3):
             x, _ = full_batch(step, 4, size)
             opt.zero_grad()
-            head(model(x[rank * 4:(rank + 1) * 4])).pow(2).mean().backward()
+            head(model(x[rank * 4 : (rank + 1) * 4])).pow(2).mean().backward()
             opt.step()
 
     collective(WORLD, train)
@@ -242,12 +274,15 @@ def test_parameters_added_after_wrapping_are_averaged():
     for step in range(3):
         x, _ = full_batch(step, 4, size)
         ref.zero_grad()
-        (sum(ref_head(ref_model(x[r * 4:(r + 1) * 4])).pow(2).mean() for r in range(size)) / size).backward()
+        (sum(ref_head(ref_model(x[r * 4 : (r + 1) * 4])).pow(2).mean() for r in range(size)) / size).backward()
         ref.step()
     diff = float((head.weight - ref_head.weight).detach().abs().max())
     digests = WORLD.allgather(hashlib.sha1(head.weight.detach().numpy().tobytes()).hexdigest())
-    agree(WORLD, diff < 2e-5 and len(set(digests)) == 1, f"head differs from reference by {diff}, "
-                                                          f"{len(set(digests))} distinct heads")
+    agree(
+        WORLD,
+        diff < 2e-5 and len(set(digests)) == 1,
+        f"head differs from reference by {diff}, {len(set(digests))} distinct heads",
+    )
 
 
 def _seeded_head():
@@ -261,13 +296,17 @@ def test_a_frozen_layer_keeps_no_gradient_and_does_not_move():
     momentum and weight decay the frozen layer must not move and keep .grad None (issue 30.4)."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     model = make_model()
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
-                                   model.named_parameters(), bucket_bytes=256, name="frozen")
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+        model.named_parameters(),
+        bucket_bytes=256,
+        name="frozen",
+    )
 
     def step(i):
         x, y = full_batch(i, 4, size)
         opt.zero_grad(set_to_none=True)
-        loss_of(model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]).backward()
+        loss_of(model, x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]).backward()
         opt.step()
 
     collective(WORLD, step, 0)
@@ -280,8 +319,11 @@ def test_a_frozen_layer_keeps_no_gradient_and_does_not_move():
     moved = max(float((p - f).abs().max()) for p, f in zip(model[0].parameters(), frozen))
     grads = [p.grad is None for p in model[0].parameters()]
     trained = model[2].weight.grad is not None
-    agree(WORLD, moved == 0 and all(grads) and trained, f"frozen layer moved {moved}, grad None {grads}, "
-                                                         f"trained layer has a gradient: {trained}")
+    agree(
+        WORLD,
+        moved == 0 and all(grads) and trained,
+        f"frozen layer moved {moved}, grad None {grads}, trained layer has a gradient: {trained}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -292,15 +334,16 @@ def test_optimizers_with_the_default_name_keep_their_own_error_feedback():
     codec = hpcdl.compression.TopK(0.1)
 
     def wrap(model, **kw):
-        return hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                                        compression=codec, **kw)
+        return hvt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), compression=codec, **kw
+        )
 
     def train(pairs, steps=4):
         for i in range(steps):
             x, y = full_batch(i, 4, size)
             for model, opt in pairs:
                 opt.zero_grad()
-                loss_of(model, x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]).backward()
+                loss_of(model, x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]).backward()
                 opt.step()
 
     a, b = make_model(seed=1), make_model(seed=2, hidden=32)
@@ -315,8 +358,11 @@ def test_optimizers_with_the_default_name_keep_their_own_error_feedback():
     for opt in (opt_a, opt_b, opt_alone, opt_c):
         opt.remove_hooks()
     same = params_digest(a) == params_digest(alone)
-    agree(WORLD, same and names[0] != names[1] and isinstance(clash, ValueError) and "named" in str(clash),
-          f"A trained with B equals A alone: {same}; bucket names {names}; clash: {clash!r}")
+    agree(
+        WORLD,
+        same and names[0] != names[1] and isinstance(clash, ValueError) and "named" in str(clash),
+        f"A trained with B equals A alone: {same}; bucket names {names}; clash: {clash!r}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -328,19 +374,19 @@ def test_sparse_gradients_are_gathered_or_go_dense():
 
     def model(sparse):
         torch.manual_seed(3)
-        return torch.nn.Sequential(torch.nn.Embedding(20, 6, sparse=sparse), torch.nn.Flatten(),
-                                   torch.nn.Linear(12, 5))
+        return torch.nn.Sequential(torch.nn.Embedding(20, 6, sparse=sparse), torch.nn.Flatten(), torch.nn.Linear(12, 5))
 
     def train(m, **kw):
-        opt = hvt.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.5), m.named_parameters(),
-                                       name=f"sparse.{kw}", **kw)
+        opt = hvt.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.5), m.named_parameters(), name=f"sparse.{kw}", **kw
+        )
         try:
             for i in range(3):
                 g = torch.Generator().manual_seed(i)
                 ids = torch.randint(0, 20, (4 * size, 2), generator=g)
                 y = torch.randint(0, 5, (4 * size,), generator=g)
                 opt.zero_grad()
-                loss_of(m, ids[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]).backward()
+                loss_of(m, ids[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]).backward()
                 opt.step()
         finally:
             opt.remove_hooks()
@@ -351,5 +397,8 @@ def test_sparse_gradients_are_gathered_or_go_dense():
     densified = collective(WORLD, train, model(True), sparse_as_dense=True)
     diff, gathered_diff = max_difference(dense, densified), max_difference(dense, gathered)
     same = len(set(WORLD.allgather(params_digest(gathered)))) == 1
-    agree(WORLD, diff < 1e-6 and gathered_diff < 1e-6 and same,
-          f"dense vs densified {diff}, vs gathered {gathered_diff}, ranks identical {same}")
+    agree(
+        WORLD,
+        diff < 1e-6 and gathered_diff < 1e-6 and same,
+        f"dense vs densified {diff}, vs gathered {gathered_diff}, ranks identical {same}",
+    )

@@ -12,9 +12,10 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.torch as hvt
-from conftest import agree, collective
 from hpcdl import _tensors
 from hpcdl.compression import FP16, Int8, TopK
+
+from conftest import agree, collective
 from helpers.device import device  # noqa: F401 - the fixture
 from helpers.torch_adapter import full_batch, loss_of, make_model, max_difference, params_digest, train_reference
 
@@ -34,8 +35,9 @@ def host_path():
 def train(device, steps=5, per_rank=6, comm=WORLD, **kw):
     rank, size = comm.Get_rank(), comm.Get_size()
     model = make_model().to(device)
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                                   bucket_bytes=512, comm=comm, **kw)
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(), bucket_bytes=512, comm=comm, **kw
+    )
     for step in range(steps):
         x, y = full_batch(step, per_rank, size)
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
@@ -54,8 +56,11 @@ def test_distributed_optimizer_on_device_equals_the_host_run(device, codec, tol)
         want = collective(WORLD, train, torch.device("cpu"), compression=codec)
     diff = max_difference(got, want)
     digests = WORLD.allgather(params_digest(got))
-    agree(WORLD, diff < tol and len(set(digests)) == 1, f"max diff {diff} to the host run, "
-                                                         f"{len(set(digests))} distinct results")
+    agree(
+        WORLD,
+        diff < tol and len(set(digests)) == 1,
+        f"max diff {diff} to the host run, {len(set(digests))} distinct results",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -83,15 +88,21 @@ def train_amp(device, size, distributed, steps=4, per_rank=6):
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     if distributed:
         opt = hvt.DistributedOptimizer(opt, model.named_parameters(), bucket_bytes=512, name="amp.device")
-    scaler = torch.amp.GradScaler(kind, init_scale=2.0 ** 10, growth_interval=2)
+    scaler = torch.amp.GradScaler(kind, init_scale=2.0**10, growth_interval=2)
     shares = [rank] if distributed else list(range(size))
     scales = []
     for step in range(steps):
         x, y = full_batch(step, per_rank, size)
         opt.zero_grad()
         with torch.autocast(kind, dtype=low):
-            losses = [loss_of(model, x[r * per_rank:(r + 1) * per_rank].to(device),
-                              y[r * per_rank:(r + 1) * per_rank].to(device)) for r in shares]
+            losses = [
+                loss_of(
+                    model,
+                    x[r * per_rank : (r + 1) * per_rank].to(device),
+                    y[r * per_rank : (r + 1) * per_rank].to(device),
+                )
+                for r in shares
+            ]
         scaler.scale(sum(losses) / len(losses)).backward()
         scaler.step(opt)
         scaler.update()
@@ -108,8 +119,11 @@ def test_amp_on_device_equals_single_process_amp(device):
     want, want_scales = train_amp(device, size, False)
     diff = max_difference(got, want)
     views = WORLD.allgather((params_digest(got), scales))
-    agree(WORLD, diff < 2e-3 and scales == want_scales and len({repr(v) for v in views}) == 1,
-          f"max diff {diff}, scales {scales} vs {want_scales}")
+    agree(
+        WORLD,
+        diff < 2e-3 and scales == want_scales and len({repr(v) for v in views}) == 1,
+        f"max diff {diff}, scales {scales} vs {want_scales}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
@@ -124,17 +138,22 @@ def test_broadcast_parameters_of_device_state_with_buffers(device):
     digest = repr([(k, v.contiguous().view(-1).view(torch.uint8).tolist()) for k, v in state.items()])
     digests = WORLD.allgather(digest)
     on_device = all(t.device.type == device.type for t in model.state_dict().values())
-    agree(WORLD, len(set(digests)) == 1 and on_device and state["mask"].tolist() == [root % 2 == 0, True],
-          f"{len(set(digests))} distinct states, on device {on_device}")
+    agree(
+        WORLD,
+        len(set(digests)) == 1 and on_device and state["mask"].tolist() == [root % 2 == 0, True],
+        f"{len(set(digests))} distinct states, on device {on_device}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)
 def test_pipeline_with_device_stages_equals_single_process(device):
-    from helpers.pipeline import make_model as pipeline_model, train_pipeline, train_single
+    from helpers.pipeline import make_model as pipeline_model
     from helpers.pipeline import max_difference as pipeline_difference
+    from helpers.pipeline import train_pipeline, train_single
 
     pair = WORLD.Split(color=WORLD.Get_rank() // 2, key=WORLD.Get_rank())
     try:
+
         def run():
             pipe = hvt.Pipeline(pipeline_model(), F.cross_entropy, micro_batches=4, comm=pair)
             pipe.module.to(device)
@@ -168,7 +187,9 @@ def test_ddp_comm_hook_on_device_equals_reference(device):
             for step in range(4):
                 x, y = full_batch(step, 6, size)
                 opt.zero_grad()
-                loss_of(model, x[rank * 6:(rank + 1) * 6].to(device), y[rank * 6:(rank + 1) * 6].to(device)).backward()
+                loss_of(
+                    model, x[rank * 6 : (rank + 1) * 6].to(device), y[rank * 6 : (rank + 1) * 6].to(device)
+                ).backward()
                 opt.step()
 
         collective(WORLD, run)
@@ -186,8 +207,12 @@ def test_frozen_and_added_parameters_on_the_device(device):
     model = make_model().to(device)
     torch.manual_seed(7)
     head = torch.nn.Linear(5, 3).to(device)
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
-                                   model.named_parameters(), bucket_bytes=256, name="device.frozen")
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+        model.named_parameters(),
+        bucket_bytes=256,
+        name="device.frozen",
+    )
     opt.add_param_group({"params": head.parameters()})
     for p in model[0].parameters():
         p.requires_grad_(False)
@@ -197,7 +222,7 @@ def test_frozen_and_added_parameters_on_the_device(device):
         for step in range(3):
             x, _ = full_batch(step, 4, size)
             opt.zero_grad(set_to_none=True)
-            head(model(x[rank * 4:(rank + 1) * 4].to(device))).pow(2).mean().backward()
+            head(model(x[rank * 4 : (rank + 1) * 4].to(device))).pow(2).mean().backward()
             opt.step()
 
     collective(WORLD, run)
@@ -205,5 +230,8 @@ def test_frozen_and_added_parameters_on_the_device(device):
     moved = max(float((p.detach().cpu() - f).abs().max()) for p, f in zip(model[0].parameters(), frozen))
     none = all(p.grad is None for p in model[0].parameters())
     digests = WORLD.allgather(head.weight.detach().cpu().numpy().tobytes() + params_digest(model.cpu()).encode())
-    agree(WORLD, moved == 0 and none and len(set(digests)) == 1,
-          f"frozen moved {moved}, grads None {none}, {len(set(digests))} distinct results")
+    agree(
+        WORLD,
+        moved == 0 and none and len(set(digests)) == 1,
+        f"frozen moved {moved}, grads None {none}, {len(set(digests))} distinct results",
+    )

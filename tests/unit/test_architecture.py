@@ -122,9 +122,11 @@ def test_cpp_includes_stay_within_their_part(path):
 
 
 def test_the_core_knows_no_python():
-    offending = [path for path in CPP_FILES
-                 if re.search(r'^\s*#\s*include\s*[<"](Python\.h|numpy/|pybind11/)',
-                              open(os.path.join(ROOT, path)).read(), re.M)]
+    offending = [
+        path
+        for path in CPP_FILES
+        if re.search(r'^\s*#\s*include\s*[<"](Python\.h|numpy/|pybind11/)', open(os.path.join(ROOT, path)).read(), re.M)
+    ]
     assert not offending
 
 
@@ -155,21 +157,27 @@ def test_light_headers_pull_in_no_kernels(header):
 def test_every_listed_exception_is_still_needed():
     for exc in ARCH["exceptions"]:
         imported = python_imports(exc["file"])
-        assert any(m == exc["imports"] or m.startswith(exc["imports"] + ".") for m in imported), \
+        assert any(m == exc["imports"] or m.startswith(exc["imports"] + ".") for m in imported), (
             f"{exc['file']} no longer imports {exc['imports']}: remove its exception from docs/architecture.json"
+        )
 
 
 def test_the_check_catches_a_crossing():
     """The checker itself: the lines it must refuse are refused."""
     assert python_violations("hpcdl/collectives.py", "import torch\n") == [("torch", "python_api may not import torch")]
-    assert python_violations("hpcdl/torch/data.py", "from hpcdl import _core\n") == \
-        [("hpcdl._core", "torch_adapter may not use bindings")]
-    assert python_violations("hpcdl/prefetch.py", "import hpcdl.torch.data\n") == \
-        [("hpcdl.torch.data", "python_api may not use torch_adapter")]
+    assert python_violations("hpcdl/torch/data.py", "from hpcdl import _core\n") == [
+        ("hpcdl._core", "torch_adapter may not use bindings")
+    ]
+    assert python_violations("hpcdl/prefetch.py", "import hpcdl.torch.data\n") == [
+        ("hpcdl.torch.data", "python_api may not use torch_adapter")
+    ]
     assert python_violations("hpcdl/collectives.py", "import matplotlib\n")  # the exception is measure.py's alone
-    assert cpp_violations("include/hpcdl/algorithms/ring.hpp", [("include/hpcdl/engine/engine.hpp", "x")]) == \
-        [("x", "algorithms may not use engine")]
-    assert cpp_violations("include/hpcdl/codecs/topk.hpp", [("include/hpcdl/algorithms/ring.hpp", "y")]) == \
-        [("y", "codecs may not use algorithms")]
-    assert cpp_violations("src/engine/engine.cc", [("include/hpcdl/flat.hpp", "z")]) == \
-        [("z", "a header outside every part's folder")]
+    assert cpp_violations("include/hpcdl/algorithms/ring.hpp", [("include/hpcdl/engine/engine.hpp", "x")]) == [
+        ("x", "algorithms may not use engine")
+    ]
+    assert cpp_violations("include/hpcdl/codecs/topk.hpp", [("include/hpcdl/algorithms/ring.hpp", "y")]) == [
+        ("y", "codecs may not use algorithms")
+    ]
+    assert cpp_violations("src/engine/engine.cc", [("include/hpcdl/flat.hpp", "z")]) == [
+        ("z", "a header outside every part's folder")
+    ]

@@ -15,16 +15,46 @@ import torch
 
 from conftest import MPIEXEC, ROOT, finish_job, start_job
 
-SYSTEMS = {"ddp-gloo", "ddp-fp16", "ddp-bf16", "ddp-powersgd-r1", "ddp-powersgd-r4",
-           "hpcdl-dense", "hpcdl-int8", "hpcdl-topk", "hpcdl-powersgd", "no-exchange"}
+SYSTEMS = {
+    "ddp-gloo",
+    "ddp-fp16",
+    "ddp-bf16",
+    "ddp-powersgd-r1",
+    "ddp-powersgd-r4",
+    "hpcdl-dense",
+    "hpcdl-int8",
+    "hpcdl-topk",
+    "hpcdl-powersgd",
+    "no-exchange",
+}
 STEP_FIGURES = ("median_step_ms", "samples_per_s", "throughput_vs_ddp", "throughput_vs_fastest_hook")
 FIGURES = (*STEP_FIGURES, "test_acc", "test_loss")
 
 
 def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
-    command = [MPIEXEC, "-n", "2", sys.executable, os.path.join(ROOT, "bench", "train.py"), "--hidden", "512",
-               "--layers", "2", "--batch", "8", "--steps", "2", "--rounds", "1", "--train-steps", "12",
-               "--out", str(tmp_path), "--tag", "tiny"]
+    command = [
+        MPIEXEC,
+        "-n",
+        "2",
+        sys.executable,
+        os.path.join(ROOT, "bench", "train.py"),
+        "--hidden",
+        "512",
+        "--layers",
+        "2",
+        "--batch",
+        "8",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--train-steps",
+        "12",
+        "--out",
+        str(tmp_path),
+        "--tag",
+        "tiny",
+    ]
     code, output, _ = finish_job(start_job(command, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1")), 300)
     assert code == 0, output[-3000:]
     with open(tmp_path / "tiny.csv", newline="") as fh:
@@ -52,12 +82,29 @@ def test_profile_step_times_one_system_and_refuses_an_unknown_one():
     script = os.path.join(ROOT, "bench", "profile_step.py")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for system in ("topk", "no-exchange"):
-        command = [MPIEXEC, "-n", "2", sys.executable, script, system, "--steps", "3", "--hidden", "64",
-                   "--layers", "1", "--batch", "4"]
+        command = [
+            MPIEXEC,
+            "-n",
+            "2",
+            sys.executable,
+            script,
+            system,
+            "--steps",
+            "3",
+            "--hidden",
+            "64",
+            "--layers",
+            "1",
+            "--batch",
+            "4",
+        ]
         code, output, _ = finish_job(start_job(command, cwd=ROOT, env=env), 300)
         assert code == 0, output[-3000:]
-        found = re.search(rf"\[hpcdl rank 0\] {system}: ([0-9.]+) ms/step, ([0-9.]+) ms CPU per rank and step "
-                          r"\(2 ranks, 3 timed steps after 20\)", output)
+        found = re.search(
+            rf"\[hpcdl rank 0\] {system}: ([0-9.]+) ms/step, ([0-9.]+) ms CPU per rank and step "
+            r"\(2 ranks, 3 timed steps after 20\)",
+            output,
+        )
         assert found and float(found.group(1)) > 0 and float(found.group(2)) > 0, output[-3000:]
     code, output, _ = finish_job(start_job([sys.executable, script, "fp8"], cwd=ROOT, env=env), 120)
     assert code == 2 and "unknown system 'fp8'" in output, output[-3000:]
@@ -65,8 +112,10 @@ def test_profile_step_times_one_system_and_refuses_an_unknown_one():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device exists: the refusal is for machines without")
 def test_the_gpu_benchmark_refuses_clearly_without_a_cuda_device(tmp_path):
-    for command in ([sys.executable, os.path.join(ROOT, "bench", "train_gpu.py"), "--out", str(tmp_path)],
-                    [os.path.join(ROOT, "bench", "gpu.sh"), str(tmp_path)]):
+    for command in (
+        [sys.executable, os.path.join(ROOT, "bench", "train_gpu.py"), "--out", str(tmp_path)],
+        [os.path.join(ROOT, "bench", "gpu.sh"), str(tmp_path)],
+    ):
         code, output, _ = finish_job(start_job(command, cwd=ROOT), 120)
         assert code == 2 and "no CUDA device" in output, (command, code, output[-2000:])
         assert not os.listdir(tmp_path)

@@ -100,6 +100,7 @@ def test_bad_communicator_and_configuration():
 def test_python_reads_the_core_rules():
     """Limits, status codes and dtypes come from the C++ core, not retyped in Python."""
     from hpcdl import _core, collectives, errors
+
     default = hpcdl.configure()["chunk_bytes"]
     try:
         for bad in (_core.MIN_CHUNK_BYTES - 1, _core.MAX_CHUNK_BYTES + 1):
@@ -113,21 +114,44 @@ def test_python_reads_the_core_rules():
         hpcdl.configure(chunk_bytes=default)
     assert sorted(errors._BY_CODE) == sorted(_core.STATUS_CODES.values()) and 0 not in errors._BY_CODE
     assert errors.from_status(_core.STATUS_CODES["mismatch"], "m").__class__ is hpcdl.MismatchError
-    assert hpcdl.DTYPES == ("float32", "float64", "float16", "bfloat16", "int32", "int64", "bool", "uint8", "int8",
-                            "int16", "uint16", "uint32", "uint64")
+    assert hpcdl.DTYPES == (
+        "float32",
+        "float64",
+        "float16",
+        "bfloat16",
+        "int32",
+        "int64",
+        "bool",
+        "uint8",
+        "int8",
+        "int16",
+        "uint16",
+        "uint32",
+        "uint64",
+    )
     assert collectives.OPS == ("sum", "average", "min", "max", "product")
     for name, (_, size, _) in _core.DTYPES.items():
         assert np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name).itemsize == size
 
 
-@pytest.mark.parametrize("variable, value", [("HPCDL_CHUNK_BYTES", "4MiB"), ("HPCDL_CHUNK_BYTES", "8"),
-                                             ("HPCDL_STALL_ERROR_SECONDS", "-1"), ("HPCDL_WAIT_SLEEP_US", "2OO"),
-                                             ("HPCDL_ENGINE_SLICE_US", "-5"),
-                                             ("HPCDL_ENGINE_SLICE_US", "1000000"),
-                                             # digits only: C++ (env.hpp) reads these by the same rule
-                                             ("HPCDL_WAIT_SLEEP_US", "1_000"), ("HPCDL_WAIT_SLEEP_US", " 50"),
-                                             ("HPCDL_ENGINE_SLICE_US", "+100"), ("HPCDL_CHUNK_BYTES", "65_536"),
-                                             ("HPCDL_AGREEMENT_FLAT", "2"), ("HPCDL_AGREEMENT_FLAT", "yes")])
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("HPCDL_CHUNK_BYTES", "4MiB"),
+        ("HPCDL_CHUNK_BYTES", "8"),
+        ("HPCDL_STALL_ERROR_SECONDS", "-1"),
+        ("HPCDL_WAIT_SLEEP_US", "2OO"),
+        ("HPCDL_ENGINE_SLICE_US", "-5"),
+        ("HPCDL_ENGINE_SLICE_US", "1000000"),
+        # digits only: C++ (env.hpp) reads these by the same rule
+        ("HPCDL_WAIT_SLEEP_US", "1_000"),
+        ("HPCDL_WAIT_SLEEP_US", " 50"),
+        ("HPCDL_ENGINE_SLICE_US", "+100"),
+        ("HPCDL_CHUNK_BYTES", "65_536"),
+        ("HPCDL_AGREEMENT_FLAT", "2"),
+        ("HPCDL_AGREEMENT_FLAT", "yes"),
+    ],
+)
 def test_bad_environment_setting_fails_at_import_naming_it(variable, value):
     env = dict(os.environ, **{variable: value})
     out = subprocess.run([sys.executable, "-c", "import hpcdl"], env=env, capture_output=True, text=True, timeout=120)
@@ -136,11 +160,25 @@ def test_bad_environment_setting_fails_at_import_naming_it(variable, value):
 
 
 def test_good_environment_settings_are_taken():
-    env = dict(os.environ, HPCDL_CHUNK_BYTES="65536", HPCDL_STALL_WARNING_SECONDS="2.5", HPCDL_WAIT_SLEEP_US="0",
-               HPCDL_ENGINE_SLICE_US="0", HPCDL_AGREEMENT_FLAT="1")
-    out = subprocess.run([sys.executable, "-c", "import hpcdl; c = hpcdl.configure(); "
-                          "print(c['chunk_bytes'], c['stall_warning_seconds'])"],
-                         env=env, capture_output=True, text=True, timeout=120)
+    env = dict(
+        os.environ,
+        HPCDL_CHUNK_BYTES="65536",
+        HPCDL_STALL_WARNING_SECONDS="2.5",
+        HPCDL_WAIT_SLEEP_US="0",
+        HPCDL_ENGINE_SLICE_US="0",
+        HPCDL_AGREEMENT_FLAT="1",
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import hpcdl; c = hpcdl.configure(); print(c['chunk_bytes'], c['stall_warning_seconds'])",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["65536", "2.5"]
 

@@ -34,9 +34,12 @@ def unsafe_checks(source, filename="<test>", read_helper=read_helper):
     """(line, function, what) of every one-rank failure in code an MPI test of this module runs;
     a function of an imported helpers module is named `module.function`, its line is in that module."""
     tree = ast.parse(source, filename)
-    module_mpi = any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
-                     and _marked_mpi(n.value.elts if isinstance(n.value, (ast.List, ast.Tuple)) else [n.value])
-                     for n in tree.body)
+    module_mpi = any(
+        isinstance(n, ast.Assign)
+        and any(getattr(t, "id", None) == "pytestmark" for t in n.targets)
+        and _marked_mpi(n.value.elts if isinstance(n.value, (ast.List, ast.Tuple)) else [n.value])
+        for n in tree.body
+    )
     trees = {None: tree}
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("helpers."):
@@ -46,8 +49,9 @@ def unsafe_checks(source, filename="<test>", read_helper=read_helper):
         for n in t.body:
             if isinstance(n, ast.FunctionDef):
                 functions[n.name], label[id(n)] = n, n.name if module is None else f"{module}.{n.name}"
-    todo = [f for name, f in functions.items() if name.startswith("test")
-            and (module_mpi or _marked_mpi(f.decorator_list))]
+    todo = [
+        f for name, f in functions.items() if name.startswith("test") and (module_mpi or _marked_mpi(f.decorator_list))
+    ]
     guarded = set()  # nested functions and lambdas handed to collective()/outcome()
     for node in (n for t in trees.values() for n in ast.walk(t)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in GUARDS:
@@ -93,7 +97,7 @@ def test_mpi_tests_decide_together():
 
 
 def test_the_scan_finds_what_it_refuses():
-    source = '''
+    source = """
 import pytest
 def helper(comm):
     assert comm.rank >= 0
@@ -110,7 +114,7 @@ def test_a(comm):
         pass
 def test_single_process():
     assert True
-'''
+"""
     assert unsafe_checks(source) == [(4, "helper", "assert"), (14, "test_a", "pytest.raises")]
 
 

@@ -16,9 +16,10 @@ import numpy as np
 import pytest
 
 import hpcdl
-from conftest import MPIEXEC, finish_job, start_job
 from hpcdl import _core
 from hpcdl.compression import BF16, FP16, Int8, NoCompression, TopK, from_config, from_text, from_text_list
+
+from conftest import MPIEXEC, finish_job, start_job
 from helpers.compression import ODD_COUNTS, k_largest
 
 
@@ -87,8 +88,9 @@ def test_int8_stochastic_rounding_is_reproducible_and_unbiased():
     assert np.abs(mean - x).mean() < 0.05 * step.mean()
 
 
-@pytest.mark.parametrize("codec", [Int8(block=16), Int8(block=16, rounding="stochastic", seed=3), FP16(), BF16()],
-                         ids=str)
+@pytest.mark.parametrize(
+    "codec", [Int8(block=16), Int8(block=16, rounding="stochastic", seed=3), FP16(), BF16()], ids=str
+)
 def test_non_finite_inputs_leave_a_finite_residual(codec):
     """NaN, Inf and values the codec cannot hold (fp16 1e5, bf16 3.4e38) decode as
     non-finite (per element; per block for int8), and their residual is 0, never
@@ -136,7 +138,7 @@ def test_int8_tiny_blocks_keep_zeros_and_stay_within_the_bound():
         x[5] = amax
         _, out, err = roundtrip(codec, x)
         assert np.all(out[x == 0] == 0), amax
-        bound = block_absmax(x, 8) / 254 * (1 + 1e-6) + 2.0 ** -142
+        bound = block_absmax(x, 8) / 254 * (1 + 1e-6) + 2.0**-142
         assert np.all(np.abs(out - x) <= bound), (amax, np.abs(out - x).max())
         np.testing.assert_array_equal(err, x - out)
 
@@ -145,7 +147,7 @@ def test_int8_tiny_blocks_keep_zeros_and_stay_within_the_bound():
 def test_casts_equal_numpy_casts_bitwise(codec, np_type):
     x = np.random.default_rng(1).standard_normal(1001).astype(np.float32) * 100
     x[:4] = [np.nan, np.inf, -np.inf, 1e6]
-    x[4:10] = [1e-6, -3e-8, 6.1e-5, 65519, 65520, 2.0 ** -25]  # subnormals, overflow and rounding edges
+    x[4:10] = [1e-6, -3e-8, 6.1e-5, 65519, 65520, 2.0**-25]  # subnormals, overflow and rounding edges
     enc, out, _ = roundtrip(codec, x)
     with np.errstate(over="ignore"):
         expected = x.astype(np_type)
@@ -163,10 +165,10 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes():
         k = codec.k(n)
         assert k == max(1, math.ceil(ratio * n))
         enc, out, err = roundtrip(codec, x)
-        idx = enc[:4 * k].view(np.uint32)
+        idx = enc[: 4 * k].view(np.uint32)
         expected = k_largest(x, k)
         np.testing.assert_array_equal(idx, expected)
-        np.testing.assert_array_equal(enc[4 * k:].view(np.float32), x[expected])
+        np.testing.assert_array_equal(enc[4 * k :].view(np.float32), x[expected])
         np.testing.assert_array_equal(out + err, x)
         assert np.count_nonzero(out) == k
 
@@ -178,7 +180,7 @@ def test_topk_decode_refuses_a_corrupt_message():
     out = np.full_like(x, 7.0)
     for j, value in ((3, 1000), (4, 0)):  # past the end; not ascending
         bad = enc.copy()
-        bad[4 * j:4 * j + 4] = np.array([value], np.uint32).view(np.uint8)
+        bad[4 * j : 4 * j + 4] = np.array([value], np.uint32).view(np.uint8)
         with pytest.raises(hpcdl.CorruptDataError, match=f"index {value} at pair {j}"):
             _core.codec_decode_into(codec.canonical(), bad, out)
         assert np.all(out == 7.0)  # refused before anything is written
@@ -202,35 +204,48 @@ def test_topk_exact_whatever_the_sampled_threshold_guesses():
     k = codec.k(n)
     ties = ((np.arange(n) * 7) % 13).astype(np.float32)
     sampled = np.zeros(n, bool)
-    sampled[::n // 16384] = True  # where the selector samples
+    sampled[:: n // 16384] = True  # where the selector samples
     too_high = np.where(sampled, 1000.0 + np.arange(n), np.arange(n) % 97).astype(np.float32)
     too_low = np.where(sampled, 0.0, 1.0 + np.arange(n) % 89).astype(np.float32)
     for x in (ties, too_high, too_low, -ties):
         enc, out, err = roundtrip(codec, x)
-        np.testing.assert_array_equal(enc[:4 * k].view(np.uint32), k_largest(x, k))
+        np.testing.assert_array_equal(enc[: 4 * k].view(np.uint32), k_largest(x, k))
         np.testing.assert_array_equal(out + err, x)
 
 
 def test_codec_configs_round_trip_and_reject_bad_settings():
-    for codec in (NoCompression(), FP16(), BF16(), Int8(), Int8(block=64, rounding="stochastic", seed=3),
-                  TopK(0.01)):
+    for codec in (NoCompression(), FP16(), BF16(), Int8(), Int8(block=64, rounding="stochastic", seed=3), TopK(0.01)):
         again = from_config(codec.get_config())
         assert again == codec and again.canonical() == codec.canonical()
     assert str(Int8()) == "int8(block=256)" and str(TopK(0.01)) == "topk(ratio=0.01)"
     assert str(NoCompression()) == "none" and NoCompression().canonical() == ""
-    for bad in (lambda: Int8(block=0), lambda: Int8(rounding="up"), lambda: TopK(0), lambda: TopK(1.5),
-                lambda: TopK(float("nan")), lambda: from_config({"name": "zip"}),
-                lambda: Int8.from_config({"name": "topk", "ratio": 0.1})):
+    for bad in (
+        lambda: Int8(block=0),
+        lambda: Int8(rounding="up"),
+        lambda: TopK(0),
+        lambda: TopK(1.5),
+        lambda: TopK(float("nan")),
+        lambda: from_config({"name": "zip"}),
+        lambda: Int8.from_config({"name": "topk", "ratio": 0.1}),
+    ):
         with pytest.raises(ValueError):
             bad()
 
 
 def test_the_core_checks_every_codec_setting():
     """hpcdl.compression spells settings as the core's text; the core's parser is the one check."""
-    for bad in (lambda: Int8(block=2**24 + 1), lambda: Int8(block=True), lambda: Int8(block=2.0),
-                lambda: Int8(seed=-1), lambda: Int8(seed=2**63), lambda: Int8(rounding="nearest,block=3"),
-                lambda: TopK(True), lambda: TopK("0.5"), lambda: TopK(float("inf")),
-                lambda: TopK(0.5, algorithm="dense")):
+    for bad in (
+        lambda: Int8(block=2**24 + 1),
+        lambda: Int8(block=True),
+        lambda: Int8(block=2.0),
+        lambda: Int8(seed=-1),
+        lambda: Int8(seed=2**63),
+        lambda: Int8(rounding="nearest,block=3"),
+        lambda: TopK(True),
+        lambda: TopK("0.5"),
+        lambda: TopK(float("inf")),
+        lambda: TopK(0.5, algorithm="dense"),
+    ):
         with pytest.raises(ValueError, match="compression '"):
             bad()
     edge = Int8(block=2**24, rounding="stochastic", seed=2**63 - 1)
@@ -238,16 +253,38 @@ def test_the_core_checks_every_codec_setting():
 
 
 def test_from_text_reads_what_str_writes():
-    codecs = [NoCompression(), FP16(), BF16(), Int8(), Int8(block=64), Int8(block=64, rounding="stochastic", seed=3),
-              TopK(0.01), TopK(0.25, algorithm="split"), TopK(1e-05, algorithm="allgather")]
+    codecs = [
+        NoCompression(),
+        FP16(),
+        BF16(),
+        Int8(),
+        Int8(block=64),
+        Int8(block=64, rounding="stochastic", seed=3),
+        TopK(0.01),
+        TopK(0.25, algorithm="split"),
+        TopK(1e-05, algorithm="allgather"),
+    ]
     for codec in codecs:
         again = from_text(str(codec))
         assert again == codec and type(again) is type(codec), (str(codec), again)
     assert from_text("int8") == Int8() and from_text("topk") == TopK()
-    assert from_text_list("none, fp16,int8(block=64,rounding=stochastic,seed=3),topk(ratio=0.5)") == \
-        [NoCompression(), FP16(), Int8(64, "stochastic", 3), TopK(0.5)]
-    for bad in ("zip", "int8(block=0)", "topk(ratio=2)", "int8(block=64", "topk(ratio=0.1,algorithm=auto)",
-                "int8(block=64,blok=32)", "int8(block=64,block=32)", "topk(ratio=0.1,)", "int8()"):
+    assert from_text_list("none, fp16,int8(block=64,rounding=stochastic,seed=3),topk(ratio=0.5)") == [
+        NoCompression(),
+        FP16(),
+        Int8(64, "stochastic", 3),
+        TopK(0.5),
+    ]
+    for bad in (
+        "zip",
+        "int8(block=0)",
+        "topk(ratio=2)",
+        "int8(block=64",
+        "topk(ratio=0.1,algorithm=auto)",
+        "int8(block=64,blok=32)",
+        "int8(block=64,block=32)",
+        "topk(ratio=0.1,)",
+        "int8()",
+    ):
         with pytest.raises(ValueError):
             from_text(bad)
 
@@ -316,8 +353,9 @@ def test_residuals_of_names_no_longer_used_are_freed(tmp_path):
     script = tmp_path / "job.py"
     script.write_text(RESIDUAL_LIFETIME_JOB)
     env = dict(os.environ, HPCDL_RESIDUAL_TTL_OPS="3")
-    rc, out, _ = finish_job(start_job([MPIEXEC, "-n", "2", sys.executable, str(script), str(tmp_path / "seen")],
-                                      env=env), 90)
+    rc, out, _ = finish_job(
+        start_job([MPIEXEC, "-n", "2", sys.executable, str(script), str(tmp_path / "seen")], env=env), 90
+    )
     assert rc == 0, out
     seen = json.loads((tmp_path / "seen").read_text())
     one = 4 * 1000

@@ -29,7 +29,8 @@ def test_stub_classes_declare_the_public_methods():
     tree = ast.parse((pathlib.Path(ROOT) / "hpcdl" / "_core.pyi").read_text())
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and not issubclass(getattr(_core, node.name), Warning):
-            declared = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} | \
-                       {n.target.id for n in node.body if isinstance(n, ast.AnnAssign)}
+            declared = {n.name for n in node.body if isinstance(n, ast.FunctionDef)} | {
+                n.target.id for n in node.body if isinstance(n, ast.AnnAssign)
+            }
             public = {n for n in vars(getattr(_core, node.name)) if not n.startswith("_")}
             assert public <= declared, (node.name, public - declared)

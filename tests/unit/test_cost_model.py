@@ -14,6 +14,7 @@ import os
 import subprocess
 
 import pytest
+
 from conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location("cost_model", os.path.join(ROOT, "bench", "cost_model.py"))
@@ -63,7 +64,8 @@ def test_topk_allgather_grows_with_p_and_split_stays_flat():
     assert cm.latency_rounds("topk_split", 1024, n) == 1 + 1023 + 8 * 10 < cm.traffic("topk_split", 1024, n)[0]
     m = machine(net=0.0, codec={t: 0.0 for t in cm.CODEC_TERMS}, beta=0.0)
     assert cm.predict_time("topk_split", 1024, n, dataclasses.replace(m, overhead=1e-6)) == pytest.approx(
-        1104 * m.alpha + (cm.traffic("topk_split", 1024, n)[0] - 1104) * 1e-6)
+        1104 * m.alpha + (cm.traffic("topk_split", 1024, n)[0] - 1104) * 1e-6
+    )
     assert cm.traffic("topk_allgather", 1024, n)[0] == 1023
 
 
@@ -88,9 +90,14 @@ def test_ring_overlaps_transfer_and_kernels_only_across_chunks():
             assert t == pytest.approx(transfer + compute)
     # Top-k cannot overlap: selection, then the exchange, then the sum.
     t = cm.predict_time("topk_allgather", 8, 1 << 20, m)
-    assert t == pytest.approx(cm.traffic("topk_allgather", 8, 1 << 20)[0] * m.alpha + max(
-        cm.traffic("topk_allgather", 8, 1 << 20)[1] * m.beta, m.net * 2 * cm.traffic("topk_allgather", 8, 1 << 20)[1])
-        + m.kappa * cm.kernel_seconds("topk_allgather", 8, 1 << 20, CODEC))
+    assert t == pytest.approx(
+        cm.traffic("topk_allgather", 8, 1 << 20)[0] * m.alpha
+        + max(
+            cm.traffic("topk_allgather", 8, 1 << 20)[1] * m.beta,
+            m.net * 2 * cm.traffic("topk_allgather", 8, 1 << 20)[1],
+        )
+        + m.kappa * cm.kernel_seconds("topk_allgather", 8, 1 << 20, CODEC)
+    )
 
 
 def test_a_smaller_share_of_a_core_slows_only_the_cpu_parts():
@@ -98,7 +105,8 @@ def test_a_smaller_share_of_a_core_slows_only_the_cpu_parts():
     free = machine(net=0.0, codec={t: 0.0 for t in cm.CODEC_TERMS})
     for scheme in cm.SCHEMES:  # nothing on the CPU: sharing cores changes nothing
         assert cm.predict_time(scheme, 8, n, free) == pytest.approx(
-            cm.predict_time(scheme, 8, n, dataclasses.replace(free, cores=2)))
+            cm.predict_time(scheme, 8, n, dataclasses.replace(free, cores=2))
+        )
     m = machine()
     for scheme in cm.SCHEMES:
         own = cm.predict_time(scheme, 8, n, m)
@@ -111,8 +119,9 @@ def test_burst_is_free_and_only_bytes_beyond_it_pay_the_rate():
     n = 1 << 20
     sent = cm.traffic("topk_allgather", 4, n)[1]
     m0, m1 = machine(net=0.0), machine(net=0.0, burst=sent / 2)
-    assert cm.predict_time("topk_allgather", 4, n, m0) - cm.predict_time("topk_allgather", 4, n, m1) \
-        == pytest.approx(sent / 2 * m0.beta)
+    assert cm.predict_time("topk_allgather", 4, n, m0) - cm.predict_time("topk_allgather", 4, n, m1) == pytest.approx(
+        sent / 2 * m0.beta
+    )
 
 
 def test_fit_recovers_the_cpu_terms_and_alpha_that_made_the_points():
@@ -156,29 +165,37 @@ def test_codecs_then_predict_write_every_cell_and_a_figure(tmp_path):
     assert os.path.getsize(tmp_path / "cost-model-predict.png") > 10000
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--hosts", "1", "up"], "--hosts must be an integer in 2..254, got '1'"),
-    (["--hosts", "eight", "stream"], "--hosts must be an integer in 2..254, got 'eight'"),
-    (["--rate", "100", "streams"], "--rate must be a tc rate such as 100mbit or 1gbit, got '100'"),
-    (["--rate", "fast", "up"], "--rate must be a tc rate such as 100mbit or 1gbit, got 'fast'"),
-    (["--cpus", "half", "up"], "--cpus must be a positive number of cores such as 0.5, got 'half'"),
-    (["--cpus", "0", "up"], "--cpus must be a positive number of cores such as 0.5, got '0'"),
-    (["--cpus", "-1", "up"], "--cpus must be a positive number of cores such as 0.5, got '-1'"),
-    (["cgroup", "first"], "usage:"),
-    (["--hosts"], "usage:"),
-    (["--hosts", "4", "sideways"], "usage:"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--hosts", "1", "up"], "--hosts must be an integer in 2..254, got '1'"),
+        (["--hosts", "eight", "stream"], "--hosts must be an integer in 2..254, got 'eight'"),
+        (["--rate", "100", "streams"], "--rate must be a tc rate such as 100mbit or 1gbit, got '100'"),
+        (["--rate", "fast", "up"], "--rate must be a tc rate such as 100mbit or 1gbit, got 'fast'"),
+        (["--cpus", "half", "up"], "--cpus must be a positive number of cores such as 0.5, got 'half'"),
+        (["--cpus", "0", "up"], "--cpus must be a positive number of cores such as 0.5, got '0'"),
+        (["--cpus", "-1", "up"], "--cpus must be a positive number of cores such as 0.5, got '-1'"),
+        (["cgroup", "first"], "usage:"),
+        (["--hosts"], "usage:"),
+        (["--hosts", "4", "sideways"], "usage:"),
+    ],
+)
 def test_netcluster_refuses_bad_options_before_touching_the_network(argv, message):
     """Options are checked before any namespace is made (so this runs without root)."""
-    done = subprocess.run(["bash", os.path.join(ROOT, "bench", "netcluster.sh"), *argv],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "netcluster.sh"), *argv], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2 and message in done.stderr, (done.returncode, done.stderr)
 
 
 @pytest.mark.parametrize("seconds", ["2.5", "0", "ten"])
 def test_netcluster_refuses_a_bad_stream_length_before_touching_the_network(seconds):
-    done = subprocess.run(["bash", os.path.join(ROOT, "bench", "netcluster.sh"), "streams"],
-                          capture_output=True, text=True, timeout=60,
-                          env=dict(os.environ, HPCDL_STREAM_SECONDS=seconds))
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "bench", "netcluster.sh"), "streams"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, HPCDL_STREAM_SECONDS=seconds),
+    )
     expected = f"HPCDL_STREAM_SECONDS must be a whole number of seconds >= 1, got '{seconds}'"
     assert done.returncode == 2 and expected in done.stderr, (done.returncode, done.stderr)

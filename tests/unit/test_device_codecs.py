@@ -8,6 +8,7 @@ import torch
 
 from hpcdl.compression import BF16, FP16, Int8, TopK
 from hpcdl.torch.device_codecs import device_codec
+
 from helpers.device import device  # noqa: F401 - the fixture
 
 CODECS = [FP16(), BF16(), Int8(), Int8(block=7), TopK(0.1), TopK(0.003)]

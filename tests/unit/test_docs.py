@@ -16,8 +16,9 @@ import sys
 
 from conftest import ROOT
 
-PAGES = ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
-                               if f.endswith(".md"))
+PAGES = ["README.md"] + sorted(
+    os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")
+)
 SHELL_FENCES = {"", "bash", "sh", "shell", "console"}
 REPO_PATH = re.compile(r"(?<![\w/$.-])(?:\./)?((?:bench|scripts|slurm|examples|docs|tests|hpcdl)/[\w./*-]*[\w*])")
 LAUNCHER_VALUE_OPTIONS = {"-n", "-np", "-N", "-ppn", "-f", "-hosts", "--ntasks", "--nodes"}
@@ -160,8 +161,11 @@ def sbatch_target(script):
             words = line.split()
             if '"$@"' not in words:
                 continue
-            words = [w for w in words[:words.index('"$@"')] if w != "launch" and not w.startswith('"$')
-                     or w.startswith('"$HPCDL_HOME/')]
+            words = [
+                w
+                for w in words[: words.index('"$@"')]
+                if w != "launch" and not w.startswith('"$') or w.startswith('"$HPCDL_HOME/')
+            ]
             if words[:1] == ["hpcdl"]:
                 return "hpcdl", words[1:]
             if words[:1] == ["python"] and len(words) >= 2:
@@ -176,8 +180,7 @@ def case_labels(script):
     dispatch = re.search(r'^case "?\$\{?1(:-)?\}?"? in$(.*?)^esac', text, re.M | re.S)
     if dispatch is None:
         return set()
-    return {label for labels in re.findall(r"^\s*([\w|-]+)\)", dispatch.group(2), re.M)
-            for label in labels.split("|")}
+    return {label for labels in re.findall(r"^\s*([\w|-]+)\)", dispatch.group(2), re.M) for label in labels.split("|")}
 
 
 def classify(words):
@@ -195,12 +198,12 @@ def classify(words):
                 i += 2 if words[i] in LAUNCHER_VALUE_OPTIONS else 1
         elif w.endswith("bench/netcluster.sh"):
             j = i + 1
-            while words[j:j + 1] in (["--hosts"], ["--rate"], ["--cpus"]):  # its options, before the subcommand
+            while words[j : j + 1] in (["--hosts"], ["--rate"], ["--cpus"]):  # its options, before the subcommand
                 j += 2
-            if words[j:j + 2] == ["run", "--"]:
+            if words[j : j + 2] == ["run", "--"]:
                 i = j + 2
                 continue
-            words = words[:i + 1] + words[j:]
+            words = words[: i + 1] + words[j:]
             break
         elif w.endswith("bench/netns-exec.sh"):
             i += 1
@@ -208,7 +211,7 @@ def classify(words):
             break
     words = words[i:]
     if "..." in words:
-        words = words[:words.index("...")]
+        words = words[: words.index("...")]
     if not words:
         return None
     head, rest = words[0], words[1:]
@@ -226,7 +229,7 @@ def classify(words):
         scripts = [k for k, w in enumerate(rest) if w.endswith(".sbatch")]
         if not scripts:
             return None
-        return "sbatch", rest[scripts[0]], rest[scripts[0] + 1:]
+        return "sbatch", rest[scripts[0]], rest[scripts[0] + 1 :]
     if REPO_PATH.fullmatch(head) and head.endswith(".sh"):
         return "sh", head.removeprefix("./"), rest
     return None
@@ -242,8 +245,7 @@ def documented_commands():
             for words in simple_commands(line):
                 checked = classify(words)
                 if checked:
-                    found.append((f"{page}:{number}: {line}", *checked,
-                                  REPO_PATH.findall(" ".join(words))))
+                    found.append((f"{page}:{number}: {line}", *checked, REPO_PATH.findall(" ".join(words))))
     return found
 
 
@@ -269,18 +271,25 @@ def test_documented_commands_exist_and_parse():
                 if argv:
                     problems.append(f"{where}\n    {target} takes no arguments")
                 continue
-            kind, target, argv = ("hpcdl", "hpcdl", runs[1] + argv) if runs[0] == "hpcdl" else \
-                ("path", runs[1], runs[2] + argv)
+            kind, target, argv = (
+                ("hpcdl", "hpcdl", runs[1] + argv) if runs[0] == "hpcdl" else ("path", runs[1], runs[2] + argv)
+            )
         if kind == "path":
             target = os.path.join(ROOT, target)
             if not os.path.exists(target):
                 continue  # reported above
         probes.setdefault((kind, target), []).append((where, argv))
-    running = {key: subprocess.Popen([sys.executable, "-c", PROBE, json.dumps([*key, [a for _, a in uses]])],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1",
-                                              TF_CPP_MIN_LOG_LEVEL="3"))
-               for key, uses in probes.items()}
+    running = {
+        key: subprocess.Popen(
+            [sys.executable, "-c", PROBE, json.dumps([*key, [a for _, a in uses]])],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="3"),
+        )
+        for key, uses in probes.items()
+    }
     for key, proc in running.items():
         out, err = proc.communicate(timeout=300)
         verdict_lines = [line for line in out.splitlines() if line.startswith("VERDICTS ")]
@@ -295,20 +304,40 @@ def test_documented_commands_exist_and_parse():
 
 def test_the_checker_catches_drift(tmp_path):
     """A wrong option, subcommand or file in a command is found, a right one is not."""
-    assert classify(shlex.split("mpiexec -n 4 python bench/allreduce.py --sizes 1MiB")) == \
-        ("path", "bench/allreduce.py", ["--sizes", "1MiB"])
-    assert classify(shlex.split("sudo HPCDL_X=1 hpcdl bench store -n 2 ...")) == ("hpcdl", "hpcdl", ["bench", "store", "-n", "2"])
+    assert classify(shlex.split("mpiexec -n 4 python bench/allreduce.py --sizes 1MiB")) == (
+        "path",
+        "bench/allreduce.py",
+        ["--sizes", "1MiB"],
+    )
+    assert classify(shlex.split("sudo HPCDL_X=1 hpcdl bench store -n 2 ...")) == (
+        "hpcdl",
+        "hpcdl",
+        ["bench", "store", "-n", "2"],
+    )
     assert classify(shlex.split("pip install .")) is None
-    assert simple_commands("eval \"$(scripts/slurm-cluster.sh env)\" && hpcdl info > out.txt # note") == \
-        [["eval", "$(scripts/slurm-cluster.sh env)"], ["hpcdl", "info"]]
+    assert simple_commands('eval "$(scripts/slurm-cluster.sh env)" && hpcdl info > out.txt # note') == [
+        ["eval", "$(scripts/slurm-cluster.sh env)"],
+        ["hpcdl", "info"],
+    ]
     assert sbatch_target("slurm/pack.sbatch") == ("hpcdl", ["pack"])
     assert sbatch_target("slurm/allreduce_bench.sbatch") == ("path", "bench/allreduce.py", [])
     assert sbatch_target("slurm/store_bench.sbatch") == ("path", "bench/store.py", ["--fs", "plain"])
     assert "start" in case_labels("scripts/slurm-cluster.sh")
-    argvs = [["info"], ["info", "--bogus"], ["bench", "allreduce", "--sizes", "4KiB"], ["bench", "allreduce", "--no-such"],
-             ["nosuch"]]
-    proc = subprocess.run([sys.executable, "-c", PROBE, json.dumps(["hpcdl", "hpcdl", argvs])], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=ROOT))
+    argvs = [
+        ["info"],
+        ["info", "--bogus"],
+        ["bench", "allreduce", "--sizes", "4KiB"],
+        ["bench", "allreduce", "--no-such"],
+        ["nosuch"],
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, json.dumps(["hpcdl", "hpcdl", argvs])],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
     verdicts = json.loads(proc.stdout.split("VERDICTS ")[1])
     assert [v is None for v in verdicts] == [True, False, True, False, False], verdicts
     assert "--no-such" in verdicts[3][0] and "invalid choice" in verdicts[4][0]

@@ -19,8 +19,11 @@ def test_docs_table_is_the_modules():
 
 
 def test_only_the_env_module_reads_the_environment():
-    readers = [str(path.relative_to(ROOT)) for path in PACKAGE.rglob("*.py")
-               if path.name != "_env.py" and re.search(r"os\.environ|getenv\(", path.read_text())]
+    readers = [
+        str(path.relative_to(ROOT))
+        for path in PACKAGE.rglob("*.py")
+        if path.name != "_env.py" and re.search(r"os\.environ|getenv\(", path.read_text())
+    ]
     assert readers == []
 
 
@@ -33,8 +36,9 @@ def test_every_variable_the_library_names_is_in_the_module():
     assert set(_env.ENGINE_DOCS) == {variable for *_, variable in _env.ENGINE_SETTINGS.values()}
 
 
-@pytest.mark.parametrize("name,text", [("HPCDL_DLIO_RAM", "12 parsecs"), ("HPCDL_TIMELINE_WAIT_SECONDS", "-1"),
-                                       ("HPCDL_DLIO_THREADS", "+4")])
+@pytest.mark.parametrize(
+    "name,text", [("HPCDL_DLIO_RAM", "12 parsecs"), ("HPCDL_TIMELINE_WAIT_SECONDS", "-1"), ("HPCDL_DLIO_THREADS", "+4")]
+)
 def test_bad_text_names_the_variable(monkeypatch, name, text):
     monkeypatch.setenv(name, text)
     with pytest.raises(ValueError, match=f"environment variable {name}='{re.escape(text)}'"):

@@ -29,13 +29,17 @@ def test_rank_that_exits_ends_the_job_and_survivors_name_it(tmp_path):
     """Rank 1 calls sys.exit(1) while ranks 0 and 2 wait in an allreduce it never
     submits: by default they fail naming it (rank 2 hears it through rank 0,
     the coordinator), and their uncaught error ends the job."""
-    rc, out = run_job(tmp_path, 3, """
+    rc, out = run_job(
+        tmp_path,
+        3,
+        """
         if RANK == 1:
             time.sleep(0.5)
             sys.exit(1)
         hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
         print(f"rank {RANK} finished the allreduce", flush=True)
-    """)
+    """,
+    )
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
     found = survivor_lines(out, (0, 2), 1)
@@ -47,7 +51,10 @@ def test_rank_that_exits_inside_a_ring_ends_the_job(tmp_path):
     """Rank 1 exits with a deferred allreduce never marked ready: ranks 0 and 2
     already move that operation's data in the ring. They abandon the ring
     (cancelling what it posted) and fail naming rank 1."""
-    rc, out = run_job(tmp_path, 3, """
+    rc, out = run_job(
+        tmp_path,
+        3,
+        """
         a = np.ones(3 << 20, np.float32)  # several ring chunks of 4 MiB on 3 ranks
         h = hpcdl.allreduce_async(a, name="big", deferred=True)
         if RANK == 1:
@@ -56,7 +63,8 @@ def test_rank_that_exits_inside_a_ring_ends_the_job(tmp_path):
         h.mark_ready()
         h.wait()
         print(f"rank {RANK} finished the allreduce", flush=True)
-    """)
+    """,
+    )
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
     found = survivor_lines(out, (0, 2), 1)
@@ -64,13 +72,17 @@ def test_rank_that_exits_inside_a_ring_ends_the_job(tmp_path):
 
 
 def test_rank_that_raises_ends_the_job(tmp_path):
-    rc, out = run_job(tmp_path, 3, """
+    rc, out = run_job(
+        tmp_path,
+        3,
+        """
         if RANK == 1:
             time.sleep(0.5)
             raise RuntimeError("boom on rank 1")
         hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
         print(f"rank {RANK} finished the allreduce", flush=True)
-    """)
+    """,
+    )
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
     assert "[hpcdl rank 1] uncaught RuntimeError: aborting the job" in out, out
@@ -79,23 +91,30 @@ def test_rank_that_raises_ends_the_job(tmp_path):
 def test_abort_on_uncaught_exception_can_be_switched_off(tmp_path):
     """Off (the function on every rank): the raising rank prints its traceback and exits without
     MPI_Abort; its engine leaves at exit (or the launcher ends the job), so the job still ends."""
-    rc, out = run_job(tmp_path, 3, """
+    rc, out = run_job(
+        tmp_path,
+        3,
+        """
         hpcdl.abort_on_uncaught_exception(False)
         if RANK == 1:
             time.sleep(0.5)
             raise RuntimeError("boom on rank 1")
         hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
-    """)
+    """,
+    )
     assert rc != 0, out
     assert "RuntimeError: boom on rank 1" in out, out
     assert "aborting the job" not in out, out
     # Each rank writes its answer to its own file: the launcher merges the ranks' stdout in chunks
     # that can split a line, so counting lines in it is not a check of two ranks.
-    code = ("import os, sys, hpcdl; open(os.path.join(sys.argv[1], 'hook.' + os.environ['PMI_RANK']), 'w')"
-            ".write(str(sys.excepthook is sys.__excepthook__))")
+    code = (
+        "import os, sys, hpcdl; open(os.path.join(sys.argv[1], 'hook.' + os.environ['PMI_RANK']), 'w')"
+        ".write(str(sys.excepthook is sys.__excepthook__))"
+    )
     env = dict(os.environ, HPCDL_ABORT_ON_EXCEPTION="0")
-    rc, out, _ = finish_job(start_job([MPIEXEC, "-n", "2", sys.executable, "-c", code, str(tmp_path)], env=env),
-                            BOUND_S)
+    rc, out, _ = finish_job(
+        start_job([MPIEXEC, "-n", "2", sys.executable, "-c", code, str(tmp_path)], env=env), BOUND_S
+    )
     answers = {r: (tmp_path / f"hook.{r}").read_text() if (tmp_path / f"hook.{r}").exists() else None for r in (0, 1)}
     assert rc == 0 and answers == {0: "True", 1: "True"}, (answers, out)
 
@@ -106,7 +125,10 @@ def test_the_last_rank_to_exit_sends_nothing_to_ranks_already_gone(tmp_path):
     Ranks 1-3 leave first (their engines shut down as at interpreter exit, then they
     finalize); rank 0, the coordinator, which tells every rank, leaves after them. It knows
     from their own leave notices, so its exit is prompt and clean."""
-    rc, out = run_job(tmp_path, 4, """
+    rc, out = run_job(
+        tmp_path,
+        4,
+        """
         if RANK != 0:
             hpcdl._core.shutdown()  # what the atexit hook runs; then MPI_Finalize at exit
             open(os.path.join(os.environ["JOB_DIR"], f"left.{RANK}"), "w").close()
@@ -117,7 +139,9 @@ def test_the_last_rank_to_exit_sends_nothing_to_ranks_already_gone(tmp_path):
                 time.sleep(0.1)
             time.sleep(1.0)  # they are in MPI_Finalize by now
             print(f"rank 0: the others left: {all(map(os.path.exists, marks))}", flush=True)
-    """, extra_env=TCP_LOOPBACK)
+    """,
+        extra_env=TCP_LOOPBACK,
+    )
     assert rc == 0, out
     assert "rank 0: the others left: True" in out, out
     assert "could not tell the other ranks" not in out, out
@@ -128,13 +152,17 @@ def test_rank_killed_with_sigkill_ends_the_job(tmp_path):
     ends the job, on the others: hydra's report is what names it. Its PID line
     names one of the job's processes, not always the killed one (a race in
     hydra), so the check is the report of the signal."""
-    rc, out = run_job(tmp_path, 3, """
+    rc, out = run_job(
+        tmp_path,
+        3,
+        """
         if RANK == 1:
             time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGKILL)
         hpcdl.allreduce(np.ones(1000, np.float32), name="never.on.rank1")
         print(f"rank {RANK} finished the allreduce", flush=True)
-    """)
+    """,
+    )
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
     assert "BAD TERMINATION" in out and "Killed (signal 9)" in out, out
@@ -145,7 +173,10 @@ def test_a_stopped_rank_inside_a_ring_ends_the_job_after_stall_error_seconds(tmp
     the others running) sends nothing and never leaves: its neighbours' ring makes
     no progress, and with stall_error_seconds set they fail naming both neighbours
     instead of waiting for ever, and their uncaught error ends the job."""
-    rc, out = run_job(tmp_path, 3, """
+    rc, out = run_job(
+        tmp_path,
+        3,
+        """
         hpcdl.configure(stall_error_seconds=3)
         a = np.ones(3 << 20, np.float32)  # several ring chunks of 4 MiB on 3 ranks
         h = hpcdl.allreduce_async(a, name="big", deferred=True)
@@ -155,19 +186,26 @@ def test_a_stopped_rank_inside_a_ring_ends_the_job_after_stall_error_seconds(tmp
         h.mark_ready()
         h.wait()
         print(f"rank {RANK} finished the allreduce", flush=True)
-    """)
+    """,
+    )
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
     failed = [r for r in (0, 2) if f"[hpcdl rank {r}] uncaught StallTimeoutError" in out]
-    named = re.findall(r"operation 'big' made no progress in its ring for [\d.]+ s \(stall_error_seconds\): "
-                       r"rank (\d) or rank (\d) of the communicator, its neighbours", out)
+    named = re.findall(
+        r"operation 'big' made no progress in its ring for [\d.]+ s \(stall_error_seconds\): "
+        r"rank (\d) or rank (\d) of the communicator, its neighbours",
+        out,
+    )
     assert failed and named and all("1" in pair for pair in named), out
 
 
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
     """Rank 1 frees a communicator while its operation "a" is in flight there and
     rank 0 waits in "b" on it: rank 0 fails naming rank 1."""
-    rc, out = run_job(tmp_path, 2, """
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
         sub = WORLD.Dup()
         hpcdl.allreduce(np.ones(4, np.float32), comm=sub)  # hpcdl's channels on sub exist
         if RANK == 1:
@@ -176,7 +214,8 @@ def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path)
             time.sleep(600)  # the job must end without this rank's help
         hpcdl.allreduce(np.ones(4, np.float32), comm=sub, name="b")
         print(f"rank {RANK} finished the allreduce", flush=True)
-    """)
+    """,
+    )
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
     assert survivor_lines(out, (0,), 1)[0], out
@@ -189,7 +228,10 @@ def test_first_operation_on_a_new_communicator_does_not_block_the_engine(tmp_pat
     (the communicator's set-up must not hold it). Then rank 1 submits its first
     operation on another new communicator 2 s late: rank 0 gets a StallWarning
     meanwhile, and both results are right."""
-    rc, out = run_job(tmp_path, 2, """
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
         sub = WORLD.Split(0, RANK)
         x, y = np.ones(1000, np.float32), np.full(10, 2.0, np.float32)
         h = hpcdl.allreduce_async(x)
@@ -213,7 +255,8 @@ def test_first_operation_on_a_new_communicator_does_not_block_the_engine(tmp_pat
         stalls = [str(w.message) for w in caught if issubclass(w.category, hpcdl.StallWarning)]
         warned = any("first operation on this communicator" in s for s in stalls) if RANK == 0 else not stalls
         print(f"rank {RANK} late: {bool(np.all(z == 2)) and warned} {stalls}", flush=True)
-    """)
+    """,
+    )
     assert rc == 0, out
     for r in (0, 1):
         assert f"rank {r} first: True" in out, out
@@ -224,7 +267,10 @@ def test_ctrl_c_interrupts_a_rank_blocked_on_a_new_communicator(tmp_path):
     """Rank 0 waits in its first operation on a communicator rank 1 never uses:
     SIGINT (Ctrl-C) to rank 0 raises KeyboardInterrupt there, whose uncaught
     exception ends the job."""
-    proc = start(tmp_path, 2, """
+    proc = start(
+        tmp_path,
+        2,
+        """
         sub = WORLD.Dup()
         if RANK == 1:
             time.sleep(600)
@@ -232,7 +278,8 @@ def test_ctrl_c_interrupts_a_rank_blocked_on_a_new_communicator(tmp_path):
             f.write(str(os.getpid()))
         hpcdl.allreduce(np.ones(4, np.float32), comm=sub)
         print("rank 0 finished the allreduce", flush=True)
-    """)
+    """,
+    )
     pid_file = tmp_path / "rank0.pid"
     deadline = time.monotonic() + BOUND_S
     while not pid_file.exists() or not pid_file.read_text():
@@ -258,7 +305,10 @@ def test_abandoned_ring_returns_only_once_its_transfers_are_cancelled(tmp_path):
     others) but its process lives on: were it to end at once, the launcher
     could kill ranks 0 and 2 before they decide, and what is checked here would
     not be seen."""
-    rc, out = run_job(tmp_path, 3, """
+    rc, out = run_job(
+        tmp_path,
+        3,
+        """
         a = np.ones(3 << 20, np.float32)
         h = hpcdl.allreduce_async(a, name="big", deferred=True)
         if RANK == 1:
@@ -275,7 +325,8 @@ def test_abandoned_ring_returns_only_once_its_transfers_are_cancelled(tmp_path):
         time.sleep(1.0)
         del a  # freed: MPI must not write here any more
         time.sleep(1.0)
-    """)
+    """,
+    )
     assert rc != 0, out
     caught = {r: f"rank {r} caught: hpcdl: rank 1 of the communicator" in out for r in (0, 2)}
     cannot_cancel = "[hpcdl rank 0] ring allreduce: a transfer could not be cancelled" in out
@@ -306,15 +357,21 @@ def test_a_rank_that_left_is_named_in_an_engine_warning(tmp_path):
     """Rank 0 waits in an allreduce rank 1 never submits; rank 1 exits. Rank 0's wait
     issues an EngineWarning naming rank 1 (catchable like any warning, rank in front)
     before it raises CancelledError."""
-    rc, out = run_job(tmp_path, 2, """
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
         recording = warnings.catch_warnings(record=True)
         caught = recording.__enter__()
         warnings.simplefilter("always")
-    """ + LEFT_WHILE_WAITING + """
+    """
+        + LEFT_WHILE_WAITING
+        + """
         left = [str(w.message) for w in caught if w.category is hpcdl.EngineWarning]
         ok = any(m.startswith("[hpcdl rank 0] rank 1 of the communicator (rank 1 of COMM_WORLD) left") for m in left)
         print(f"rank {RANK} warned: {ok} {left}", flush=True)
-    """)
+    """,
+    )
     assert rc == 0, out
     assert "rank 0 raised: True" in out and "rank 0 warned: True" in out, out
 
@@ -322,9 +379,14 @@ def test_a_rank_that_left_is_named_in_an_engine_warning(tmp_path):
 def test_the_news_of_a_rank_that_left_obeys_warning_filters(tmp_path):
     """The same with warnings.simplefilter("ignore"): the operation still raises, and
     nothing of the engine's reaches the output."""
-    rc, out = run_job(tmp_path, 2, """
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
         warnings.simplefilter("ignore")
-    """ + LEFT_WHILE_WAITING)
+    """
+        + LEFT_WHILE_WAITING,
+    )
     assert rc == 0, out
     assert "rank 0 raised: True" in out, out
     assert "[hpcdl rank 0]" not in out and "EngineWarning" not in out, out
@@ -335,7 +397,10 @@ def test_a_deferred_operation_not_marked_ready_warns_through_warning_filters(tmp
     arrives at the next call into hpcdl (here mark_ready() itself) with the rank in
     front; "ignore" silences it; a flood keeps the first kMaxNotices (64) and says
     how many more were dropped."""
-    rc, out = run_job(tmp_path, 1, """
+    rc, out = run_job(
+        tmp_path,
+        1,
+        """
         def wait_unready(name, seconds):
             a = np.ones(4, np.float32)
             h = hpcdl.allreduce_async(a, comm=MPI.COMM_SELF, name=name, deferred=True)
@@ -367,7 +432,8 @@ def test_a_deferred_operation_not_marked_ready_warns_through_warning_filters(tmp
         flood = sum(kind == "StallWarning" and "'flood'" in m for kind, m in first[:64])
         dropped = [m for kind, m in first[64:] if kind == "EngineWarning" and "more engine messages were dropped" in m]
         print(f"flood: {flood} {dropped}", flush=True)
-    """)
+    """,
+    )
     assert rc == 0, out
     assert "warned: True" in out, out
     assert "silenced: 0" in out and "'silenced'" not in out, out
@@ -380,7 +446,10 @@ def test_a_first_operation_given_up_during_set_up_leaves_the_engine_working(tmp_
     which completes the set-up. Rank 0's engine must not report the operation it
     gave up on (it once aborted with std::out_of_range there): rank 1's fails with a
     stall error, and the next operation on the communicator sums right."""
-    rc, out = run_job(tmp_path, 2, """
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
         hpcdl.configure(stall_error_seconds=1.0)
         comm = WORLD.Dup()
         a = np.ones(4, np.float32)
@@ -399,7 +468,9 @@ def test_a_first_operation_given_up_during_set_up_leaves_the_engine_working(tmp_
         b = np.full(4, RANK + 1.0, np.float32)
         hpcdl.allreduce(b, comm=comm, name="second")
         print(f"rank {RANK} second {b.tolist()}", flush=True)
-    """, bound=60)
+    """,
+        bound=60,
+    )
     assert rc == 0, out
     assert "rank 0 gave up:" in out and "rank 1 gave up:" in out, out
     assert "rank 0, which submitted it earlier and gave up on it" in out, out

@@ -55,8 +55,9 @@ def run(tmp_path, body):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for variable in ("HPCDL_STALL_ERROR_SECONDS", "HPCDL_STALL_WARNING_SECONDS"):
         env.pop(variable, None)
-    rc, out, _ = finish_job(start_job([MPIEXEC, "-n", "2", sys.executable, str(script), str(tmp_path)], env=env),
-                            BOUND_S)
+    rc, out, _ = finish_job(
+        start_job([MPIEXEC, "-n", "2", sys.executable, str(script), str(tmp_path)], env=env), BOUND_S
+    )
     return rc, out
 
 
@@ -80,14 +81,17 @@ def check_child_refused(result):
 def test_an_op_in_a_child_forked_before_the_first_op_raises_and_the_parents_sum_is_right(tmp_path):
     """Rank 1 forks before any operation; the child's allreduce raises naming the
     cause instead of taking over rank 1's identity, and the parents still sum [1] + [2]."""
-    rc, out = run(tmp_path, """
+    rc, out = run(
+        tmp_path,
+        """
         if RANK == 1:
             pid = os.fork()
             if pid == 0:
                 try_allreduce_in_child(os.path.join(OUT, "child"))
                 os._exit(0)
             os.waitpid(pid, 0)
-    """)
+    """,
+    )
     check_parents_untouched(tmp_path, rc, out)
     check_child_refused(read(tmp_path, "child"))
 
@@ -95,7 +99,9 @@ def test_an_op_in_a_child_forked_before_the_first_op_raises_and_the_parents_sum_
 def test_an_op_in_a_child_forked_after_the_engine_started_raises_at_once(tmp_path):
     """The engine thread runs in the parent only: a child's operation would wait for
     it forever. It raises at once instead."""
-    rc, out = run(tmp_path, """
+    rc, out = run(
+        tmp_path,
+        """
         hpcdl.allreduce(np.ones(4))
         if RANK == 1:
             pid = os.fork()
@@ -103,7 +109,8 @@ def test_an_op_in_a_child_forked_after_the_engine_started_raises_at_once(tmp_pat
                 try_allreduce_in_child(os.path.join(OUT, "child"))
                 os._exit(0)
             os.waitpid(pid, 0)
-    """)
+    """,
+    )
     check_parents_untouched(tmp_path, rc, out)
     check_child_refused(read(tmp_path, "child"))
 
@@ -112,7 +119,9 @@ def test_a_forked_child_that_exits_ends_at_once_silently_with_its_status(tmp_pat
     """Children that reach interpreter exit (sys.exit(0), sys.exit(3), an uncaught
     exception) end at once with their status, say nothing of the engine, and
     neither wait for the parent's engine nor end the parents' job (MPI_Abort)."""
-    rc, out = run(tmp_path, """
+    rc, out = run(
+        tmp_path,
+        """
         hpcdl.allreduce(np.ones(4))
         if RANK == 1:
             statuses = {}
@@ -126,7 +135,8 @@ def test_a_forked_child_that_exits_ends_at_once_silently_with_its_status(tmp_pat
                 _, status = os.waitpid(pid, 0)
                 statuses[how] = [os.waitstatus_to_exitcode(status), time.monotonic() - started]
             answer("children", statuses)
-    """)
+    """,
+    )
     check_parents_untouched(tmp_path, rc, out)
     children = read(tmp_path, "children.1")
     assert {how: status for how, (status, _) in children.items()} == {"sys.exit(0)": 0, "sys.exit(3)": 3, "raise": 1}

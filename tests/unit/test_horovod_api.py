@@ -13,26 +13,56 @@ import hpcdl.horovod.keras as hvd_keras_alias
 import hpcdl.horovod.tensorflow as hvd_tf
 import hpcdl.horovod.tensorflow.keras as hvd_keras
 import hpcdl.horovod.torch as hvd
-from conftest import outcome
 from hpcdl.errors import HpcdlError, MismatchError
 from hpcdl.horovod import common
+
+from conftest import outcome
 
 # Horovod's parameters, in Horovod's order (0.28's process_set included).
 TORCH_SIGNATURES = {
     "init": ["comm", "process_sets"],
-    "allreduce": ["tensor", "average", "name", "compression", "op", "prescale_factor", "postscale_factor",
-                  "process_set"],
+    "allreduce": [
+        "tensor",
+        "average",
+        "name",
+        "compression",
+        "op",
+        "prescale_factor",
+        "postscale_factor",
+        "process_set",
+    ],
     "allreduce_": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
     "allreduce_async": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
     "allreduce_async_": ["tensor", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
-    "grouped_allreduce": ["tensors", "average", "name", "compression", "op", "prescale_factor", "postscale_factor",
-                          "process_set"],
-    "grouped_allreduce_": ["tensors", "average", "name", "op", "prescale_factor", "postscale_factor",
-                           "process_set"],
-    "grouped_allreduce_async": ["tensors", "average", "name", "op", "prescale_factor", "postscale_factor",
-                                "process_set"],
-    "grouped_allreduce_async_": ["tensors", "average", "name", "op", "prescale_factor", "postscale_factor",
-                                 "process_set"],
+    "grouped_allreduce": [
+        "tensors",
+        "average",
+        "name",
+        "compression",
+        "op",
+        "prescale_factor",
+        "postscale_factor",
+        "process_set",
+    ],
+    "grouped_allreduce_": ["tensors", "average", "name", "op", "prescale_factor", "postscale_factor", "process_set"],
+    "grouped_allreduce_async": [
+        "tensors",
+        "average",
+        "name",
+        "op",
+        "prescale_factor",
+        "postscale_factor",
+        "process_set",
+    ],
+    "grouped_allreduce_async_": [
+        "tensors",
+        "average",
+        "name",
+        "op",
+        "prescale_factor",
+        "postscale_factor",
+        "process_set",
+    ],
     "broadcast": ["tensor", "root_rank", "name", "process_set"],
     "broadcast_": ["tensor", "root_rank", "name", "process_set"],
     "broadcast_async": ["tensor", "root_rank", "name", "process_set"],
@@ -45,8 +75,18 @@ TORCH_SIGNATURES = {
     "broadcast_object": ["obj", "root_rank", "name", "process_set"],
     "broadcast_parameters": ["params", "root_rank", "prefix"],
     "broadcast_optimizer_state": ["optimizer", "root_rank", "model"],
-    "DistributedOptimizer": ["optimizer", "named_parameters", "compression", "backward_passes_per_step", "op",
-                             "gradient_predivide_factor", "num_groups", "groups", "sparse_as_dense", "process_set"],
+    "DistributedOptimizer": [
+        "optimizer",
+        "named_parameters",
+        "compression",
+        "backward_passes_per_step",
+        "op",
+        "gradient_predivide_factor",
+        "num_groups",
+        "groups",
+        "sparse_as_dense",
+        "process_set",
+    ],
     "start_timeline": ["file_path", "mark_cycles"],
     "allgather": ["tensor", "name", "process_set"],
     "allgather_async": ["tensor", "name", "process_set"],
@@ -55,38 +95,103 @@ TORCH_SIGNATURES = {
     "allgather_object": ["obj", "name", "process_set"],
     "reducescatter": ["tensor", "name", "compression", "op", "process_set", "prescale_factor", "postscale_factor"],
     "reducescatter_async": ["tensor", "name", "op", "process_set", "prescale_factor", "postscale_factor"],
-    "grouped_reducescatter": ["tensors", "name", "compression", "op", "process_set", "prescale_factor",
-                              "postscale_factor"],
+    "grouped_reducescatter": [
+        "tensors",
+        "name",
+        "compression",
+        "op",
+        "process_set",
+        "prescale_factor",
+        "postscale_factor",
+    ],
     "grouped_reducescatter_async": ["tensors", "name", "op", "process_set", "prescale_factor", "postscale_factor"],
     "alltoall": ["tensor", "splits", "name", "process_set"],
     "alltoall_async": ["tensor", "splits", "name", "process_set"],
     "SyncBatchNorm": ["num_features", "eps", "momentum", "affine", "track_running_stats"],
 }
 TF_SIGNATURES = {
-    "allreduce": ["tensor", "average", "device_dense", "device_sparse", "compression", "op", "prescale_factor",
-                  "postscale_factor", "name", "process_set", "ignore_name_scope"],
+    "allreduce": [
+        "tensor",
+        "average",
+        "device_dense",
+        "device_sparse",
+        "compression",
+        "op",
+        "prescale_factor",
+        "postscale_factor",
+        "name",
+        "process_set",
+        "ignore_name_scope",
+    ],
     "broadcast": ["tensor", "root_rank", "name", "process_set", "ignore_name_scope"],
-    "grouped_allreduce": ["tensors", "average", "device_dense", "device_sparse", "compression", "op",
-                          "prescale_factor", "postscale_factor", "process_set"],
+    "grouped_allreduce": [
+        "tensors",
+        "average",
+        "device_dense",
+        "device_sparse",
+        "compression",
+        "op",
+        "prescale_factor",
+        "postscale_factor",
+        "process_set",
+    ],
     "broadcast_variables": ["variables", "root_rank", "process_set", "inplace"],
     "broadcast_object": ["obj", "root_rank", "session", "name", "process_set"],
-    "DistributedGradientTape": ["gradtape", "device_dense", "device_sparse", "compression", "sparse_as_dense", "op",
-                                "gradient_predivide_factor", "num_groups", "groups", "process_set",
-                                "scale_local_gradients"],
+    "DistributedGradientTape": [
+        "gradtape",
+        "device_dense",
+        "device_sparse",
+        "compression",
+        "sparse_as_dense",
+        "op",
+        "gradient_predivide_factor",
+        "num_groups",
+        "groups",
+        "process_set",
+        "scale_local_gradients",
+    ],
     "allgather": ["tensor", "name", "ignore_name_scope", "process_set"],
     "grouped_allgather": ["tensors", "name", "ignore_name_scope", "process_set"],
     "allgather_object": ["obj", "session", "name", "process_set"],
-    "reducescatter": ["tensor", "device_dense", "compression", "op", "name", "process_set", "ignore_name_scope",
-                      "prescale_factor", "postscale_factor"],
-    "grouped_reducescatter": ["tensors", "device_dense", "compression", "op", "process_set", "prescale_factor",
-                              "postscale_factor"],
+    "reducescatter": [
+        "tensor",
+        "device_dense",
+        "compression",
+        "op",
+        "name",
+        "process_set",
+        "ignore_name_scope",
+        "prescale_factor",
+        "postscale_factor",
+    ],
+    "grouped_reducescatter": [
+        "tensors",
+        "device_dense",
+        "compression",
+        "op",
+        "process_set",
+        "prescale_factor",
+        "postscale_factor",
+    ],
     "alltoall": ["tensor", "splits", "name", "ignore_name_scope", "process_set"],
 }
 KERAS_SIGNATURES = {
-    "DistributedOptimizer": ["optimizer", "name", "device_dense", "device_sparse", "compression", "sparse_as_dense",
-                             "gradient_predivide_factor", "op", "backward_passes_per_step",
-                             "average_aggregated_gradients", "num_groups", "groups", "process_set",
-                             "scale_local_gradients"],
+    "DistributedOptimizer": [
+        "optimizer",
+        "name",
+        "device_dense",
+        "device_sparse",
+        "compression",
+        "sparse_as_dense",
+        "gradient_predivide_factor",
+        "op",
+        "backward_passes_per_step",
+        "average_aggregated_gradients",
+        "num_groups",
+        "groups",
+        "process_set",
+        "scale_local_gradients",
+    ],
     "allreduce": ["value", "name", "average", "prescale_factor", "postscale_factor", "op", "compression"],
     "broadcast": ["value", "root_rank", "name"],
     "load_model": ["filepath", "custom_optimizers", "custom_objects", "compression"],
@@ -94,11 +199,42 @@ KERAS_SIGNATURES = {
     "allgather": ["value", "name"],
     "reducescatter": ["value", "name", "op"],
 }
-BASICS = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
-          "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-          "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
-          "stop_timeline", "barrier", "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression",
-          "HorovodInternalError", "ProcessSet", "add_process_set", "remove_process_set"]
+BASICS = [
+    "init",
+    "shutdown",
+    "is_initialized",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "is_homogeneous",
+    "mpi_threads_supported",
+    "mpi_enabled",
+    "mpi_built",
+    "gloo_enabled",
+    "gloo_built",
+    "nccl_built",
+    "ddl_built",
+    "ccl_built",
+    "cuda_built",
+    "rocm_built",
+    "start_timeline",
+    "stop_timeline",
+    "barrier",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "Compression",
+    "HorovodInternalError",
+    "ProcessSet",
+    "add_process_set",
+    "remove_process_set",
+]
 # Not built yet (docs/horovod.md): absent, so a script fails at the name, not later.
 NOT_YET = ["join"]
 
@@ -113,8 +249,9 @@ def _parameters(fn):
     return list(inspect.signature(fn).parameters)
 
 
-@pytest.mark.parametrize("module,signatures", [(hvd, TORCH_SIGNATURES), (hvd_tf, TF_SIGNATURES),
-                                               (hvd_keras, KERAS_SIGNATURES)])
+@pytest.mark.parametrize(
+    "module,signatures", [(hvd, TORCH_SIGNATURES), (hvd_tf, TF_SIGNATURES), (hvd_keras, KERAS_SIGNATURES)]
+)
 def test_names_have_horovods_signatures(module, signatures):
     for name, parameters in signatures.items():
         assert _parameters(getattr(module, name)) == parameters, name
@@ -165,12 +302,13 @@ def test_hpcdl_errors_are_also_horovod_internal_errors():
 
 
 def test_adasum_and_unknown_ops_raise_clearly():
-    for call in (lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum),
-                 lambda: hvd.allreduce_async_(torch.ones(3), op=hvd.Adasum),
-                 lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1),
-                                                  op=hvd.Adasum),
-                 lambda: hvd_tf.allreduce(tf.ones(3), op=hvd_tf.Adasum),
-                 lambda: hvd_tf.DistributedGradientTape(tf.GradientTape(), op=hvd_tf.Adasum)):
+    for call in (
+        lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum),
+        lambda: hvd.allreduce_async_(torch.ones(3), op=hvd.Adasum),
+        lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), op=hvd.Adasum),
+        lambda: hvd_tf.allreduce(tf.ones(3), op=hvd_tf.Adasum),
+        lambda: hvd_tf.DistributedGradientTape(tf.GradientTape(), op=hvd_tf.Adasum),
+    ):
         with pytest.raises(NotImplementedError, match="Adasum"):
             call()
     with pytest.raises(ValueError, match="hvd.Min, hvd.Max or hvd.Product"):
@@ -181,17 +319,20 @@ def test_adasum_and_unknown_ops_raise_clearly():
 
 def test_parameters_hpcdl_cannot_honour_raise_naming_them():
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
-    cases = [(lambda: hvd.DistributedOptimizer(sgd, num_groups=2), "num_groups"),
-             (lambda: hvd.DistributedOptimizer(sgd, groups=[[0]]), "groups"),
-             (lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0),
-              "gradient_predivide_factor"),
-             (lambda: hvd.start_timeline("/tmp/unused.json", mark_cycles=True), "mark_cycles"),
-             (lambda: hvd_tf.allreduce(tf.ones(2), device_dense="/gpu:0"), "device_dense"),
-             (lambda: hvd_tf.broadcast_object(1, session=object()), "session"),
-             (lambda: hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=2),
-              "backward_passes_per_step"),
-             (lambda: hvd_keras.callbacks.MetricAverageCallback(device="/gpu:0"), "device"),
-             (lambda: hvd.DistributedOptimizer(sgd, compression=object()), "compression")]
+    cases = [
+        (lambda: hvd.DistributedOptimizer(sgd, num_groups=2), "num_groups"),
+        (lambda: hvd.DistributedOptimizer(sgd, groups=[[0]]), "groups"),
+        (lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0), "gradient_predivide_factor"),
+        (lambda: hvd.start_timeline("/tmp/unused.json", mark_cycles=True), "mark_cycles"),
+        (lambda: hvd_tf.allreduce(tf.ones(2), device_dense="/gpu:0"), "device_dense"),
+        (lambda: hvd_tf.broadcast_object(1, session=object()), "session"),
+        (
+            lambda: hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=2),
+            "backward_passes_per_step",
+        ),
+        (lambda: hvd_keras.callbacks.MetricAverageCallback(device="/gpu:0"), "device"),
+        (lambda: hvd.DistributedOptimizer(sgd, compression=object()), "compression"),
+    ]
     for call, name in cases:
         with pytest.raises(ValueError, match=name):
             call()
@@ -238,12 +379,14 @@ def fit_with(callbacks, optimizer, epochs=3, batches=4):
 
 
 def test_learning_rate_schedule_callbacks():
-    staircase, record = hvd_keras.callbacks.LearningRateScheduleCallback(0.4, lambda e: 0.5 ** e), RecordLearningRate()
+    staircase, record = hvd_keras.callbacks.LearningRateScheduleCallback(0.4, lambda e: 0.5**e), RecordLearningRate()
     history = fit_with([staircase, record], tf.keras.optimizers.Adam(0.1))
     assert np.allclose(history.history["lr"], [0.4, 0.2, 0.1])
     assert np.allclose(record.seen, np.repeat([0.4, 0.2, 0.1], 4))
-    smooth, record = hvd_keras.callbacks.LearningRateScheduleCallback(
-        1.0, lambda e: e, start_epoch=1, end_epoch=2, staircase=False), RecordLearningRate()
+    smooth, record = (
+        hvd_keras.callbacks.LearningRateScheduleCallback(1.0, lambda e: e, start_epoch=1, end_epoch=2, staircase=False),
+        RecordLearningRate(),
+    )
     fit_with([smooth, record], tf.keras.optimizers.Adam(0.1))
     assert np.allclose(record.seen, [0.1] * 4 + [1.0, 1.25, 1.5, 1.75] + [1.75] * 4)
     warmup, record = hvd_keras.callbacks.LearningRateWarmupCallback(0.3, warmup_epochs=2), RecordLearningRate()

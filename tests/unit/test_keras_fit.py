@@ -15,6 +15,7 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.tensorflow as hvd_tf
+
 from conftest import ROOT, outcome
 from helpers.keras_fit import LOCAL_BATCH, LOSS, fit, global_data, make_model, max_difference, reference
 
@@ -42,8 +43,10 @@ def test_a_model_saved_while_training_loads_with_its_optimizer_wrapped_again(tmp
     included) wrapped with the settings given; inference loads anywhere without compiling."""
     x, y = np.ones((8, 4), np.float32), np.ones((8, 2), np.float32)
     model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
-    model.compile(optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9),
-                                                        comm=MPI.COMM_SELF), loss="mse")
+    model.compile(
+        optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), comm=MPI.COMM_SELF),
+        loss="mse",
+    )
     model.fit(x, y, epochs=2, verbose=0)
     path = str(tmp_path / "model.keras")
     model.save(path)
@@ -66,8 +69,15 @@ def test_a_model_saved_while_training_loads_with_its_optimizer_wrapped_again(tmp
 def test_single_process_fit_equals_plain_fit(as_dataset, run_eagerly):
     x, y = global_data(1)
     got = make_model()
-    fit(got, hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), comm=MPI.COMM_SELF), x, y, LOCAL_BATCH,
-        as_dataset=as_dataset, run_eagerly=run_eagerly)
+    fit(
+        got,
+        hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), comm=MPI.COMM_SELF),
+        x,
+        y,
+        LOCAL_BATCH,
+        as_dataset=as_dataset,
+        run_eagerly=run_eagerly,
+    )
     assert max_difference(got, reference(1)) < 1e-6
 
 
@@ -75,22 +85,33 @@ def test_loss_scaling_wraps_the_reduction_not_the_other_way_round():
     """The LossScaleOptimizer's finiteness check must see the reduced gradients (the same on every rank)."""
     x, y = global_data(1)
     right = make_model()
-    opt = hvd_tf.DistributedOptimizer(tf.keras.optimizers.LossScaleOptimizer(tf.keras.optimizers.SGD(0.5)),
-                                      comm=MPI.COMM_SELF)
+    opt = hvd_tf.DistributedOptimizer(
+        tf.keras.optimizers.LossScaleOptimizer(tf.keras.optimizers.SGD(0.5)), comm=MPI.COMM_SELF
+    )
     fit(right, opt, x, y, LOCAL_BATCH, callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0, comm=MPI.COMM_SELF)])
     assert max_difference(right, reference(1)) < 1e-5
     wrong = make_model()
     wrapped = tf.keras.optimizers.LossScaleOptimizer(
-        hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), comm=MPI.COMM_SELF))
+        hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), comm=MPI.COMM_SELF)
+    )
     with pytest.raises(ValueError, match=r"DistributedOptimizer\(LossScaleOptimizer\(opt\)\)"):
-        fit(wrong, wrapped, x, y, LOCAL_BATCH,
-            callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0, comm=MPI.COMM_SELF)])
+        fit(
+            wrong,
+            wrapped,
+            x,
+            y,
+            LOCAL_BATCH,
+            callbacks=[hvd_tf.BroadcastGlobalVariablesCallback(0, comm=MPI.COMM_SELF)],
+        )
 
 
 def test_xla_compiled_fit_is_refused_with_a_clear_error():
     model = make_model()
-    model.compile(optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), comm=MPI.COMM_SELF),
-                  loss=LOSS, jit_compile=True)
+    model.compile(
+        optimizer=hvd_tf.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), comm=MPI.COMM_SELF),
+        loss=LOSS,
+        jit_compile=True,
+    )
     x, y = global_data(1)
     with pytest.raises(ValueError, match="jit_compile=False"):
         model.fit(x, y, batch_size=LOCAL_BATCH, verbose=0)
@@ -100,8 +121,20 @@ def test_keras_fit_example_learns_the_digits(tmp_path):
     """examples/train_keras_fit.py in one process: pack, prefetch through tf.data, model.fit, report."""
     root = ROOT
     env = {**os.environ, "PYTHONPATH": root, "TMPDIR": str(tmp_path)}
-    run = subprocess.run([sys.executable, os.path.join(root, "examples", "train_keras_fit.py"), "--epochs", "3",
-                          "--compression", "int8"], capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "examples", "train_keras_fit.py"),
+            "--epochs",
+            "3",
+            "--compression",
+            "int8",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     accuracies = [float(a) for a in re.findall(r"test acc (\d\.\d+)", run.stdout)]
     assert len(accuracies) == 3 and accuracies[-1] > 0.6, run.stdout

@@ -13,21 +13,26 @@ from conftest import ROOT, finish_job, start_job
 
 BIN = os.path.dirname(sys.executable)
 # Each rank writes its own file: the ranks' stdout lines can interleave under a launcher.
-PROBE = ("import os, hpcdl; open(os.path.join(os.environ['PROBE_DIR'], str(hpcdl.rank())), 'w')"
-         ".write(f'{hpcdl.rank()} {hpcdl.local_rank()} {hpcdl.local_size()}')")
+PROBE = (
+    "import os, hpcdl; open(os.path.join(os.environ['PROBE_DIR'], str(hpcdl.rank())), 'w')"
+    ".write(f'{hpcdl.rank()} {hpcdl.local_rank()} {hpcdl.local_size()}')"
+)
 
 
 def run_job(launcher, n, extra_env, out_dir, timeout=180):
     env = {**os.environ, **extra_env, "PYTHONPATH": ROOT, "PROBE_DIR": str(out_dir)}
-    code, _, err = finish_job(start_job([launcher, "-n", str(n), sys.executable, "-c", PROBE], merge_stderr=False,
-                                        cwd=ROOT, env=env), timeout)
+    code, _, err = finish_job(
+        start_job([launcher, "-n", str(n), sys.executable, "-c", PROBE], merge_stderr=False, cwd=ROOT, env=env), timeout
+    )
     assert code == 0, err
     return sorted(tuple(int(v) for v in path.read_text().split()) for path in out_dir.iterdir())
 
 
 # The variables a process started by srun (or by mpirun inside an sbatch job) inherits.
-INHERITED = {"slurm": {"SLURM_LOCALID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
-             "open-mpi": {"OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"}}
+INHERITED = {
+    "slurm": {"SLURM_LOCALID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+    "open-mpi": {"OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
+}
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "mpiexec.gforker"])

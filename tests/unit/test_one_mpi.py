@@ -39,8 +39,11 @@ def checked(argv, timeout, **kwargs):
 
 
 def user_env(venv):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "MPICC", "MPICXX", "PYTHONHOME", "MPI4PY_LIBMPI")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "VIRTUAL_ENV", "MPICC", "MPICXX", "PYTHONHOME", "MPI4PY_LIBMPI")
+    }
     env["PATH"] = os.pathsep.join([os.path.join(venv, "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
     env["OMP_NUM_THREADS"] = "1"
     return env
@@ -49,11 +52,19 @@ def user_env(venv):
 @pytest.fixture(scope="module")
 def debian_venv():
     need(os.access(DEBIAN_PYTHON, os.X_OK), f"no {DEBIAN_PYTHON} (Debian's Python, built as a shared library)")
-    need(os.path.exists(OPEN_MPI) and os.path.exists(os.path.join(SYSTEM_LIBDIR, "libmpi.so")),
-         f"Open MPI's development files are not in {SYSTEM_LIBDIR} (scripts/openmpi.sh install)")
-    shared = subprocess.run([DEBIAN_PYTHON, "-c", "import sysconfig; print(sysconfig.get_config_var("
-                             "'Py_ENABLE_SHARED'), sysconfig.get_config_var('LIBDIR'))"],
-                            capture_output=True, text=True).stdout.split()
+    need(
+        os.path.exists(OPEN_MPI) and os.path.exists(os.path.join(SYSTEM_LIBDIR, "libmpi.so")),
+        f"Open MPI's development files are not in {SYSTEM_LIBDIR} (scripts/openmpi.sh install)",
+    )
+    shared = subprocess.run(
+        [
+            DEBIAN_PYTHON,
+            "-c",
+            "import sysconfig; print(sysconfig.get_config_var('Py_ENABLE_SHARED'), sysconfig.get_config_var('LIBDIR'))",
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert shared == ["1", SYSTEM_LIBDIR], shared  # what makes setuptools add the -L
     with open(os.path.join(ROOT, "requirements.txt")) as fh:
         pins = [line.strip() for line in fh if re.match(r"^(%s)\b" % "|".join(PINNED), line)]
@@ -62,8 +73,9 @@ def debian_venv():
     if not os.path.exists(stamp):
         shutil.rmtree(venv, ignore_errors=True)
         checked([DEBIAN_PYTHON, "-m", "venv", venv], 300)
-        checked([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet"] + pins, 900,
-                env=user_env(venv))
+        checked(
+            [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet"] + pins, 900, env=user_env(venv)
+        )
         open(stamp, "w").close()
     return venv
 
@@ -73,8 +85,12 @@ def checkout_copy(tmp_path_factory):
     """This checkout's files as they are (tracked and untracked, not ignored), nothing built."""
     copy = tmp_path_factory.mktemp("one-mpi") / "hpcdl"
     copy.mkdir()
-    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.split(b"\0")
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
     for name in filter(None, files):
         source = os.path.join(ROOT, name.decode())
         if os.path.isfile(source):
@@ -86,18 +102,38 @@ def checkout_copy(tmp_path_factory):
 def test_mpich_build_beside_a_system_open_mpi_runs_a_two_rank_allreduce(debian_venv, checkout_copy, tmp_path):
     venv, env = debian_venv, user_env(debian_venv)
     python = os.path.join(venv, "bin", "python")
-    checked([python, "-m", "pip", "install", "--quiet", "--no-build-isolation", "--no-deps", "--force-reinstall",
-             str(checkout_copy)], 1200, env=env, cwd=tmp_path)
+    checked(
+        [
+            python,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-build-isolation",
+            "--no-deps",
+            "--force-reinstall",
+            str(checkout_copy),
+        ],
+        1200,
+        env=env,
+        cwd=tmp_path,
+    )
     script = tmp_path / "allreduce.py"
-    script.write_text("import json, sys\nimport numpy as np\nimport hpcdl\n"
-                      "x = np.arange(1000, dtype=np.float32) * (hpcdl.rank() + 1)\n"
-                      "hpcdl.allreduce(x, op='sum')\n"
-                      "libmpi = sorted({l.split()[-1] for l in open('/proc/self/maps') if '/libmpi.so' in l})\n"
-                      "with open(f'{sys.argv[1]}/rank{hpcdl.rank()}.json', 'w') as fh:\n"
-                      "    json.dump([hpcdl.rank(), hpcdl.size(), x.tolist() == [3.0 * i for i in range(1000)],"
-                      " libmpi, hpcdl.__file__], fh)\n")
-    out = checked([os.path.join(venv, "bin", "mpiexec"), "-n", "2", python, str(script), str(tmp_path)], 300,
-                  env=env, cwd=tmp_path)
+    script.write_text(
+        "import json, sys\nimport numpy as np\nimport hpcdl\n"
+        "x = np.arange(1000, dtype=np.float32) * (hpcdl.rank() + 1)\n"
+        "hpcdl.allreduce(x, op='sum')\n"
+        "libmpi = sorted({l.split()[-1] for l in open('/proc/self/maps') if '/libmpi.so' in l})\n"
+        "with open(f'{sys.argv[1]}/rank{hpcdl.rank()}.json', 'w') as fh:\n"
+        "    json.dump([hpcdl.rank(), hpcdl.size(), x.tolist() == [3.0 * i for i in range(1000)],"
+        " libmpi, hpcdl.__file__], fh)\n"
+    )
+    out = checked(
+        [os.path.join(venv, "bin", "mpiexec"), "-n", "2", python, str(script), str(tmp_path)],
+        300,
+        env=env,
+        cwd=tmp_path,
+    )
     rows = []
     for rank in (0, 1):
         with open(tmp_path / f"rank{rank}.json") as fh:
@@ -114,8 +150,9 @@ def test_a_build_against_another_mpi_than_mpi4py_s_fails_clearly_at_import(debia
     venv, env = debian_venv, user_env(debian_venv)
     python = os.path.join(venv, "bin", "python")
     build_env = dict(env, MPI4PY_LIBMPI=OPEN_MPI, MPICXX="/usr/bin/mpicxx.openmpi")
-    out = checked([python, "setup.py", "--quiet", "build_ext", "--inplace", "--force"], 1200, env=build_env,
-                  cwd=checkout_copy)
+    out = checked(
+        [python, "setup.py", "--quiet", "build_ext", "--inplace", "--force"], 1200, env=build_env, cwd=checkout_copy
+    )
     assert "libmpi.so.40" in out, out[-3000:]
     code, out, _ = finish_job(start_job([python, "-c", "import hpcdl"], env=env, cwd=checkout_copy), 120)
     assert code != 0 and "ImportError: hpcdl cannot load its core: two MPI libraries" in out, out[-3000:]

@@ -8,7 +8,10 @@ def test_receive_from_a_rank_that_exits_fails_instead_of_hanging(tmp_path):
     """Rank 0 exchanges one message with rank 1, then exits; rank 1 waits for a
     second message that never comes: its receive fails (CancelledError naming
     rank 0) instead of waiting forever."""
-    rc, out = run_job(tmp_path, 2, """
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
         from hpcdl import _core
         comm = WORLD.Dup()
         peer = 1 - RANK
@@ -25,7 +28,8 @@ def test_receive_from_a_rank_that_exits_fails_instead_of_hanging(tmp_path):
             print("rank 1 received a message nobody sent", flush=True)
         except Exception as exc:
             print(f"rank 1 got {type(exc).__name__} after {time.monotonic() - start:.0f} s: {exc}", flush=True)
-    """)
+    """,
+    )
     assert "received a message nobody sent" not in out, out
     assert "rank 1 got CancelledError" in out, out
     assert "rank 0 of the communicator" in out, out

@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from conftest import MPIEXEC, finish_job, start_job
 from hpcdl import store
+
+from conftest import MPIEXEC, finish_job, start_job
 
 FS_MB = 20
 SOURCE_MB = (8, 15, 17, 18, 19, 24)
@@ -54,11 +55,11 @@ def small_fs(tmp_path):
         f.truncate(FS_MB << 20)
     mnt.mkdir()
     made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
-    mounted = made.returncode == 0 and subprocess.run(["mount", "-o", "loop", str(image), str(mnt)],
-                                                      capture_output=True, text=True)
+    mounted = made.returncode == 0 and subprocess.run(
+        ["mount", "-o", "loop", str(image), str(mnt)], capture_output=True, text=True
+    )
     if not mounted or mounted.returncode != 0:
-        unavailable(f"could not make and mount a loop file system: {made.stderr} "
-                    f"{getattr(mounted, 'stderr', '')}")
+        unavailable(f"could not make and mount a loop file system: {made.stderr} {getattr(mounted, 'stderr', '')}")
     try:
         yield mnt
     finally:
@@ -92,8 +93,12 @@ def pack_near_the_limit(small_fs, tmp_path, ranks, *job_args):
         make_source(src, mb)
         for answer in tmp_path.glob("answer.*"):
             answer.unlink()
-        rc, out, _ = finish_job(start_job([MPIEXEC, "-n", str(ranks), sys.executable, str(script), str(src),
-                                           str(dst), str(tmp_path), *job_args]), 120)
+        rc, out, _ = finish_job(
+            start_job(
+                [MPIEXEC, "-n", str(ranks), sys.executable, str(script), str(src), str(dst), str(tmp_path), *job_args]
+            ),
+            120,
+        )
         assert rc == 0, (mb, out)  # no crash (rc 11 or 139 in HDF5 at exit), no MPI_Abort
         answers = [(tmp_path / f"answer.{r}").read_text() for r in range(ranks)]
         if all(a == "ok" for a in answers):
@@ -128,8 +133,9 @@ def test_a_pack_that_runs_out_of_space_while_writing_is_cleaned_up(small_fs, tmp
 def test_cli_pack_on_a_full_file_system_says_so_without_a_traceback(small_fs, tmp_path):
     src, dst = tmp_path / "src", small_fs / "dst"
     make_source(src, 24)
-    rc, out, _ = finish_job(start_job([MPIEXEC, "-n", "2", sys.executable, "-m", "hpcdl", "pack", str(src),
-                                       str(dst), "-q"]), 120)
+    rc, out, _ = finish_job(
+        start_job([MPIEXEC, "-n", "2", sys.executable, "-m", "hpcdl", "pack", str(src), str(dst), "-q"]), 120
+    )
     assert rc == 1 and "hpcdl pack: error:" in out and "no space left on" in out, out
     assert "Traceback" not in out and "MPI_Abort" not in out, out
     check_no_leftovers(dst)

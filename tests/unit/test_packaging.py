@@ -45,15 +45,20 @@ def installed(tmp_path_factory):
     """(sdist path, venv, environment, a working directory outside the checkout)."""
     tmp = tmp_path_factory.mktemp("packaging")
     checked([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp / "dist"), ROOT], 600, cwd=ROOT)
-    sdist, = glob.glob(str(tmp / "dist" / "hpcdl-*.tar.gz"))
+    (sdist,) = glob.glob(str(tmp / "dist" / "hpcdl-*.tar.gz"))
     venv = str(tmp / "venv")
     checked([sys.executable, "-m", "venv", venv], 300)
     # A user's shell: the new environment first, no checkout on sys.path, no MPI of the test environment.
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "MPICC", "MPICXX", "PYTHONHOME")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "MPICC", "MPICXX", "PYTHONHOME")
+    }
     env["PATH"] = os.pathsep.join([os.path.join(venv, "bin"), "/usr/local/bin", "/usr/bin", "/bin"])
-    checked([os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet", f"{sdist}[mpich]"],
-            900, env=env, cwd=str(tmp))
+    checked(
+        [os.path.join(venv, "bin", "python"), "-m", "pip", "install", "--quiet", f"{sdist}[mpich]"],
+        900,
+        env=env,
+        cwd=str(tmp),
+    )
     work = tmp / "work"
     work.mkdir()
     return sdist, venv, env, work
@@ -63,24 +68,42 @@ def test_sdist_carries_every_source_and_no_generated_cpp(installed):
     sdist = installed[0]
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
-    sources = [os.path.relpath(p, ROOT) for pattern in ("ext/_*.pyx", "ext/libhpcdl/*.pxd", "include/hpcdl/**/*.hpp",
-                                                        "src/**/*.cc")
-               for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)]
+    sources = [
+        os.path.relpath(p, ROOT)
+        for pattern in ("ext/_*.pyx", "ext/libhpcdl/*.pxd", "include/hpcdl/**/*.hpp", "src/**/*.cc")
+        for p in glob.glob(os.path.join(ROOT, pattern), recursive=True)
+    ]
     assert len(sources) > 20 and set(sources) <= names, sorted(set(sources) - names)
     assert not [n for n in names if n.startswith("ext/") and n.endswith(".cpp")]
     # bench/ is installed as hpcdl/bench/ (package data `hpcdl bench` runs).
-    assert {"LICENSE", "CHANGELOG.md", "bench/allreduce.py", "bench/store.py", "bench/prefetch.py",
-            "bench/slowfs.sh"} <= names
+    assert {
+        "LICENSE",
+        "CHANGELOG.md",
+        "bench/allreduce.py",
+        "bench/store.py",
+        "bench/prefetch.py",
+        "bench/slowfs.sh",
+    } <= names
 
 
 def test_version_has_one_source(installed):
     _, venv, env, work = installed
     python = os.path.join(venv, "bin", "python")
-    assert checked([os.path.join(venv, "bin", "hpcdl"), "--version"], 120, env=env, cwd=work).strip() == \
-        f"hpcdl {source_version()}"
-    meta = checked([python, "-c", "import importlib.metadata as m, json; d = m.metadata('hpcdl'); "
-                    "print(json.dumps([d['Version'], d['License-Expression'], d.get_all('Provides-Extra')]))"],
-                   120, env=env, cwd=work)
+    assert (
+        checked([os.path.join(venv, "bin", "hpcdl"), "--version"], 120, env=env, cwd=work).strip()
+        == f"hpcdl {source_version()}"
+    )
+    meta = checked(
+        [
+            python,
+            "-c",
+            "import importlib.metadata as m, json; d = m.metadata('hpcdl'); "
+            "print(json.dumps([d['Version'], d['License-Expression'], d.get_all('Provides-Extra')]))",
+        ],
+        120,
+        env=env,
+        cwd=work,
+    )
     version, license, extras = json.loads(meta)
     assert version == source_version() and license == "BSD-3-Clause"
     assert {"mpich", "torch", "tensorflow", "bench", "dlio"} <= set(extras)
@@ -92,15 +115,18 @@ def test_extensions_load_after_mpi4py_and_share_one_libmpi(installed):
     which maps the environment's libmpi.so.12. Every extension is imported after it, and one libmpi
     (the environment's) is in the process."""
     _, venv, env, work = installed
-    probe = ("import json, sys, hpcdl, hpcdl.store, hpcdl.prefetch\n"
-             "order = list(sys.modules)\n"
-             "exts = [m for m in order if m.startswith('hpcdl._') and hasattr(sys.modules[m], '__file__')"
-             " and sys.modules[m].__file__.endswith('.so')]\n"
-             "libmpi = sorted({line.split()[-1] for line in open('/proc/self/maps') if '/libmpi.so' in line})\n"
-             "print(json.dumps([hpcdl.__file__, order.index('mpi4py.MPI'), [order.index(m) for m in exts], exts,"
-             " libmpi]))\n")
+    probe = (
+        "import json, sys, hpcdl, hpcdl.store, hpcdl.prefetch\n"
+        "order = list(sys.modules)\n"
+        "exts = [m for m in order if m.startswith('hpcdl._') and hasattr(sys.modules[m], '__file__')"
+        " and sys.modules[m].__file__.endswith('.so')]\n"
+        "libmpi = sorted({line.split()[-1] for line in open('/proc/self/maps') if '/libmpi.so' in line})\n"
+        "print(json.dumps([hpcdl.__file__, order.index('mpi4py.MPI'), [order.index(m) for m in exts], exts,"
+        " libmpi]))\n"
+    )
     where, mpi_at, ext_at, exts, libmpi = json.loads(
-        checked([os.path.join(venv, "bin", "python"), "-c", probe], 120, env=env, cwd=work).splitlines()[-1])
+        checked([os.path.join(venv, "bin", "python"), "-c", probe], 120, env=env, cwd=work).splitlines()[-1]
+    )
     assert where.startswith(venv) and "site-packages" in where
     assert exts == ["hpcdl._core"]  # one compiled core: each singleton once
     assert all(mpi_at < at for at in ext_at), (mpi_at, ext_at)
@@ -110,13 +136,19 @@ def test_extensions_load_after_mpi4py_and_share_one_libmpi(installed):
 def test_two_rank_allreduce_outside_the_checkout(installed):
     _, venv, env, work = installed
     script = work / "allreduce.py"
-    script.write_text("import json, sys\nimport numpy as np\nimport hpcdl\n"
-                      "x = np.arange(1000, dtype=np.float32) * (hpcdl.rank() + 1)\n"
-                      "hpcdl.allreduce(x, op='sum')\n"
-                      "with open(f'{sys.argv[1]}/rank{hpcdl.rank()}.json', 'w') as fh:\n"
-                      "    json.dump([hpcdl.size(), x.tolist()], fh)\n")
-    checked([os.path.join(venv, "bin", "mpiexec"), "-n", "2", os.path.join(venv, "bin", "python"), str(script),
-             str(work)], 180, env=dict(env, OMP_NUM_THREADS="1"), cwd=work)
+    script.write_text(
+        "import json, sys\nimport numpy as np\nimport hpcdl\n"
+        "x = np.arange(1000, dtype=np.float32) * (hpcdl.rank() + 1)\n"
+        "hpcdl.allreduce(x, op='sum')\n"
+        "with open(f'{sys.argv[1]}/rank{hpcdl.rank()}.json', 'w') as fh:\n"
+        "    json.dump([hpcdl.size(), x.tolist()], fh)\n"
+    )
+    checked(
+        [os.path.join(venv, "bin", "mpiexec"), "-n", "2", os.path.join(venv, "bin", "python"), str(script), str(work)],
+        180,
+        env=dict(env, OMP_NUM_THREADS="1"),
+        cwd=work,
+    )
     for rank in (0, 1):
         with open(work / f"rank{rank}.json") as fh:
             size, x = json.load(fh)
@@ -128,11 +160,31 @@ def test_bench_without_matplotlib_writes_its_csv(installed):
     python = os.path.join(venv, "bin", "python")
     assert run([python, "-c", "import matplotlib"], 60, env=env, cwd=work).returncode != 0  # not installed
     out_dir = work / "bench"
-    out = checked([os.path.join(venv, "bin", "hpcdl"), "bench", "allreduce", "-n", "2", "--out", str(out_dir),
-                   "--sizes", "4KiB", "--budget", "0.05", "--max-iters", "3"], 300,
-                  env=dict(env, OMP_NUM_THREADS="1"), cwd=work)
+    out = checked(
+        [
+            os.path.join(venv, "bin", "hpcdl"),
+            "bench",
+            "allreduce",
+            "-n",
+            "2",
+            "--out",
+            str(out_dir),
+            "--sizes",
+            "4KiB",
+            "--budget",
+            "0.05",
+            "--max-iters",
+            "3",
+        ],
+        300,
+        env=dict(env, OMP_NUM_THREADS="1"),
+        cwd=work,
+    )
     assert f"skipped the plot {out_dir / 'allreduce.png'}: matplotlib is not installed" in out, out
     with open(out_dir / "allreduce.csv", newline="") as fh:
         rows = list(csv.DictReader(fh))
-    assert {(r["system"], r["bytes"], r["correct"]) for r in rows} == {("hpcdl", "4096", "True"), ("mpi", "4096", "True")}
+    assert {(r["system"], r["bytes"], r["correct"]) for r in rows} == {
+        ("hpcdl", "4096", "True"),
+        ("mpi", "4096", "True"),
+    }
     assert not os.path.exists(out_dir / "allreduce.png")

@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 import hpcdl.torch as hvt
 from hpcdl.pipeline import BACKWARD, FORWARD, balanced_split, bubble_fraction, stage_actions
+
 from helpers.pipeline import make_model, max_difference, train_pipeline, train_single
 
 
@@ -72,6 +73,7 @@ def test_balance_by_params_marks_and_explicit_starts():
     with pytest.raises(ValueError, match="1 PipeSplit marks make 2 stages"):
         hvt.Pipeline(marked, F.cross_entropy, 2, stages=1, balance="marks", comm=MPI.COMM_SELF)
     from hpcdl.torch.pipeline import _stage_starts
+
     assert _stage_starts(marked, "marks", 2, None, MPI.COMM_SELF) == [0, 2]
     # parameters per layer 416, 0, 1056, 0, 1056, 0, 1056, 0, 165: cut at 3 (1472 | 2277)
     assert _stage_starts(model, "params", 2, None, MPI.COMM_SELF) == [0, 3]

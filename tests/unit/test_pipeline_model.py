@@ -13,16 +13,17 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT
 
 from hpcdl.pipeline import bubble_fraction
+
+from conftest import ROOT
 
 _spec = importlib.util.spec_from_file_location("pipeline_model", os.path.join(ROOT, "bench", "pipeline_model.py"))
 pm = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pm)
 
 SCHEDULES = ("gpipe", "1f1b")
-UNEVEN_F = [1.0, 1.7, 0.6, 1.2, 0.9, 1.4, 0.8, 1.1]   # made-up seconds per micro-batch
+UNEVEN_F = [1.0, 1.7, 0.6, 1.2, 0.9, 1.4, 0.8, 1.1]  # made-up seconds per micro-batch
 UNEVEN_B = [2.1, 2.9, 1.5, 2.2, 1.6, 3.1, 1.8, 2.0]
 
 
@@ -48,26 +49,37 @@ def test_1f1b_holds_at_most_p_minus_s_micro_batches_gpipe_all(p):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_more_cores_are_never_slower(schedule):
     p, m = 8, 16
-    times = [pm.simulate(schedule, UNEVEN_F, UNEVEN_B, [4096] * (p - 1), m, cores=c, alpha=0.05, beta=1e-5,
-                         optimizer=[0.3] * p, steps=2)["seconds"]
-             for c in (0.5, 1, 1.5, 2, 3, 4, 6, 8, 10)]
+    times = [
+        pm.simulate(
+            schedule,
+            UNEVEN_F,
+            UNEVEN_B,
+            [4096] * (p - 1),
+            m,
+            cores=c,
+            alpha=0.05,
+            beta=1e-5,
+            optimizer=[0.3] * p,
+            steps=2,
+        )["seconds"]
+        for c in (0.5, 1, 1.5, 2, 3, 4, 6, 8, 10)
+    ]
     assert all(later <= earlier * (1 + 1e-12) for earlier, later in zip(times, times[1:])), times
-    assert times[-1] == pytest.approx(times[-2])   # beyond a core per stage nothing changes
+    assert times[-1] == pytest.approx(times[-2])  # beyond a core per stage nothing changes
     assert times[0] > times[-1]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_one_core_runs_the_total_work_back_to_back(schedule):
     p, m = 4, 8
-    out = pm.simulate(schedule, UNEVEN_F[:p], UNEVEN_B[:p], [0] * (p - 1), m, cores=1,
-                      optimizer=[0.5] * p, steps=2)
+    out = pm.simulate(schedule, UNEVEN_F[:p], UNEVEN_B[:p], [0] * (p - 1), m, cores=1, optimizer=[0.5] * p, steps=2)
     assert out["seconds"] == pytest.approx(2 * (m * sum(UNEVEN_F[:p] + UNEVEN_B[:p]) + 0.5 * p), rel=1e-9)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("p,cores", [(4, 2), (4, 1), (8, 2), (8, 4)])
 def test_fewer_cores_than_stages_slow_the_all_busy_pipeline_by_p_over_cores(schedule, p, cores):
-    m = 400   # the fill and drain, where fewer stages are busy, become negligible
+    m = 400  # the fill and drain, where fewer stages are busy, become negligible
     one_each = pm.simulate(schedule, [1.0] * p, [2.0] * p, [0] * (p - 1), m, cores=p)["seconds"]
     shared = pm.simulate(schedule, [1.0] * p, [2.0] * p, [0] * (p - 1), m, cores=cores)["seconds"]
     assert shared / one_each == pytest.approx(p / cores, rel=0.03)
@@ -114,13 +126,41 @@ def test_fit_link_recovers_alpha_and_beta():
 
 def test_predict_writes_csv_and_png(tmp_path):
     pytest.importorskip("matplotlib")
-    pm.main(["predict", "--one-process", "--stages", "2", "4", "--hidden", "32", "--layers", "4", "--batch", "32",
-             "--repeats", "1", "--steps", "1", "--alpha", "1e-5", "--beta", "1e-10",
-             "--out", str(tmp_path), "--tag", "t"])
+    pm.main(
+        [
+            "predict",
+            "--one-process",
+            "--stages",
+            "2",
+            "4",
+            "--hidden",
+            "32",
+            "--layers",
+            "4",
+            "--batch",
+            "32",
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--alpha",
+            "1e-5",
+            "--beta",
+            "1e-10",
+            "--out",
+            str(tmp_path),
+            "--tag",
+            "t",
+        ]
+    )
     with open(tmp_path / "t.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(r["system"], r["stages"], r["micro_batches"]) for r in rows] == [
-        ("hpcdl gpipe", "2", "8"), ("hpcdl 1f1b", "2", "8"), ("hpcdl gpipe", "4", "16"), ("hpcdl 1f1b", "4", "16")]
+        ("hpcdl gpipe", "2", "8"),
+        ("hpcdl 1f1b", "2", "8"),
+        ("hpcdl gpipe", "4", "16"),
+        ("hpcdl 1f1b", "4", "16"),
+    ]
     for r in rows:
         assert float(r["predicted_samples_per_s"]) > 0
         assert 0 < float(r["predicted_bubble"]) < 1
@@ -134,9 +174,21 @@ def test_validate_tabulates_predicted_over_measured(tmp_path):
     run = tmp_path / "run.csv"
     with open(run, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["system", "ranks", "micro_batches", "median_samples_per_s", "measured_bubble",
-                    "predicted_samples_per_s", "predicted_bubble", "model_cores", "predicted_samples_per_s_inrun",
-                    "predicted_bubble_inrun", "conditions"])
+        w.writerow(
+            [
+                "system",
+                "ranks",
+                "micro_batches",
+                "median_samples_per_s",
+                "measured_bubble",
+                "predicted_samples_per_s",
+                "predicted_bubble",
+                "model_cores",
+                "predicted_samples_per_s_inrun",
+                "predicted_bubble_inrun",
+                "conditions",
+            ]
+        )
         w.writerow(["single process", "1", "", "100.0", "", "", "", "", "", "", "c"])
         w.writerow(["hpcdl gpipe", "2", "8", "50.0", "0.120", "60.0", "0.100", "2.00", "55.0", "0.110", "c"])
     pm.main(["validate", str(run), "--out", str(tmp_path)])
@@ -145,24 +197,42 @@ def test_validate_tabulates_predicted_over_measured(tmp_path):
     assert len(rows) == 1 and rows[0]["system"] == "hpcdl gpipe"
     assert float(rows[0]["predicted_over_measured"]) == pytest.approx(1.2)
     assert float(rows[0]["predicted_over_measured_inrun"]) == pytest.approx(1.1)
-    assert rows[0]["predicted_over_measured_run_share"] == ""   # not in this run's CSV: empty, not 0
+    assert rows[0]["predicted_over_measured_run_share"] == ""  # not in this run's CSV: empty, not 0
 
 
 def test_bench_pipeline_replot_redraws_a_run_from_its_csvs(tmp_path):
     pytest.importorskip("matplotlib")
     for suffix in (".csv", "-memory.csv"):
-        shutil.copy(os.path.join(ROOT, "bench", "results", "pipeline-2stages-heavy" + suffix), tmp_path / ("t" + suffix))
-    with open(tmp_path / "t.csv", newline="") as f:   # a system that failed is drawn as such
+        shutil.copy(
+            os.path.join(ROOT, "bench", "results", "pipeline-2stages-heavy" + suffix), tmp_path / ("t" + suffix)
+        )
+    with open(tmp_path / "t.csv", newline="") as f:  # a system that failed is drawn as such
         rows = list(csv.DictReader(f))
     rows[-1].update(status="did not complete in 600 s", median_samples_per_s="", runs_samples_per_s="")
     with open(tmp_path / "t.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pipeline.py"), "--replot",
-                           "--out", str(tmp_path), "--tag", "t"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "pipeline.py"), "--replot", "--out", str(tmp_path), "--tag", "t"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "t.png").stat().st_size > 10000
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "pipeline.py"), "--replot",
-                           "--out", str(tmp_path), "--tag", "missing"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "bench", "pipeline.py"),
+            "--replot",
+            "--out",
+            str(tmp_path),
+            "--tag",
+            "missing",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and "missing.csv" in done.stderr

@@ -12,12 +12,15 @@ import hpcdl
 import hpcdl.torch as hvt
 from hpcdl.compression import PowerSGD, from_config, from_text
 from hpcdl.torch import powersgd
+
 from helpers.powersgd import Reference, seeded_q
 from helpers.torch_adapter import full_batch, loss_of, make_model, params_digest
 
 
-@pytest.mark.parametrize("settings", [{"rank": 0}, {"rank": 1.5}, {"rank": True}, {"warmup_steps": -1},
-                                      {"seed": -2}, {"seed": 2**32}, {"rank": "1"}])
+@pytest.mark.parametrize(
+    "settings",
+    [{"rank": 0}, {"rank": 1.5}, {"rank": True}, {"warmup_steps": -1}, {"seed": -2}, {"seed": 2**32}, {"rank": "1"}],
+)
 def test_bad_settings_raise_naming_the_setting(settings):
     with pytest.raises(ValueError, match=next(iter(settings))):
         PowerSGD(**settings)
@@ -37,10 +40,19 @@ def test_an_allreduce_of_one_buffer_refuses_it_naming_the_optimizer():
         hpcdl.allreduce(np.ones(8, np.float32), name="psgd.refused", compression=PowerSGD())
 
 
-@pytest.mark.parametrize("shape,rank,factored", [((10,), 1, False), ((4, 4), 1, True), ((4, 4), 2, False),
-                                                 ((2, 2), 1, False), ((3, 2), 1, True),
-                                                 ((8, 3, 3, 3), 6, True), ((8, 3, 3, 3), 7, False),
-                                                 ((1, 100), 1, False)])
+@pytest.mark.parametrize(
+    "shape,rank,factored",
+    [
+        ((10,), 1, False),
+        ((4, 4), 1, True),
+        ((4, 4), 2, False),
+        ((2, 2), 1, False),
+        ((3, 2), 1, True),
+        ((8, 3, 3, 3), 6, True),
+        ((8, 3, 3, 3), 7, False),
+        ((1, 100), 1, False),
+    ],
+)
 def test_a_matrix_is_factored_only_where_the_factors_are_smaller(shape, rank, factored):
     assert PowerSGD(rank=rank).compresses(shape) == factored
 
@@ -57,8 +69,16 @@ def test_orthogonalize_gives_orthonormal_columns_the_same_bits_every_time():
 
 def _matrix(name, n, m, rank, q0):
     q = torch.from_numpy(q0.astype(np.float32))
-    return powersgd.Matrix(name, n, m, torch.zeros(n * m), torch.zeros(n * m), torch.zeros(n * rank),
-                           q.clone().view(-1), q.clone().view(-1))
+    return powersgd.Matrix(
+        name,
+        n,
+        m,
+        torch.zeros(n * m),
+        torch.zeros(n * m),
+        torch.zeros(n * rank),
+        q.clone().view(-1),
+        q.clone().view(-1),
+    )
 
 
 def _same_bits(a, b):
@@ -69,8 +89,10 @@ def _simulate(ranks, shapes, rank, steps, seed=0, poison=None):
     """The kernels over `ranks` simulated ranks (the averages taken here, in float32, as the ring's
     sum and division would), each step checked against the float64 reference."""
     ref = Reference(shapes, rank, seed, ranks)
-    mats = {name: [_matrix(name, n, m, rank, seeded_q(seed, name, m, rank)) for _ in range(ranks)]
-            for name, (n, m) in shapes.items()}
+    mats = {
+        name: [_matrix(name, n, m, rank, seeded_q(seed, name, m, rank)) for _ in range(ranks)]
+        for name, (n, m) in shapes.items()
+    }
     rng = np.random.default_rng(11)
     worst, identity = 0.0, 0.0
     for step in range(steps):
@@ -131,9 +153,13 @@ def test_dead_q_columns_restart_from_the_seeded_q():
 def test_one_rank_leaves_the_gradients_exact_and_keeps_no_state():
     """COMM_SELF: nothing is sent, so nothing is compressed (as for every codec)."""
     model = make_model()
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model.named_parameters(),
-                                   compression=PowerSGD(rank=1, warmup_steps=0), comm=MPI.COMM_SELF,
-                                   name="psgd.one")
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.5),
+        model.named_parameters(),
+        compression=PowerSGD(rank=1, warmup_steps=0),
+        comm=MPI.COMM_SELF,
+        name="psgd.one",
+    )
     plain = make_model()
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.5)
     for step in range(3):
@@ -150,13 +176,23 @@ def test_one_rank_leaves_the_gradients_exact_and_keeps_no_state():
 
 def test_layout_puts_the_vectors_in_one_dense_bucket_last_and_op_sum_is_refused():
     model = make_model(hidden=32)
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                   compression=PowerSGD(rank=2), bucket_bytes=4 * 2 * (5 + 32 + 32 + 32),
-                                   comm=MPI.COMM_SELF,
-                                   name="psgd.layout")
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        compression=PowerSGD(rank=2),
+        bucket_bytes=4 * 2 * (5 + 32 + 32 + 32),
+        comm=MPI.COMM_SELF,
+        name="psgd.layout",
+    )
     layout = [shapes for _, _, shapes in opt.bucket_layout()]
     opt.remove_hooks()
     assert layout == [[(5, 32), (32, 32)], [(32, 12)], [(5,), (32,), (32,)]]
     with pytest.raises(ValueError, match="average"):
-        hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                 compression=PowerSGD(), op="sum", comm=MPI.COMM_SELF, name="psgd.sum")
+        hvt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            model.named_parameters(),
+            compression=PowerSGD(),
+            op="sum",
+            comm=MPI.COMM_SELF,
+            name="psgd.sum",
+        )

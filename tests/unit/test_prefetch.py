@@ -22,6 +22,7 @@ MASK32 = 0xFFFFFFFF
 
 # --------------------------------------------------------------------------- the specification in Python
 
+
 def philox4x32_10(ctr, key):
     ctr, key = list(ctr), list(key)
     for r in range(10):
@@ -67,13 +68,19 @@ def threads_now():
 
 # --------------------------------------------------------------------------- shuffle
 
+
 def test_philox_known_answers():
     # Random123's published known-answer vectors for philox4x32_10.
     assert philox4x32_10([0, 0, 0, 0], [0, 0]) == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     assert philox4x32_10([MASK32] * 4, [MASK32] * 2) == [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]
-    assert philox4x32_10([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0]) == \
-        [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]
+    assert philox4x32_10([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], [0xA4093822, 0x299F31D0]) == [
+        0xD16CFE09,
+        0x94FDCCEB,
+        0x5001E420,
+        0x24126EA1,
+    ]
     from hpcdl import _core
+
     assert _core.shuffle_draw(0, 0, 0) == 0xE169C58D6627E8D5
     assert _core.shuffle_draw(2**64 - 1, 2**64 - 1, 2**64 - 1) == 0x41C83B0E408F276D
     assert _core.shuffle_draw(0x299F31D0A4093822, 0x0370734413198A2E, 0x85A308D3243F6A88) == 0x94FDCCEBD16CFE09
@@ -94,8 +101,10 @@ def test_epoch_orders_differ_by_epoch_and_seed():
 
 # --------------------------------------------------------------------------- streams
 
-@pytest.mark.parametrize("n,batch,ranks,drop_last", [(103, 12, 4, True), (103, 12, 4, False), (5, 8, 2, False),
-                                                      (64, 16, 1, True)])
+
+@pytest.mark.parametrize(
+    "n,batch,ranks,drop_last", [(103, 12, 4, True), (103, 12, 4, False), (5, 8, 2, False), (64, 16, 1, True)]
+)
 def test_rank_streams_cover_each_epoch(n, batch, ranks, drop_last):
     epochs, seed = 3, 9
     streams = [prefetch.rank_stream(n, batch, ranks, r, epochs, seed, drop_last) for r in range(ranks)]
@@ -104,7 +113,7 @@ def test_rank_streams_cover_each_epoch(n, batch, ranks, drop_last):
     assert all(len(s) == epochs * steps * local for s in streams)
     for e in range(epochs):
         order = prefetch.epoch_order(n, seed, e)
-        part = [s[e * steps * local:(e + 1) * steps * local].reshape(steps, local) for s in streams]
+        part = [s[e * steps * local : (e + 1) * steps * local].reshape(steps, local) for s in streams]
         # Global batch b is ranks' local batches side by side, in rank order.
         together = np.concatenate(part, axis=1).ravel()
         assert together.tolist() == [int(order[p % n]) for p in range(steps * batch)]
@@ -134,6 +143,7 @@ def test_stream_bad_input():
 
 # --------------------------------------------------------------------------- placement
 
+
 @pytest.mark.parametrize("ram,disk", [(0, 0), (5000, 0), (20000, 30000), (10**9, 10**9), (0, 40000)])
 def test_placement_invariants(ram, disk):
     n = 300
@@ -159,8 +169,11 @@ def test_placement_invariants(ram, disk):
     for name in ("ram", "disk"):
         lst = p[name]
         assert (np.diff(p["first"][lst].astype(np.int64)) > 0).all()  # filled in first-use order
-        assert (p["offset"][lst] == np.concatenate([[0], np.cumsum(sizes[lst])[:-1]]).astype(np.uint64)).all() \
-            if len(lst) else True
+        assert (
+            (p["offset"][lst] == np.concatenate([[0], np.cumsum(sizes[lst])[:-1]]).astype(np.uint64)).all()
+            if len(lst)
+            else True
+        )
     if ram >= sizes.sum():
         assert (p["tier"][freq > 0] == 0).all()
 
@@ -194,15 +207,28 @@ def test_peer_sources_are_the_earliest_other_cacher(ram, disk):
 
 # --------------------------------------------------------------------------- delivery
 
-@pytest.mark.parametrize("ram,disk,staging,threads", [
-    (10**9, 0, 64 << 20, 4),   # everything in RAM
-    (60000, 80000, 0, 3),      # RAM + disk + store, smallest staging ring
-    (0, 0, 0, 1),              # pure staging
-])
+
+@pytest.mark.parametrize(
+    "ram,disk,staging,threads",
+    [
+        (10**9, 0, 64 << 20, 4),  # everything in RAM
+        (60000, 80000, 0, 3),  # RAM + disk + store, smallest staging ring
+        (0, 0, 0, 1),  # pure staging
+    ],
+)
 def test_bytes_delivered_equal_the_store(st, tmp_path, ram, disk, staging, threads):
     expected = prefetch.rank_stream(len(st), 8, 1, 0, 3, 5)
-    with Prefetcher(st, 8, 3, 5, ram_bytes=ram, disk_dir=str(tmp_path), disk_bytes=disk,
-                    staging_bytes=staging, staging_threads=threads) as pf:
+    with Prefetcher(
+        st,
+        8,
+        3,
+        5,
+        ram_bytes=ram,
+        disk_dir=str(tmp_path),
+        disk_bytes=disk,
+        staging_bytes=staging,
+        staging_threads=threads,
+    ) as pf:
         batches = run_all(pf)
         stats = pf.stats()
     got = np.concatenate([b[2] for b in batches])
@@ -260,6 +286,7 @@ def test_resume_equals_an_uninterrupted_run(st, tmp_path):
 
 
 # --------------------------------------------------------------------------- bad input and faults
+
 
 def test_small_data_set_epochs_zero_and_bad_arguments(st):
     n = len(st)
@@ -338,8 +365,9 @@ def test_a_damaged_disk_tier_is_never_served(st, tmp_path):
     comes from the store instead."""
     import time
 
-    with Prefetcher(st, 8, 3, 3, ram_bytes=0, disk_dir=str(tmp_path), disk_bytes=10**9, staging_bytes=0,
-                    staging_threads=1) as pf:
+    with Prefetcher(
+        st, 8, 3, 3, ram_bytes=0, disk_dir=str(tmp_path), disk_bytes=10**9, staging_bytes=0, staging_threads=1
+    ) as pf:
         deadline = time.monotonic() + 60
         while pf.stats()["disk_written"] < pf.stats()["disk_samples"] and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -388,8 +416,10 @@ def test_corrupt_sample_fails_only_its_batch(tmp_path, ram):
         for _ in range(len(stream) + 1):  # bounded even if an error stuck to every later batch
             try:
                 for batch in pf:  # iterating again goes on after a failed batch
-                    delivered[batch.epoch * steps + batch.step] = (batch.indices.tolist(),
-                                                                   [bytes(s) for s in batch.samples()])
+                    delivered[batch.epoch * steps + batch.step] = (
+                        batch.indices.tolist(),
+                        [bytes(s) for s in batch.samples()],
+                    )
                 break
             except CorruptDataError as exc:
                 epoch, step = pf.position  # the failed batch is consumed
@@ -418,8 +448,9 @@ def test_staging_ring_is_three_of_the_largest_batches_and_outlives_close(st):
 
 def test_break_mid_epoch_joins_threads_and_removes_files(st, tmp_path):
     before = threads_now()
-    pf = Prefetcher(st, 8, 5, 1, ram_bytes=20000, disk_dir=str(tmp_path), disk_bytes=40000, staging_threads=3,
-                    staging_bytes=0)  # the smallest ring: staging threads wait for the consumer
+    pf = Prefetcher(
+        st, 8, 5, 1, ram_bytes=20000, disk_dir=str(tmp_path), disk_bytes=40000, staging_threads=3, staging_bytes=0
+    )  # the smallest ring: staging threads wait for the consumer
     assert threads_now() > before
     for step, batch in enumerate(pf):
         if step == 3:
@@ -438,10 +469,12 @@ def test_break_mid_epoch_joins_threads_and_removes_files(st, tmp_path):
 
 
 def test_exit_with_an_open_prefetcher_does_not_hang(st, tmp_path):
-    code = ("import sys; from hpcdl.store import Store; from hpcdl.prefetch import Prefetcher\n"
-            f"pf = Prefetcher(Store({st.root!r}), 8, 50, 1, ram_bytes=20000, disk_dir={str(tmp_path)!r}, "
-            "disk_bytes=40000)\n"
-            "next(iter(pf)); print('started', flush=True)\n")
+    code = (
+        "import sys; from hpcdl.store import Store; from hpcdl.prefetch import Prefetcher\n"
+        f"pf = Prefetcher(Store({st.root!r}), 8, 50, 1, ram_bytes=20000, disk_dir={str(tmp_path)!r}, "
+        "disk_bytes=40000)\n"
+        "next(iter(pf)); print('started', flush=True)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "started" in out.stdout and os.listdir(tmp_path) == []
@@ -463,6 +496,7 @@ def test_stats_and_trace(st, tmp_path, monkeypatch):
 
 # --------------------------------------------------------------------------- adapters
 
+
 def test_torch_dataset_in_stream_order(st):
     import torch
     from torch.utils.data import DataLoader
@@ -474,11 +508,13 @@ def test_torch_dataset_in_stream_order(st):
         ds = TorchDataset(pf, transform=lambda v: torch.tensor(len(v)), epochs=1)
         assert len(ds) == len(expected) // 2
         first = [(int(x), int(y)) for x, y in DataLoader(ds, batch_size=None, num_workers=0)]
-        loader = DataLoader(TorchDataset(pf, transform=lambda v: torch.tensor(v[:4].sum(), dtype=torch.int64)),
-                            batch_size=pf.local_batch)
+        loader = DataLoader(
+            TorchDataset(pf, transform=lambda v: torch.tensor(v[:4].sum(), dtype=torch.int64)),
+            batch_size=pf.local_batch,
+        )
         second = torch.cat([x for x, _ in loader]).tolist()
-    assert first == [(len(st.read(int(i))), int(st.labels[i])) for i in expected[:len(first)]]
-    assert second == [sum(st.read(int(i))[:4]) for i in expected[len(first):]]
+    assert first == [(len(st.read(int(i))), int(st.labels[i])) for i in expected[: len(first)]]
+    assert second == [sum(st.read(int(i))[:4]) for i in expected[len(first) :]]
 
 
 def test_tf_dataset_in_stream_order(st):
@@ -498,6 +534,7 @@ def test_settings_have_one_name_from_python_to_cpp(st):
     """PrefetchOptions is hpcdl::PrefetchConfig by field name; Prefetcher's
     keywords for the core's settings are those names, their defaults the struct's."""
     import inspect
+
     options = _core.PrefetchOptions(read_gap=12345, disk_dir="/x", peer_ram_bytes=[1, 2], drop_last=False)
     got = options.to_dict()
     assert (got["read_gap"], got["disk_dir"], got["peer_ram_bytes"], got["drop_last"]) == (12345, "/x", [1, 2], False)

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from hpcdl import _core, prefetch, simulator, store, timeline
-from hpcdl.store import probe
 from hpcdl.errors import CorruptDataError
 from hpcdl.prefetch import Prefetcher
+from hpcdl.store import probe
+
 from helpers.prefetch import corrupt_sample, make_store
 
 BATCH, EPOCHS, SEED = 8, 3, 7
@@ -26,8 +27,7 @@ def st(tmp_path_factory):
 def run(st, tmp_path=None, epochs=EPOCHS, **kw):
     """[(epoch, step, ids, [bytes], labels)] of the whole run, and the final stats."""
     with Prefetcher(st, BATCH, epochs, SEED, disk_dir=str(tmp_path) if tmp_path else None, **kw) as pf:
-        got = [(b.epoch, b.step, b.indices.tolist(), [bytes(s) for s in b.samples()], b.labels.tolist())
-               for b in pf]
+        got = [(b.epoch, b.step, b.indices.tolist(), [bytes(s) for s in b.samples()], b.labels.tolist()) for b in pf]
         return got, pf.stats()
 
 
@@ -36,20 +36,33 @@ def distinct_read(st, epochs):
     return ids[st.sizes[ids] > 0]
 
 
-@pytest.mark.parametrize("ram,disk", [
-    (10**9, 0),          # everything in RAM
-    (100000, 150000),    # RAM, disk and the store
-    (40000, 0),          # RAM and the store
-])
-@pytest.mark.parametrize("read_bytes,read_gap,lookahead", [
-    (8 << 20, 128 << 10, 32 << 20),  # the defaults: one span per window
-    (6000, 0, 20000),                # small spans, no gap read, short look-ahead
-    (1, 0, 1),                       # every sample its own span
-])
+@pytest.mark.parametrize(
+    "ram,disk",
+    [
+        (10**9, 0),  # everything in RAM
+        (100000, 150000),  # RAM, disk and the store
+        (40000, 0),  # RAM and the store
+    ],
+)
+@pytest.mark.parametrize(
+    "read_bytes,read_gap,lookahead",
+    [
+        (8 << 20, 128 << 10, 32 << 20),  # the defaults: one span per window
+        (6000, 0, 20000),  # small spans, no gap read, short look-ahead
+        (1, 0, 1),  # every sample its own span
+    ],
+)
 def test_coalesced_batches_equal_the_per_sample_path(st, tmp_path, ram, disk, read_bytes, read_gap, lookahead):
     per_sample, base = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk, read_bytes=0)
-    coalesced, stats = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk, read_bytes=read_bytes,
-                           read_gap=read_gap, lookahead_bytes=lookahead)
+    coalesced, stats = run(
+        st,
+        tmp_path,
+        ram_bytes=ram,
+        disk_bytes=disk,
+        read_bytes=read_bytes,
+        read_gap=read_gap,
+        lookahead_bytes=lookahead,
+    )
     assert coalesced == per_sample  # every batch: positions, ids, bytes, labels
     for _, _, ids, data, labels in coalesced[:: max(len(coalesced) // 20, 1)]:
         assert data == [st.read(i) for i in ids] and labels == st.labels[ids].tolist()
@@ -148,21 +161,37 @@ def test_the_simulators_span_count_matches_the_prefetcher(tmp_path):
     st = store.Store(str(tmp_path / "store"))
     kw = dict(read_bytes=1 << 20, read_gap=3000, lookahead_bytes=100 * 1000)
     _, stats = run(st, epochs=1, ram_bytes=10**9, **kw)
-    system = simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH, compute=0.0,
-                              ram_bytes=10**9, **kw)
+    system = simulator.System(
+        samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH, compute=0.0, ram_bytes=10**9, **kw
+    )
     reads, nbytes = simulator.coalesced_reads(stats["store_reads"], system)
     assert stats["store_reads"] == 400
     assert 0.7 * reads <= stats["store_requests"] <= 1.3 * reads  # model: 400 * 0.75^4 = 127 spans
     assert 0.8 * nbytes <= stats["store_bytes"] <= 1.2 * nbytes
     # Without coalescing the model is one read per sample.
-    slow = simulator.predict(simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH,
-                                              compute=0.0, ram_bytes=10**9, store_iops=100))
-    fast = simulator.predict(simulator.System(samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH,
-                                              compute=0.0, ram_bytes=10**9, store_iops=100, **kw))
+    slow = simulator.predict(
+        simulator.System(
+            samples=400, sample_bytes=1000, ranks=1, epochs=1, batch=BATCH, compute=0.0, ram_bytes=10**9, store_iops=100
+        )
+    )
+    fast = simulator.predict(
+        simulator.System(
+            samples=400,
+            sample_bytes=1000,
+            ranks=1,
+            epochs=1,
+            batch=BATCH,
+            compute=0.0,
+            ram_bytes=10**9,
+            store_iops=100,
+            **kw,
+        )
+    )
     assert fast["prefetch"][0] < slow["prefetch"][0]
 
 
 # ---------------------------------------------------------------- read settings from the store's speed
+
 
 @pytest.mark.parametrize("ram,disk", [(10**9, 0), (100000, 150000)])
 def test_auto_read_settings_deliver_the_per_sample_path(st, tmp_path, ram, disk):
@@ -173,8 +202,13 @@ def test_auto_read_settings_deliver_the_per_sample_path(st, tmp_path, ram, disk)
     assert chosen["auto"] == ["lookahead_bytes", "read_bytes", "read_concurrency", "read_gap"]
     assert chosen["measured_by"] == "probe"
     assert chosen["store_iops"] > 0 and chosen["store_bandwidth"] > 0 and chosen["store_parallel_gain"] is None
-    derived = probe.read_settings(chosen["store_iops"], chosen["store_bandwidth"], prefetch.DEFAULT_STAGING_BYTES,
-                                  ram + disk, chosen["store_parallel_gain"])
+    derived = probe.read_settings(
+        chosen["store_iops"],
+        chosen["store_bandwidth"],
+        prefetch.DEFAULT_STAGING_BYTES,
+        ram + disk,
+        chosen["store_parallel_gain"],
+    )
     assert {k: chosen[k] for k in derived} == derived
     assert stats["hits"] == base["hits"] and 0 < stats["store_requests"] < base["store_requests"]
 
@@ -185,15 +219,30 @@ def test_explicit_read_settings_override_auto(st):
     assert mixed["read_gap"] == 12 << 10 and mixed["auto"] == ["lookahead_bytes", "read_bytes", "read_concurrency"]
     derived = probe.read_settings(mixed["store_iops"], mixed["store_bandwidth"], prefetch.DEFAULT_STAGING_BYTES, 10**9)
     assert (mixed["read_bytes"], mixed["lookahead_bytes"]) == (derived["read_bytes"], derived["lookahead_bytes"])
-    with Prefetcher(st, BATCH, 1, SEED, ram_bytes=10**9, read_bytes=6000, read_gap=0, lookahead_bytes=20000,
-                    read_concurrency="2") as pf:
+    with Prefetcher(
+        st, BATCH, 1, SEED, ram_bytes=10**9, read_bytes=6000, read_gap=0, lookahead_bytes=20000, read_concurrency="2"
+    ) as pf:
         explicit = pf.read_settings
-    assert explicit == {"read_bytes": 6000, "read_gap": 0, "lookahead_bytes": 20000, "read_concurrency": 2,
-                        "auto": []}  # nothing measured
+    assert explicit == {
+        "read_bytes": 6000,
+        "read_gap": 0,
+        "lookahead_bytes": 20000,
+        "read_concurrency": 2,
+        "auto": [],
+    }  # nothing measured
 
 
-@pytest.mark.parametrize("name,value", [("read_bytes", -1), ("read_gap", "garbage"), ("lookahead_bytes", "-3M"),
-                                        ("read_gap", True), ("read_bytes", 1.5), ("read_bytes", None)])
+@pytest.mark.parametrize(
+    "name,value",
+    [
+        ("read_bytes", -1),
+        ("read_gap", "garbage"),
+        ("lookahead_bytes", "-3M"),
+        ("read_gap", True),
+        ("read_bytes", 1.5),
+        ("read_bytes", None),
+    ],
+)
 def test_bad_read_settings_are_clear_errors(st, name, value):
     with pytest.raises(ValueError, match=f"{name} must be a non-negative size or 'auto'"):
         Prefetcher(st, BATCH, 1, SEED, **{name: value})
@@ -202,23 +251,36 @@ def test_bad_read_settings_are_clear_errors(st, name, value):
 @pytest.mark.parametrize("ram,disk", [(10**9, 0), (100000, 150000)])
 def test_one_span_at_a_time_delivers_the_same_bytes_and_never_overlaps(st, tmp_path, ram, disk):
     per_sample, _ = run(st, tmp_path, ram_bytes=ram, disk_bytes=disk, read_bytes=0)
+
     def overlapping_spans(concurrency):
         timeline.record()
         try:
             _core.timeline_take()
-            got, stats = run(st, tmp_path, epochs=1, ram_bytes=ram, disk_bytes=disk, read_bytes=6000, read_gap=0,
-                             lookahead_bytes=20000, read_concurrency=concurrency, ram_threads=3, disk_threads=3,
-                             _span_delay=0.002)  # a store whose reads take 2 ms
-            spans = sorted((start, start + dur) for name, _, start, dur, _ in _core.timeline_take()[0]
-                           if name == "load span")
+            got, stats = run(
+                st,
+                tmp_path,
+                epochs=1,
+                ram_bytes=ram,
+                disk_bytes=disk,
+                read_bytes=6000,
+                read_gap=0,
+                lookahead_bytes=20000,
+                read_concurrency=concurrency,
+                ram_threads=3,
+                disk_threads=3,
+                _span_delay=0.002,
+            )  # a store whose reads take 2 ms
+            spans = sorted(
+                (start, start + dur) for name, _, start, dur, _ in _core.timeline_take()[0] if name == "load span"
+            )
         finally:
             timeline.record(False)
-        assert got == per_sample[:len(got)] and stats["read_settings"]["read_concurrency"] == concurrency
+        assert got == per_sample[: len(got)] and stats["read_settings"]["read_concurrency"] == concurrency
         assert len(spans) > 1
         return sum(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
-    assert overlapping_spans(0) > 0    # every filler reads at once...
-    assert overlapping_spans(1) == 0   # ...or one span at a time, though 3-6 fillers hold windows
+    assert overlapping_spans(0) > 0  # every filler reads at once...
+    assert overlapping_spans(1) == 0  # ...or one span at a time, though 3-6 fillers hold windows
 
 
 @pytest.mark.parametrize("value", [-1, True, 1.5, "two", None])
@@ -231,8 +293,8 @@ def test_read_concurrency_rule():
     MiB = 1 << 20
     assert probe.read_settings(300, 50 * MiB, parallel_gain=1.0)["read_concurrency"] == 1  # one throttled device
     assert probe.read_settings(300, 50 * MiB, parallel_gain=probe.PARALLEL_GAIN)["read_concurrency"] == 0
-    assert probe.read_settings(300, 50 * MiB, parallel_gain=3.7)["read_concurrency"] == 0   # striped: all at once
-    assert probe.read_settings(300, 50 * MiB)["read_concurrency"] == 0                      # unknown: as before
+    assert probe.read_settings(300, 50 * MiB, parallel_gain=3.7)["read_concurrency"] == 0  # striped: all at once
+    assert probe.read_settings(300, 50 * MiB)["read_concurrency"] == 0  # unknown: as before
 
 
 def test_read_settings_rule():
@@ -260,6 +322,7 @@ def test_read_settings_rule():
 
 def test_the_probes_concurrent_readers_never_reread_cached_bytes():
     import random
+
     length, first = 4 << 20, (100 << 20, 116 << 20)
     offsets = probe._disjoint_offsets(random.Random(5), 1 << 30, length, 5, [first])
     reads = sorted([first] + [(at, at + length) for at in offsets])

@@ -12,6 +12,7 @@ from mpi4py import MPI
 
 from hpcdl import _core, prefetch
 from hpcdl.prefetch import Prefetcher, plan
+
 from helpers.prefetch import make_store
 
 NONE = 2**64 - 1
@@ -25,8 +26,9 @@ def sources_by_rule(n, batch, ranks, epochs, seed, drop_last, position, sizes, r
     for q in range(ranks):
         if q == me or rams[q] + disks[q] == 0:
             continue
-        p = prefetch.placement(prefetch.rank_stream(n, batch, ranks, q, epochs, seed, drop_last, position),
-                               sizes, rams[q], disks[q])
+        p = prefetch.placement(
+            prefetch.rank_stream(n, batch, ranks, q, epochs, seed, drop_last, position), sizes, rams[q], disks[q]
+        )
         cached = np.flatnonzero(p["tier"] < 2)
         keys[q, cached] = p["first"][cached] // local * ranks + q
     best = keys.min(axis=0)
@@ -47,8 +49,18 @@ def random_run(rng):
     steps = _core.stream_layout(n, batch, ranks, epochs, seed, drop_last)[1]
     epoch = int(rng.integers(0, epochs))
     start = (epoch, int(rng.integers(0, steps)))
-    return dict(n=n, batch=batch, ranks=ranks, epochs=epochs, seed=seed, drop_last=drop_last, sizes=sizes,
-                rams=rams, disks=disks, start=start)
+    return dict(
+        n=n,
+        batch=batch,
+        ranks=ranks,
+        epochs=epochs,
+        seed=seed,
+        drop_last=drop_last,
+        sizes=sizes,
+        rams=rams,
+        disks=disks,
+        start=start,
+    )
 
 
 @pytest.mark.parametrize("trial", range(12))
@@ -60,10 +72,32 @@ def test_plan_sources_follow_every_rank_s_placement(trial):
         steps = _core.stream_layout(r["n"], r["batch"], r["ranks"], r["epochs"], r["seed"], r["drop_last"])[1]
         position = (r["start"][0] * steps + r["start"][1]) * local
         for me in range(r["ranks"]):
-            got = plan(r["n"], r["batch"], r["ranks"], me, r["epochs"], r["seed"], r["sizes"], r["rams"], r["disks"],
-                       drop_last=r["drop_last"], start=r["start"])
-            rank, key = sources_by_rule(r["n"], r["batch"], r["ranks"], r["epochs"], r["seed"], r["drop_last"],
-                                        position, r["sizes"], r["rams"], r["disks"], me)
+            got = plan(
+                r["n"],
+                r["batch"],
+                r["ranks"],
+                me,
+                r["epochs"],
+                r["seed"],
+                r["sizes"],
+                r["rams"],
+                r["disks"],
+                drop_last=r["drop_last"],
+                start=r["start"],
+            )
+            rank, key = sources_by_rule(
+                r["n"],
+                r["batch"],
+                r["ranks"],
+                r["epochs"],
+                r["seed"],
+                r["drop_last"],
+                position,
+                r["sizes"],
+                r["rams"],
+                r["disks"],
+                me,
+            )
             assert (got["source_key"] == key).all(), r
             assert (got["source_rank"] == rank).all(), r
             assert not (got["source_rank"] == me).any()
@@ -112,6 +146,7 @@ def test_plan_rejects_bad_input():
 
 # --------------------------------------------------------------------------- resume from state()
 
+
 @pytest.fixture(scope="module")
 def st(tmp_path_factory):
     return make_store(str(tmp_path_factory.mktemp("prefetch-plan")), files=96, seed=4, comm=MPI.COMM_SELF)
@@ -127,8 +162,14 @@ def test_state_resumes_exactly(st):
     with Prefetcher(st, 12, 2, 5) as pf:
         head = [next(iter(pf)).indices.copy() for _ in range(11)]
         state = pf.state()
-    assert state == {"epoch": 1, "sample_in_epoch": 36, "seed": 5, "global_batch": 12, "samples": len(st),
-                     "drop_last": True}
+    assert state == {
+        "epoch": 1,
+        "sample_in_epoch": 36,
+        "seed": 5,
+        "global_batch": 12,
+        "samples": len(st),
+        "drop_last": True,
+    }
     with Prefetcher(st, 12, 2, 5, start=state) as pf:
         assert pf.position == (1, 3)
         tail = indices(pf)
@@ -136,14 +177,18 @@ def test_state_resumes_exactly(st):
     assert all((a == b).all() for a, b in zip(head + tail, whole))
 
 
-@pytest.mark.parametrize("change,message", [({"seed": 6}, "seed 6 there, 5 here"),
-                                            ({"global_batch": 24}, "global_batch 24 there, 12 here"),
-                                            ({"samples": 95}, "samples 95 there"),
-                                            ({"sample_in_epoch": 30}, "not a multiple of the global batch"),
-                                            ({"epoch": 3}, "outside the run")])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"seed": 6}, "seed 6 there, 5 here"),
+        ({"global_batch": 24}, "global_batch 24 there, 12 here"),
+        ({"samples": 95}, "samples 95 there"),
+        ({"sample_in_epoch": 30}, "not a multiple of the global batch"),
+        ({"epoch": 3}, "outside the run"),
+    ],
+)
 def test_state_of_another_run_is_an_error(st, change, message):
-    state = {"epoch": 1, "sample_in_epoch": 36, "seed": 5, "global_batch": 12, "samples": len(st),
-             "drop_last": True}
+    state = {"epoch": 1, "sample_in_epoch": 36, "seed": 5, "global_batch": 12, "samples": len(st), "drop_last": True}
     state.update(change)
     with pytest.raises(ValueError, match=message):
         Prefetcher(st, 12, 2, 5, start=state)

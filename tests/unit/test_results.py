@@ -23,7 +23,7 @@ def _expand(pattern):
     match = re.search(r"\{([^{}]*)\}", pattern)
     if not match:
         return [pattern]
-    head, tail = pattern[:match.start()], pattern[match.end():]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
     return [word for choice in match.group(1).split(",") for word in _expand(head + choice + tail)]
 
 
@@ -36,8 +36,13 @@ def unreferenced(names, docs):
     tokens = re.findall(r"[\w.\-*{},/]+", code) + re.findall(r"bench/results/[\w.\-*{},]+", docs)
     patterns = {p for token in tokens for p in _expand(token.split("/")[-1].strip(".,"))}
     tags = {p for tag in re.findall(r"--(?:tag|name)[ =]([\w\-{},]+)", docs) for p in _expand(tag)}
-    shown = {n for n in names if n in patterns or _stem(n) in tags | patterns
-             or any(fnmatch.fnmatchcase(n, p) for p in patterns if "*" in p and re.match(r"[\w\-]{3}", p))}
+    shown = {
+        n
+        for n in names
+        if n in patterns
+        or _stem(n) in tags | patterns
+        or any(fnmatch.fnmatchcase(n, p) for p in patterns if "*" in p and re.match(r"[\w\-]{3}", p))
+    }
     stems = {_stem(n) for n in shown}
     return sorted(n for n in names if not any(re.fullmatch(re.escape(stem) + COMPANION, _stem(n)) for stem in stems))
 
@@ -50,8 +55,21 @@ def test_every_result_file_is_shown_by_the_docs():
 
 
 def test_the_reference_rules_can_fail():
-    docs = ("see `bench/results/a{,-run2}.{csv,png}` and `b.json`, `cc-*.csv`, `ls *`;\n```\npython bench/x.py --tag e\n```\n"
-            "f.csv in prose only")
-    names = ["a.csv", "a-run2.png", "a-runs.csv", "b.json", "cc-1.csv", "cc-1.json", "d.csv", "e.png", "e-memory.csv",
-             "e-run2-memory.csv", "f.csv"]
+    docs = (
+        "see `bench/results/a{,-run2}.{csv,png}` and `b.json`, `cc-*.csv`, `ls *`;\n```\npython bench/x.py --tag e\n```\n"
+        "f.csv in prose only"
+    )
+    names = [
+        "a.csv",
+        "a-run2.png",
+        "a-runs.csv",
+        "b.json",
+        "cc-1.csv",
+        "cc-1.json",
+        "d.csv",
+        "e.png",
+        "e-memory.csv",
+        "e-run2-memory.csv",
+        "f.csv",
+    ]
     assert unreferenced(names, docs) == ["d.csv", "f.csv"]

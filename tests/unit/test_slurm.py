@@ -34,10 +34,8 @@ def slurm_env():
     # (Read-only: any user can lock it, and then hear from the script why Slurm won't start.)
     with open(os.open(cluster_dir + ".lock", os.O_RDONLY | os.O_CREAT, 0o644)) as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        already_running = subprocess.run(["bash", str(CLUSTER_SCRIPT), "status"],
-                                          capture_output=True).returncode == 0
-        started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], capture_output=True,
-                                 text=True, timeout=900)
+        already_running = subprocess.run(["bash", str(CLUSTER_SCRIPT), "status"], capture_output=True).returncode == 0
+        started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], capture_output=True, text=True, timeout=900)
         if started.returncode != 0:
             reason = f"cannot start Slurm (scripts/slurm-cluster.sh start):\n{started.stderr}"
             if started.returncode == SLURM_UNAVAILABLE and os.environ.get("CI") != "true":
@@ -68,8 +66,18 @@ def sbatch(env, workdir, script, *args, **export):
     """
     out = Path(workdir) / f"{Path(script).stem}-%j.out"
     job_env = dict(env, **{k: str(v) for k, v in export.items()})
-    cmd = ["sbatch", "--wait", "--nodes=1", f"--ntasks-per-node={RANKS}", "--cpus-per-task=1",
-           "--time=10", f"--output={out}", "--export=ALL", str(script), *map(str, args)]
+    cmd = [
+        "sbatch",
+        "--wait",
+        "--nodes=1",
+        f"--ntasks-per-node={RANKS}",
+        "--cpus-per-task=1",
+        "--time=10",
+        f"--output={out}",
+        "--export=ALL",
+        str(script),
+        *map(str, args),
+    ]
     proc = subprocess.run(cmd, env=job_env, cwd=REPO, capture_output=True, text=True, timeout=840)
     job_id = re.search(r"Submitted batch job (\d+)", proc.stdout)
     assert job_id, f"sbatch did not submit: {proc.stdout}{proc.stderr}"
@@ -117,18 +125,29 @@ srun --mpi=pmi2 {sys.executable} -m hpcdl bench allreduce --out {tmp_path} --siz
     with open(tmp_path / "allreduce.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["system"], r["ranks"], r["correct"]) for r in rows} == {
-        ("hpcdl", str(RANKS), "True"), ("mpi", str(RANKS), "True")}, rows
+        ("hpcdl", str(RANKS), "True"),
+        ("mpi", str(RANKS), "True"),
+    }, rows
 
 
 @pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
 def test_check_script_under_each_launcher(slurm_env, tmp_path, launcher):
     node_local = tmp_path / "node-local"
     node_local.mkdir()
-    status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "check.sbatch",
-                          HPCDL_LAUNCH=launcher, SLURM_TMPDIR=node_local)
+    status, text = sbatch(
+        slurm_env, tmp_path, REPO / "slurm" / "check.sbatch", HPCDL_LAUNCH=launcher, SLURM_TMPDIR=node_local
+    )
     assert_job_ok(status, text)
-    assert len(re.findall(r"\[hpcdl rank \d\] ok: 4 ranks, local rank \d on \S+, thread level multiple, "
-                          r"allreduce sum 10\b", text)) == RANKS, text
+    assert (
+        len(
+            re.findall(
+                r"\[hpcdl rank \d\] ok: 4 ranks, local rank \d on \S+, thread level multiple, "
+                r"allreduce sum 10\b",
+                text,
+            )
+        )
+        == RANKS
+    ), text
     assert f"scratch={node_local}/hpcdl-" in text, text
     # The scratch directory the ranks wrote to is gone once the job ends.
     assert list(node_local.iterdir()) == [], text
@@ -137,15 +156,17 @@ def test_check_script_under_each_launcher(slurm_env, tmp_path, launcher):
 def test_failures_reach_the_sbatch_exit_status(slurm_env, tmp_path):
     node_local = tmp_path / "node-local"
     node_local.mkdir()
-    status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "check.sbatch",
-                          HPCDL_LAUNCH="qsub", SLURM_TMPDIR=node_local)
+    status, text = sbatch(
+        slurm_env, tmp_path, REPO / "slurm" / "check.sbatch", HPCDL_LAUNCH="qsub", SLURM_TMPDIR=node_local
+    )
     assert status == 2, text
     assert "HPCDL_LAUNCH must be srun or mpiexec, got 'qsub'" in text
     assert list(node_local.iterdir()) == [], text
 
     # srun without a PMI plugin starts 4 separate 1-rank MPI jobs: the check script says so.
-    status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "check.sbatch", HPCDL_SRUN_MPI="none",
-                          SLURM_TMPDIR=node_local)
+    status, text = sbatch(
+        slurm_env, tmp_path, REPO / "slurm" / "check.sbatch", HPCDL_SRUN_MPI="none", SLURM_TMPDIR=node_local
+    )
     assert status != 0, text
     assert len(re.findall(r"FAILED on \S+: 1 ranks in MPI_COMM_WORLD but 4 Slurm tasks", text)) == RANKS, text
 
@@ -160,9 +181,18 @@ def test_scancel_removes_node_local_scratch(slurm_env, tmp_path):
     job = tmp_path / "sleep.sbatch"
     job.write_text('#!/bin/bash\nsource "$HPCDL_HOME/slurm/job-env.sh"\nlaunch sleep 600\n')
     env = dict(slurm_env, SLURM_TMPDIR=str(node_local))
-    job_id = subprocess.run(["sbatch", "--parsable", "--ntasks=2", f"--output={tmp_path}/sleep.out",
-                             str(job)], env=env, cwd=REPO, capture_output=True, text=True,
-                            check=True).stdout.strip().split(";")[0]
+    job_id = (
+        subprocess.run(
+            ["sbatch", "--parsable", "--ntasks=2", f"--output={tmp_path}/sleep.out", str(job)],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        .stdout.strip()
+        .split(";")[0]
+    )
     scratch = node_local / f"hpcdl-{job_id}"
     deadline = time.monotonic() + 120
     while not scratch.exists() and time.monotonic() < deadline:
@@ -170,13 +200,20 @@ def test_scancel_removes_node_local_scratch(slurm_env, tmp_path):
     assert scratch.is_dir(), "the job did not make its scratch directory"
     # Cancel once the srun step runs: a job cancelled while srun is still
     # launching ends with srun's own error instead of the SIGTERM under test.
-    while time.monotonic() < deadline and "sleep" not in subprocess.run(
-            ["squeue", "-h", "-s", "-j", job_id, "-o", "%j"], env=env, capture_output=True, text=True).stdout:
+    while (
+        time.monotonic() < deadline
+        and "sleep"
+        not in subprocess.run(
+            ["squeue", "-h", "-s", "-j", job_id, "-o", "%j"], env=env, capture_output=True, text=True
+        ).stdout
+    ):
         time.sleep(0.2)
     time.sleep(1)
     subprocess.run(["scancel", job_id], env=env, check=True)
-    while time.monotonic() < deadline and subprocess.run(
-            ["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout.strip():
+    while (
+        time.monotonic() < deadline
+        and subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout.strip()
+    ):
         time.sleep(0.2)
     text = (tmp_path / "sleep.out").read_text()
     assert "finished with exit status 143" in text, text
@@ -185,14 +222,14 @@ def test_scancel_removes_node_local_scratch(slurm_env, tmp_path):
 
 # ---- the scripts for the pack CLI, the training examples and the benchmarks ----
 
+
 def make_small_files(root, classes=3, per_class=12, seed=0):
     """A class-per-directory data set of small .npy samples; returns their total size in bytes."""
     rng = np.random.default_rng(seed)
     for c in range(classes):
         (root / f"class{c}").mkdir(parents=True)
         for i in range(per_class):
-            np.save(root / f"class{c}" / f"sample{i:03d}.npy",
-                    rng.standard_normal((3, 8, 8)).astype(np.float32))
+            np.save(root / f"class{c}" / f"sample{i:03d}.npy", rng.standard_normal((3, 8, 8)).astype(np.float32))
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
 
 
@@ -225,30 +262,70 @@ def test_pack_script(packed_store):
 def test_train_script(slurm_env, packed_store, tmp_path, framework):
     store, _, pack_status, pack_text = packed_store
     assert_job_ok(pack_status, pack_text)
-    status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / f"train_{framework}.sbatch",
-                          "--data", store, "--epochs", 1, "--batch-size", 2)
+    status, text = sbatch(
+        slurm_env,
+        tmp_path,
+        REPO / "slurm" / f"train_{framework}.sbatch",
+        "--data",
+        store,
+        "--epochs",
+        1,
+        "--batch-size",
+        2,
+    )
     assert_job_ok(status, text)
     assert re.search(r"loss", text, re.IGNORECASE), text
 
 
 def test_allreduce_bench_script(slurm_env, tmp_path):
-    status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "allreduce_bench.sbatch",
-                          "--sizes", "64KiB,1MiB", "--systems", "hpcdl,mpi", "--iters", 3,
-                          "--out", tmp_path, "--tag", "slurm")
+    status, text = sbatch(
+        slurm_env,
+        tmp_path,
+        REPO / "slurm" / "allreduce_bench.sbatch",
+        "--sizes",
+        "64KiB,1MiB",
+        "--systems",
+        "hpcdl,mpi",
+        "--iters",
+        3,
+        "--out",
+        tmp_path,
+        "--tag",
+        "slurm",
+    )
     assert_job_ok(status, text)
     with open(tmp_path / "slurm.csv") as f:
         rows = list(csv.DictReader(f))
     assert {(r["system"], r["ranks"], r["correct"]) for r in rows} >= {
-        ("hpcdl", str(RANKS), "True"), ("mpi", str(RANKS), "True")}, rows
+        ("hpcdl", str(RANKS), "True"),
+        ("mpi", str(RANKS), "True"),
+    }, rows
 
 
 def test_store_bench_script(slurm_env, packed_store, tmp_path):
     store, _, pack_status, pack_text = packed_store
     assert_job_ok(pack_status, pack_text)
-    status, text = sbatch(slurm_env, tmp_path, REPO / "slurm" / "store_bench.sbatch",
-                          "--files", 400, "--classes", 4, "--cold-samples", 100, "--strace-samples", 100,
-                          "--repeats", 1, "--ranks", "1,2", "--workdir", tmp_path / "slowfs",
-                          "--out", tmp_path)
+    status, text = sbatch(
+        slurm_env,
+        tmp_path,
+        REPO / "slurm" / "store_bench.sbatch",
+        "--files",
+        400,
+        "--classes",
+        4,
+        "--cold-samples",
+        100,
+        "--strace-samples",
+        100,
+        "--repeats",
+        1,
+        "--ranks",
+        "1,2",
+        "--workdir",
+        tmp_path / "slowfs",
+        "--out",
+        tmp_path,
+    )
     assert_job_ok(status, text)
     with open(tmp_path / "store.csv") as f:
         rows = list(csv.DictReader(f))

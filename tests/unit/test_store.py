@@ -16,15 +16,17 @@ import numpy as np
 import pytest
 
 from hpcdl import _core, store
-from hpcdl.store import manifest
 from hpcdl.errors import CorruptDataError
+from hpcdl.store import manifest
+
 from conftest import ROOT
 from helpers.store import check_round_trip, make_tree
 
 
 def hpcdl_cli(*args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "hpcdl", *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "hpcdl", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, **kwargs
+    )
 
 
 @pytest.fixture
@@ -35,6 +37,7 @@ def tree(tmp_path):
 
 
 # --------------------------------------------------------------------------- checksum
+
 
 def test_crc32c_known_vectors_and_software_matches_hardware():
     assert store.crc32c(b"123456789") == 0xE3069283
@@ -74,14 +77,14 @@ def test_read_many_and_read_into_zero_copy(tree, tmp_path):
     data, offsets = st.read_many(idx)
     assert data.dtype == np.uint8 and len(offsets) == len(idx) + 1
     for k, i in enumerate(idx):
-        assert data[offsets[k]:offsets[k + 1]].tobytes() == content[st.names[i]]
+        assert data[offsets[k] : offsets[k + 1]].tobytes() == content[st.names[i]]
     out = np.full(int(offsets[-1]) + 10, 7, dtype=np.uint8)
     view, _ = st.read_many(idx, out=out)
     assert np.shares_memory(view, out) and (view == data).all()
     big = max(range(len(st)), key=st.size)
     buf = bytearray(st.size(big) + 5)
     assert st.read_into(big, buf) == st.size(big)
-    assert bytes(buf[:st.size(big)]) == content[st.names[big]]
+    assert bytes(buf[: st.size(big)]) == content[st.names[big]]
     with pytest.raises(ValueError, match="too small"):
         st.read_into(big, bytearray(st.size(big) - 1))
     empty, offs = st.read_many([])
@@ -102,7 +105,7 @@ def test_format_is_plain_hdf5(tree, tmp_path):
             assert data.chunks is None and data.compression is None and data.dtype == np.uint8
             for j, rel in enumerate(f["names"].asstr()[:]):
                 a, n = int(f["offsets"][j]), int(f["sizes"][j])
-                assert data[a:a + n].tobytes() == content[rel]
+                assert data[a : a + n].tobytes() == content[rel]
                 assert int(f["crc32c"][j]) == store.crc32c(content[rel])
 
 
@@ -163,10 +166,11 @@ def test_store_survives_pickle_and_fork(tree, tmp_path):
 
 # --------------------------------------------------------------------------- bad input
 
+
 def test_bad_entries_are_skipped_and_reported(tree, tmp_path):
     src, content = tree
-    os.symlink("..", src / "cat" / "loop")              # a loop back to the root
-    os.symlink("selfloop", src / "cat" / "selfloop")    # ELOOP on stat
+    os.symlink("..", src / "cat" / "loop")  # a loop back to the root
+    os.symlink("selfloop", src / "cat" / "selfloop")  # ELOOP on stat
     os.symlink("missing.jpg", src / "dog" / "dangling")
     os.mkfifo(src / "dog" / "fifo")
     with open(os.path.join(os.fsencode(src), b"zebra", b"bad\xffname.jpg"), "wb") as fh:
@@ -214,8 +218,13 @@ def test_unreadable_file_is_skipped(tmp_path):
     os.chmod(src / "cat" / "00003.jpg", 0)
     # Root reads anything: drop the capabilities that let it (setpriv, util-linux).
     prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
-    proc = subprocess.run(prefix + [sys.executable, "-m", "hpcdl", "pack", str(src), str(tmp_path / "dst"), "-q"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        prefix + [sys.executable, "-m", "hpcdl", "pack", str(src), str(tmp_path / "dst"), "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "1 file(s) skipped" in proc.stderr
     assert "cat/00003.jpg: unreadable (permission denied)" in proc.stdout + proc.stderr
@@ -261,6 +270,7 @@ def test_pack_inside_source_does_not_pack_itself(tree):
 
 
 # --------------------------------------------------------------------------- corruption
+
 
 def test_flipped_byte_is_caught_on_read_and_by_verify(tree, tmp_path):
     src, content = tree
@@ -314,8 +324,15 @@ def flip_bit(path, name, item=0):
 
 
 SHARD_INDEX = ("offsets", "sizes", "crc32c", "labels", "names")
-MANIFEST_INDEX = ("shard_files", "shard_first_sample", "shard_num_samples", "shard_data_bytes", "label_names",
-                  "skipped_names", "skipped_reasons")
+MANIFEST_INDEX = (
+    "shard_files",
+    "shard_first_sample",
+    "shard_num_samples",
+    "shard_data_bytes",
+    "label_names",
+    "skipped_names",
+    "skipped_reasons",
+)
 
 
 @pytest.mark.parametrize("dataset", SHARD_INDEX)
@@ -380,7 +397,8 @@ def test_truncated_shard_is_named(tree, tmp_path):
     assert proc.returncode == 1 and f"FAILED: {n} bad sample(s)" in proc.stdout
     assert len([line for line in proc.stdout.splitlines() if shard.name in line]) == 1
     assert [line for line in proc.stdout.splitlines() if shard.name in line] == [
-        line for line in proc.stdout.splitlines() if line.startswith(f"  {shard.name}: {n} samples from {lo}: ")]
+        line for line in proc.stdout.splitlines() if line.startswith(f"  {shard.name}: {n} samples from {lo}: ")
+    ]
     proc = hpcdl_cli("ls", str(dst))
     assert proc.returncode == 1 and f"{shard.name} is damaged" in proc.stderr
     total = sum(len(v) for v in content.values())
@@ -397,8 +415,13 @@ def test_verify_json(tree, tmp_path):
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     total = sum(len(v) for v in content.values())
-    assert (out["samples"], out["shards"], out["ok"], out["bad"], out["problems"]) == (len(content), 3,
-                                                                                       len(content), 0, [])
+    assert (out["samples"], out["shards"], out["ok"], out["bad"], out["problems"]) == (
+        len(content),
+        3,
+        len(content),
+        0,
+        [],
+    )
     assert out["bytes_read"] >= total and isinstance(out["seconds"], float) and out["seconds"] > 0
     st = store.Store(dst)
     victim = max(range(int(st.shard_counts[0])), key=st.size)  # in shard 0, which starts at sample 0
@@ -436,12 +459,16 @@ def test_shard_truncated_after_open_is_caught_on_read(tree, tmp_path):
 
 # --------------------------------------------------------------------------- crash safety
 
+
 def test_killed_pack_leaves_no_manifest_and_rerun_completes(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     content = make_tree(str(src), files=3000, max_size=400)
-    proc = subprocess.Popen([sys.executable, "-m", "hpcdl", "pack", str(src), str(dst), "--shards", "40",
-                             "--threads", "1", "-q"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpcdl", "pack", str(src), str(dst), "--shards", "40", "--threads", "1", "-q"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if dst.is_dir() and any(p.name.startswith("shard-") for p in dst.iterdir()):
@@ -466,9 +493,14 @@ def test_killed_pack_leaves_no_manifest_and_rerun_completes(tmp_path):
 def test_second_pack_into_one_destination_is_refused(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     content = make_tree(str(src), files=3000, max_size=400)
-    first = subprocess.Popen([sys.executable, "-m", "hpcdl", "pack", str(src), str(dst), "--shards", "40",
-                              "--threads", "1", "-q"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, start_new_session=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "hpcdl", "pack", str(src), str(dst), "--shards", "40", "--threads", "1", "-q"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         lock = dst / ".hpcdl-pack.lock"
         deadline = time.monotonic() + 120
@@ -480,8 +512,13 @@ def test_second_pack_into_one_destination_is_refused(tmp_path):
         assert second.returncode == 1 and "another hpcdl pack is writing to" in second.stderr
         assert f"pid {first.pid} on host" in second.stderr, second.stderr
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-        ranks = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "hpcdl", "pack", str(src), str(dst),
-                                "-q"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        ranks = subprocess.run(
+            [mpiexec, "-n", "2", sys.executable, "-m", "hpcdl", "pack", str(src), str(dst), "-q"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert ranks.returncode != 0 and f"pid {first.pid} on host" in ranks.stderr, ranks.stderr
         os.killpg(first.pid, signal.SIGCONT)
         out, err = first.communicate(timeout=300)
@@ -525,6 +562,7 @@ def test_rerun_with_other_shard_count_drops_stale_shards(tree, tmp_path):
 
 # --------------------------------------------------------------------------- CLI
 
+
 def test_cli_pack_ls_verify(tree, tmp_path):
     src, content = tree
     dst = tmp_path / "dst"
@@ -553,9 +591,13 @@ def test_cli_pack_ls_verify(tree, tmp_path):
 def test_cli_pack_under_mpiexec(tree, tmp_path):
     src, content = tree
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
-    proc = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "hpcdl", "pack", str(src),
-                           str(tmp_path / "dst"), "--shards", "3"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, "-m", "hpcdl", "pack", str(src), str(tmp_path / "dst"), "--shards", "3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "with 2 rank(s)" in proc.stdout
     check_round_trip(store.Store(tmp_path / "dst"), content)
@@ -566,15 +608,21 @@ def test_a_closed_store_says_so(tree, tmp_path):
     store.pack(src, tmp_path / "dst", progress=False)
     st = store.Store(tmp_path / "dst")
     st.close()
-    for use in (len, lambda s: s[0], lambda s: s.read_many([0]), lambda s: s.read_into(0, bytearray(1 << 20)),
-                lambda s: s.verify()):
+    for use in (
+        len,
+        lambda s: s[0],
+        lambda s: s.read_many([0]),
+        lambda s: s.read_into(0, bytearray(1 << 20)),
+        lambda s: s.verify(),
+    ):
         with pytest.raises(ValueError, match="is closed"):
             use(st)
     assert "closed" in repr(st)
 
 
-@pytest.mark.parametrize("option", [["--shards", "0"], ["--shards", "-3"], ["--threads", "-5"], ["--threads", "0"],
-                                    ["--shards", "two"]])
+@pytest.mark.parametrize(
+    "option", [["--shards", "0"], ["--shards", "-3"], ["--threads", "-5"], ["--threads", "0"], ["--shards", "two"]]
+)
 def test_pack_rejects_counts_below_one(tree, tmp_path, option):
     src, _ = tree
     proc = hpcdl_cli("pack", str(src), str(tmp_path / "dst"), "-q", *option)

@@ -7,6 +7,7 @@ import torch
 
 import hpcdl
 from hpcdl import _tensors
+
 from helpers.device import device  # noqa: F401 - the fixture
 
 
@@ -38,8 +39,9 @@ def test_errors_are_those_of_numpy_arrays():
 
     assert error_of(torch.ones(4, dtype=torch.complex64)) == error_of(np.ones(4, np.complex64))
     assert error_of(torch.ones(4, dtype=torch.bool)) == error_of(np.ones(4, bool))
-    assert error_of(torch.ones(4, dtype=torch.int32), compression=hpcdl.compression.Int8()) == \
-        error_of(np.ones(4, np.int32), compression=hpcdl.compression.Int8())
+    assert error_of(torch.ones(4, dtype=torch.int32), compression=hpcdl.compression.Int8()) == error_of(
+        np.ones(4, np.int32), compression=hpcdl.compression.Int8()
+    )
 
 
 def test_a_non_contiguous_tensor_is_refused_clearly():

@@ -10,6 +10,7 @@ from mpi4py import MPI
 
 import hpcdl.compression
 import hpcdl.tensorflow as hvd_tf
+
 from conftest import ROOT
 from helpers.tf_adapter import max_difference, train_distributed, train_reference
 
@@ -42,9 +43,22 @@ def test_tf_example_learns_the_digits(tmp_path):
     root = ROOT
     env = {**os.environ, "PYTHONPATH": root, "TMPDIR": str(tmp_path)}
     metrics = tmp_path / "metrics.jsonl"
-    run = subprocess.run([sys.executable, os.path.join(root, "examples", "train_tf.py"), "--epochs", "3",
-                          "--compression", "int8", "--metrics", str(metrics)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(root, "examples", "train_tf.py"),
+            "--epochs",
+            "3",
+            "--compression",
+            "int8",
+            "--metrics",
+            str(metrics),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     epochs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [0, 1, 2] and epochs[-1]["test_acc"] > 0.6, run.stdout
@@ -57,11 +71,13 @@ def test_powersgd_on_one_rank_leaves_the_gradients_exact_and_refuses_sum_and_oth
     var = tf.Variable(tf.reshape(tf.range(12, dtype=tf.float32), (4, 3)), name="w")
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(var * var)
-    grads = hvd_tf.DistributedGradientTape(tape, compression=codec, comm=MPI.COMM_SELF,
-                                           name="psgd.one").gradient(loss, [var])
+    grads = hvd_tf.DistributedGradientTape(tape, compression=codec, comm=MPI.COMM_SELF, name="psgd.one").gradient(
+        loss, [var]
+    )
     assert np.array_equal(grads[0].numpy(), 2 * var.numpy())
     with pytest.raises(ValueError, match="op must be 'average'"):
         hvd_tf.DistributedGradientTape(tape, compression=codec, op="sum", comm=MPI.COMM_SELF, name="psgd.sum")
     with pytest.raises(ValueError, match="give this tape or optimizer another name"):
-        hvd_tf.DistributedGradientTape(tape, compression=hpcdl.compression.PowerSGD(rank=2), comm=MPI.COMM_SELF,
-                                       name="psgd.one")
+        hvd_tf.DistributedGradientTape(
+            tape, compression=hpcdl.compression.PowerSGD(rank=2), comm=MPI.COMM_SELF, name="psgd.one"
+        )

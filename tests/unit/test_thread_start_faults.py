@@ -58,7 +58,9 @@ def run_child(tmp_path, body, *args):
 
 
 def test_engine_thread_refused_raises_and_a_later_submission_starts_it(tmp_path):
-    code, out = run_child(tmp_path, """
+    code, out = run_child(
+        tmp_path,
+        """
         limit_address_space(2)
         for attempt in (1, 2):
             try:
@@ -68,7 +70,8 @@ def test_engine_thread_refused_raises_and_a_later_submission_starts_it(tmp_path)
                 print(f"attempt {attempt}: {exc}", flush=True)
         lift_limit()
         print("after the limit:", hpcdl.allreduce(np.ones(8, np.float32), comm=MPI.COMM_SELF).tolist(), flush=True)
-    """)
+    """,
+    )
     assert code == 0, out
     for attempt in (1, 2):
         assert f"attempt {attempt}: hpcdl could not start its engine thread: " in out, out
@@ -81,7 +84,9 @@ def test_prefetcher_threads_refused_raise_and_none_is_left_running(tmp_path):
     threads it had started are joined."""
     store = make_store(str(tmp_path), files=40, comm=MPI.COMM_SELF)
     store.close()
-    code, out = run_child(tmp_path, """
+    code, out = run_child(
+        tmp_path,
+        """
         from hpcdl import store
         from hpcdl.prefetch import Prefetcher
 
@@ -101,7 +106,9 @@ def test_prefetcher_threads_refused_raise_and_none_is_left_running(tmp_path):
             with pf:
                 print(f"batches: {sum(1 for _ in pf)}", flush=True)
             break
-    """, tmp_path / "store")
+    """,
+        tmp_path / "store",
+    )
     assert code == 0, out
     refused = [line for line in out.splitlines() if line.startswith("refused at")]
     assert refused, out
@@ -117,7 +124,11 @@ def test_prefetcher_thread_refused_on_one_rank_fails_it_on_every_rank(tmp_path):
     refused on rank 1 alone: both ranks close together and raise, rank 0 naming
     rank 1. Never does a rank wait for a peer that has no prefetcher."""
     make_store(str(tmp_path), files=40, comm=MPI.COMM_SELF).close()
-    rc, out = run_job(tmp_path, 2, PRELUDE + textwrap.dedent("""
+    rc, out = run_job(
+        tmp_path,
+        2,
+        PRELUDE
+        + textwrap.dedent("""
         from hpcdl import store
         from hpcdl.prefetch import Prefetcher
 
@@ -137,7 +148,9 @@ def test_prefetcher_thread_refused_on_one_rank_fails_it_on_every_rank(tmp_path):
                 with pf:
                     print(f"batches: {sum(1 for _ in pf)}", file=log, flush=True)
                 break
-    """), extra_env={"STORE": str(tmp_path / "store")})
+    """),
+        extra_env={"STORE": str(tmp_path / "store")},
+    )
     assert rc == 0, out
     logs = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in (0, 1)]
     assert len(logs[0]) == len(logs[1]) and logs[0][-1] == logs[1][-1] == "batches: 5", (logs, out)
@@ -150,14 +163,16 @@ def test_prefetcher_thread_refused_on_one_rank_fails_it_on_every_rank(tmp_path):
         if server in mine:
             assert theirs.startswith("raised: peer tier: rank 1 of the communicator could not set up"), (logs, out)
         else:
-            assert later.match(mine[len("raised: "):]) and theirs == "raised: [hpcdl rank 1] " + mine[8:], (logs, out)
+            assert later.match(mine[len("raised: ") :]) and theirs == "raised: [hpcdl rank 1] " + mine[8:], (logs, out)
 
 
 def test_store_reader_threads_refused_read_the_same_bytes_on_the_calling_thread(tmp_path):
     """read_many()'s pool starts the workers the OS grants; with none it reads
     on the calling thread alone, the same bytes."""
     make_store(str(tmp_path), files=40, comm=MPI.COMM_SELF).close()
-    code, out = run_child(tmp_path, """
+    code, out = run_child(
+        tmp_path,
+        """
         from hpcdl import store
 
         indices = list(range(40))
@@ -171,6 +186,8 @@ def test_store_reader_threads_refused_read_the_same_bytes_on_the_calling_thread(
         lift_limit()
         same = all(bytes(buffer[offsets[k]:offsets[k + 1]]) == bytes(wanted[k]) for k in range(len(indices)))
         print(f"pool threads: {pool_threads}; same bytes: {same}", flush=True)
-    """, tmp_path / "store")
+    """,
+        tmp_path / "store",
+    )
     assert code == 0, out
     assert "pool threads: 0; same bytes: True" in out, out

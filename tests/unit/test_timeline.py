@@ -19,8 +19,9 @@ def run_with_timeline(tmp_path, ranks, program, **extra_env):
     trace_path = tmp_path / "run.json"
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, HPCDL_TIMELINE=str(trace_path), **extra_env)
-    proc = subprocess.run([mpiexec, "-n", str(ranks), sys.executable, "-c", program], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [mpiexec, "-n", str(ranks), sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout, proc.stderr, trace_path
 
@@ -34,8 +35,10 @@ def test_timeline_has_every_rank_and_ring_phase(tmp_path):
     for rank in range(4):
         mine = {(e["name"], e["cat"]) for e in spans if e["pid"] == rank}
         for i in range(3):
-            assert {(f"grad.{i}", "negotiate"), (f"grad.{i}", "reduce_scatter"),
-                    (f"grad.{i}", "allgather")} <= mine, (rank, mine)
+            assert {(f"grad.{i}", "negotiate"), (f"grad.{i}", "reduce_scatter"), (f"grad.{i}", "allgather")} <= mine, (
+                rank,
+                mine,
+            )
         assert ("op#0", "broadcast") in mine
     assert all(e["dur"] >= 0 and e["ts"] > 0 for e in spans)
     names = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "process_name"}
@@ -75,8 +78,13 @@ def test_timeline_has_prefetcher_fetches_and_stalls_per_rank(tmp_path):
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     # HPCDL_TRACE (the prefetcher's own trace) must not take the events from the timeline.
     env = dict(os.environ, HPCDL_TIMELINE=str(trace_path), HPCDL_TRACE=str(tmp_path / "prefetch-trace.json"))
-    proc = subprocess.run([mpiexec, "-n", "4", sys.executable, "-c", PREFETCH_PROGRAM, str(tmp_path / "store")],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [mpiexec, "-n", "4", sys.executable, "-c", PREFETCH_PROGRAM, str(tmp_path / "store")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     line = next(line for line in proc.stdout.splitlines() if line.startswith("STATS "))
     stats = {rank: (hits, stall) for rank, hits, stall in json.loads(line[6:])}
@@ -118,16 +126,24 @@ def test_timeline_has_a_span_per_transfer_with_peer_tag_and_bytes(tmp_path):
     line = next(line for line in stdout.splitlines() if line.startswith("STATS "))
     stats = dict(json.loads(line[6:]))
     assert list(stats[0]) == ["send"] and list(stats[1]) == ["receive"], stats
-    assert (stats[0]["send"]["ops"], stats[0]["send"]["bytes_sent"], stats[0]["send"]["bytes_received"]) == \
-        (2, 70100, 0), stats
-    assert (stats[1]["receive"]["ops"], stats[1]["receive"]["bytes_received"], stats[1]["receive"]["bytes_sent"]) \
-        == (2, 70100, 0), stats
+    assert (stats[0]["send"]["ops"], stats[0]["send"]["bytes_sent"], stats[0]["send"]["bytes_received"]) == (
+        2,
+        70100,
+        0,
+    ), stats
+    assert (stats[1]["receive"]["ops"], stats[1]["receive"]["bytes_received"], stats[1]["receive"]["bytes_sent"]) == (
+        2,
+        70100,
+        0,
+    ), stats
     spans = [e for e in json.loads(trace_path.read_text())["traceEvents"] if e["ph"] == "X"]
     transfers = sorted((e["pid"], e["cat"], e["name"]) for e in spans if e["cat"] in ("send", "receive"))
-    assert transfers == [(0, "send", "rank 0's send of 100 bytes to rank 1 (tag 5)"),
-                         (0, "send", "rank 0's send of 70000 bytes to rank 1 (tag 6)"),
-                         (1, "receive", "rank 1's receive of 100 bytes from rank 0 (tag 5)"),
-                         (1, "receive", "rank 1's receive of 70000 bytes from rank 0 (tag 6)")], transfers
+    assert transfers == [
+        (0, "send", "rank 0's send of 100 bytes to rank 1 (tag 5)"),
+        (0, "send", "rank 0's send of 70000 bytes to rank 1 (tag 6)"),
+        (1, "receive", "rank 1's receive of 100 bytes from rank 0 (tag 5)"),
+        (1, "receive", "rank 1's receive of 70000 bytes from rank 0 (tag 6)"),
+    ], transfers
     assert all(e["dur"] >= 0 and e["ts"] > 0 and e["tid"] == 0 for e in spans)
 
 
@@ -150,6 +166,5 @@ def test_a_rank_keeps_at_most_the_event_limit_and_the_trace_counts_the_rest(tmp_
 
 def test_a_bad_event_limit_is_refused_at_import():
     env = dict(os.environ, HPCDL_TIMELINE_MAX_EVENTS="0")
-    proc = subprocess.run([sys.executable, "-c", "import hpcdl"], env=env, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", "import hpcdl"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "HPCDL_TIMELINE_MAX_EVENTS='0'" in proc.stderr, proc.stderr

@@ -12,15 +12,25 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.torch as hvt
+
 from conftest import ROOT
-from helpers.torch_adapter import (full_batch, loss_of, make_model, max_difference, params_digest, train_amp,
-                                   train_distributed, train_reference)
+from helpers.torch_adapter import (
+    full_batch,
+    loss_of,
+    make_model,
+    max_difference,
+    params_digest,
+    train_amp,
+    train_distributed,
+    train_reference,
+)
 
 
 def test_wrapper_is_the_optimizer_class_and_schedulers_work():
     model = make_model()
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(),
-                                   comm=MPI.COMM_SELF)
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=1.0), model.named_parameters(), comm=MPI.COMM_SELF
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x, y = full_batch(0, 4, 1)
     loss_of(model, x, y).backward()
@@ -33,8 +43,13 @@ def test_wrapper_is_the_optimizer_class_and_schedulers_work():
 
 def test_buckets_follow_reverse_registration_order_and_size():
     model = make_model(hidden=32)
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
-                                   bucket_bytes=32 * 32 * 4, comm=MPI.COMM_SELF, name="layout")
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        bucket_bytes=32 * 32 * 4,
+        comm=MPI.COMM_SELF,
+        name="layout",
+    )
     layout = opt.bucket_layout()
     shapes = [s for _, _, bucket in layout for s in bucket]
     assert shapes == [tuple(p.shape) for p in reversed(list(model.parameters()))]
@@ -62,8 +77,9 @@ def test_backward_returns_reduced_gradients_and_a_second_backward_reduces_again(
     when backward() returns; a second backward before step() adds its gradients
     and reduces again (one allreduce per backward), and step() applies the total."""
     got, want = make_model(), make_model()
-    opt = hvt.DistributedOptimizer(torch.optim.SGD(got.parameters(), lr=0.1), got.named_parameters(),
-                                   comm=MPI.COMM_SELF, name="twice")
+    opt = hvt.DistributedOptimizer(
+        torch.optim.SGD(got.parameters(), lr=0.1), got.named_parameters(), comm=MPI.COMM_SELF, name="twice"
+    )
     ref = torch.optim.SGD(want.parameters(), lr=0.1)
     x, y = full_batch(0, 4, 1)
     hpcdl.stats(reset=True)
@@ -83,8 +99,9 @@ def test_grad_scaler_single_process_equals_plain_amp():
     plain AMP training, through a skipped step (Inf loss) and with unscale_ + clipping."""
     for clip in (None, 0.05):
         got, got_scales, got_skipped = train_amp(MPI.COMM_SELF, 4, 8, 1, inf_step=1, inf_rank=0, clip=clip)
-        want, want_scales, want_skipped = train_amp(MPI.COMM_SELF, 4, 8, 1, inf_step=1, inf_rank=0, clip=clip,
-                                                    distributed=False)
+        want, want_scales, want_skipped = train_amp(
+            MPI.COMM_SELF, 4, 8, 1, inf_step=1, inf_rank=0, clip=clip, distributed=False
+        )
         assert got_skipped == want_skipped == [False, True, False, False]
         assert got_scales == want_scales
         assert params_digest(got) == params_digest(want), clip
@@ -126,8 +143,13 @@ def test_backward_failing_on_one_rank_ends_the_job():
     exception aborts the job instead of leaving it hanging."""
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     started = time.monotonic()
-    out = subprocess.run([mpiexec, "-n", "3", sys.executable, "-c", RAISES_IN_BACKWARD],
-                         env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [mpiexec, "-n", "3", sys.executable, "-c", RAISES_IN_BACKWARD],
+        env={**os.environ, "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode != 0
     assert "backward failed on rank 1" in out.stderr, out.stderr
     assert "[hpcdl rank 1] uncaught RuntimeError: aborting the job" in out.stderr, out.stderr
@@ -140,8 +162,13 @@ def test_torch_example_learns_the_digits(tmp_path):
 
     env = {**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp_path)}
     metrics = tmp_path / "metrics.jsonl"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_torch.py"), "--epochs", "3",
-                          "--metrics", str(metrics)], capture_output=True, text=True, env=env, timeout=300)
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_torch.py"), "--epochs", "3", "--metrics", str(metrics)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     epochs = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [e["epoch"] for e in epochs] == [0, 1, 2] and epochs[-1]["test_acc"] > 0.7, run.stdout

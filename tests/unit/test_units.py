@@ -8,15 +8,27 @@ import pytest
 from hpcdl.units import parse_bytes, size_type
 
 
-@pytest.mark.parametrize("text, expected", [("512M", 512 << 20), ("2G", 2 << 30), ("4KiB", 4096), ("1kb", 1024),
-                                            (" 3T ", 3 << 40), ("1048576", 1048576), ("1e9", 10**9),
-                                            ("1.5K", 1536), (4096, 4096)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("512M", 512 << 20),
+        ("2G", 2 << 30),
+        ("4KiB", 4096),
+        ("1kb", 1024),
+        (" 3T ", 3 << 40),
+        ("1048576", 1048576),
+        ("1e9", 10**9),
+        ("1.5K", 1536),
+        (4096, 4096),
+    ],
+)
 def test_sizes_people_write(text, expected):
     assert parse_bytes(text) == expected
 
 
-@pytest.mark.parametrize("text, message", [("12Q", "not a size"), ("", "not a size"), ("-1M", "must be positive"),
-                                           ("0", "must be positive")])
+@pytest.mark.parametrize(
+    "text, message", [("12Q", "not a size"), ("", "not a size"), ("-1M", "must be positive"), ("0", "must be positive")]
+)
 def test_bad_sizes_say_why(text, message):
     with pytest.raises(ValueError, match=message):
         parse_bytes(text)

@@ -14,14 +14,20 @@ _FUSION = "hpcdl fuses the gradients of one dtype into one buffer"
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set, inplace=False):
     """Assign rank ``root_rank``'s values to every rank's variables (eagerly; in place either way)."""
-    common.call(hpcdl.tensorflow.broadcast_variables, variables, common.root_in(process_set, root_rank),
-                common.comm_of(process_set))
+    common.call(
+        hpcdl.tensorflow.broadcast_variables,
+        variables,
+        common.root_in(process_set, root_rank),
+        common.comm_of(process_set),
+    )
 
 
 def broadcast_global_variables(root_rank):
     """TF1 graph collections: not in TensorFlow 2's eager mode, as in Horovod."""
-    raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. "
-                       "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    raise RuntimeError(
+        "hvd.broadcast_global_variables() does not support eager execution. "
+        "Please use `hvd.broadcast_variables(<model/optimizer variables>)` instead."
+    )
 
 
 def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=global_process_set):
@@ -30,8 +36,9 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     return common.broadcast_object(obj, root_rank, name, process_set)
 
 
-def _gradient_settings(device_dense, device_sparse, compression, op, gradient_predivide_factor, num_groups, groups,
-                       scale_local_gradients):
+def _gradient_settings(
+    device_dense, device_sparse, compression, op, gradient_predivide_factor, num_groups, groups, scale_local_gradients
+):
     """hpcdl's (codec, op) for Horovod's gradient-reduction arguments, checked."""
     _check_device(device_dense, device_sparse)
     op_name = common.reduce_op(op, None)
@@ -41,47 +48,109 @@ def _gradient_settings(device_dense, device_sparse, compression, op, gradient_pr
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     common.check_default("num_groups", num_groups, 0, _FUSION)
     common.check_default("groups", groups, None, _FUSION)
-    common.check_default("scale_local_gradients", scale_local_gradients, True,
-                         "hpcdl.horovod has no local variables (register_local_var) yet")
+    common.check_default(
+        "scale_local_gradients",
+        scale_local_gradients,
+        True,
+        "hpcdl.horovod has no local variables (register_local_var) yet",
+    )
     return codec(compression), op_name
 
 
-def DistributedGradientTape(gradtape, device_dense="", device_sparse="", compression=Compression.none,
-                            sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                            groups=None, process_set=global_process_set, scale_local_gradients=True):
+def DistributedGradientTape(
+    gradtape,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    sparse_as_dense=False,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    process_set=global_process_set,
+    scale_local_gradients=True,
+):
     """hpcdl.tensorflow.DistributedGradientTape over init()'s communicator.
 
     IndexedSlices gradients are allgathered (indices and values), or made dense
     with sparse_as_dense=True, as in Horovod.
     gradient_predivide_factor with op=Average: the average either way (hpcdl sums
     16-bit floats in float32, so it does not need Horovod's pre-division)."""
-    compression, op_name = _gradient_settings(device_dense, device_sparse, compression, op,
-                                              gradient_predivide_factor, num_groups, groups, scale_local_gradients)
-    return hpcdl.tensorflow.DistributedGradientTape(gradtape, compression=compression, op=op_name,
-                                                    comm=common.comm_of(process_set), sparse_as_dense=sparse_as_dense)
+    compression, op_name = _gradient_settings(
+        device_dense,
+        device_sparse,
+        compression,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        scale_local_gradients,
+    )
+    return hpcdl.tensorflow.DistributedGradientTape(
+        gradtape, compression=compression, op=op_name, comm=common.comm_of(process_set), sparse_as_dense=sparse_as_dense
+    )
 
 
-def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="", compression=Compression.none,
-                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
-                         average_aggregated_gradients=False, num_groups=0, groups=None,
-                         process_set=global_process_set, scale_local_gradients=True):
+def DistributedOptimizer(
+    optimizer,
+    name=None,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    sparse_as_dense=False,
+    gradient_predivide_factor=1.0,
+    op=Average,
+    backward_passes_per_step=1,
+    average_aggregated_gradients=False,
+    num_groups=0,
+    groups=None,
+    process_set=global_process_set,
+    scale_local_gradients=True,
+):
     """hpcdl.tensorflow.DistributedOptimizer (a Keras optimizer) over init()'s communicator.
 
     IndexedSlices gradients are allgathered, or made dense with sparse_as_dense=True.
     backward_passes_per_step > 1 (local gradient aggregation) is not in hpcdl's Keras
     optimizer yet: it raises ValueError; average_aggregated_gradients goes with it."""
-    compression, op_name = _gradient_settings(device_dense, device_sparse, compression, op,
-                                              gradient_predivide_factor, num_groups, groups, scale_local_gradients)
-    common.check_default("backward_passes_per_step", backward_passes_per_step, 1,
-                         "hpcdl's Keras optimizer reduces every step")
-    common.check_default("average_aggregated_gradients", average_aggregated_gradients, False,
-                         "it applies to backward_passes_per_step > 1")
+    compression, op_name = _gradient_settings(
+        device_dense,
+        device_sparse,
+        compression,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        scale_local_gradients,
+    )
+    common.check_default(
+        "backward_passes_per_step", backward_passes_per_step, 1, "hpcdl's Keras optimizer reduces every step"
+    )
+    common.check_default(
+        "average_aggregated_gradients",
+        average_aggregated_gradients,
+        False,
+        "it applies to backward_passes_per_step > 1",
+    )
     if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
-        raise TypeError(f"DistributedOptimizer wraps a Keras optimizer (TF1 tf.compat.v1.train optimizers are not "
-                        f"supported), not {type(optimizer).__name__}")
-    return common.call(hpcdl.tensorflow.DistributedOptimizer, optimizer, compression, op_name,
-                       common.comm_of(process_set), name or "keras", sparse_as_dense)
+        raise TypeError(
+            f"DistributedOptimizer wraps a Keras optimizer (TF1 tf.compat.v1.train optimizers are not "
+            f"supported), not {type(optimizer).__name__}"
+        )
+    return common.call(
+        hpcdl.tensorflow.DistributedOptimizer,
+        optimizer,
+        compression,
+        op_name,
+        common.comm_of(process_set),
+        name or "keras",
+        sparse_as_dense,
+    )
 
 
-__all__ = ["broadcast_variables", "broadcast_global_variables", "broadcast_object", "DistributedGradientTape",
-           "DistributedOptimizer"]
+__all__ = [
+    "broadcast_variables",
+    "broadcast_global_variables",
+    "broadcast_object",
+    "DistributedGradientTape",
+    "DistributedOptimizer",
+]

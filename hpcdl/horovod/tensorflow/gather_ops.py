@@ -51,11 +51,13 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     @tf.custom_gradient
     def differentiable(x):
         def grad(dy):
-            reduced = _allreduce(tf.convert_to_tensor(dy), "average", None if name is None else f"{name}.grad", 1.0,
-                                 1.0, process_set)
+            reduced = _allreduce(
+                tf.convert_to_tensor(dy), "average", None if name is None else f"{name}.grad", 1.0, 1.0, process_set
+            )
             rows = allgather(tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]), process_set=process_set)
-            offset = tf.reduce_sum(rows[:common.comm_of(process_set).Get_rank()])
-            return reduced[offset:offset + tf.shape(x, out_type=tf.int64)[0]]
+            offset = tf.reduce_sum(rows[: common.comm_of(process_set).Get_rank()])
+            return reduced[offset : offset + tf.shape(x, out_type=tf.int64)[0]]
+
         return _run(lambda array: _allgather_array(array, op_key, process_set), x), grad
 
     return differentiable(tf.convert_to_tensor(tensor))
@@ -83,9 +85,17 @@ def _reducescatter_array(array, op_name, op_key, prescale_factor, postscale_fact
     return out
 
 
-def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
-                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
-                  postscale_factor=1.0):
+def reducescatter(
+    tensor,
+    device_dense="",
+    compression=Compression.none,
+    op=Average,
+    name=None,
+    process_set=global_process_set,
+    ignore_name_scope=False,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """This rank's rows of the average (or sum) of ``tensor`` over the ranks, the first
     dimension split with the first ``rows % size`` ranks one row more. Differentiable:
     the gradient is the allgather of the gradient (divided by the size for an average)."""
@@ -102,18 +112,30 @@ def reducescatter(tensor, device_dense="", compression=Compression.none, op=Aver
             gathered = allgather(tf.convert_to_tensor(dy), process_set=process_set)
             scale = prescale_factor * postscale_factor / (size if op_name == "average" else 1)
             return gathered * tf.cast(scale, gathered.dtype) if scale != 1 else gathered
-        return _run(lambda array: _reducescatter_array(array, op_name, op_key, prescale_factor, postscale_factor,
-                                                       process_set), x), grad
+
+        return _run(
+            lambda array: _reducescatter_array(array, op_name, op_key, prescale_factor, postscale_factor, process_set),
+            x,
+        ), grad
 
     compressed, ctx = compression.compress(tensor)
     return compression.decompress(differentiable(compressed), ctx)
 
 
-def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(
+    tensors,
+    device_dense="",
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """reducescatter of each tensor (one operation each), as a list."""
-    return [reducescatter(t, device_dense, compression, op, None, process_set, False, prescale_factor,
-                          postscale_factor) for t in tensors]
+    return [
+        reducescatter(t, device_dense, compression, op, None, process_set, False, prescale_factor, postscale_factor)
+        for t in tensors
+    ]
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -127,8 +149,7 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
     def exchange(array, split_array=None):
         buffer, core_dtype, restore = _movable(array)
         split_list = None if split_array is None else [int(n) for n in split_array]
-        out, received = common.call(hpcdl.alltoall, buffer, split_list, common.comm_of(process_set), op_key,
-                                    core_dtype)
+        out, received = common.call(hpcdl.alltoall, buffer, split_list, common.comm_of(process_set), op_key, core_dtype)
         return restore(out), np.array(received, np.int32)
 
     @tf.custom_gradient
@@ -138,17 +159,18 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_se
         elif tf.executing_eagerly():
             out, received = map(tf.convert_to_tensor, exchange(x.numpy(), splits.numpy()))
         else:
-            out, received = tf.numpy_function(exchange, [x, splits], [x.dtype, tf.int32], stateful=True,
-                                              name="hpcdl_horovod")
+            out, received = tf.numpy_function(
+                exchange, [x, splits], [x.dtype, tf.int32], stateful=True, name="hpcdl_horovod"
+            )
             out.set_shape([None] + x.shape.as_list()[1:])
 
         def grad(dy, unused=None):
             back, _ = alltoall(tf.convert_to_tensor(dy), received, process_set=process_set)
             return back
+
         return (out, received), grad
 
     return differentiable(tf.convert_to_tensor(tensor))
 
 
-__all__ = ["allgather", "grouped_allgather", "allgather_object", "reducescatter", "grouped_reducescatter",
-           "alltoall"]
+__all__ = ["allgather", "grouped_allgather", "allgather_object", "reducescatter", "grouped_reducescatter", "alltoall"]

@@ -29,16 +29,17 @@ def _allreduce_slices(slices, op_name, name, prescale_factor, postscale_factor, 
     from hpcdl.horovod.tensorflow.gather_ops import allgather  # it builds on this module
 
     if op_name not in ("average", "sum"):
-        raise ValueError(f"an allreduce of IndexedSlices allgathers them, which sums or averages, not "
-                         f"op={op_name!r}: pass tf.convert_to_tensor(slices)")
+        raise ValueError(
+            f"an allreduce of IndexedSlices allgathers them, which sums or averages, not "
+            f"op={op_name!r}: pass tf.convert_to_tensor(slices)"
+        )
     floating = slices.values.dtype.is_floating
     common.check_scale(prescale_factor, postscale_factor, not floating)
     if op_name == "average" and not floating:
         raise TypeError("the average of IndexedSlices divides their values: integer values can only be summed")
     values = allgather(slices.values, None if name is None else f"{name}.values", process_set=process_set)
     indices = allgather(slices.indices, None if name is None else f"{name}.indices", process_set=process_set)
-    scale = prescale_factor * postscale_factor / (common.comm_of(process_set).Get_size() if op_name == "average"
-                                                  else 1)
+    scale = prescale_factor * postscale_factor / (common.comm_of(process_set).Get_size() if op_name == "average" else 1)
     if scale != 1.0:
         values = values * tf.cast(scale, values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
@@ -46,8 +47,10 @@ def _allreduce_slices(slices, op_name, name, prescale_factor, postscale_factor, 
 
 def _dense_only(tensor):
     if isinstance(tensor, tf.IndexedSlices):
-        raise TypeError("grouped_allreduce takes dense tensors, as Horovod's: allreduce allgathers IndexedSlices, "
-                        "or pass tf.convert_to_tensor(slices)")
+        raise TypeError(
+            "grouped_allreduce takes dense tensors, as Horovod's: allreduce allgathers IndexedSlices, "
+            "or pass tf.convert_to_tensor(slices)"
+        )
     return tf.convert_to_tensor(tensor)
 
 
@@ -87,16 +90,33 @@ def _allreduce(tensor, op_name, name, prescale_factor, postscale_factor, process
     @tf.custom_gradient
     def differentiable(x):
         def grad(dy):
-            return _allreduce(tf.convert_to_tensor(dy), op_name, None if name is None else f"{name}.grad",
-                              prescale_factor, postscale_factor, process_set)
+            return _allreduce(
+                tf.convert_to_tensor(dy),
+                op_name,
+                None if name is None else f"{name}.grad",
+                prescale_factor,
+                postscale_factor,
+                process_set,
+            )
+
         return _run(reduce, x), grad
 
     return differentiable(tensor)
 
 
-def allreduce(tensor, average=None, device_dense="", device_sparse="", compression=Compression.none, op=None,
-              prescale_factor=1.0, postscale_factor=1.0, name=None, process_set=global_process_set,
-              ignore_name_scope=False):
+def allreduce(
+    tensor,
+    average=None,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    name=None,
+    process_set=global_process_set,
+    ignore_name_scope=False,
+):
     """The average (or op=hvd.Sum, Min, Max, Product) of ``tensor`` over the ranks, as a new tensor
     (differentiable).
     Integers average with floor division, as in Horovod's torch API.
@@ -138,16 +158,31 @@ def _grouped_allreduce(tensors, op_name, name, prescale_factor, postscale_factor
     @tf.custom_gradient
     def differentiable(*xs):
         def grad(*dys):
-            return _grouped_allreduce([tf.convert_to_tensor(dy) for dy in dys], op_name,
-                                      None if name is None else f"{name}.grad", prescale_factor, postscale_factor,
-                                      process_set)
+            return _grouped_allreduce(
+                [tf.convert_to_tensor(dy) for dy in dys],
+                op_name,
+                None if name is None else f"{name}.grad",
+                prescale_factor,
+                postscale_factor,
+                process_set,
+            )
+
         return _run_group(reduce, xs), grad
 
     return differentiable(*tensors)
 
 
-def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", compression=Compression.none,
-                      op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce(
+    tensors,
+    average=None,
+    device_dense="",
+    device_sparse="",
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+):
     """The average (or op=hvd.Sum, Min, Max, Product) of every tensor of ``tensors`` over the
     ranks, agreed as one operation, as a list of new tensors (differentiable)."""
     _check_device(device_dense, device_sparse)
@@ -155,16 +190,18 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="", 
     compressed = [compression.compress(_dense_only(t)) for t in tensors]
     if not compressed:
         return []
-    reduced = _grouped_allreduce([t for t, _ in compressed], op_name, None, prescale_factor, postscale_factor,
-                                 process_set)
+    reduced = _grouped_allreduce(
+        [t for t, _ in compressed], op_name, None, prescale_factor, postscale_factor, process_set
+    )
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, compressed)]
 
 
 def _broadcast_array(array, root_rank, op_key, process_set):
     array = np.array(array, copy=True)
     buffer, core_dtype = _core_view(array)  # any dtype the core has (hpcdl.DTYPES)
-    common.call(hpcdl.broadcast, buffer, common.root_in(process_set, root_rank), common.comm_of(process_set),
-                op_key, core_dtype)
+    common.call(
+        hpcdl.broadcast, buffer, common.root_in(process_set, root_rank), common.comm_of(process_set), op_key, core_dtype
+    )
     return array
 
 
@@ -177,9 +214,11 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set, igno
     @tf.custom_gradient
     def differentiable(x):
         def grad(dy):
-            summed = _allreduce(tf.convert_to_tensor(dy), "sum", None if name is None else f"{name}.grad", 1.0, 1.0,
-                                process_set)
+            summed = _allreduce(
+                tf.convert_to_tensor(dy), "sum", None if name is None else f"{name}.grad", 1.0, 1.0, process_set
+            )
             return summed if common.rank() == root_rank else tf.zeros_like(summed)
+
         return _run(lambda array: _broadcast_array(array, root_rank, op_key, process_set), x), grad
 
     return differentiable(tf.convert_to_tensor(tensor))

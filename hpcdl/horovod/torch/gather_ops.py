@@ -19,7 +19,6 @@ from hpcdl.horovod.torch.compression import Compression
 from hpcdl.horovod.torch.mpi_ops import allreduce
 
 
-
 def _name(kind, name):
     return None if name is None else f"{kind}.{name}"
 
@@ -40,8 +39,7 @@ def _rank_in(process_set):
 def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``tensor`` along the first dimension (which may
     differ per rank); returns a handle for poll()/synchronize()."""
-    handle = common.call(hpcdl.allgather_async, _movable(tensor), common.comm_of(process_set),
-                         _name("allgather", name))
+    handle = common.call(hpcdl.allgather_async, _movable(tensor), common.comm_of(process_set), _name("allgather", name))
     return common.register(handle, _as_is)
 
 
@@ -57,7 +55,7 @@ class HorovodAllgather(torch.autograd.Function):
     def backward(ctx, grad_output):
         grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
         rows = synchronize(allgather_async(torch.tensor([ctx.rows]), process_set=ctx.process_set))
-        offset = int(rows[:_rank_in(ctx.process_set)].sum())
+        offset = int(rows[: _rank_in(ctx.process_set)].sum())
         return grad.narrow(0, offset, ctx.rows), None, None
 
 
@@ -70,8 +68,15 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
     """Start an allgather of each tensor (one operation each, submitted together); one handle."""
-    handles = [common.call(hpcdl.allgather_async, _movable(tensor), common.comm_of(process_set),
-                           _name("allgather", common.group_name(name, i))) for i, tensor in enumerate(tensors)]
+    handles = [
+        common.call(
+            hpcdl.allgather_async,
+            _movable(tensor),
+            common.comm_of(process_set),
+            _name("allgather", common.group_name(name, i)),
+        )
+        for i, tensor in enumerate(tensors)
+    ]
     return common.register(common.Group(handles), _as_is)
 
 
@@ -95,13 +100,15 @@ def _postscale(factor):
     return (lambda out: out) if factor == 1.0 else (lambda out: out.mul_(factor))
 
 
-def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                        postscale_factor=1.0):
+def reducescatter_async(
+    tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
+):
     """Start reducing ``tensor`` over the ranks and scattering the result's first
     dimension (the first ``rows % size`` ranks one row more); returns a handle."""
     data, op_name = _reducescatter_args(tensor, op, prescale_factor, postscale_factor)
-    handle = common.call(hpcdl.reducescatter_async, data, op_name, common.comm_of(process_set),
-                         _name("reducescatter", name))
+    handle = common.call(
+        hpcdl.reducescatter_async, data, op_name, common.comm_of(process_set), _name("reducescatter", name)
+    )
     return common.register(handle, _postscale(postscale_factor))
 
 
@@ -125,8 +132,15 @@ class HorovodReducescatter(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
+def reducescatter(
+    tensor,
+    name=None,
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """This rank's rows of the average (or sum) of ``tensor`` over the ranks (differentiable)."""
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
@@ -136,27 +150,49 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average, p
     return compression.decompress(out, ctx)
 
 
-def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
-                                postscale_factor=1.0):
+def grouped_reducescatter_async(
+    tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
+):
     """Start a reducescatter of each tensor (one operation each, submitted together); one handle."""
     handles = []
     for i, tensor in enumerate(tensors):
         data, op_name = _reducescatter_args(tensor, op, prescale_factor, postscale_factor)
-        handles.append(common.call(hpcdl.reducescatter_async, data, op_name, common.comm_of(process_set),
-                                   _name("reducescatter", common.group_name(name, i))))
+        handles.append(
+            common.call(
+                hpcdl.reducescatter_async,
+                data,
+                op_name,
+                common.comm_of(process_set),
+                _name("reducescatter", common.group_name(name, i)),
+            )
+        )
     scale = _postscale(postscale_factor)
     return common.register(common.Group(handles), lambda outs: [scale(o) for o in outs])
 
 
-def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
-                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+def grouped_reducescatter(
+    tensors,
+    name=None,
+    compression=Compression.none,
+    op=Average,
+    process_set=global_process_set,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+):
     """reducescatter of each tensor, as a list."""
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-        return [reducescatter(t, common.group_name(name, i), compression, op, process_set, prescale_factor,
-                              postscale_factor) for i, t in enumerate(tensors)]
+        return [
+            reducescatter(
+                t, common.group_name(name, i), compression, op, process_set, prescale_factor, postscale_factor
+            )
+            for i, t in enumerate(tensors)
+        ]
     compressed = [compression.compress(t) for t in tensors]
-    outs = synchronize(grouped_reducescatter_async([c for c, _ in compressed], name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    outs = synchronize(
+        grouped_reducescatter_async(
+            [c for c, _ in compressed], name, op, process_set, prescale_factor, postscale_factor
+        )
+    )
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
 
 
@@ -169,8 +205,13 @@ def _splits_list(splits):
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
     """Start sending ``splits[j]`` rows of ``tensor`` to rank j (None: equal split);
     synchronize() returns (received, received_splits as an int32 tensor)."""
-    handle = common.call(hpcdl.alltoall_async, _movable(tensor), _splits_list(splits), common.comm_of(process_set),
-                         _name("alltoall", name))
+    handle = common.call(
+        hpcdl.alltoall_async,
+        _movable(tensor),
+        _splits_list(splits),
+        common.comm_of(process_set),
+        _name("alltoall", name),
+    )
     return common.register(handle, lambda out: (out[0], torch.tensor(out[1], dtype=torch.int32)))
 
 
@@ -201,6 +242,18 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     return output if splits is None else (output, received_splits)
 
 
-__all__ = ["allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async", "reducescatter",
-           "reducescatter_async", "grouped_reducescatter", "grouped_reducescatter_async", "alltoall", "alltoall_async",
-           "HorovodAllgather", "HorovodReducescatter", "HorovodAlltoall"]
+__all__ = [
+    "allgather",
+    "allgather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "alltoall",
+    "alltoall_async",
+    "HorovodAllgather",
+    "HorovodReducescatter",
+    "HorovodAlltoall",
+]

@@ -14,6 +14,7 @@ from hpcdl.horovod import common
 from hpcdl.horovod.common import Sum, global_process_set, poll, synchronize  # noqa: F401 - Horovod's names
 from hpcdl.horovod.torch.compression import Compression
 
+
 def _name(kind, name):
     return None if name is None else f"{kind}.{name}"
 
@@ -47,21 +48,24 @@ def _copy(tensor):
     return tensor.detach().clone(memory_format=torch.contiguous_format)
 
 
-def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                    process_set=global_process_set):
+def allreduce_async(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Start an average (or op=hvd.Sum, Min, Max, Product) of ``tensor`` over the ranks into a new
     tensor; ``tensor`` is not modified. Returns a handle for poll()/synchronize()."""
     return _allreduce_async(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                     process_set=global_process_set):
+def allreduce_async_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Start an in-place allreduce of ``tensor``; returns a handle."""
     return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-               process_set=global_process_set):
+def allreduce_(
+    tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Allreduce ``tensor`` in place and return it."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
@@ -77,22 +81,36 @@ class HorovodAllreduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         average, op, prescale_factor, postscale_factor, process_set = ctx.settings
-        grad = allreduce(grad_output, average=average, op=op, prescale_factor=prescale_factor,
-                         postscale_factor=postscale_factor, process_set=process_set)
+        grad = allreduce(
+            grad_output,
+            average=average,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
+        )
         return grad, None, None, None, None, None, None
 
 
-def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-              postscale_factor=1.0, process_set=global_process_set):
+def allreduce(
+    tensor,
+    average=None,
+    name=None,
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+):
     """The average (or op=hvd.Sum, Min, Max, Product) of ``tensor`` over the ranks, as a new tensor.
     Differentiable: backward allreduces the gradient the same way."""
     compressed, ctx = compression.compress(tensor)
     if compressed.requires_grad and torch.is_grad_enabled():
-        reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor,
-                                         process_set)
+        reduced = HorovodAllreduce.apply(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
     else:  # nothing for autograd to record: the same operation without its bookkeeping
-        reduced = synchronize(allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor,
-                                              process_set))
+        reduced = synchronize(
+            allreduce_async(compressed, average, name, op, prescale_factor, postscale_factor, process_set)
+        )
     return compression.decompress(reduced, ctx)
 
 
@@ -113,26 +131,30 @@ def _grouped_allreduce_async(outputs, average, name, op, prescale_factor, postsc
     return common.register(handle, finish)
 
 
-def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                            process_set=global_process_set):
+def grouped_allreduce_async(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Start an allreduce of every tensor in ``tensors`` into new tensors, agreed as one
     operation; synchronize() returns the list."""
-    return _grouped_allreduce_async([_copy(t) for t in tensors], average, name, op, prescale_factor,
-                                    postscale_factor, process_set)
+    return _grouped_allreduce_async(
+        [_copy(t) for t in tensors], average, name, op, prescale_factor, postscale_factor, process_set
+    )
 
 
-def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                             process_set=global_process_set):
+def grouped_allreduce_async_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Start an in-place grouped allreduce of ``tensors``; returns a handle."""
-    return _grouped_allreduce_async(list(tensors), average, name, op, prescale_factor, postscale_factor,
-                                    process_set)
+    return _grouped_allreduce_async(list(tensors), average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
-                       process_set=global_process_set):
+def grouped_allreduce_(
+    tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
+):
     """Allreduce every tensor of ``tensors`` in place, as one operation; returns the list."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
@@ -141,37 +163,61 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, average, name, op, prescale_factor, postscale_factor, process_set, *tensors):
         ctx.settings = (average, op, prescale_factor, postscale_factor, process_set)
-        return tuple(synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
-                                                         postscale_factor, process_set)))
+        return tuple(
+            synchronize(
+                grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+            )
+        )
 
     @staticmethod
     def backward(ctx, *grad_outputs):
         average, op, prescale_factor, postscale_factor, process_set = ctx.settings
-        grads = grouped_allreduce(grad_outputs, average=average, op=op, prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor, process_set=process_set)
+        grads = grouped_allreduce(
+            grad_outputs,
+            average=average,
+            op=op,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+            process_set=process_set,
+        )
         return (None,) * 6 + tuple(grads)
 
 
-def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
-                      postscale_factor=1.0, process_set=global_process_set):
+def grouped_allreduce(
+    tensors,
+    average=None,
+    name=None,
+    compression=Compression.none,
+    op=None,
+    prescale_factor=1.0,
+    postscale_factor=1.0,
+    process_set=global_process_set,
+):
     """The average (or op=hvd.Sum, Min, Max, Product) of every tensor of ``tensors`` over the
     ranks, agreed as one operation, as a list of new tensors. Differentiable."""
     compressed = [compression.compress(t) for t in tensors]
     inputs = [t for t, _ in compressed]
     if any(t.requires_grad for t in inputs) and torch.is_grad_enabled():
-        reduced = HorovodGroupedAllreduce.apply(average, name, op, prescale_factor, postscale_factor, process_set,
-                                                *inputs)
+        reduced = HorovodGroupedAllreduce.apply(
+            average, name, op, prescale_factor, postscale_factor, process_set, *inputs
+        )
     else:  # nothing for autograd to record
-        reduced = synchronize(grouped_allreduce_async(inputs, average, name, op, prescale_factor, postscale_factor,
-                                                      process_set))
+        reduced = synchronize(
+            grouped_allreduce_async(inputs, average, name, op, prescale_factor, postscale_factor, process_set)
+        )
     return [compression.decompress(t, ctx) for t, (_, ctx) in zip(reduced, compressed)]
 
 
 def _broadcast_async(output, root_rank, name, process_set):
     """Start broadcasting into ``output`` in place (the caller's tensor, or its copy): any
     dtype the core has (hpcdl.DTYPES), CPU zero-copy or staged from CUDA."""
-    handle = common.call(hpcdl.broadcast_async, output, common.root_in(process_set, root_rank),
-                         common.comm_of(process_set), _name("broadcast", name))
+    handle = common.call(
+        hpcdl.broadcast_async,
+        output,
+        common.root_in(process_set, root_rank),
+        common.comm_of(process_set),
+        _name("broadcast", name),
+    )
     return common.register(handle, _as_is)
 
 
@@ -211,7 +257,22 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
 
 
-__all__ = ["allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
-           "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_", "broadcast", "broadcast_",
-           "broadcast_async", "broadcast_async_", "poll", "synchronize", "HorovodAllreduce",
-           "HorovodGroupedAllreduce", "HorovodBroadcast"]
+__all__ = [
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "poll",
+    "synchronize",
+    "HorovodAllreduce",
+    "HorovodGroupedAllreduce",
+    "HorovodBroadcast",
+]

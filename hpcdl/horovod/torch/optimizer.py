@@ -31,9 +31,18 @@ class _SkipSynchronize:
         return super().step(closure)
 
 
-def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
-                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
-                         sparse_as_dense=False, process_set=global_process_set):
+def DistributedOptimizer(
+    optimizer,
+    named_parameters=None,
+    compression=Compression.none,
+    backward_passes_per_step=1,
+    op=Average,
+    gradient_predivide_factor=1.0,
+    num_groups=0,
+    groups=None,
+    sparse_as_dense=False,
+    process_set=global_process_set,
+):
     """Horovod's DistributedOptimizer: hpcdl.torch.DistributedOptimizer over init()'s communicator
     (or ``process_set``'s).
 
@@ -50,13 +59,27 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    common.check_default("num_groups", num_groups, 0, "hpcdl fuses gradients by size: use "
-                         "hpcdl.torch.DistributedOptimizer(bucket_bytes=...)")
-    common.check_default("groups", groups, None, "hpcdl fuses gradients by size: use "
-                         "hpcdl.torch.DistributedOptimizer(bucket_bytes=...)")
-    wrapped = common.call(hpcdl.torch.DistributedOptimizer, optimizer, named_parameters, codec(compression),
-                          hpcdl.torch.DEFAULT_BUCKET_BYTES, op_name, backward_passes_per_step,
-                          common.comm_of(process_set), None, sparse_as_dense)
+    common.check_default(
+        "num_groups",
+        num_groups,
+        0,
+        "hpcdl fuses gradients by size: use hpcdl.torch.DistributedOptimizer(bucket_bytes=...)",
+    )
+    common.check_default(
+        "groups", groups, None, "hpcdl fuses gradients by size: use hpcdl.torch.DistributedOptimizer(bucket_bytes=...)"
+    )
+    wrapped = common.call(
+        hpcdl.torch.DistributedOptimizer,
+        optimizer,
+        named_parameters,
+        codec(compression),
+        hpcdl.torch.DEFAULT_BUCKET_BYTES,
+        op_name,
+        backward_passes_per_step,
+        common.comm_of(process_set),
+        None,
+        sparse_as_dense,
+    )
     base = type(wrapped)
     wrapped.__class__ = type(base.__name__, (_SkipSynchronize, base), {})
     return wrapped

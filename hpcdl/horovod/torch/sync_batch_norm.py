@@ -23,19 +23,19 @@ def _summed_over_ranks(local, comm):
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
-
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, comm):
         channels = x.shape[1]
         dims = [0] + list(range(2, x.dim()))
         shape = [1, channels] + [1] * (x.dim() - 2)
         xd = x.detach().double()
-        local = torch.cat([xd.sum(dims), (xd * xd).sum(dims), torch.tensor([x.numel() / channels],
-                                                                           dtype=torch.float64)])
+        local = torch.cat(
+            [xd.sum(dims), (xd * xd).sum(dims), torch.tensor([x.numel() / channels], dtype=torch.float64)]
+        )
         stats = _summed_over_ranks(local, comm)
         total = float(stats[-1])
         mean = stats[:channels] / total
-        var = (stats[channels:2 * channels] / total - mean * mean).clamp_min(0)
+        var = (stats[channels : 2 * channels] / total - mean * mean).clamp_min(0)
         invstd = 1 / torch.sqrt(var + eps)
         if running_mean is not None:
             unbiased = var * total / max(total - 1, 1)
@@ -63,8 +63,16 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dx = scale.view(shape) * (dy - mean_dy.view(shape) - xhat.double() * mean_dy_xhat.view(shape))
         if weight is None:
             return dx.to(grad_output.dtype), None, None, None, None, None, None, None
-        return (dx.to(grad_output.dtype), sum_dy_xhat.to(weight.dtype), sum_dy.to(weight.dtype), None, None, None,
-                None, None)
+        return (
+            dx.to(grad_output.dtype),
+            sum_dy_xhat.to(weight.dtype),
+            sum_dy.to(weight.dtype),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
@@ -89,8 +97,9 @@ class SyncBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             self.num_batches_tracked.add_(1)
             if momentum is None:
                 momentum = 1.0 / float(self.num_batches_tracked)
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias, self.running_mean, self.running_var,
-                                            self.eps, momentum or 0.0, comm)
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, self.running_mean, self.running_var, self.eps, momentum or 0.0, comm
+        )
 
 
 __all__ = ["SyncBatchNorm"]

@@ -27,8 +27,6 @@ class MetricAverageCallback(hpcdl.tensorflow.MetricAverageCallback):
         super().__init__(comm=common.comm())
 
 
-
-
 class LearningRateScheduleCallback(tf.keras.callbacks.Callback):
     """Horovod's learning-rate schedule: from ``start_epoch`` until ``end_epoch`` the
     learning rate is ``initial_lr * multiplier(epoch)`` (a number: a constant factor),
@@ -38,8 +36,16 @@ class LearningRateScheduleCallback(tf.keras.callbacks.Callback):
     learning rate for one batch) is not possible here: Keras 3 compiles SGD's momentum
     as a constant, so True raises ValueError for an optimizer with momentum."""
 
-    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
-                 momentum_correction=True, steps_per_epoch=None):
+    def __init__(
+        self,
+        initial_lr,
+        multiplier,
+        start_epoch=0,
+        end_epoch=None,
+        staircase=True,
+        momentum_correction=True,
+        steps_per_epoch=None,
+    ):
         super().__init__()
         self.initial_lr = initial_lr
         self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
@@ -61,13 +67,17 @@ class LearningRateScheduleCallback(tf.keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         if self.momentum_correction and float(getattr(self._optimizer(), "momentum", 0) or 0) != 0:
-            raise ValueError("momentum_correction=True is not supported by hpcdl.horovod (Keras 3 compiles the "
-                             "optimizer's momentum as a constant): pass momentum_correction=False")
+            raise ValueError(
+                "momentum_correction=True is not supported by hpcdl.horovod (Keras 3 compiles the "
+                "optimizer's momentum as a constant): pass momentum_correction=False"
+            )
         if not self.staircase and not self.steps_per_epoch:
             self.steps_per_epoch = (self.params or {}).get("steps")
             if not self.steps_per_epoch:
-                raise ValueError("steps_per_epoch is needed when staircase=False and Keras cannot tell it "
-                                 "(a dataset of unknown length): pass steps_per_epoch")
+                raise ValueError(
+                    "steps_per_epoch is needed when staircase=False and Keras cannot tell it "
+                    "(a dataset of unknown length): pass steps_per_epoch"
+                )
 
     def on_epoch_begin(self, epoch, logs=None):
         self.current_epoch = epoch
@@ -93,16 +103,29 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             epoch += 1.0 / self.steps_per_epoch  # the learning rate after this batch
             return 1.0 / common.size() * (epoch * (common.size() - 1) / warmup_epochs + 1)
 
-        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
-                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+        super().__init__(
+            initial_lr,
+            multiplier,
+            start_epoch=0,
+            end_epoch=warmup_epochs,
+            staircase=False,
+            momentum_correction=momentum_correction,
+            steps_per_epoch=steps_per_epoch,
+        )
         self.verbose = verbose
 
     def on_epoch_end(self, epoch, logs=None):
         super().on_epoch_end(epoch, logs)
         if epoch == self.end_epoch - 1 and self.verbose > 0 and common.rank() == 0:
-            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
-                  f"{float(self._optimizer().learning_rate.numpy()):g}.")
+            print(
+                f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                f"{float(self._optimizer().learning_rate.numpy()):g}."
+            )
 
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback"]
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "MetricAverageCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+]
