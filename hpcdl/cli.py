@@ -308,14 +308,19 @@ def mpiexec_path():
 
 
 def bench_dir():
-    """The benchmark scripts: shipped as hpcdl/bench/ (package data of an install), or
-    bench/ beside the hpcdl package of a checkout. They are scripts, never imported as
-    part of hpcdl: `hpcdl bench NAME` loads bench/NAME.py by its path and calls its main()."""
+    """bench/ beside the hpcdl package of a checkout (run in place: PYTHONPATH=$PWD or `pip install
+    -e .`). The benchmarks are repository tools, not installed: `hpcdl bench NAME` runs
+    bench/NAME.py as `python bench/NAME.py` would, never as part of hpcdl's import graph
+    (docs/building.md)."""
     package = os.path.dirname(os.path.abspath(__file__))
-    for folder in (os.path.join(package, "bench"), os.path.join(os.path.dirname(package), "bench")):
-        if os.path.isfile(os.path.join(folder, "allreduce.py")):
-            return folder
-    raise FileNotFoundError(f"no benchmark scripts in {package}/bench or beside {package}")
+    folder = os.path.join(os.path.dirname(package), "bench")
+    if not os.path.isfile(os.path.join(folder, "allreduce.py")):
+        raise FileNotFoundError(
+            f"no benchmark scripts beside {package}: the benchmarks are bench/ of a checkout of hpcdl, "
+            "not installed; run hpcdl bench with the checkout's hpcdl (pip install -e . or PYTHONPATH=CHECKOUT), "
+            "or python CHECKOUT/bench/NAME.py with this one"
+        )
+    return folder
 
 
 def load_bench(name):
@@ -344,6 +349,11 @@ def _bench_argv(args):
 def _cmd_bench(args):
     if args.ranks < 1:
         print("hpcdl bench: error: -n must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        bench_dir()  # before any rank starts: an install without a checkout has no bench/
+    except FileNotFoundError as exc:
+        print(f"hpcdl bench: error: {exc}", file=sys.stderr)
         return 2
     from hpcdl import _env
 
@@ -462,7 +472,7 @@ def _parser():
             formatter_class=argparse.RawDescriptionHelpFormatter,
             epilog=f"defaults passed to bench/{name}.py: {' '.join(repr(a) if not a else a for a in defaults)}"
             f"\nAny other option goes to bench/{name}.py and wins over these; its options: "
-            f"python bench/{name}.py --help (bench/ of a checkout; installed: hpcdl/bench/)",
+            f"python bench/{name}.py --help (bench/ of a checkout)",
         )
         b.add_argument(
             "-n",

@@ -15,6 +15,10 @@ from mpi4py import MPI
 
 # The repository (test modules sit one folder below tests/).
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# bench/'s scripts import each other as top-level modules (Python puts a script's folder on
+# sys.path); tests import bench/'s models (cost_model, pipeline_model) the same way. Appended,
+# so the standard library and installed packages win over a bench script of the same name.
+sys.path.append(os.path.join(ROOT, "bench"))
 # The launcher of this environment's MPI (the mpich wheel's, beside this Python).
 MPIEXEC = os.path.join(os.path.dirname(sys.executable), "mpiexec")
 

@@ -8,18 +8,14 @@ No timings are asserted."""
 
 import csv
 import dataclasses
-import importlib.util
 import math
 import os
 import subprocess
 
 import pytest
 
+import cost_model as cm  # bench/cost_model.py (tests/conftest.py puts bench/ on sys.path)
 from conftest import ROOT
-
-_spec = importlib.util.spec_from_file_location("cost_model", os.path.join(ROOT, "bench", "cost_model.py"))
-cm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(cm)
 
 CODEC = {t: 1e-10 * (i + 1) for i, t in enumerate(cm.CODEC_TERMS)}  # made-up CPU terms, seconds per value
 RANKS = [2, 3, 4, 8, 16, 100, 1024]

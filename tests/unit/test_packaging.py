@@ -3,7 +3,8 @@ into a fresh virtual environment with `pip install "hpcdl-X.tar.gz[mpich]"`
 (pip's own build isolation, so the build requirements in pyproject.toml build
 every extension from the .pyx/.cc sources), then hpcdl runs from outside the
 checkout: --version, a 2-rank allreduce under the environment's own mpiexec,
-and `hpcdl bench` without matplotlib. Single-process (it starts its own ranks);
+`hpcdl bench` refusing clearly (bench/ is not installed) and the sdist's
+bench/allreduce.py run with the install, without matplotlib. Single-process (it starts its own ranks);
 the pip cache makes repeats faster, the extension build is the bulk."""
 
 import csv
@@ -75,7 +76,7 @@ def test_sdist_carries_every_source_and_no_generated_cpp(installed):
     ]
     assert len(sources) > 20 and set(sources) <= names, sorted(set(sources) - names)
     assert not [n for n in names if n.startswith("ext/") and n.endswith(".cpp")]
-    # bench/ is installed as hpcdl/bench/ (package data `hpcdl bench` runs).
+    # bench/ is not installed, but the sdist carries its scripts as files (MANIFEST.in).
     assert {
         "LICENSE",
         "CHANGELOG.md",
@@ -155,18 +156,34 @@ def test_two_rank_allreduce_outside_the_checkout(installed):
         assert size == 2 and x == [3.0 * i for i in range(1000)], (rank, size, x[:4])
 
 
-def test_bench_without_matplotlib_writes_its_csv(installed):
+def test_bench_is_not_installed(installed):
+    """No hpcdl.bench in the install; `hpcdl bench` says where the benchmarks are."""
     _, venv, env, work = installed
     python = os.path.join(venv, "bin", "python")
+    where = checked([python, "-c", "import hpcdl, os; print(os.path.dirname(hpcdl.__file__))"], 120, env=env, cwd=work)
+    assert not os.path.exists(os.path.join(where.strip(), "bench"))
+    proc = run([os.path.join(venv, "bin", "hpcdl"), "bench", "allreduce", "-n", "2"], 120, env=env, cwd=work)
+    assert proc.returncode == 2, proc.stdout
+    assert "hpcdl bench: error: no benchmark scripts beside" in proc.stdout, proc.stdout
+    assert "bench/ of a checkout" in proc.stdout, proc.stdout
+
+
+def test_sdist_bench_script_without_matplotlib_writes_its_csv(installed, tmp_path):
+    """The sdist's bench/allreduce.py, run with the installed hpcdl (python CHECKOUT/bench/NAME.py)."""
+    sdist, venv, env, work = installed
+    python = os.path.join(venv, "bin", "python")
     assert run([python, "-c", "import matplotlib"], 60, env=env, cwd=work).returncode != 0  # not installed
+    with tarfile.open(sdist) as tar:
+        tar.extractall(tmp_path)
+    (script,) = glob.glob(str(tmp_path / "hpcdl-*" / "bench" / "allreduce.py"))
     out_dir = work / "bench"
     out = checked(
         [
-            os.path.join(venv, "bin", "hpcdl"),
-            "bench",
-            "allreduce",
+            os.path.join(venv, "bin", "mpiexec"),
             "-n",
             "2",
+            python,
+            script,
             "--out",
             str(out_dir),
             "--sizes",

@@ -6,7 +6,6 @@ each stage where a shared pool of the same cores does not, link costs lengthen t
 run's PNG from its CSVs. No timings are asserted."""
 
 import csv
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -16,11 +15,8 @@ import pytest
 
 from hpcdl.pipeline import bubble_fraction
 
+import pipeline_model as pm  # bench/pipeline_model.py (tests/conftest.py puts bench/ on sys.path)
 from conftest import ROOT
-
-_spec = importlib.util.spec_from_file_location("pipeline_model", os.path.join(ROOT, "bench", "pipeline_model.py"))
-pm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(pm)
 
 SCHEDULES = ("gpipe", "1f1b")
 UNEVEN_F = [1.0, 1.7, 0.6, 1.2, 0.9, 1.4, 0.8, 1.1]  # made-up seconds per micro-batch
