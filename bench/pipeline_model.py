@@ -395,7 +395,8 @@ def measure_inputs(comm, model, starts, micro_batch, targets, micro_batches, cor
     and caches run slower than one alone) yet no two stages share a core; then the part
     of a core each rank gets while all compute (cost_model.cpu_share, median of 3); then
     the link (link_times). Rank 0 returns the inputs' dict, the others None."""
-    cpu_share = bench_module("cost_model").cpu_share
+    from cost_model import cpu_share  # a neighbour: bench/ is a script's sys.path[0]
+
     rank, size = comm.Get_rank(), comm.Get_size()
     at_once = max(1, min(size, cores or os.cpu_count()))
     mine = None
@@ -424,7 +425,8 @@ def inputs_worker(args):
 
     torch.set_num_threads(1)
     comm = MPI.COMM_WORLD
-    bench = bench_module("pipeline")
+    import pipeline as bench  # bench/pipeline.py, a neighbour
+
     model = bench.make_model(args.hidden, args.layers)
     starts = balanced_split([sum(q.numel() for q in layer.parameters()) for layer in model], comm.Get_size())
     rows = args.batch // args.micro_batches
@@ -457,19 +459,6 @@ def run_worker(argv, timeout=600):
 
 
 # --------------------------------------------------------------------------- subcommands
-
-
-def bench_module(name):
-    """bench/NAME.py, imported from beside this file (it may import its neighbours)."""
-    import importlib.util
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(here, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def cmd_validate(args):
@@ -544,8 +533,8 @@ def cmd_predict(args):
     busy, the link), or with --one-process: stage times one after another in this process
     and the link as given (--alpha, --beta)."""
     import torch
+    from pipeline import make_model  # bench/pipeline.py, a neighbour
 
-    make_model = bench_module("pipeline").make_model
     from hpcdl.measure import cell, rate, ratio, save_figure
     from hpcdl.pipeline import balanced_split, bubble_fraction
 
