@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-BASE=$(cd "${HPCDL_VENV:-.venv}" && pwd)
+BASE=${HPCDL_VENV:-.venv}  # made by scripts/bootstrap.sh, which runs after `install` in .ci/run
 VENV=${HPCDL_OPENMPI_VENV:-.venv-openmpi}
 MPICC=${OPENMPI_MPICC:-/usr/bin/mpicc.openmpi}
 MPIRUN=${OPENMPI_MPIRUN:-/usr/bin/mpirun.openmpi}
@@ -24,6 +24,7 @@ install() {
 
 setup() {
   [ -x "$MPICC" ] || { echo "openmpi.sh: no $MPICC; run scripts/openmpi.sh install" >&2; exit 1; }
+  BASE=$(cd "$BASE" && pwd)
   [ -x "$VENV/bin/python" ] || "$BASE/bin/python" -m venv --without-pip "$VENV"  # pip, setuptools: the base's
   VENV=$(cd "$VENV" && pwd)
   local py="$VENV/bin/python"
