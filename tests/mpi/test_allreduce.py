@@ -251,11 +251,16 @@ def test_grouped_allreduce_of_mismatched_arrays_raises_on_every_rank(comm):
 
 
 def test_grouped_allreduce_bad_input_is_refused_before_any_communication():
-    with pytest.raises(ValueError, match="op='sum' does not reduce bool"):
-        hpcdl.grouped_allreduce([np.ones(3, np.float32), np.ones(2, bool)])
-    with pytest.raises(ValueError, match="read-only"):
-        hpcdl.grouped_allreduce([np.ones(3, np.float32), b"\x00" * 8])
-    agree(WORLD, hpcdl.grouped_allreduce([]) == [], "an empty group is an empty list")
+    _, bool_sum = outcome(hpcdl.grouped_allreduce, [np.ones(3, np.float32), np.ones(2, bool)])
+    _, read_only = outcome(hpcdl.grouped_allreduce, [np.ones(3, np.float32), b"\x00" * 8])
+    ok = (
+        isinstance(bool_sum, ValueError)
+        and "op='sum' does not reduce bool" in str(bool_sum)
+        and isinstance(read_only, ValueError)
+        and "read-only" in str(read_only)
+        and hpcdl.grouped_allreduce([]) == []
+    )
+    agree(WORLD, ok, f"{bool_sum!r} / {read_only!r}")
 
 
 @pytest.mark.parametrize("sub_size", [2, 3])
