@@ -10,11 +10,13 @@ tf.config.threading.set_inter_op_parallelism_threads(1)
 
 
 def make_model(seed=0, hidden=16, extra=False):
+    # Named layers: Keras numbers unnamed ones per process, and ranks that built different
+    # models before (a test's `extra`) would give the same variable different paths.
     tf.keras.utils.set_random_seed(seed)
-    layers = [tf.keras.Input((10,)), tf.keras.layers.Dense(hidden, activation="tanh")]
+    layers = [tf.keras.Input((10,)), tf.keras.layers.Dense(hidden, activation="tanh", name="hidden")]
     if extra:
-        layers.append(tf.keras.layers.Dense(hidden, activation="tanh"))
-    model = tf.keras.Sequential(layers + [tf.keras.layers.Dense(4)])
+        layers.append(tf.keras.layers.Dense(hidden, activation="tanh", name="extra"))
+    model = tf.keras.Sequential(layers + [tf.keras.layers.Dense(4, name="logits")], name="mlp")
     return model
 
 
