@@ -271,15 +271,22 @@ cdef class Handle:
         """False while a deferred operation waits for mark_ready()."""
         return self.op.get().ready()
 
-    def result(self):
-        """An allgather's or alltoall's result, once finished: (a writable buffer of
-        its bytes, the rows received from each rank). The buffer keeps the
-        engine's memory alive; no copy is made."""
+    def result(self, member=None):
+        """An allgather's, alltoall's or reducescatter's result, once finished: (a
+        writable buffer of its bytes, the rows received from (reducescatter: of the
+        segment of) each rank). A grouped allgather's or reducescatter's: that of
+        ``member`` (its index in the group). The buffer keeps the engine's memory
+        alive; no copy is made."""
         if not self.op.get().done():
             raise RuntimeError(f"hpcdl operation '{self.name}' has not finished: wait() first")
         cdef ResultBytes out = ResultBytes.__new__(ResultBytes)
         out.op = self.op
-        return out, [int(n) for n in self.op.get().result().rows]
+        out.member = -1
+        if member is not None:
+            if self.members is None or not 0 <= member < len(self.members):
+                raise IndexError(f"hpcdl operation '{self.name}' has no member {member}")
+            out.member = member
+        return out, [int(n) for n in out.of().rows]
 
     def timings(self):
         """Wall-clock microseconds: submitted, ready (= submitted unless deferred),
@@ -297,10 +304,16 @@ cdef class ResultBytes:
     """The bytes of an operation's result (OpResult), exported zero-copy through the
     buffer protocol; they live as long as this object and its views."""
     cdef shared_ptr[COperation] op
+    cdef Py_ssize_t member  # a grouped operation's member; -1: the operation's own result
     cdef Py_ssize_t shape[1]
 
+    cdef COpResult* of(self):
+        if self.member < 0:
+            return &self.op.get().result()
+        return &self.op.get().member_result(self.member)
+
     def __getbuffer__(self, Py_buffer* view, int flags):
-        cdef COpResult* r = &self.op.get().result()
+        cdef COpResult* r = self.of()
         self.shape[0] = <Py_ssize_t>r.bytes
         view.buf = r.ptr()
         view.obj = self
@@ -403,9 +416,12 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     return h
 
 
-def submit_group(list buffers, MPI.Comm comm not None, name, int reduce_op=0, uint64_t chunk_bytes=0):
-    """Submit a grouped allreduce of ``buffers`` (Buffers): one operation to agree on,
-    each array reduced by its own ring. Returns a Handle whose wait() gives the owners."""
+def submit_group(int kind, list buffers, MPI.Comm comm not None, name, int reduce_op=0, uint64_t chunk_bytes=0):
+    """Submit a grouped allreduce, allgather or reducescatter (``kind``) of ``buffers``
+    (Buffers): one operation to agree on, each array run as its own call would be.
+    Returns a Handle whose wait() gives the owners (allgather, reducescatter: then
+    result(i) each member's result). An allgather's members agree on one row each
+    (their first dimensions may differ per rank), as submit's."""
     cdef COpRequest req
     cdef CGroupMember member
     cdef shared_ptr[COperation] op
@@ -416,15 +432,18 @@ def submit_group(list buffers, MPI.Comm comm not None, name, int reduce_op=0, ui
     req.name = (name or "").encode()
     if not name:
         req.desc.thread = threading.current_thread().name.encode()
-    req.desc.kind = COpKind.kGroupedAllreduce
+    req.desc.kind = <COpKind>kind
     req.desc.reduce_op = <CReduceOp>reduce_op
     req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
+    gathers = kind == KIND_GROUPED_ALLGATHER
     for buf in buffers:
         member.dtype = <CDType>DTYPES[buf.dtype][0]
-        member.count = buf.count
+        member.count = math.prod(buf.shape[1:]) if gathers else buf.count
         member.shape.clear()
-        for dim in buf.shape:
+        for dim in (buf.shape[1:] if gathers else buf.shape):
             member.shape.push_back(dim)
+        if gathers:
+            req.member_rows.push_back(buf.shape[0])
         req.desc.members.push_back(member)
         req.member_data.push_back(buf.ptr())
     with nogil:
@@ -475,6 +494,9 @@ KIND_BARRIER = <int>COpKind.kBarrier
 KIND_ALLGATHER = <int>COpKind.kAllgather
 KIND_REDUCESCATTER = <int>COpKind.kReduceScatter
 KIND_ALLTOALL = <int>COpKind.kAlltoall
+KIND_GROUPED_ALLREDUCE = <int>COpKind.kGroupedAllreduce
+KIND_GROUPED_ALLGATHER = <int>COpKind.kGroupedAllgather
+KIND_GROUPED_REDUCESCATTER = <int>COpKind.kGroupedReduceScatter
 
 
 

@@ -219,7 +219,12 @@ def grouped_allreduce_async(
     if not members:
         return GroupHandle(None, [], [])
     handle = _core.submit_group(
-        [_core.Buffer(m.array, m.dtype, True) for m in members], comm, name, reduce_op, _config["chunk_bytes"]
+        _core.KIND_GROUPED_ALLREDUCE,
+        [_core.Buffer(m.array, m.dtype, True) for m in members],
+        comm,
+        name,
+        reduce_op,
+        _config["chunk_bytes"],
     )
     for member in members:
         member.group = handle
@@ -260,14 +265,42 @@ def _first_dimension(array, what):
     return array.shape[0]
 
 
-def _new_array(array):
-    """The result of a core handle as an array of ``array``'s dtype and row shape."""
+def _new_array(array, member=None, rank=None):
+    """The result of a core handle (a grouped one's: of ``member``) as an array of
+    ``array``'s dtype and row shape, and the rows from each rank (a reducescatter,
+    ``rank`` given: of each rank's segment, this rank's alone in the result)."""
 
     def make(handle):
-        data, counts = handle.result()
-        return np.frombuffer(data, dtype=array.dtype).reshape((sum(counts),) + array.shape[1:]), counts
+        data, counts = handle.result(member)
+        rows = sum(counts) if rank is None else counts[rank]
+        return np.frombuffer(data, dtype=array.dtype).reshape((rows,) + array.shape[1:]), counts
 
     return make
+
+
+def _take_rows(bufs, dtypes, what):
+    """Each of ``bufs`` as hpcdl._tensors.intake gives it (read as ``dtypes[i]`` when
+    given), checked to have rows."""
+    bufs = list(bufs)
+    if dtypes is not None and len(dtypes) != len(bufs):
+        raise ValueError(f"{what}: {len(dtypes)} dtypes for {len(bufs)} arrays")
+    taken = []
+    for i, buf in enumerate(bufs):
+        array, core_dtype, convert = _tensors.intake(buf)
+        _first_dimension(array, what)
+        taken.append((array, dtypes[i] if dtypes is not None and dtypes[i] else core_dtype, convert))
+    return taken
+
+
+def _grouped(kind, taken, comm, name, reduce_op, results):
+    """Submit the arrays of ``taken`` as one grouped operation of ``kind``; wait()
+    returns results(core handle), a list (an empty group: [] at once)."""
+    if not taken:
+        return GroupHandle(None, [], [])
+    handle = _core.submit_group(
+        kind, [_core.Buffer(a, d, False) for a, d, _ in taken], comm, name, reduce_op, _config["chunk_bytes"]
+    )
+    return _tensors.OutputHandle(handle, results)
 
 
 def allgather_async(buf, comm=None, name=None, dtype=None):
@@ -303,20 +336,42 @@ def allgather(buf, comm=None, name=None, dtype=None):
     return allgather_async(buf, comm, name, dtype).wait()
 
 
+def grouped_allgather_async(bufs, comm=None, name=None, dtypes=None):
+    """Start an allgather of every array or tensor in ``bufs`` as one operation: one
+    agreement for the group (each member's dtype and row shape, in order, are what
+    ranks compare; first dimensions may differ per rank and per member), one
+    exchange of the row counts, then each member as its own allgather moves it, so
+    each result is bitwise the one its own call gives. ``wait()`` returns the list of
+    results (as allgather's wait() would for each). dtypes: each member's dtype
+    argument (as allgather's ``dtype``), or None."""
+    comm = _comm(comm)
+    taken = _take_rows(bufs, dtypes, "grouped_allgather")
+    makes = [_new_array(array, i) for i, (array, _, _) in enumerate(taken)]
+
+    def results(h):
+        return [convert(make(h)[0]) for make, (_, _, convert) in zip(makes, taken)]
+
+    return _grouped(_core.KIND_GROUPED_ALLGATHER, taken, comm, name, 0, results)
+
+
+def grouped_allgather(bufs, comm=None, name=None, dtypes=None):
+    """allgather of every array or tensor of ``bufs``, agreed as one operation; returns the list."""
+    return grouped_allgather_async(bufs, comm, name, dtypes).wait()
+
+
 def reducescatter_async(buf, op="sum", comm=None, name=None, dtype=None):
     """Start a reduce-scatter of ``buf``; returns a handle whose ``wait()`` returns
     this rank's part of the reduction (``op``: as for allreduce) of every rank's
     ``buf``: the first dimension split over the ranks in rank order, the first
     ``rows % size`` ranks one row more (Horovod's rule). Every rank passes the
-    same shape and dtype. ``buf`` is not changed (the ring works on a copy)."""
+    same shape and dtype. ``buf`` is only read; the result is new memory."""
     reduce_op = _core.parse_op(op)
     comm = _comm(comm)
     array, core_dtype, convert = _tensors.intake(buf)
     rows = _first_dimension(array, "reducescatter")
-    work = np.array(array, copy=True, order="C")
     handle = _core.submit(
         _core.KIND_REDUCESCATTER,
-        _core.Buffer(work, dtype or core_dtype, True),
+        _core.Buffer(array, dtype or core_dtype, False),
         comm,
         name,
         reduce_op,
@@ -324,19 +379,36 @@ def reducescatter_async(buf, op="sum", comm=None, name=None, dtype=None):
         _config["chunk_bytes"],
         rows=rows,
     )
-    rank = comm.Get_rank()
-
-    def mine(h):
-        rows_of_rank = h.result()[1]  # the engine's split (RingPlan::even_offsets)
-        begin = sum(rows_of_rank[:rank])
-        return convert(work[begin : begin + rows_of_rank[rank]])
-
-    return _tensors.OutputHandle(handle, mine)
+    make = _new_array(array, rank=comm.Get_rank())
+    return _tensors.OutputHandle(handle, lambda h: convert(make(h)[0]))
 
 
 def reducescatter(buf, op="sum", comm=None, name=None, dtype=None):
     """This rank's rows of the reduction of every rank's ``buf`` (see reducescatter_async)."""
     return reducescatter_async(buf, op, comm, name, dtype).wait()
+
+
+def grouped_reducescatter_async(bufs, op="sum", comm=None, name=None, dtypes=None):
+    """Start a reduce-scatter of every array or tensor in ``bufs`` as one operation:
+    one agreement for the group (each member's dtype and shape, in order, and
+    ``op``), then each member as its own reducescatter runs it, so each result is
+    bitwise the one its own call gives. ``wait()`` returns the list of this rank's
+    parts (as reducescatter's wait() would for each). dtypes: as for
+    grouped_allgather_async."""
+    reduce_op = _core.parse_op(op)
+    comm = _comm(comm)
+    taken = _take_rows(bufs, dtypes, "grouped_reducescatter")
+    makes = [_new_array(array, i, comm.Get_rank()) for i, (array, _, _) in enumerate(taken)]
+
+    def results(h):
+        return [convert(make(h)[0]) for make, (_, _, convert) in zip(makes, taken)]
+
+    return _grouped(_core.KIND_GROUPED_REDUCESCATTER, taken, comm, name, reduce_op, results)
+
+
+def grouped_reducescatter(bufs, op="sum", comm=None, name=None, dtypes=None):
+    """reducescatter of every array or tensor of ``bufs``, agreed as one operation; returns the list."""
+    return grouped_reducescatter_async(bufs, op, comm, name, dtypes).wait()
 
 
 def alltoall_async(buf, splits=None, comm=None, name=None, dtype=None):

@@ -16,6 +16,8 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kReduceScatter
         kAlltoall
         kGroupedAllreduce
+        kGroupedAllgather
+        kGroupedReduceScatter
 
     cdef enum class CDType "hpcdl::DType":
         kFloat32
@@ -64,6 +66,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         cbool deferred
         uint64_t rows
         vector[uint64_t] splits
+        vector[uint64_t] member_rows
 
     cdef cppclass COpResult "hpcdl::OpResult":
         uint64_t bytes
@@ -83,6 +86,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         vector[string] take_notices()
         COpTimes times()
         COpResult& result()
+        COpResult& member_result(size_t i)
 
     cdef enum class CNoticeKind "hpcdl::EngineNotice::Kind":
         kStall

@@ -377,24 +377,6 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     return obj if is_root else pickle.loads(data.tobytes())  # the root keeps its own, as in Horovod
 
 
-class Group:
-    """Several hpcdl handles as one: Horovod's grouped collectives, which hpcdl runs as
-    one operation per tensor, submitted together (not yet one fused agreement)."""
-
-    def __init__(self, handles):
-        self.handles = list(handles)
-
-    def done(self):
-        return all(h.done() for h in self.handles)
-
-    def wait(self, timeout=None):
-        return [h.wait(timeout) for h in self.handles]
-
-
-def group_name(name, index):
-    return None if name is None else f"{name}.{index}"
-
-
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Every rank's ``obj`` (pickled), as a list in rank order, through hpcdl.allgather: the
     lengths first, then the bytes padded to whole int32s (the core's smallest gathered type)."""

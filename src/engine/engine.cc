@@ -43,8 +43,8 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   const OpDesc& d = req.desc;
   if (!reduce_op_valid(static_cast<int>(d.reduce_op))) return Status::Invalid("unknown reduction op code");
   const char* op_name = reduce_op_name(d.reduce_op);
-  const bool reduces =
-      d.kind == OpKind::kAllreduce || d.kind == OpKind::kGroupedAllreduce || d.kind == OpKind::kReduceScatter;
+  const bool reduces = d.kind == OpKind::kAllreduce || d.kind == OpKind::kGroupedAllreduce ||
+                       d.kind == OpKind::kReduceScatter || d.kind == OpKind::kGroupedReduceScatter;
   // Each array's shape holds its count, and the op reduces its dtype.
   auto check_array = [&](DType dtype, std::uint64_t count, const std::vector<std::int64_t>& shape) -> Status {
     std::uint64_t elements = 0;
@@ -56,15 +56,22 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
                              " (bool takes min, max and product: and, or, and)");
     return Status::OK();
   };
-  if (d.kind == OpKind::kGroupedAllreduce) {
+  if (is_grouped(d.kind)) {
+    const std::string what = std::string("a ") + op_kind_name(d.kind);
     if (d.members.empty() || d.members.size() != req.member_data.size())
-      return Status::Invalid("a grouped allreduce needs one array per member, and at least one");
-    if (!d.codec.empty()) return Status::Invalid("a grouped allreduce takes no compression");
-    for (const GroupMember& m : d.members) HPCDL_RETURN_NOT_OK(check_array(m.dtype, m.count, m.shape));
+      return Status::Invalid(what + " needs one array per member, and at least one");
+    if (!d.codec.empty()) return Status::Invalid(what + " takes no compression");
+    if (d.kind == OpKind::kGroupedAllgather && req.member_rows.size() != d.members.size())
+      return Status::Invalid(what + " needs each member's first dimension");
+    for (const GroupMember& m : d.members) {
+      HPCDL_RETURN_NOT_OK(check_array(m.dtype, m.count, m.shape));
+      if (d.kind == OpKind::kGroupedReduceScatter && m.shape.empty())
+        return Status::Invalid(what + " splits each array's first dimension: a 0-d array has none");
+    }
   } else if (d.kind != OpKind::kBarrier) {
     HPCDL_RETURN_NOT_OK(check_array(d.dtype, d.count, d.shape));
   }
-  if ((reduces || d.kind == OpKind::kAllgather) && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
+  if ((reduces || d.kind == OpKind::kAllgather || d.kind == OpKind::kGroupedAllgather) && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
     return Status::Invalid("chunk_bytes must be between " + std::to_string(kMinChunkBytes) + " and " +
                            std::to_string(kMaxChunkBytes) + ", got " + std::to_string(d.chunk_bytes));
   if (d.kind == OpKind::kAllreduce && !d.codec.empty()) {

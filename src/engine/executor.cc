@@ -9,7 +9,6 @@
 #include <type_traits>
 
 #include "hpcdl/algorithms/compressed_ring.hpp"
-#include "hpcdl/algorithms/gather.hpp"
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/codecs/codec_registry.hpp"
 #include "hpcdl/codecs/codecs.hpp"
@@ -248,49 +247,6 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
     }
   }
   return st;
-}
-
-Status Executor::run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress) {
-  const OpDesc& d = op.req_.desc;
-  const OpRequest& req = op.req_;
-  const std::size_t esize = dtype_size(d.dtype);
-  if (d.kind == OpKind::kReduceScatter) {
-    // In place: rank r's segment of the first dimension holds the result; the
-    // caller reads where from the rows of each rank's segment.
-    const std::vector<std::size_t> split = RingPlan::even_offsets(ctx.size, req.rows, 1);
-    op.result_.rows.resize(ctx.size);
-    for (int r = 0; r < ctx.size; ++r) op.result_.rows[r] = split[r + 1] - split[r];
-    if (ctx.size == 1) return Status::OK();  // its own rows, reduced over one rank
-    const std::size_t row_elems = req.rows ? d.count / req.rows : 0;
-    RingPlan plan(ctx.size, ctx.rank, RingPlan::even_offsets(ctx.size, req.rows, row_elems), esize, d.chunk_bytes,
-                  RingPhases::kReduceScatter);
-    DenseRingPolicy policy(plan, req.data, d.dtype, d.reduce_op, ctx.size);
-    traffic->dense_bytes = plan.dense_bytes_sent();
-    Status st = run_ring(plan, policy, ctx.data, kTagData, traffic, progress);
-    traffic->reduce_scatter_end = 0;  // one phase: one timeline span
-    return st;
-  }
-  // The row counts first (alltoall: every rank's splits), then the result's memory.
-  OpResult& out = op.result_;
-  const std::vector<std::uint64_t> mine =
-      d.kind == OpKind::kAllgather ? std::vector<std::uint64_t>{req.rows} : req.splits;
-  std::vector<std::uint64_t> all;
-  HPCDL_RETURN_NOT_OK(allgather_words(ctx.data, ctx.size, ctx.rank, kTagData, mine, &all, traffic, progress));
-  if (d.kind == OpKind::kAllgather) {
-    out.rows = all;
-  } else {
-    out.rows.resize(ctx.size);
-    for (int r = 0; r < ctx.size; ++r) out.rows[r] = all[static_cast<std::size_t>(r) * ctx.size + ctx.rank];
-  }
-  std::uint64_t rows = 0;
-  for (std::uint64_t n : out.rows) rows += n;
-  out.bytes = rows * d.count * esize;
-  out.data.reset(new char[std::max<std::uint64_t>(out.bytes, 1)]);  // not zeroed: every byte is received
-  if (d.kind == OpKind::kAllgather)
-    return ring_allgatherv(ctx.data, ctx.size, ctx.rank, kTagData, req.data, out.rows, d.count, d.dtype, d.chunk_bytes,
-                           out.ptr(), traffic, progress);
-  return pairwise_alltoallv(ctx.data, ctx.size, ctx.rank, kTagData, req.data, req.splits, out.rows, d.count * esize,
-                            out.ptr(), traffic, progress);
 }
 
 void Executor::record(const Operation& op, const RingTraffic& traffic, double seconds) {

@@ -17,6 +17,8 @@ const char* op_kind_name(OpKind k) {
     case OpKind::kReduceScatter: return "reducescatter";
     case OpKind::kAlltoall: return "alltoall";
     case OpKind::kGroupedAllreduce: return "grouped_allreduce";
+    case OpKind::kGroupedAllgather: return "grouped_allgather";
+    case OpKind::kGroupedReduceScatter: return "grouped_reducescatter";
   }
   return "?";
 }

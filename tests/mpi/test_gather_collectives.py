@@ -239,3 +239,130 @@ def test_alltoall_and_reducescatter_with_different_shapes_raise_on_every_rank(co
     b = np.ones((size, 4) if rank == 0 else (size, 2, 2), np.float32)
     _, err = outcome(hpcdl.reducescatter, b, comm=comm, name="rs.shape")
     agree(comm, isinstance(err, hpcdl.MismatchError) and "shape" in str(err), repr(err))
+
+
+def group_inputs(rank, seed):
+    """One rank's members of a grouped allgather: dtypes, row shapes and row counts
+    differing per member (0 rows on rank 1, and a member with 0 rows everywhere)."""
+    return [
+        block(rank, rows_of(rank), "float64", seed=seed),
+        block(rank, rank + 1, "bfloat16", row=(5,), seed=seed),
+        np.zeros((0, 2), np.int32),
+        block(rank, 2 * rank, "uint8", row=(1, 3), seed=seed),
+    ]
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, None])
+def test_grouped_allgather_members_are_bitwise_their_own_calls(comm, chunk_bytes):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = hpcdl.configure()["chunk_bytes"]
+    hpcdl.configure(chunk_bytes=chunk_bytes or old)
+    try:
+        mine = group_inputs(rank, 2)
+        before = [m.tobytes() for m in mine]
+        grouped = on(comm, hpcdl.grouped_allgather, mine, name="ggather")
+        singles = [on(comm, hpcdl.allgather, m, name=f"ggather.single.{i}") for i, m in enumerate(mine)]
+    finally:
+        hpcdl.configure(chunk_bytes=old)
+    expected = [np.concatenate([group_inputs(r, 2)[i] for r in range(size)]) for i in range(len(mine))]
+    ok = (
+        len(grouped) == len(mine)
+        and all(g.dtype == e.dtype and g.shape == e.shape and g.tobytes() == e.tobytes() for g, e in zip(grouped, expected))
+        and all(g.tobytes() == s.tobytes() for g, s in zip(grouped, singles))
+        and [m.tobytes() for m in mine] == before
+        and all(same_everywhere(comm, g) for g in grouped)
+    )
+    agree(comm, ok, [(g.dtype, g.shape) for g in grouped])
+
+
+def rs_group_inputs(rank, size, seed):
+    """One rank's members of a grouped reducescatter: fewer rows than ranks (0-row segments),
+    rows that do not divide by the size, and a float32 member."""
+    return [
+        block(rank, max(size - 1, 1), "float64", seed=seed),
+        block(rank, 3 * size + 2, "float32", row=(7,), seed=seed),
+        block(rank, size, "int64", row=(2,), seed=seed),
+    ]
+
+
+@pytest.mark.parametrize("op", ["sum", "average", "min"])
+def test_grouped_reducescatter_members_are_bitwise_their_own_calls(comm, op):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = rs_group_inputs(rank, size, 3)
+    before = [m.tobytes() for m in mine]
+    grouped = on(comm, hpcdl.grouped_reducescatter, mine, op=op, name=f"grs.{op}")
+    singles = [on(comm, hpcdl.reducescatter, m, op=op, name=f"grs.{op}.single.{i}") for i, m in enumerate(mine)]
+    ok, detail = len(grouped) == len(mine), []
+    for i, (got, single) in enumerate(zip(grouped, singles)):
+        inputs = [rs_group_inputs(r, size, 3)[i].astype(np.float64) for r in range(size)]
+        exact = np.min(inputs, axis=0) if op == "min" else sum(inputs)
+        if op == "average":
+            exact = exact // size if mine[i].dtype.kind == "i" else exact / size
+        begin, end = segment(rank, size, mine[i].shape[0])
+        tol = 1e-5 if mine[i].dtype == np.float32 else 1e-12
+        ok = ok and (
+            got.dtype == mine[i].dtype
+            and got.shape == (end - begin,) + mine[i].shape[1:]
+            and got.tobytes() == single.tobytes()
+            and np.allclose(got.astype(np.float64), exact[begin:end], rtol=tol, atol=tol * size)
+        )
+        detail.append((got.dtype, got.shape, begin, end))
+    agree(comm, ok and [m.tobytes() for m in mine] == before, detail)
+
+
+@multi_rank
+def test_reducescatter_in_many_pieces_matches_the_float64_reference(comm):
+    """Blocks far larger than the chunk (many pieces per block, capped), rows that do not
+    divide by the size: the pairwise reduce-scatter against a float64 reference."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = hpcdl.configure()["chunk_bytes"]
+    hpcdl.configure(chunk_bytes=64)
+    try:
+        rows = 4000 * size + size - 1
+        mine = block(rank, rows, "float64", row=(3,), seed=4)
+        out = on(comm, hpcdl.reducescatter, mine, op="average", name="rs.pieces")
+    finally:
+        hpcdl.configure(chunk_bytes=old)
+    exact = sum(block(r, rows, "float64", row=(3,), seed=4) for r in range(size)) / size
+    begin, end = segment(rank, size, rows)
+    agree(comm, out.shape == (end - begin, 3) and np.allclose(out, exact[begin:end], rtol=1e-12), out.shape)
+
+
+def test_grouped_gathers_on_split_sub_communicators():
+    rank = WORLD.Get_rank()
+    half = WORLD.Split(rank % 2, rank)
+    try:
+        members = [r for r in range(WORLD.Get_size()) if r % 2 == rank % 2]
+        mine = [np.full((rank + 1, 2), rank, np.int64), np.full((len(members), 3), rank + 0.5)]
+        gathered = on(half, hpcdl.grouped_allgather, mine, name="ggather.half")
+        scattered = on(half, hpcdl.grouped_reducescatter, mine[1:], name="grs.half")
+        expected = np.concatenate([np.full((r + 1, 2), r, np.int64) for r in members])
+        ok = (
+            np.array_equal(gathered[0], expected)
+            and gathered[1].shape == (len(members) ** 2, 3)
+            and np.array_equal(scattered[0], np.full((1, 3), sum(r + 0.5 for r in members)))
+        )
+        agree(WORLD, ok, [g.shape for g in gathered])
+    finally:
+        half.Free()
+
+
+@multi_rank
+def test_grouped_gathers_with_mismatched_members_raise_on_every_rank(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    other = np.float32 if rank == 0 else np.float64
+    cases = [
+        (hpcdl.grouped_allgather, [np.ones((rank, 2)), np.ones((1, 2), other)], "float32"),
+        (hpcdl.grouped_allgather, [np.ones((1, 2)), np.ones((1, 3 if rank == 0 else 4))], "[3]"),
+        (hpcdl.grouped_allgather, [np.ones((1, 2))] * (1 if rank == 0 else 2), "arrays"),
+        (hpcdl.grouped_reducescatter, [np.ones((size, 2)), np.ones((size, 2), other)], "float32"),
+        (hpcdl.grouped_reducescatter, [np.ones((size + (rank == 0), 2))], "[" + str(size + 1)),
+    ]
+    for i, (fn, bufs, named) in enumerate(cases):
+        _, err = outcome(fn, bufs, comm=comm, name=f"gmismatch.{i}")
+        agree(comm, isinstance(err, hpcdl.MismatchError) and named in str(err), f"case {i}: {err!r}")
+    _, err = outcome(hpcdl.grouped_reducescatter, [np.ones((size, 2))], op="sum" if rank else "max", comm=comm)
+    agree(comm, isinstance(err, hpcdl.MismatchError) and "op" in str(err), repr(err))
+    _, err = outcome(hpcdl.grouped_allgather, [np.ones((2, 2)), np.float32(1.0)], comm=comm)
+    agree(comm, isinstance(err, ValueError) and "dimension" in str(err), repr(err))
+    agree(comm, hpcdl.grouped_allgather([], comm=comm) == [] and hpcdl.grouped_reducescatter([], comm=comm) == [])

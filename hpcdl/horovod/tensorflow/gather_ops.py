@@ -5,7 +5,8 @@ As the allreduce (mpi_ops.py): eagerly a tensor's values go to the core as a
 numpy copy, inside a tf.function through ``tf.numpy_function``; unnamed
 operations in a graph are named after the graph's unique name. Differentiable
 with Horovod's gradients (see hpcdl/horovod/torch/gather_ops.py). Grouped
-forms run one operation per tensor (docs/horovod.md).
+forms are one agreed operation over the group (hpcdl.grouped_allgather,
+grouped_reducescatter).
 """
 
 import numpy as np
@@ -36,6 +37,16 @@ def _run(fn, tensor, outputs=None):
     return out
 
 
+def _run_group(fn, tensors):
+    """fn(*numpy arrays) -> a list of arrays, each with a first dimension known only after the run."""
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(out) for out in fn(*[t.numpy() for t in tensors])]
+    outs = tf.numpy_function(fn, tensors, [t.dtype for t in tensors], stateful=True, name="hpcdl_horovod")
+    for out, tensor in zip(outs, tensors):
+        out.set_shape([None] + tensor.shape.as_list()[1:])
+    return list(outs)
+
+
 def _allgather_array(array, op_key, process_set):
     buffer, core_dtype, restore = _movable(array)
     return restore(common.call(hpcdl.allgather, buffer, common.comm_of(process_set), op_key, core_dtype))
@@ -51,21 +62,52 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     @tf.custom_gradient
     def differentiable(x):
         def grad(dy):
-            reduced = _allreduce(
-                tf.convert_to_tensor(dy), "average", None if name is None else f"{name}.grad", 1.0, 1.0, process_set
-            )
-            rows = allgather(tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]), process_set=process_set)
-            offset = tf.reduce_sum(rows[: common.comm_of(process_set).Get_rank()])
-            return reduced[offset : offset + tf.shape(x, out_type=tf.int64)[0]]
+            return _allgather_grad(dy, x, None if name is None else f"{name}.grad", process_set)
 
         return _run(lambda array: _allgather_array(array, op_key, process_set), x), grad
 
     return differentiable(tf.convert_to_tensor(tensor))
 
 
+def _allgather_grad(dy, x, grad_name, process_set):
+    """An allgather's gradient: this rank's rows of the averaged gradient."""
+    reduced = _allreduce(tf.convert_to_tensor(dy), "average", grad_name, 1.0, 1.0, process_set)
+    rows = allgather(tf.reshape(tf.shape(x, out_type=tf.int64)[0], [1]), process_set=process_set)
+    offset = tf.reduce_sum(rows[: common.comm_of(process_set).Get_rank()])
+    return reduced[offset : offset + tf.shape(x, out_type=tf.int64)[0]]
+
+
 def grouped_allgather(tensors, name=None, ignore_name_scope=False, process_set=global_process_set):
-    """allgather of each tensor (one operation each), as a list."""
-    return [allgather(t, common.group_name(name, i), ignore_name_scope, process_set) for i, t in enumerate(tensors)]
+    """allgather of each tensor, agreed as one operation (hpcdl.grouped_allgather), as a
+    list. Differentiable member by member, as allgather is."""
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    op_key = _op_name("grouped_allgather", name)
+    common.comm_of(process_set)
+
+    def gather(*arrays):
+        moved = [_movable(array) for array in arrays]
+        outs = common.call(
+            hpcdl.grouped_allgather,
+            [buffer for buffer, _, _ in moved],
+            common.comm_of(process_set),
+            op_key,
+            [core_dtype for _, core_dtype, _ in moved],
+        )
+        return [restore(out) for out, (_, _, restore) in zip(outs, moved)]
+
+    @tf.custom_gradient
+    def differentiable(*xs):
+        def grad(*dys):
+            return [
+                _allgather_grad(dy, x, None if name is None else f"{name}.{i}.grad", process_set)
+                for i, (dy, x) in enumerate(zip(dys, xs))
+            ]
+
+        return _run_group(gather, list(xs)), grad
+
+    return differentiable(*tensors)
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):
@@ -73,16 +115,22 @@ def allgather_object(obj, session=None, name=None, process_set=global_process_se
     return common.allgather_object(obj, name, process_set)
 
 
+def _prescaled(array, prescale_factor):
+    """array scaled by prescale_factor (a new array; the input as is when 1)."""
+    array = np.asarray(array)
+    return array * array.dtype.type(prescale_factor) if prescale_factor != 1.0 else array
+
+
+def _postscaled(out, dtype, postscale_factor):
+    out = out.view(dtype)
+    return out * out.dtype.type(postscale_factor) if postscale_factor != 1.0 else out
+
+
 def _reducescatter_array(array, op_name, op_key, prescale_factor, postscale_factor, process_set):
-    array = np.array(array, copy=True)
-    if prescale_factor != 1.0:
-        array *= array.dtype.type(prescale_factor)
+    array = _prescaled(array, prescale_factor)
     buffer, core_dtype = _core_view(array)
     out = common.call(hpcdl.reducescatter, buffer, op_name, common.comm_of(process_set), op_key, core_dtype)
-    out = out.view(array.dtype)
-    if postscale_factor != 1.0:
-        out = out * out.dtype.type(postscale_factor)
-    return out
+    return _postscaled(out, array.dtype, postscale_factor)
 
 
 def reducescatter(
@@ -131,11 +179,44 @@ def grouped_reducescatter(
     prescale_factor=1.0,
     postscale_factor=1.0,
 ):
-    """reducescatter of each tensor (one operation each), as a list."""
-    return [
-        reducescatter(t, device_dense, compression, op, None, process_set, False, prescale_factor, postscale_factor)
-        for t in tensors
-    ]
+    """reducescatter of each tensor, agreed as one operation (hpcdl.grouped_reducescatter),
+    as a list. Differentiable member by member, as reducescatter is."""
+    common.check_default("device_dense", device_dense, "", "hpcdl reduces in host memory")
+    op_name = common.reduce_op(op, None)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    for tensor in tensors:
+        integer = not (tensor.dtype.is_floating or tensor.dtype == tf.bfloat16)
+        common.check_scale(prescale_factor, postscale_factor, integer)
+    op_key = _op_name("grouped_reducescatter", None)
+    size = common.comm_of(process_set).Get_size()
+
+    def scatter(*arrays):
+        arrays = [_prescaled(array, prescale_factor) for array in arrays]
+        views = [_core_view(array) for array in arrays]
+        outs = common.call(
+            hpcdl.grouped_reducescatter,
+            [buffer for buffer, _ in views],
+            op_name,
+            common.comm_of(process_set),
+            op_key,
+            [core_dtype for _, core_dtype in views],
+        )
+        return [_postscaled(out, array.dtype, postscale_factor) for out, array in zip(outs, arrays)]
+
+    @tf.custom_gradient
+    def differentiable(*xs):
+        def grad(*dys):
+            scale = prescale_factor * postscale_factor / (size if op_name == "average" else 1)
+            grads = [allgather(tf.convert_to_tensor(dy), process_set=process_set) for dy in dys]
+            return [g * tf.cast(scale, g.dtype) if scale != 1 else g for g in grads]
+
+        return _run_group(scatter, list(xs)), grad
+
+    compressed = [compression.compress(t) for t in tensors]
+    outs = differentiable(*[c for c, _ in compressed])
+    return [compression.decompress(out, ctx) for out, (_, ctx) in zip(outs, compressed)]
 
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False, process_set=global_process_set):

@@ -6,8 +6,8 @@ every type of hpcdl.DTYPES. allgather, alltoall and reducescatter are
 autograd functions, with Horovod's gradients: an allgather's is this rank's
 rows of the averaged gradient, a reducescatter's the allgather of the
 gradient (divided by the size for an average), an alltoall's the alltoall of
-the gradient back by the received splits. Grouped forms run one operation per
-tensor, submitted together (docs/horovod.md).
+the gradient back by the received splits. Grouped forms are one agreed
+operation over the group (hpcdl.grouped_allgather, grouped_reducescatter).
 """
 
 import torch
@@ -53,10 +53,15 @@ class HorovodAllgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        rows = synchronize(allgather_async(torch.tensor([ctx.rows]), process_set=ctx.process_set))
-        offset = int(rows[: _rank_in(ctx.process_set)].sum())
-        return grad.narrow(0, offset, ctx.rows), None, None
+        return _allgather_grad(grad_output, ctx.rows, ctx.process_set), None, None
+
+
+def _allgather_grad(grad_output, rows, process_set):
+    """An allgather's gradient: this rank's rows of the averaged gradient."""
+    grad = allreduce(grad_output, op=Average, process_set=process_set)
+    every_rows = synchronize(allgather_async(torch.tensor([rows]), process_set=process_set))
+    offset = int(every_rows[: _rank_in(process_set)].sum())
+    return grad.narrow(0, offset, rows)
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -67,23 +72,34 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
-    """Start an allgather of each tensor (one operation each, submitted together); one handle."""
-    handles = [
-        common.call(
-            hpcdl.allgather_async,
-            _movable(tensor),
-            common.comm_of(process_set),
-            _name("allgather", common.group_name(name, i)),
-        )
-        for i, tensor in enumerate(tensors)
-    ]
-    return common.register(common.Group(handles), _as_is)
+    """Start an allgather of each tensor, agreed as one operation
+    (hpcdl.grouped_allgather_async); one handle, whose result is the list."""
+    handle = common.call(
+        hpcdl.grouped_allgather_async,
+        [_movable(tensor) for tensor in tensors],
+        common.comm_of(process_set),
+        _name("grouped_allgather", name),
+    )
+    return common.register(handle, _as_is)
+
+
+class HorovodGroupedAllgather(torch.autograd.Function):
+    """A grouped allgather autograd knows: each member's gradient is its allgather's."""
+
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.rows, ctx.process_set = [t.shape[0] for t in tensors], process_set
+        return tuple(synchronize(grouped_allgather_async(tensors, name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *(_allgather_grad(g, rows, ctx.process_set) for g, rows in zip(grads, ctx.rows)))
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """allgather of each tensor, as a list."""
+    """allgather of each tensor, agreed as one operation, as a list (differentiable)."""
     if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-        return [allgather(t, common.group_name(name, i), process_set) for i, t in enumerate(tensors)]
+        return list(HorovodGroupedAllgather.apply(name, process_set, *tensors))
     return synchronize(grouped_allgather_async(tensors, name, process_set))
 
 
@@ -124,12 +140,17 @@ class HorovodReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        grad = synchronize(allgather_async(grad_output, process_set=ctx.process_set))
-        if ctx.average:
-            grad = grad / common.comm_of(ctx.process_set).Get_size()
-        if ctx.scale != 1.0:
-            grad = grad * ctx.scale
-        return grad, None, None, None, None, None
+        return _reducescatter_grad(grad_output, ctx), None, None, None, None, None
+
+
+def _reducescatter_grad(grad_output, ctx):
+    """A reducescatter's gradient: the allgather of the gradient (divided by the size for an average)."""
+    grad = synchronize(allgather_async(grad_output, process_set=ctx.process_set))
+    if ctx.average:
+        grad = grad / common.comm_of(ctx.process_set).Get_size()
+    if ctx.scale != 1.0:
+        grad = grad * ctx.scale
+    return grad
 
 
 def reducescatter(
@@ -153,21 +174,37 @@ def reducescatter(
 def grouped_reducescatter_async(
     tensors, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0
 ):
-    """Start a reducescatter of each tensor (one operation each, submitted together); one handle."""
-    handles = []
-    for i, tensor in enumerate(tensors):
-        data, op_name = _reducescatter_args(tensor, op, prescale_factor, postscale_factor)
-        handles.append(
-            common.call(
-                hpcdl.reducescatter_async,
-                data,
-                op_name,
-                common.comm_of(process_set),
-                _name("reducescatter", common.group_name(name, i)),
+    """Start a reducescatter of each tensor, agreed as one operation
+    (hpcdl.grouped_reducescatter_async); one handle, whose result is the list."""
+    prepared = [_reducescatter_args(tensor, op, prescale_factor, postscale_factor) for tensor in tensors]
+    op_name = common.reduce_op(op, None)
+    handle = common.call(
+        hpcdl.grouped_reducescatter_async,
+        [data for data, _ in prepared],
+        op_name,
+        common.comm_of(process_set),
+        _name("grouped_reducescatter", name),
+    )
+    scale = _postscale(postscale_factor)
+    return common.register(handle, lambda outs: [scale(o) for o in outs])
+
+
+class HorovodGroupedReducescatter(torch.autograd.Function):
+    """A grouped reducescatter autograd knows: each member's gradient is its reducescatter's."""
+
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.average, ctx.process_set = common.reduce_op(op, None) == "average", process_set
+        ctx.scale = prescale_factor * postscale_factor
+        return tuple(
+            synchronize(
+                grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor)
             )
         )
-    scale = _postscale(postscale_factor)
-    return common.register(common.Group(handles), lambda outs: [scale(o) for o in outs])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, None, None, *(_reducescatter_grad(g, ctx) for g in grads))
 
 
 def grouped_reducescatter(
@@ -179,20 +216,15 @@ def grouped_reducescatter(
     prescale_factor=1.0,
     postscale_factor=1.0,
 ):
-    """reducescatter of each tensor, as a list."""
-    if any(t.requires_grad for t in tensors) and torch.is_grad_enabled():
-        return [
-            reducescatter(
-                t, common.group_name(name, i), compression, op, process_set, prescale_factor, postscale_factor
-            )
-            for i, t in enumerate(tensors)
-        ]
+    """reducescatter of each tensor, agreed as one operation, as a list (differentiable)."""
     compressed = [compression.compress(t) for t in tensors]
-    outs = synchronize(
-        grouped_reducescatter_async(
-            [c for c, _ in compressed], name, op, process_set, prescale_factor, postscale_factor
+    inputs = [c for c, _ in compressed]
+    if any(t.requires_grad for t in inputs) and torch.is_grad_enabled():
+        outs = HorovodGroupedReducescatter.apply(name, op, process_set, prescale_factor, postscale_factor, *inputs)
+    else:
+        outs = synchronize(
+            grouped_reducescatter_async(inputs, name, op, process_set, prescale_factor, postscale_factor)
         )
-    )
     return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, compressed)]
 
 
@@ -254,6 +286,8 @@ __all__ = [
     "alltoall",
     "alltoall_async",
     "HorovodAllgather",
+    "HorovodGroupedAllgather",
     "HorovodReducescatter",
+    "HorovodGroupedReducescatter",
     "HorovodAlltoall",
 ]

@@ -1,10 +1,12 @@
-// Allgather with a first dimension that differs per rank, and all-to-all with
-// splits, over point-to-point messages only: like the ring, every request can
-// be cancelled when a rank leaves, and every wait goes through Progress.
+// Allgather with a first dimension that differs per rank, all-to-all with
+// splits and reduce-scatter, over point-to-point messages only: like the ring,
+// every request can be cancelled when a rank leaves, and every wait goes
+// through Progress.
 //
-// The row counts are learned at execution, by one small allgather over the
-// same ring (architecture.md, "Gathering collectives"), so the agreement stays
-// a comparison of identical descriptions.
+// The row counts are learned at execution (allgather: one small allgather over
+// the same ring; alltoall: one count from each peer, pairwise), so the
+// agreement stays a comparison of identical descriptions (architecture.md,
+// "Gathering collectives").
 #pragma once
 
 #include <mpi.h>
@@ -18,6 +20,7 @@
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/util/dtype.hpp"
 #include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/scratch.hpp"
 #include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
@@ -110,6 +113,85 @@ inline Status pairwise_alltoallv(MPI_Comm comm, int size, int rank, int tag, con
     std::vector<MPI_Request*> posted;
     for (MPI_Request& r : requests) posted.push_back(&r);
     cancel_and_complete(posted, 10.0, "alltoall");
+  }
+  return st;
+}
+
+// A reduce-scatter's block travels in pieces of about the agreed chunk size,
+// but at most this many per block (a 64-byte chunk must not post 10^5
+// requests): both sides cut a block the same way, from its length.
+constexpr std::size_t kMaxPiecesPerBlock = 64;
+
+// Rank r ends with block r of every rank's `input` (read only; blocks
+// [offsets[r], offsets[r + 1]) in elements) reduced, in `out`. Pairwise, as
+// MPICH's reduce-scatter for large commutative reductions: `out` starts as this
+// rank's own block; at step s = 1..p-1 a rank sends its block for rank + s
+// straight from the input and receives rank - s's contribution to its own
+// block into one block of scratch, in pieces, each reduced into `out` as it
+// lands (the reduction overlaps the transfer). Each element is reduced in the
+// same order on every call (own, then steps 1..p-1): deterministic bits.
+inline Status pairwise_reduce_scatter(MPI_Comm comm, int size, int rank, int tag, const void* input,
+                                      const std::vector<std::size_t>& offsets, DType dtype, ReduceOp op,
+                                      std::size_t chunk_bytes, void* out, Scratch& scratch, RingTraffic* traffic,
+                                      Progress& progress) {
+  const std::size_t esize = dtype_size(dtype);
+  const char* in = static_cast<const char*>(input);
+  char* dst = static_cast<char*>(out);
+  auto block_at = [&](int r) { return offsets[r] * esize; };
+  auto block_bytes = [&](int r) { return (offsets[r + 1] - offsets[r]) * esize; };
+  const std::size_t own_bytes = block_bytes(rank);
+  if (own_bytes > 0) std::memcpy(dst, in + block_at(rank), own_bytes);
+  if (size == 1) return Status::OK();
+  auto piece_bytes = [&](std::size_t bytes) {
+    const std::size_t wanted = std::max<std::size_t>(1, chunk_bytes / esize);
+    const std::size_t fewest = (bytes / esize + kMaxPiecesPerBlock - 1) / kMaxPiecesPerBlock;
+    return std::min(kMaxChunkBytes / esize, std::max(wanted, fewest)) * esize;
+  };
+  char* landing = scratch.get<char>(own_bytes);
+  constexpr std::size_t kSent = ~std::size_t(0);
+  std::vector<MPI_Request> requests;
+  std::vector<std::size_t> landed_at;  // requests[i]: a receive's byte offset in the block, or kSent
+  auto post = [&](bool send, int peer, const char* from, char* into, std::size_t bytes) -> Status {
+    const std::size_t piece = piece_bytes(bytes);
+    for (std::size_t off = 0; off < bytes; off += piece) {
+      const int n = static_cast<int>(std::min(piece, bytes - off));
+      requests.push_back(MPI_REQUEST_NULL);
+      landed_at.push_back(send ? kSent : off);
+      const int rc = send ? MPI_Isend(from + off, n, MPI_BYTE, peer, tag, comm, &requests.back())
+                          : MPI_Irecv(into + off, n, MPI_BYTE, peer, tag, comm, &requests.back());
+      HPCDL_RETURN_NOT_OK(mpi_status(rc, send ? "MPI_Isend(reducescatter)" : "MPI_Irecv(reducescatter)"));
+      (send ? traffic->bytes_sent : traffic->bytes_received) += static_cast<std::uint64_t>(n);
+    }
+    return Status::OK();
+  };
+  auto run = [&]() -> Status {
+    for (int s = 1; s < size; ++s) {
+      const int to = (rank + s) % size, from = (rank - s + size) % size;
+      requests.clear();
+      landed_at.clear();
+      HPCDL_RETURN_NOT_OK(post(false, from, nullptr, landing, own_bytes));
+      HPCDL_RETURN_NOT_OK(post(true, to, in + block_at(to), nullptr, block_bytes(to)));
+      traffic->dense_bytes += block_bytes(to);
+      const int divisor = s == size - 1 ? size : 1;  // the average's, on each element's last reduction
+      for (std::size_t done = 0; done < requests.size(); ++done) {
+        int index = MPI_UNDEFINED;
+        MPI_Status st;
+        HPCDL_RETURN_NOT_OK(mpi_status(
+            wait_any_politely(static_cast<int>(requests.size()), requests.data(), &index, &st, progress),
+            "MPI_Waitany(reducescatter)"));
+        const std::size_t off = landed_at[static_cast<std::size_t>(index)];
+        if (off == kSent) continue;
+        const std::size_t n = std::min(piece_bytes(own_bytes), own_bytes - off);
+        reduce_into(dtype, op, dst + off, landing + off, n / esize, divisor);
+      }
+    }
+    return Status::OK();
+  };
+  Status st = run();
+  if (!st.ok()) {
+    std::vector<MPI_Request*> posted;
+    for (MPI_Request& r : requests) posted.push_back(&r);
+    cancel_and_complete(posted, 10.0, "reducescatter");
   }
   return st;
 }

@@ -9,6 +9,7 @@
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/algorithms/sparse_allreduce.hpp"
 #include "hpcdl/codecs/topk.hpp"
+#include "hpcdl/util/scratch.hpp"
 #include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
@@ -41,7 +42,7 @@ class Executor {
   Status await_ready(CommContext& ctx, Operation& op, Progress& progress);
   Status execute(CommContext& ctx, Operation& op, Progress& progress);  // the caller finishes op
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
-  // Allgather, reducescatter, alltoall (algorithms/gather.hpp, the ring's phases).
+  // Allgather, reducescatter, alltoall and the grouped forms (src/engine/gathering.cc).
   Status run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
   // One array through the dense ring (in place; nothing to move on one rank).
   Status run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
@@ -59,6 +60,7 @@ class Executor {
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
   SplitScratch split_scratch_;
+  Scratch gather_scratch_;  // where a reducescatter's blocks from the other ranks land
 };
 
 }  // namespace hpcdl

@@ -25,12 +25,16 @@ enum class OpKind : int {
   kReduceScatter = 4,     // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
   kAlltoall = 5,          // rows and splits may differ per rank: OpDesc::count is one row's elements
   kGroupedAllreduce = 6,  // several arrays agreed as one operation, each reduced by its own ring
+  kGroupedAllgather = 7,  // several allgathers agreed as one operation (members: one row's shape each)
+  kGroupedReduceScatter = 8,  // several reducescatters agreed as one operation
 };
 
-// Allgather and alltoall: each rank has its own first dimension (OpRequest::rows).
-inline bool rows_differ_per_rank(OpKind k) { return k == OpKind::kAllgather || k == OpKind::kAlltoall; }
+// Several arrays agreed as one operation (OpDesc::members, OpRequest::member_data).
+inline bool is_grouped(OpKind k) {
+  return k == OpKind::kGroupedAllreduce || k == OpKind::kGroupedAllgather || k == OpKind::kGroupedReduceScatter;
+}
 
-// One array of a grouped allreduce.
+// One array of a grouped operation (a grouped allgather's: one row, as OpDesc::count and shape are for an allgather).
 struct GroupMember {
   DType dtype = DType::kFloat32;
   std::uint64_t count = 0;
@@ -61,7 +65,7 @@ struct OpDesc {
   // by submission order; threads racing to submit would pair one thread's
   // operation with another's, so the thread is part of what ranks agree on.
   std::string thread;
-  std::vector<GroupMember> members;  // kGroupedAllreduce: its arrays, in the caller's order
+  std::vector<GroupMember> members;  // grouped kinds: its arrays, in the caller's order
 
   std::string serialize(const std::string& name) const;
   static bool parse(const std::string& bytes, std::string* name, OpDesc* out);
@@ -71,20 +75,21 @@ struct OpRequest {
   std::string name;  // empty: named by submission order on this communicator
   OpDesc desc;
   void* data = nullptr;
-  std::vector<void*> member_data;     // kGroupedAllreduce: each member's array
+  std::vector<void*> member_data;     // grouped kinds: each member's array
   bool deferred = false;              // data not in place yet: run only after Operation::mark_ready()
   CodecSpec codec_spec;               // desc.codec as Engine::submit parsed it (the engine's own copy)
   std::uint64_t rows = 0;             // allgather, alltoall, reducescatter: the first dimension
   std::vector<std::uint64_t> splits;  // alltoall: rows to each rank, in rank order (summing to rows)
+  std::vector<std::uint64_t> member_rows;  // grouped allgather: each member's first dimension
 };
 
-// What an allgather or alltoall hands back: the engine thread allocates it
-// once the ranks' row counts are known (a reducescatter: only the rows of
-// each rank's segment, its result being in place). Read once done.
+// What an allgather, alltoall or reducescatter hands back: the engine thread
+// allocates it at its final size once the ranks' row counts are known. Read
+// once done.
 struct OpResult {
   std::unique_ptr<char[]> data;
   std::uint64_t bytes = 0;
-  std::vector<std::uint64_t> rows;  // rows from (reducescatter: of) each rank, in rank order
+  std::vector<std::uint64_t> rows;  // rows from (reducescatter: of the segment of) each rank, in rank order
   char* ptr() { return data.get(); }
 };
 
@@ -110,6 +115,8 @@ class Operation {
   OpTimes times();
   // An allgather's, alltoall's or reducescatter's result, once done() (empty before).
   OpResult& result() { return result_; }
+  // A grouped allgather's or reducescatter's result for member i, once done().
+  OpResult& member_result(std::size_t i) { return member_results_[i]; }
 
  private:
   // The engine's parts that record its times and finish it.
@@ -133,6 +140,7 @@ class Operation {
   std::vector<std::string> notices_;
   OpTimes times_;
   OpResult result_;
+  std::vector<OpResult> member_results_;  // grouped allgather, reducescatter: one per member
 };
 
 }  // namespace hpcdl
