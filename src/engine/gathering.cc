@@ -32,9 +32,8 @@ void allocate(OpResult* out, std::uint64_t bytes) {
 
 // One array's reduce-scatter: rank r's segment of the first dimension (the
 // first rows % p ranks one row more, RingPlan::even_offsets) into out.
-Status reduce_scatter_one(const CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count,
-                          std::uint64_t rows, const void* data, OpResult* out, Scratch& scratch, RingTraffic* traffic,
-                          Progress& progress) {
+Status reduce_scatter_one(const CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, std::uint64_t rows,
+                          const void* data, OpResult* out, Scratch& scratch, RingTraffic* traffic, Progress& progress) {
   const std::vector<std::size_t> split = RingPlan::even_offsets(ctx.size, rows, 1);
   out->rows.resize(ctx.size);
   for (int r = 0; r < ctx.size; ++r) out->rows[r] = split[r + 1] - split[r];
@@ -68,8 +67,8 @@ Status allgather_each(const CommContext& ctx, const OpDesc& d, const std::vector
     for (int r = 0; r < ctx.size; ++r) rows += out.rows[r] = all[static_cast<std::size_t>(r) * arrays.size() + i];
     allocate(&out, rows * a.row_elems * dtype_size(a.dtype));
     RingTraffic part;
-    HPCDL_RETURN_NOT_OK(ring_allgatherv(ctx.data, ctx.size, ctx.rank, kTagData, a.data, out.rows, a.row_elems,
-                                        a.dtype, d.chunk_bytes, out.ptr(), &part, progress));
+    HPCDL_RETURN_NOT_OK(ring_allgatherv(ctx.data, ctx.size, ctx.rank, kTagData, a.data, out.rows, a.row_elems, a.dtype,
+                                        d.chunk_bytes, out.ptr(), &part, progress));
     add_traffic(traffic, part);
   }
   return Status::OK();

@@ -267,7 +267,9 @@ def test_grouped_allgather_members_are_bitwise_their_own_calls(comm, chunk_bytes
     expected = [np.concatenate([group_inputs(r, 2)[i] for r in range(size)]) for i in range(len(mine))]
     ok = (
         len(grouped) == len(mine)
-        and all(g.dtype == e.dtype and g.shape == e.shape and g.tobytes() == e.tobytes() for g, e in zip(grouped, expected))
+        and all(
+            g.dtype == e.dtype and g.shape == e.shape and g.tobytes() == e.tobytes() for g, e in zip(grouped, expected)
+        )
         and all(g.tobytes() == s.tobytes() for g, s in zip(grouped, singles))
         and [m.tobytes() for m in mine] == before
         and all(same_everywhere(comm, g) for g in grouped)

@@ -266,7 +266,9 @@ def test_tensorflow_grouped_forms_are_their_single_calls(graph):
 
     gathered, scattered = collective(WORLD, tf.function(run) if graph else run, *xs, *ys)
     singles = [collective(WORLD, hvd_tf.allgather, x, name=f"tf.gag.{i}") for i, x in enumerate(xs)]
-    rs_singles = [collective(WORLD, hvd_tf.reducescatter, y, op=hvd_tf.Sum, name=f"tf.grs.{i}") for i, y in enumerate(ys)]
+    rs_singles = [
+        collective(WORLD, hvd_tf.reducescatter, y, op=hvd_tf.Sum, name=f"tf.grs.{i}") for i, y in enumerate(ys)
+    ]
     ok = all(
         g.dtype == s.dtype and np.array_equal(g.numpy(), s.numpy())
         for g, s in zip(list(gathered) + list(scattered), singles + rs_singles)

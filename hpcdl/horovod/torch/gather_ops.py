@@ -197,9 +197,7 @@ class HorovodGroupedReducescatter(torch.autograd.Function):
         ctx.average, ctx.process_set = common.reduce_op(op, None) == "average", process_set
         ctx.scale = prescale_factor * postscale_factor
         return tuple(
-            synchronize(
-                grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor)
-            )
+            synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor))
         )
 
     @staticmethod

@@ -176,9 +176,9 @@ inline Status pairwise_reduce_scatter(MPI_Comm comm, int size, int rank, int tag
       for (std::size_t done = 0; done < requests.size(); ++done) {
         int index = MPI_UNDEFINED;
         MPI_Status st;
-        HPCDL_RETURN_NOT_OK(mpi_status(
-            wait_any_politely(static_cast<int>(requests.size()), requests.data(), &index, &st, progress),
-            "MPI_Waitany(reducescatter)"));
+        HPCDL_RETURN_NOT_OK(
+            mpi_status(wait_any_politely(static_cast<int>(requests.size()), requests.data(), &index, &st, progress),
+                       "MPI_Waitany(reducescatter)"));
         const std::size_t off = landed_at[static_cast<std::size_t>(index)];
         if (off == kSent) continue;
         const std::size_t n = std::min(piece_bytes(own_bytes), own_bytes - off);

@@ -21,11 +21,11 @@ enum class OpKind : int {
   kAllreduce = 0,
   kBroadcast = 1,
   kBarrier = 2,
-  kAllgather = 3,         // rows may differ per rank: OpDesc::count is one row's elements
-  kReduceScatter = 4,     // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
-  kAlltoall = 5,          // rows and splits may differ per rank: OpDesc::count is one row's elements
-  kGroupedAllreduce = 6,  // several arrays agreed as one operation, each reduced by its own ring
-  kGroupedAllgather = 7,  // several allgathers agreed as one operation (members: one row's shape each)
+  kAllgather = 3,             // rows may differ per rank: OpDesc::count is one row's elements
+  kReduceScatter = 4,         // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
+  kAlltoall = 5,              // rows and splits may differ per rank: OpDesc::count is one row's elements
+  kGroupedAllreduce = 6,      // several arrays agreed as one operation, each reduced by its own ring
+  kGroupedAllgather = 7,      // several allgathers agreed as one operation (members: one row's shape each)
   kGroupedReduceScatter = 8,  // several reducescatters agreed as one operation
 };
 
@@ -75,11 +75,11 @@ struct OpRequest {
   std::string name;  // empty: named by submission order on this communicator
   OpDesc desc;
   void* data = nullptr;
-  std::vector<void*> member_data;     // grouped kinds: each member's array
-  bool deferred = false;              // data not in place yet: run only after Operation::mark_ready()
-  CodecSpec codec_spec;               // desc.codec as Engine::submit parsed it (the engine's own copy)
-  std::uint64_t rows = 0;             // allgather, alltoall, reducescatter: the first dimension
-  std::vector<std::uint64_t> splits;  // alltoall: rows to each rank, in rank order (summing to rows)
+  std::vector<void*> member_data;          // grouped kinds: each member's array
+  bool deferred = false;                   // data not in place yet: run only after Operation::mark_ready()
+  CodecSpec codec_spec;                    // desc.codec as Engine::submit parsed it (the engine's own copy)
+  std::uint64_t rows = 0;                  // allgather, alltoall, reducescatter: the first dimension
+  std::vector<std::uint64_t> splits;       // alltoall: rows to each rank, in rank order (summing to rows)
   std::vector<std::uint64_t> member_rows;  // grouped allgather: each member's first dimension
 };
 
