@@ -13,7 +13,8 @@ call; a call's time is the slowest rank's. Per run, the median over iterations;
 over runs, the median of those; the ratio is hpcdl's median over MPI's (below 1:
 hpcdl faster). Each system's result is checked against numpy once per size.
 Rank 0 prints a table and writes <out>/<tag>.csv (one row per run, op, size and
-system) and <out>/<tag>.png (the ratio against size, per op).
+system; appended as each size finishes, so a run cut short keeps what it
+measured) and <out>/<tag>.png (the ratio against size, per op).
 """
 
 import argparse
@@ -115,8 +116,15 @@ def main():
     mpi_comm = comm.Dup()
     rank, p = comm.Get_rank(), comm.Get_size()
     rows, ok = [], True
+    fields = ["op", "size_bytes", "ranks", "system", "run", "median_s", "min_s"]
+    csv_path = os.path.join(args.out, f"{args.tag}.csv")
+    if rank == 0:  # written as each size finishes: a run cut short keeps what it measured
+        os.makedirs(args.out, exist_ok=True)
+        with open(csv_path, "w", newline="") as f:
+            csv.DictWriter(f, fieldnames=fields).writeheader()
     for op in ops:
         for size in sizes:
+            measured = len(rows)
             case = Case(op, size, comm, mpi_comm)
             verdicts = comm.allgather((case.correct(case.hpcdl()), case.correct(case.mpi_call())))
             if not all(a and b for a, b in verdicts):
@@ -141,14 +149,14 @@ def main():
                             "min_s": min(values),
                         }
                     )
+            if rank == 0:
+                with open(csv_path, "a", newline="") as f:
+                    csv.DictWriter(f, fieldnames=fields).writerows(
+                        {k: cell(v) for k, v in r.items()} for r in rows[measured:]
+                    )
     mpi_comm.Free()
     if rank != 0:
         return
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["op"])
-        writer.writeheader()
-        writer.writerows({k: cell(v) for k, v in r.items()} for r in rows)
     summary = {}
     print(
         f"{'op':<14}{'size':>10}{'hpcdl ms':>12}{'mpi ms':>12}{'hpcdl/mpi':>11}   ({p} ranks, median of "

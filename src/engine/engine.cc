@@ -71,7 +71,7 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   } else if (d.kind != OpKind::kBarrier) {
     HPCDL_RETURN_NOT_OK(check_array(d.dtype, d.count, d.shape));
   }
-  if ((reduces || d.kind == OpKind::kAllgather || d.kind == OpKind::kGroupedAllgather) &&
+  if ((reduces || d.kind == OpKind::kAllgather || d.kind == OpKind::kGroupedAllgather || d.kind == OpKind::kAlltoall) &&
       (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
     return Status::Invalid("chunk_bytes must be between " + std::to_string(kMinChunkBytes) + " and " +
                            std::to_string(kMaxChunkBytes) + ", got " + std::to_string(d.chunk_bytes));

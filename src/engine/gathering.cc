@@ -111,13 +111,14 @@ Status Executor::run_gathering(CommContext& ctx, Operation& op, RingTraffic* tra
       out.rows.assign(ctx.size, 0);
       const std::vector<std::uint64_t> one_each(ctx.size, 1);
       HPCDL_RETURN_NOT_OK(pairwise_alltoallv(ctx.data, ctx.size, ctx.rank, kTagData, req.splits.data(), one_each,
-                                             one_each, sizeof(std::uint64_t), out.rows.data(), traffic, progress));
+                                             one_each, sizeof(std::uint64_t), d.chunk_bytes, out.rows.data(), traffic,
+                                             progress));
       std::uint64_t rows = 0;
       for (std::uint64_t n : out.rows) rows += n;
       const std::size_t row_bytes = d.count * dtype_size(d.dtype);
       allocate(&out, rows * row_bytes);
       return pairwise_alltoallv(ctx.data, ctx.size, ctx.rank, kTagData, req.data, req.splits, out.rows, row_bytes,
-                                out.ptr(), traffic, progress);
+                                d.chunk_bytes, out.ptr(), traffic, progress);
     }
     default: return Status::Internal(std::string("run_gathering of a ") + op_kind_name(d.kind));
   }

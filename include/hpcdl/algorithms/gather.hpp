@@ -62,14 +62,28 @@ inline Status ring_allgatherv(MPI_Comm comm, int size, int rank, int tag, const 
   return run_ring(plan, policy, comm, tag, traffic, progress);
 }
 
+// A block travels in pieces of about the agreed chunk size, in whole
+// `unit`-byte elements, at most kMaxPiecesPerBlock per block (a 64-byte
+// chunk must not post 10^5 requests) and one MPI count each: both sides cut
+// a block the same way, from its length. Bounded pieces also keep an
+// alltoall's messages as large as the ring's (docs/performance.md: 16 MiB
+// messages over MPICH's ofi/tcp ran at half the speed).
+constexpr std::size_t kMaxPiecesPerBlock = 64;
+
+inline std::size_t piece_bytes(std::size_t bytes, std::size_t chunk_bytes, std::size_t unit) {
+  const std::size_t wanted = std::max<std::size_t>(1, chunk_bytes / unit);
+  const std::size_t fewest = (bytes / unit + kMaxPiecesPerBlock - 1) / kMaxPiecesPerBlock;
+  return std::min(kMaxChunkBytes / unit, std::max(wanted, fewest)) * unit;
+}
+
 // send_rows[j] rows of `data` (in rank order) go to rank j; recv_rows[j] rows
 // from rank j land in `out` (in rank order). Pairwise: at step s a rank sends
 // to rank + s and receives from rank - s; every message is posted at once,
-// in pieces of at most kMaxChunkBytes (one MPI count).
+// in pieces (piece_bytes).
 inline Status pairwise_alltoallv(MPI_Comm comm, int size, int rank, int tag, const void* data,
                                  const std::vector<std::uint64_t>& send_rows,
-                                 const std::vector<std::uint64_t>& recv_rows, std::size_t row_bytes, void* out,
-                                 RingTraffic* traffic, Progress& progress) {
+                                 const std::vector<std::uint64_t>& recv_rows, std::size_t row_bytes,
+                                 std::size_t chunk_bytes, void* out, RingTraffic* traffic, Progress& progress) {
   const std::vector<std::size_t> send_at = row_offsets(send_rows, row_bytes);
   const std::vector<std::size_t> recv_at = row_offsets(recv_rows, row_bytes);
   const char* src = static_cast<const char*>(data);
@@ -78,9 +92,10 @@ inline Status pairwise_alltoallv(MPI_Comm comm, int size, int rank, int tag, con
   if (self_bytes > 0) std::memcpy(dst + recv_at[rank], src + send_at[rank], self_bytes);
   std::vector<MPI_Request> requests;
   auto post = [&](bool send, int peer, std::size_t begin, std::size_t end) -> Status {
+    const std::size_t piece = piece_bytes(end - begin, chunk_bytes, 1);
     std::size_t off = begin;
     do {  // an empty message too: it pairs with the peer's
-      const int n = static_cast<int>(std::min(kMaxChunkBytes, end - off));
+      const int n = static_cast<int>(std::min(piece, end - off));
       requests.push_back(MPI_REQUEST_NULL);
       const int rc = send ? MPI_Isend(src + off, n, MPI_BYTE, peer, tag, comm, &requests.back())
                           : MPI_Irecv(dst + off, n, MPI_BYTE, peer, tag, comm, &requests.back());
@@ -117,11 +132,6 @@ inline Status pairwise_alltoallv(MPI_Comm comm, int size, int rank, int tag, con
   return st;
 }
 
-// A reduce-scatter's block travels in pieces of about the agreed chunk size,
-// but at most this many per block (a 64-byte chunk must not post 10^5
-// requests): both sides cut a block the same way, from its length.
-constexpr std::size_t kMaxPiecesPerBlock = 64;
-
 // Rank r ends with block r of every rank's `input` (read only; blocks
 // [offsets[r], offsets[r + 1]) in elements) reduced, in `out`. Pairwise, as
 // MPICH's reduce-scatter for large commutative reductions: `out` starts as this
@@ -142,17 +152,12 @@ inline Status pairwise_reduce_scatter(MPI_Comm comm, int size, int rank, int tag
   const std::size_t own_bytes = block_bytes(rank);
   if (own_bytes > 0) std::memcpy(dst, in + block_at(rank), own_bytes);
   if (size == 1) return Status::OK();
-  auto piece_bytes = [&](std::size_t bytes) {
-    const std::size_t wanted = std::max<std::size_t>(1, chunk_bytes / esize);
-    const std::size_t fewest = (bytes / esize + kMaxPiecesPerBlock - 1) / kMaxPiecesPerBlock;
-    return std::min(kMaxChunkBytes / esize, std::max(wanted, fewest)) * esize;
-  };
   char* landing = scratch.get<char>(own_bytes);
   constexpr std::size_t kSent = ~std::size_t(0);
   std::vector<MPI_Request> requests;
   std::vector<std::size_t> landed_at;  // requests[i]: a receive's byte offset in the block, or kSent
   auto post = [&](bool send, int peer, const char* from, char* into, std::size_t bytes) -> Status {
-    const std::size_t piece = piece_bytes(bytes);
+    const std::size_t piece = piece_bytes(bytes, chunk_bytes, esize);
     for (std::size_t off = 0; off < bytes; off += piece) {
       const int n = static_cast<int>(std::min(piece, bytes - off));
       requests.push_back(MPI_REQUEST_NULL);
@@ -181,7 +186,7 @@ inline Status pairwise_reduce_scatter(MPI_Comm comm, int size, int rank, int tag
                        "MPI_Waitany(reducescatter)"));
         const std::size_t off = landed_at[static_cast<std::size_t>(index)];
         if (off == kSent) continue;
-        const std::size_t n = std::min(piece_bytes(own_bytes), own_bytes - off);
+        const std::size_t n = std::min(piece_bytes(own_bytes, chunk_bytes, esize), own_bytes - off);
         reduce_into(dtype, op, dst + off, landing + off, n / esize, divisor);
       }
     }
