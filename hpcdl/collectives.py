@@ -104,9 +104,11 @@ def allreduce_async(
     name: identifies the operation across ranks. Named operations may be
         submitted in any order on different ranks: the engine agrees on one
         order before running them. Unnamed ones are matched by submission order
-        on each communicator, and the submitting thread's name is checked too:
-        two threads whose unnamed operations pair differently on different
-        ranks get MismatchError, not each other's data.
+        on each communicator, whichever thread submits them (pool threads named
+        differently on each rank pair as the program orders them); ranks still
+        agree on each one's kind, dtype, shape and op, so threads racing to
+        submit unnamed operations that differ get MismatchError, not each
+        other's data. Name the operations of threads that race.
         With compression, a name also keys the tensor's error-feedback residual.
     dtype: read the buffer as this dtype (e.g. "bfloat16" for a uint16 view).
     compression: None (dense) or a codec from hpcdl.compression (Int8(),

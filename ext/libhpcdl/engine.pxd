@@ -53,7 +53,6 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         vector[int64_t] shape
         uint64_t chunk_bytes
         string codec
-        string thread
         vector[CGroupMember] members
 
     cdef cppclass COpRequest "hpcdl::OpRequest":

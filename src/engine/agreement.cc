@@ -60,7 +60,6 @@ std::string describe_disagreement(const std::vector<OpDesc>& descs) {
   field("root", [](const OpDesc& d) { return std::to_string(d.root); });
   field("chunk_bytes", [](const OpDesc& d) { return std::to_string(d.chunk_bytes); });
   field("compression", [](const OpDesc& d) { return d.codec.empty() ? std::string("none") : d.codec; });
-  field("submitting thread", [](const OpDesc& d) { return "'" + d.thread + "'"; });
   return os.str();
 }
 

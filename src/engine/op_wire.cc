@@ -65,7 +65,6 @@ std::string OpDesc::serialize(const std::string& name) const {
   put_shape(w, shape);
   w.put<std::uint64_t>(chunk_bytes);
   w.put_string(codec);
-  w.put_string(thread);
   w.put<std::uint32_t>(static_cast<std::uint32_t>(members.size()));
   for (const GroupMember& m : members) {
     w.put<std::int32_t>(static_cast<std::int32_t>(m.dtype));
@@ -81,7 +80,7 @@ bool OpDesc::parse(const std::string& bytes, std::string* name, OpDesc* out) {
   std::uint32_t members;
   if (!r.get_string(name) || !r.get(&kind) || !r.get(&dtype) || !r.get(&op) || !r.get(&out->root) ||
       !r.get(&out->count) || !get_shape(r, bytes.size(), &out->shape) || !r.get(&out->chunk_bytes) ||
-      !r.get_string(&out->codec) || !r.get_string(&out->thread) || !r.get(&members) || members > bytes.size())
+      !r.get_string(&out->codec) || !r.get(&members) || members > bytes.size())
     return false;
   out->members.resize(members);
   for (GroupMember& m : out->members) {

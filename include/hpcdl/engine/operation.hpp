@@ -56,11 +56,7 @@ struct OpDesc {
   // whose arrays hold the same count in different shapes disagree.
   std::vector<std::int64_t> shape;
   std::uint64_t chunk_bytes = 0;
-  std::string codec;  // codec config, canonical text; empty = none
-  // Unnamed operations: the submitting thread's name. Unnamed operations pair
-  // by submission order; threads racing to submit would pair one thread's
-  // operation with another's, so the thread is part of what ranks agree on.
-  std::string thread;
+  std::string codec;                 // codec config, canonical text; empty = none
   std::vector<GroupMember> members;  // kGroupedAllreduce: its arrays, in the caller's order
 
   std::string serialize(const std::string& name) const;
