@@ -132,8 +132,8 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
     """Horovod's BestModelCheckpoint: Keras' ModelCheckpoint with save_best_only=True, saving on
     rank 0 only (the other ranks would write the same file at once). As in Horovod there is no
-    filepath parameter (Horovod's Spark estimator sets it): set ``filepath`` before fit(); fit
-    raises ValueError on every rank while it is None."""
+    filepath parameter (Horovod's Spark estimator sets it): set ``filepath`` before fit() on
+    every rank that has the callback; fit() raises ValueError where it is None."""
 
     def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto", save_freq="epoch"):
         # Keras checks the file's suffix when it is made: a placeholder until filepath is set.
