@@ -210,6 +210,8 @@ def accuracy_phase(args, rank, size):
             accuracy.setdefault(name, []).append(
                 (ratio(WORLD.allreduce(correct), len(test_y)), ratio(WORLD.allreduce(loss), len(test_y)))
             )
+            if rank == 0:  # as it goes: a long phase cut short still shows its seeds
+                print(f"[hpcdl rank 0] seed {seed} {name}: held-out accuracy {accuracy[name][-1][0]!r}", flush=True)
     return accuracy, failed
 
 
