@@ -297,8 +297,13 @@ def main():
     rows = []
     print(
         f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params, "
-        f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank; accuracy on the digits "
-        f"after {args.train_steps} steps, mean of {args.seeds} seeds; PowerSGD from step {POWERSGD_START_ITER}"
+        f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank; "
+        + (
+            f"accuracy on the digits after {args.train_steps} steps, mean of {args.seeds} seeds"
+            if args.seeds
+            else "no accuracy phase (--seeds 0)"
+        )
+        + f"; PowerSGD from step {POWERSGD_START_ITER}"
     )
     for name in ["ddp-gloo", *hooks, *(name for name in times if name.startswith("hpcdl-")), FLOOR]:
         median = medians.get(name)

@@ -163,8 +163,9 @@ class Matrix:
 
 
 class LowRankBucket(Bucket):
-    def __init__(self, index, name, slots, staged, schedule, size, names):
-        super().__init__(index, name, torch.float32, slots, staged, None, size)
+    def __init__(self, index, name, slots, staged, schedule, size, names, grad_as_view):
+        # grad_as_view: the riders' .grad (and all of them in the dense warm-up) become slots of the bucket
+        super().__init__(index, name, torch.float32, slots, staged, None, size, grad_as_view)
         self.schedule = schedule
         self.can_compress = not self.local and size > 1  # one rank: the gradients stay exact
         self.compressing = False  # this step's mode, fixed when its allreduce is submitted
@@ -338,7 +339,8 @@ def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, 
                 riders.add(p)
                 slots.append((p, sum(numel for _, _, numel in slots), p.numel()))
     buckets = [
-        LowRankBucket(i, bname, slots, staged_of(slots[0][0]), schedule, size, names) for i, bname, slots in groups
+        LowRankBucket(i, bname, slots, staged_of(slots[0][0]), schedule, size, names, grad_as_view)
+        for i, bname, slots in groups
     ]
     return buckets + make_buckets(
         [(n, p) for n, p in named if p not in factored and p not in riders],
