@@ -196,6 +196,8 @@ def accuracy_phase(args, rank, size):
             args, lambda: make_model(train_x.shape[1], args.hidden, args.layers, 10, seed), f"bench.acc{seed}"
         )
         for name, (model, opt) in systems.items():
+            if args.accuracy_of and name not in args.accuracy_of.split(","):
+                continue
             g = torch.Generator().manual_seed(seed * size + rank)  # the same batches for every system
             for _ in range(args.train_steps):
                 pick = torch.randint(0, len(train_y), (args.batch,), generator=g)
@@ -250,6 +252,11 @@ def main():
         "the CSV has the mean, sample standard deviation, min and max of the held-out accuracy; "
         "0: no accuracy phase (step times only; the accuracy does not depend on the links)",
     )
+    parser.add_argument(
+        "--accuracy-of",
+        default="",
+        help="the systems the accuracy phase trains, e.g. ddp-powersgd-r1,hpcdl-powersgd ('': all)",
+    )
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
     parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address for gloo")
@@ -261,6 +268,11 @@ def main():
         parser.error(f"--ddp-hooks: unknown {','.join(sorted(unknown))}; choose from {','.join(DDP_HOOKS)}")
     if args.seeds < 0:
         parser.error("--seeds must be >= 0")
+    named = {"ddp-gloo", *(f"ddp-{h}" for h in args.ddp_hooks.split(",") if h)}
+    named |= {f"hpcdl-{c}" for c in args.codecs.split(",") if c}
+    strangers = set(filter(None, args.accuracy_of.split(","))) - named
+    if strangers:
+        parser.error(f"--accuracy-of: {','.join(sorted(strangers))} not among the systems {','.join(sorted(named))}")
     torch.set_num_threads(1)
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
 
@@ -343,31 +355,42 @@ def main():
 
 
 def draw(plt, rows, tag, size, params):
-    fig, (speed, acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (speed, acc) = plt.subplots(1, 2, figsize=(11, 4.6))
+    trained = [r["test_acc_min"] for r in rows if r["test_acc_min"] is not None]
+    acc_floor = min(trained, default=0.5) - 0.05  # the seeds' spread is a point or two: show it
     families = {
         "ddp-gloo": ("DDP (gloo)", "tab:gray"),
         "ddp-": ("DDP + comm hook", "tab:orange"),
         "hpcdl-": ("hpcdl DistributedOptimizer", "tab:blue"),
         FLOOR: ("no gradient exchange (floor)", "tab:green"),
     }
-    for ax, key, label in (
-        (speed, "samples_per_s", "training throughput, samples/s (all ranks)"),
-        (acc, "test_acc", f"held-out accuracy after {rows[0]['train_steps']} steps (digits, mean of seeds)"),
+    for ax, key, label, bottom in (
+        (speed, "samples_per_s", "training throughput, samples/s (all ranks)", 0),
+        (
+            acc,
+            "test_acc",
+            f"held-out accuracy, {rows[0]['train_steps']} steps\n(mean; bars: min-max of the seeds)",
+            acc_floor,
+        ),
     ):
         for i, row in enumerate(rows):
             family = next(f for prefix, f in families.items() if row["system"].startswith(prefix))
             value = row[key]
             ax.bar(i, value or 0, color=family[1], label=family[0])
+            if key == "test_acc" and value is not None:
+                low, high = row["test_acc_min"], row["test_acc_max"]
+                ax.errorbar(i, value, yerr=[[value - low], [high - value]], color="black", capsize=4)
+                ax.text(i, high, f"{value:.4f}", ha="center", va="bottom", fontsize=8)
             if value is None:  # not measured: say so instead of drawing a zero
                 why = (
                     " not trained"
                     if row["system"] == FLOOR or (key == "test_acc" and not row["note"])
                     else " did not run"
                 )
-                ax.text(i, 0, why, rotation=90, ha="center", va="bottom", fontsize=8)
+                ax.text(i, bottom, why, rotation=90, ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(rows)), [r["system"] for r in rows], rotation=35, ha="right", fontsize=8)
         ax.set_ylabel(label, fontsize=9)
-    acc.set_ylim(0, 1)
+    acc.set_ylim(acc_floor, 1)
     handles = dict(zip(*reversed(speed.get_legend_handles_labels())))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"{tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU, PowerSGD from step {POWERSGD_START_ITER}")
