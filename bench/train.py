@@ -213,7 +213,7 @@ def accuracy_phase(args, rank, size):
                 (ratio(WORLD.allreduce(correct), len(test_y)), ratio(WORLD.allreduce(loss), len(test_y)))
             )
             if rank == 0:  # as it goes: a long phase cut short still shows its seeds
-                print(f"[hpcdl rank 0] seed {seed} {name}: held-out accuracy {accuracy[name][-1][0]!r}", flush=True)
+                print(f"[hpcdl rank 0] seed {seed} {name}: held-out accuracy, loss {accuracy[name][-1]!r}", flush=True)
     return accuracy, failed
 
 
@@ -227,6 +227,7 @@ def accuracy_columns(per_seed):
         "test_acc_max": max(accs, default=None),
         "test_acc_per_seed": " ".join(repr(a) for a in accs),
         "test_loss": statistics.mean(loss for _, loss in per_seed) if per_seed else None,
+        "test_loss_per_seed": " ".join(repr(loss) for _, loss in per_seed),
     }
 
 
