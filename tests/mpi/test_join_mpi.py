@@ -113,7 +113,7 @@ def test_join_on_split_sub_communicators():
 
 
 def _unsupported(comm, kind):
-    rank, size = comm.Get_rank(), comm.Get_size()
+    size = comm.Get_size()
     if kind == "reducescatter":
         return hpcdl.reducescatter(np.ones((size, 2)), comm=comm, name="join.bad")
     if kind == "alltoall":
