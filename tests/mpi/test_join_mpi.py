@@ -6,7 +6,9 @@ epochs); an operation join does not run raises on every rank within bounded time
 a Dup() and Split() sub-communicator; DistributedOptimizer with uneven batch counts
 against a float64 reference; Horovod's hvd.join()."""
 
+import re
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -110,6 +112,46 @@ def test_join_on_split_sub_communicators():
         agree(world, np.array_equal(out, np.full(2, float(size))), str(out))
     finally:
         sub.Free()
+
+
+def _named_in_stall_warnings(caught, name):
+    """The ranks each StallWarning about operation `name` says it waits for."""
+    named = []
+    for w in caught:
+        if issubclass(w.category, hpcdl.StallWarning) and f"'{name}'" in str(w.message):
+            found = re.search(r"for ranks? ([\d, ]+), which", str(w.message))
+            named.append(sorted(int(r) for r in found.group(1).split(", ")) if found else str(w.message))
+    return named
+
+
+def test_stall_warnings_name_the_late_rank_not_the_joined_one():
+    """Rank 0 joins; the last rank is late to an allreduce the others wait in: their
+    warnings name the late rank only, and the join's names the ranks not joined yet."""
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    hpcdl.barrier(world)  # hpcdl's channels on world are set up: what follows waits in the agreement
+    hpcdl.configure(stall_warning_seconds=0.3)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == 0:
+                hpcdl.join(world)
+            else:
+                if rank == size - 1:
+                    time.sleep(1.5)
+                hpcdl.allreduce(np.ones(2), comm=world, name="join.late")
+                hpcdl.join(world)
+        if rank == 0:
+            named = _named_in_stall_warnings(caught, "hpcdl.join")
+            ok = bool(named) and all(isinstance(n, list) and size - 1 in n and 0 not in n for n in named)
+        elif rank < size - 1:
+            named = _named_in_stall_warnings(caught, "join.late")
+            ok = bool(named) and all(n == [size - 1] for n in named)
+        else:
+            named, ok = [], True  # the late rank waited for no one
+        agree(world, ok, named)
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
 
 
 def _unsupported(comm, kind):
