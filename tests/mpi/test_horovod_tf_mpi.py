@@ -326,3 +326,13 @@ def test_grouped_allreduce_eager_in_tf_function_and_its_gradient():
         and np.allclose(grad.numpy(), 3 * size)
     )
     agree(WORLD, ok, f"{[t.numpy().ravel()[:2] for t in eager]} {grad}")
+
+
+def test_join_returns_the_last_rank_as_an_int32_tensor_while_allreduce_sees_zeros():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    ok = True
+    if rank == size - 1:  # the others have joined: their engines add zeros
+        out = hvd.allreduce(tf.constant([2.0, 3.0], dtype=tf.float64), op=hvd.Sum, name="tf.join.sum")
+        ok = np.array_equal(out.numpy(), [2.0, 3.0])
+    last = hvd.join()
+    agree(WORLD, ok and last.dtype == tf.int32 and int(last) == size - 1, f"{last!r}, ok={ok}")
