@@ -328,6 +328,7 @@ def test_grouped_allreduce_eager_in_tf_function_and_its_gradient():
     agree(WORLD, ok, f"{[t.numpy().ravel()[:2] for t in eager]} {grad}")
 
 
+@pytest.mark.mpi(min_size=2)
 def test_join_returns_the_last_rank_as_an_int32_tensor_while_allreduce_sees_zeros():
     size, rank = WORLD.Get_size(), WORLD.Get_rank()
     ok = True
