@@ -470,6 +470,7 @@ KIND_BARRIER = <int>COpKind.kBarrier
 KIND_ALLGATHER = <int>COpKind.kAllgather
 KIND_REDUCESCATTER = <int>COpKind.kReduceScatter
 KIND_ALLTOALL = <int>COpKind.kAlltoall
+KIND_JOIN = <int>COpKind.kJoin
 
 
 

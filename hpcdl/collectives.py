@@ -400,6 +400,29 @@ def barrier(comm: MPI.Comm | None = None) -> None:
     _core.submit(_core.KIND_BARRIER, None, _comm(comm), None).wait()
 
 
+def join_async(comm: MPI.Comm | None = None) -> Any:
+    """Start a join (see join); returns a handle whose ``wait()`` returns the rank that joined last."""
+    handle = _core.submit(_core.KIND_JOIN, None, _comm(comm), None)
+    return _tensors.OutputHandle(handle, lambda h: h.result()[1][0])
+
+
+def join(comm: MPI.Comm | None = None) -> int:
+    """This rank has run out of data (Horovod's join): until every rank of
+    ``comm`` has joined, its engine takes part in the other ranks' operations
+    with zeros, so their allreduces (op sum or average, grouped too) and
+    allgathers complete; average still divides by ``comm``'s size, as Horovod's
+    does. Returns, on every rank, the rank that joined last, once all have;
+    then ``comm`` works as before (the next epoch).
+
+    While a rank has joined, a broadcast from it, reducescatter, alltoall,
+    op min/max/product and compressed allreduces raise MismatchError on the
+    ranks that submitted them, and the join raises it on the joined ranks
+    (docs/horovod.md). A join waits as long as the other ranks train: stall
+    warnings name the ranks not joined yet; stall_error_seconds never ends it.
+    """
+    return join_async(comm).wait()
+
+
 def stats(reset: bool = False) -> dict[str, Any]:
     """Engine counters per operation kind and codec, measured on this rank.
 

@@ -16,6 +16,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kReduceScatter
         kAlltoall
         kGroupedAllreduce
+        kJoin
 
     cdef enum class CDType "hpcdl::DType":
         kFloat32

@@ -493,3 +493,14 @@ def test_unnamed_eager_allreduce_from_pool_threads_named_differently_per_rank():
         np.array_equal(out.numpy(), reference_sum(tf.int64, (4, 3)) + size * i) for i, (out, _) in enumerate(results)
     )
     agree(WORLD, right, f"{errors!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_returns_the_last_rank_as_an_int32_tensor_while_allreduce_sees_zeros():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    ok = True
+    if rank == size - 1:  # the others have joined: their engines add zeros
+        out = hvd.allreduce(tf.constant([2.0, 3.0], dtype=tf.float64), op=hvd.Sum, name="tf.join.sum")
+        ok = np.array_equal(out.numpy(), [2.0, 3.0])
+    last = hvd.join()
+    agree(WORLD, ok and last.dtype == tf.int32 and int(last) == size - 1, f"{last!r}, ok={ok}")

@@ -226,3 +226,9 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set, igno
 
 
 __all__ = ["allreduce", "broadcast"]
+
+
+def join():
+    """Horovod's join (hpcdl.join): this rank has run out of data; returns the rank
+    that joined last, as an int32 scalar tensor (Horovod's TensorFlow join)."""
+    return tf.constant(common.join(), dtype=tf.int32)
