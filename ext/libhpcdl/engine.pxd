@@ -18,6 +18,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kGroupedAllreduce
         kGroupedAllgather
         kGroupedReduceScatter
+        kJoin
 
     cdef enum class CDType "hpcdl::DType":
         kFloat32
@@ -55,7 +56,6 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         vector[int64_t] shape
         uint64_t chunk_bytes
         string codec
-        string thread
         vector[CGroupMember] members
 
     cdef cppclass COpRequest "hpcdl::OpRequest":

@@ -25,14 +25,23 @@ enum class OpKind : int {
   kReduceScatter = 4,         // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
   kAlltoall = 5,              // rows and splits may differ per rank: OpDesc::count is one row's elements
   kGroupedAllreduce = 6,      // several arrays agreed as one operation, each reduced by its own ring
-  kGroupedAllgather = 7,      // several allgathers agreed as one operation (members: one row's shape each)
-  kGroupedReduceScatter = 8,  // several reducescatters agreed as one operation
+  kJoin = 7,                  // this rank ran out of data: it takes part with zeros until every rank joined
+  kGroupedAllgather = 8,      // several allgathers agreed as one operation (members: one row's shape each)
+  kGroupedReduceScatter = 9,  // several reducescatters agreed as one operation
 };
 
 // Several arrays agreed as one operation (OpDesc::members, OpRequest::member_data).
 inline bool is_grouped(OpKind k) {
   return k == OpKind::kGroupedAllreduce || k == OpKind::kGroupedAllgather || k == OpKind::kGroupedReduceScatter;
 }
+
+// Join's own name on every rank (Engine::submit gives it): one join at a time per communicator.
+constexpr const char* kJoinName = "hpcdl.join";
+
+// Unnamed operations are named by submission order on their communicator: "op#<seq>".
+std::string unnamed_op_name(std::uint64_t seq);
+// Its sequence number, for a name unnamed_op_name made; false for any other name.
+bool unnamed_op_seq(const std::string& name, std::uint64_t* seq);
 
 // One array of a grouped operation (a grouped allgather's: one row, as OpDesc::count and shape are for an allgather).
 struct GroupMember {
@@ -60,11 +69,7 @@ struct OpDesc {
   // whose arrays hold the same count in different shapes disagree.
   std::vector<std::int64_t> shape;
   std::uint64_t chunk_bytes = 0;
-  std::string codec;  // codec config, canonical text; empty = none
-  // Unnamed operations: the submitting thread's name. Unnamed operations pair
-  // by submission order; threads racing to submit would pair one thread's
-  // operation with another's, so the thread is part of what ranks agree on.
-  std::string thread;
+  std::string codec;                 // codec config, canonical text; empty = none
   std::vector<GroupMember> members;  // grouped kinds: its arrays, in the caller's order
 
   std::string serialize(const std::string& name) const;
