@@ -40,7 +40,7 @@ void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
 
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
   HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
-  if (req.desc.kind == OpKind::kJoin) {  // one name on every rank, whichever thread joins
+  if (req.desc.kind == OpKind::kJoin) {  // one name on every rank
     req.name = kJoinName;
   } else if (req.name == kJoinName) {
     return Status::Invalid(std::string("the name '") + kJoinName + "' is join's own");
