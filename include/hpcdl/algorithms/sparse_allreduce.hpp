@@ -4,10 +4,12 @@
 // choice between the two.
 //
 // Result: the exact top-k (by magnitude, NaN largest, lower index wins ties)
-// of s = the sum, in rank order, of every rank's scaled local top-k, i.e. the
+// of s = the sum, in rank order, of every rank's scaled local pairs, i.e. the
 // top-k of what the allgather variant returns. Steps, all on the engine's
 // data communicator, non-blocking collectives waited on politely:
-//   1. each rank selects its local top-k of x = data (+ residual) (TopkSelector);
+//   1. each rank selects its local top-k of x = data (+ residual) (TopkSelector),
+//      or with threshold reuse every |x| at or above its threshold (TopkReuse:
+//      the counts differ between ranks, between k/2 and 2k);
 //   2. balance: a histogram of the selected indices over B equal bins is summed
 //      (Iallreduce); the index space is cut into p contiguous ranges holding
 //      about p k / p = k selected pairs each (cuts interpolated inside bins);
