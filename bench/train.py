@@ -16,7 +16,8 @@ warm-up round runs at least that many steps, so every timed step is compressed. 
 all gradients: over gloo its hook deadlocks with two (see build_systems). A separate, untimed phase trains a
 fresh copy of every system for --train-steps steps on the scikit-learn digits
 (each rank on its shard, the same batches for every system) and reports the
-accuracy on a held-out fifth. The floor (no-exchange: each rank steps its own
+accuracy on a held-out fifth: with --seeds N, the mean, spread and per-seed values over N training
+seeds (initial weights and batch order), as one seed's accuracy moves by a point with summation order alone. The floor (no-exchange: each rank steps its own
 model alone) is timed, not trained: it is no way to train. "vs fastest hook"
 is the fastest DDP hook's step time over the system's, so the floor's is the
 most any system could reach here. A system that cannot run here (DDP refuses
@@ -51,8 +52,8 @@ FLOOR_NOTE = "step-time floor: no gradient exchange, not trained"
 TEST_FRACTION, SPLIT_SEED = 0.2, 1234
 
 
-def make_model(features, hidden, layers, classes):
-    torch.manual_seed(0)
+def make_model(features, hidden, layers, classes, seed=0):
+    torch.manual_seed(seed)
     body = [torch.nn.Linear(features, hidden), torch.nn.ReLU()]
     for _ in range(layers - 1):
         body += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
@@ -187,27 +188,49 @@ def digits(rank, size):
 
 
 def accuracy_phase(args, rank, size):
-    """{system: (held-out accuracy, mean held-out loss)} after --train-steps steps of each system on the
-    digits, and the failures."""
+    """{system: [(held-out accuracy, mean held-out loss) per training seed]} after --train-steps steps of each
+    system on the digits, and the failures. Seed s sets the model's initial weights and every rank's batch
+    order (the same for every system); the held-out split stays."""
     train_x, train_y, test_x, test_y = digits(rank, size)
-    systems, failed = build_systems(
-        args, lambda: make_model(train_x.shape[1], args.hidden, args.layers, 10), "bench.acc"
-    )
-    accuracy = {}
-    for name, (model, opt) in systems.items():
-        g = torch.Generator().manual_seed(rank)  # the same batches for every system
-        for _ in range(args.train_steps):
-            pick = torch.randint(0, len(train_y), (args.batch,), generator=g)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(train_x[pick]), train_y[pick]).backward()
-            opt.step()
-        with torch.no_grad():
-            mine = slice(rank, None, size)
-            logits = model(test_x[mine])
-            correct = int((logits.argmax(1) == test_y[mine]).sum())
-            loss = float(torch.nn.functional.cross_entropy(logits, test_y[mine], reduction="sum"))
-        accuracy[name] = (ratio(WORLD.allreduce(correct), len(test_y)), ratio(WORLD.allreduce(loss), len(test_y)))
+    accuracy, failed = {}, {}
+    for seed in range(args.seeds):
+        systems, failed = build_systems(
+            args, lambda: make_model(train_x.shape[1], args.hidden, args.layers, 10, seed), f"bench.acc{seed}"
+        )
+        for name, (model, opt) in systems.items():
+            if args.accuracy_of and name not in args.accuracy_of.split(","):
+                continue
+            g = torch.Generator().manual_seed(seed * size + rank)  # the same batches for every system
+            for _ in range(args.train_steps):
+                pick = torch.randint(0, len(train_y), (args.batch,), generator=g)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(train_x[pick]), train_y[pick]).backward()
+                opt.step()
+            with torch.no_grad():
+                mine = slice(rank, None, size)
+                logits = model(test_x[mine])
+                correct = int((logits.argmax(1) == test_y[mine]).sum())
+                loss = float(torch.nn.functional.cross_entropy(logits, test_y[mine], reduction="sum"))
+            accuracy.setdefault(name, []).append(
+                (ratio(WORLD.allreduce(correct), len(test_y)), ratio(WORLD.allreduce(loss), len(test_y)))
+            )
+            if rank == 0:  # as it goes: a long phase cut short still shows its seeds
+                print(f"[hpcdl rank 0] seed {seed} {name}: held-out accuracy, loss {accuracy[name][-1]!r}", flush=True)
     return accuracy, failed
+
+
+def accuracy_columns(per_seed):
+    """The CSV's accuracy cells of one system from its [(accuracy, loss) per seed] (empty: not trained)."""
+    accs = [a for a, _ in per_seed]
+    return {
+        "test_acc": statistics.mean(accs) if accs else None,
+        "test_acc_sd": statistics.stdev(accs) if len(accs) > 1 else None,
+        "test_acc_min": min(accs, default=None),
+        "test_acc_max": max(accs, default=None),
+        "test_acc_per_seed": " ".join(repr(a) for a in accs),
+        "test_loss": statistics.mean(loss for _, loss in per_seed) if per_seed else None,
+        "test_loss_per_seed": " ".join(repr(loss) for _, loss in per_seed),
+    }
 
 
 def main():
@@ -224,6 +247,19 @@ def main():
         help=f"DDP communication hooks, from {','.join(DDP_HOOKS)} ('' for plain DDP only)",
     )
     parser.add_argument("--train-steps", type=int, default=200, help="steps of every system in the accuracy phase")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="training seeds of the accuracy phase (0..N-1: initial weights and batch order); "
+        "the CSV has the mean, sample standard deviation, min and max of the held-out accuracy; "
+        "0: no accuracy phase (step times only; the accuracy does not depend on the links)",
+    )
+    parser.add_argument(
+        "--accuracy-of",
+        default="",
+        help="the systems the accuracy phase trains, e.g. ddp-powersgd-r1,hpcdl-powersgd ('': all)",
+    )
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
     parser.add_argument("--master-addr", default="127.0.0.1", help="rank 0's address for gloo")
@@ -233,6 +269,13 @@ def main():
     unknown = set(filter(None, args.ddp_hooks.split(","))) - set(DDP_HOOKS)
     if unknown:
         parser.error(f"--ddp-hooks: unknown {','.join(sorted(unknown))}; choose from {','.join(DDP_HOOKS)}")
+    if args.seeds < 0:
+        parser.error("--seeds must be >= 0")
+    named = {"ddp-gloo", *(f"ddp-{h}" for h in args.ddp_hooks.split(",") if h)}
+    named |= {f"hpcdl-{c}" for c in args.codecs.split(",") if c}
+    strangers = set(filter(None, args.accuracy_of.split(","))) - named
+    if strangers:
+        parser.error(f"--accuracy-of: {','.join(sorted(strangers))} not among the systems {','.join(sorted(named))}")
     torch.set_num_threads(1)
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
 
@@ -269,8 +312,13 @@ def main():
     rows = []
     print(
         f"[hpcdl rank 0] {size} ranks, MLP {args.layers}x{args.hidden} ({params / 1e6:.2f} M params, "
-        f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank; accuracy on the digits "
-        f"after {args.train_steps} steps; PowerSGD from step {POWERSGD_START_ITER}"
+        f"{params * 4 / 1e6:.1f} MB of fp32 gradients), batch {args.batch}/rank; "
+        + (
+            f"accuracy on the digits after {args.train_steps} steps, mean of {args.seeds} seeds"
+            if args.seeds
+            else "no accuracy phase (--seeds 0)"
+        )
+        + f"; PowerSGD from step {POWERSGD_START_ITER}"
     )
     for name in ["ddp-gloo", *hooks, *(name for name in times if name.startswith("hpcdl-")), FLOOR]:
         median = medians.get(name)
@@ -287,9 +335,9 @@ def main():
                 "throughput_vs_fastest_hook": ratio(fastest_hook, median),
                 "steps_timed": len(times.get(name, ())),
                 "cpu_ms_per_step": None if used is None else used * 1e3,
-                "train_steps": args.train_steps,
-                "test_acc": accuracy.get(name, (None, None))[0],
-                "test_loss": accuracy.get(name, (None, None))[1],
+                "train_steps": args.train_steps if args.seeds else None,
+                "acc_seeds": len(accuracy.get(name, ())),
+                **accuracy_columns(accuracy.get(name, [])),
                 "note": notes.get(name, ""),
                 "load_avg_1min": os.getloadavg()[0],
                 "stream_MBps": os.environ.get("HPCDL_BENCH_STREAM_MBPS", ""),
@@ -300,7 +348,8 @@ def main():
             f"[hpcdl rank 0] {name:17s} {show(r['median_step_ms'], '9.2f')} ms/step  "
             f"{show(r['samples_per_s'], '9.0f')} samples/s  {show(r['throughput_vs_ddp'], '5.2f')}x DDP  "
             f"{show(r['throughput_vs_fastest_hook'], '5.2f')}x fastest hook  "
-            f"{show(r['cpu_ms_per_step'], '7.1f')} ms CPU/step/rank  test acc {show(r['test_acc'], '.3f')} "
+            f"{show(r['cpu_ms_per_step'], '7.1f')} ms CPU/step/rank  test acc {show(r['test_acc'], '.4f')} "
+            f"(sd {show(r['test_acc_sd'], '.4f')}, {r['acc_seeds']} seeds) "
             f"loss {show(r['test_loss'], '.4f')}  "
             f"{r['note']}"
         )
@@ -309,27 +358,42 @@ def main():
 
 
 def draw(plt, rows, tag, size, params):
-    fig, (speed, acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (speed, acc) = plt.subplots(1, 2, figsize=(11, 4.6))
+    trained = [r["test_acc_min"] for r in rows if r["test_acc_min"] is not None]
+    acc_floor = min(trained, default=0.5) - 0.05  # the seeds' spread is a point or two: show it
     families = {
         "ddp-gloo": ("DDP (gloo)", "tab:gray"),
         "ddp-": ("DDP + comm hook", "tab:orange"),
         "hpcdl-": ("hpcdl DistributedOptimizer", "tab:blue"),
         FLOOR: ("no gradient exchange (floor)", "tab:green"),
     }
-    for ax, key, label in (
-        (speed, "samples_per_s", "training throughput, samples/s (all ranks)"),
-        (acc, "test_acc", f"held-out accuracy after {rows[0]['train_steps']} steps (digits)"),
+    for ax, key, label, bottom in (
+        (speed, "samples_per_s", "training throughput, samples/s (all ranks)", 0),
+        (
+            acc,
+            "test_acc",
+            f"held-out accuracy, {rows[0]['train_steps']} steps\n(mean; bars: min-max of the seeds)",
+            acc_floor,
+        ),
     ):
         for i, row in enumerate(rows):
             family = next(f for prefix, f in families.items() if row["system"].startswith(prefix))
             value = row[key]
             ax.bar(i, value or 0, color=family[1], label=family[0])
+            if key == "test_acc" and value is not None:
+                low, high = row["test_acc_min"], row["test_acc_max"]
+                ax.errorbar(i, value, yerr=[[value - low], [high - value]], color="black", capsize=4)
+                ax.text(i, high, f"{value:.4f}", ha="center", va="bottom", fontsize=8)
             if value is None:  # not measured: say so instead of drawing a zero
-                why = " not trained" if row["system"] == FLOOR else " did not run"
-                ax.text(i, 0, why, rotation=90, ha="center", va="bottom", fontsize=8)
+                why = (
+                    " not trained"
+                    if row["system"] == FLOOR or (key == "test_acc" and not row["note"])
+                    else " did not run"
+                )
+                ax.text(i, bottom, why, rotation=90, ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(rows)), [r["system"] for r in rows], rotation=35, ha="right", fontsize=8)
         ax.set_ylabel(label, fontsize=9)
-    acc.set_ylim(0, 1)
+    acc.set_ylim(acc_floor, 1)
     handles = dict(zip(*reversed(speed.get_legend_handles_labels())))
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=4, fontsize=8)
     fig.suptitle(f"{tag}: {size} ranks, {params / 1e6:.1f} M-param MLP, CPU, PowerSGD from step {POWERSGD_START_ITER}")

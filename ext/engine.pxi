@@ -27,7 +27,6 @@ from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, C
 from libhpcdl.status cimport CStatus, check_status
 
 import math
-import threading
 
 from hpcdl._warn import warn as _warn
 
@@ -369,8 +368,6 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
     req.name = (name or "").encode()
-    if not name:
-        req.desc.thread = threading.current_thread().name.encode()
     req.desc.kind = <COpKind>kind
     req.desc.dtype = <CDType>DTYPES[buf.dtype][0] if buf is not None else CDType.kInt32
     req.desc.count = buf.count if buf is not None else 0
@@ -415,8 +412,6 @@ def submit_group(list buffers, MPI.Comm comm not None, name, int reduce_op=0, ui
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None, got {type(name).__name__} {name!r}")
     req.name = (name or "").encode()
-    if not name:
-        req.desc.thread = threading.current_thread().name.encode()
     req.desc.kind = COpKind.kGroupedAllreduce
     req.desc.reduce_op = <CReduceOp>reduce_op
     req.desc.chunk_bytes = chunk_bytes if chunk_bytes else kDefaultChunkBytes
@@ -476,6 +471,7 @@ KIND_BARRIER = <int>COpKind.kBarrier
 KIND_ALLGATHER = <int>COpKind.kAllgather
 KIND_REDUCESCATTER = <int>COpKind.kReduceScatter
 KIND_ALLTOALL = <int>COpKind.kAlltoall
+KIND_JOIN = <int>COpKind.kJoin
 
 
 

@@ -24,6 +24,7 @@ KIND_BARRIER: int
 KIND_ALLGATHER: int
 KIND_REDUCESCATTER: int
 KIND_ALLTOALL: int
+KIND_JOIN: int
 OPS: Dict[str, int]
 
 class EngineWarning(UserWarning): ...

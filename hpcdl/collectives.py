@@ -104,9 +104,11 @@ def allreduce_async(
     name: identifies the operation across ranks. Named operations may be
         submitted in any order on different ranks: the engine agrees on one
         order before running them. Unnamed ones are matched by submission order
-        on each communicator, and the submitting thread's name is checked too:
-        two threads whose unnamed operations pair differently on different
-        ranks get MismatchError, not each other's data.
+        on each communicator, whichever thread submits them (pool threads named
+        differently on each rank pair as the program orders them); ranks still
+        agree on each one's kind, dtype, shape and op, so threads racing to
+        submit unnamed operations that differ get MismatchError, not each
+        other's data. Name the operations of threads that race.
         With compression, a name also keys the tensor's error-feedback residual.
     dtype: read the buffer as this dtype (e.g. "bfloat16" for a uint16 view).
     compression: None (dense) or a codec from hpcdl.compression (Int8(),
@@ -396,6 +398,29 @@ def alltoall(buf, splits=None, comm=None, name=None, dtype=None):
 def barrier(comm: MPI.Comm | None = None) -> None:
     """Return once every rank of ``comm`` has entered the barrier."""
     _core.submit(_core.KIND_BARRIER, None, _comm(comm), None).wait()
+
+
+def join_async(comm: MPI.Comm | None = None) -> Any:
+    """Start a join (see join); returns a handle whose ``wait()`` returns the rank that joined last."""
+    handle = _core.submit(_core.KIND_JOIN, None, _comm(comm), None)
+    return _tensors.OutputHandle(handle, lambda h: h.result()[1][0])
+
+
+def join(comm: MPI.Comm | None = None) -> int:
+    """This rank has run out of data (Horovod's join): until every rank of
+    ``comm`` has joined, its engine takes part in the other ranks' operations
+    with zeros, so their allreduces (op sum or average, grouped too) and
+    allgathers complete; average still divides by ``comm``'s size, as Horovod's
+    does. Returns, on every rank, the rank that joined last, once all have;
+    then ``comm`` works as before (the next epoch).
+
+    While a rank has joined, a broadcast from it, reducescatter, alltoall,
+    op min/max/product and compressed allreduces raise MismatchError on the
+    ranks that submitted them, and the join raises it on the joined ranks
+    (docs/horovod.md). A join waits as long as the other ranks train: stall
+    warnings name the ranks not joined yet; stall_error_seconds never ends it.
+    """
+    return join_async(comm).wait()
 
 
 def stats(reset: bool = False) -> dict[str, Any]:

@@ -16,6 +16,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         kReduceScatter
         kAlltoall
         kGroupedAllreduce
+        kJoin
 
     cdef enum class CDType "hpcdl::DType":
         kFloat32
@@ -53,7 +54,6 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         vector[int64_t] shape
         uint64_t chunk_bytes
         string codec
-        string thread
         vector[CGroupMember] members
 
     cdef cppclass COpRequest "hpcdl::OpRequest":

@@ -357,6 +357,14 @@ def barrier(process_set=global_process_set):
     call(hpcdl.barrier, comm_of(process_set))
 
 
+def join(device=-1):
+    """Horovod's join: this rank has run out of data; until every rank has joined,
+    its engine takes part in the others' allreduces with zeros (hpcdl.join).
+    Returns the rank that joined last. ``device`` (where Horovod makes the zeros)
+    is accepted and unused: hpcdl's engine makes them in host memory."""
+    return call(hpcdl.join, comm())
+
+
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Rank ``root_rank``'s ``obj`` (pickled) on every rank of ``process_set``."""
     name = name or "broadcast_object"

@@ -15,7 +15,7 @@ import hpcdl
 from hpcdl._agree import check_same_on_all_ranks
 from hpcdl.compression import PowerSGD
 from hpcdl.tensorflow.powersgd import powersgd_state
-from hpcdl.tensorflow.tape import _GradientAllreduce, broadcast_variables
+from hpcdl.tensorflow.tape import _GradientAllreduce, _identity, broadcast_variables
 
 __all__ = ["DistributedOptimizer", "BroadcastGlobalVariablesCallback", "MetricAverageCallback", "load_model"]
 
@@ -30,6 +30,11 @@ class _DistributedOptimizerMixin:
     single process on the global batch.
     """
 
+    def register_local_var(self, var):
+        """``var`` is this rank's own (Horovod's local variable): its gradient is not reduced
+        (divided by the ranks' count unless scale_local_gradients=False)."""
+        self._hpcdl_allreduce.register_local(var)
+
     def apply(self, grads, trainable_variables=None):
         sources = self._trainable_variables if trainable_variables is None and self.built else trainable_variables
         if sources is not None:
@@ -37,7 +42,15 @@ class _DistributedOptimizerMixin:
         return super().apply(grads, trainable_variables)
 
 
-def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, name="keras", sparse_as_dense=False):
+def DistributedOptimizer(
+    optimizer,
+    compression=None,
+    op="average",
+    comm=None,
+    name="keras",
+    sparse_as_dense=False,
+    scale_local_gradients=True,
+):
     """A copy of a Keras optimizer whose updates use gradients reduced over all ranks (for model.fit).
 
         model.compile(optimizer=hpcdl.tensorflow.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss=...)
@@ -56,6 +69,8 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
     IndexedSlices gradients allgathered, or made dense with sparse_as_dense=True.
     With compression=PowerSGD(...) its state (Q and the residuals) is the
     optimizer's attribute ``powersgd_state``, saved by tf.train.Checkpoint(optimizer=...).
+    ``register_local_var(var)`` keeps a variable's gradient this rank's own (Horovod's
+    local variables), divided by the ranks' count when scale_local_gradients.
     """
     if not isinstance(optimizer, tf.keras.optimizers.Optimizer):
         raise TypeError(f"DistributedOptimizer wraps a keras.optimizers.Optimizer, not {type(optimizer).__name__}")
@@ -66,7 +81,7 @@ def DistributedOptimizer(optimizer, compression=None, op="average", comm=None, n
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedOptimizerMixin, type(optimizer)), {})
     distributed = cls.from_config(optimizer.get_config())
     distributed._hpcdl_allreduce = _GradientAllreduce(
-        compression, op, comm, name, "the gradients of DistributedOptimizer", sparse_as_dense
+        compression, op, comm, name, "the gradients of DistributedOptimizer", sparse_as_dense, scale_local_gradients
     )
     if isinstance(compression, PowerSGD):  # tracked: tf.train.Checkpoint(optimizer=...) saves Q and the residuals
         distributed.powersgd_state = powersgd_state(name)
@@ -126,7 +141,9 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
     the optimizer's variables after the first batch (Keras creates optimizer
     state lazily, on the first update). Gradients are averaged by
     DistributedOptimizer (model.fit), or by DistributedGradientTape in a custom
-    train_step (see docs/frameworks.md).
+    train_step (see docs/frameworks.md). Variables registered with
+    register_local_var() keep each rank's values, and so does the optimizer
+    state Keras makes for them.
     """
 
     def __init__(self, root=0, comm=None):
@@ -134,6 +151,21 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
         self.root = root
         self.comm = comm
         self._after_first_batch = False
+        self._local = {}  # the local variables, by _identity
+
+    def register_local_var(self, var):
+        """``var`` is this rank's own (Horovod's local variable): not broadcast."""
+        self._local[_identity(var)] = var
+
+    def _shared(self, variables):
+        """``variables`` less the local ones and the optimizer variables Keras made for them
+        (add_variable_from_reference names those after the variable's path)."""
+        local_paths = tuple(v.path.replace("/", "_") + "_" for v in self._local.values() if hasattr(v, "path"))
+        return [
+            v
+            for v in variables
+            if _identity(v) not in self._local and not (local_paths and str(v.name).startswith(local_paths))
+        ]
 
     def on_train_begin(self, logs=None):
         optimizer = self.model.optimizer
@@ -145,14 +177,16 @@ class BroadcastGlobalVariablesCallback(tf.keras.callbacks.Callback):
                 "a LossScaleOptimizer (Keras adds one for mixed_float16) wraps hpcdl's "
                 "DistributedOptimizer: wrap it instead, DistributedOptimizer(LossScaleOptimizer(opt))"
             )
-        broadcast_variables(self.model.variables, root=self.root, comm=self.comm)
+        broadcast_variables(self._shared(self.model.variables), root=self.root, comm=self.comm)
 
     def on_train_batch_end(self, batch, logs=None):
         if self._after_first_batch:
             return
         self._after_first_batch = True
         optimizer_variables = list(getattr(self.model.optimizer, "variables", []) or [])
-        broadcast_variables(list(self.model.variables) + optimizer_variables, root=self.root, comm=self.comm)
+        broadcast_variables(
+            self._shared(list(self.model.variables) + optimizer_variables), root=self.root, comm=self.comm
+        )
 
 
 class MetricAverageCallback(tf.keras.callbacks.Callback):

@@ -39,6 +39,12 @@ def _core_view(array):
     return array, None
 
 
+def _identity(source):
+    """What names a variable or tensor in a set: its ref(); a Keras 3 variable has none, so its id
+    (the set keeps the object, so the id is not reused)."""
+    return source.ref() if hasattr(source, "ref") else id(source)
+
+
 def _state_keys(sources):
     """Each source's name for its PowerSGD state and seeded Q: the Keras variable's path, else the
     tf.Variable's name; two sources of one name raise ValueError."""
@@ -63,11 +69,16 @@ class _GradientAllreduce:
     size), identical on every rank. The gradients' kinds, shapes and dtypes
     (a gathered gradient's rows excepted) are checked across ranks the first
     time a set of them is seen (``what`` names them in the MismatchError every
-    rank raises when they differ).
+    rank raises when they differ). Sources registered as local (``register_local``)
+    keep this rank's own gradient, divided by the ranks' count when
+    ``scale_local_gradients`` (Horovod's local variables): they take no part in
+    the reduction or its checks, so they may differ across ranks.
     """
 
-    def __init__(self, compression, op, comm, name, what, sparse_as_dense=False):
+    def __init__(self, compression, op, comm, name, what, sparse_as_dense=False, scale_local_gradients=True):
         self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self._local = {}  # the local sources, by _identity
         self._powersgd = None
         if isinstance(compression, PowerSGD):
             if op != "average":
@@ -85,10 +96,37 @@ class _GradientAllreduce:
         self._what = what
         self._verified = set()
 
+    def register_local(self, source):
+        """``source`` (a variable or watched tensor) keeps this rank's own gradient."""
+        self._local[_identity(source)] = source
+
     def reduce_gradients(self, grads, sources):
         """Reduced ``grads`` in their structure: None (no gradient) as zeros, IndexedSlices
-        gathered (or made dense with sparse_as_dense)."""
+        gathered (or made dense with sparse_as_dense); a local source's gradient is this
+        rank's (None stays None)."""
         flat_sources, flat_grads = tf.nest.flatten(sources), tf.nest.flatten(grads)
+        local = [_identity(s) in self._local for s in flat_sources]
+        shared = iter(
+            self._reduce_shared(
+                [g for g, mine in zip(flat_grads, local) if not mine],
+                [s for s, mine in zip(flat_sources, local) if not mine],
+            )
+        )
+        out = [self._local_gradient(g) if mine else next(shared) for g, mine in zip(flat_grads, local)]
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def _local_gradient(self, grad):
+        if grad is None or not self.scale_local_gradients:
+            return grad
+        size = self.comm.Get_size()
+        if isinstance(grad, tf.IndexedSlices):
+            return tf.IndexedSlices(grad.values / size, grad.indices, dense_shape=grad.dense_shape)
+        return grad / size
+
+    def _reduce_shared(self, flat_grads, flat_sources):
+        """The reduced gradients of the sources that are not local, as a flat list."""
+        if not flat_sources:
+            return []
         grads_in = [tf.zeros_like(s) if g is None else g for s, g in zip(flat_sources, flat_grads)]
         if self._powersgd is not None:  # PowerSGD factors dense matrices: IndexedSlices go dense
             dense = [tf.convert_to_tensor(g) for g in grads_in]
@@ -100,7 +138,7 @@ class _GradientAllreduce:
                 self._factors[0].allreduce,
                 self._factors[1].allreduce,
             )
-            return tf.nest.pack_sequence_as(grads, reduced)
+            return list(reduced)
         gathered = [isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense for g in grads_in]
         if any(gathered) and self.op not in ("average", "sum"):
             raise ValueError(
@@ -118,7 +156,7 @@ class _GradientAllreduce:
                 out.append(tf.IndexedSlices(values, indices, dense_shape=g.dense_shape))
             else:
                 out.append(next(reduced))
-        return tf.nest.pack_sequence_as(grads, out)
+        return out
 
     def allreduce(self, tensors):
         """Reduce a list of dense tensors over all ranks (eagerly or inside a tf.function)."""
@@ -256,14 +294,31 @@ class DistributedGradientTape:
         and ".values") and the gradient is the IndexedSlices of every rank's
         rows (average: values / size); every rank must produce it each step.
         With PowerSGD, IndexedSlices gradients are always made dense.
+    scale_local_gradients: the gradient of a source registered with
+        register_local_source() is divided by the ranks' count (Horovod's default).
     The gradients' shapes and dtypes are checked across ranks the first time a
     set of them is seen: a model that differs raises MismatchError on every rank.
     """
 
-    def __init__(self, tape, compression=None, op="average", comm=None, name="tf", sparse_as_dense=False):
+    def __init__(
+        self,
+        tape,
+        compression=None,
+        op="average",
+        comm=None,
+        name="tf",
+        sparse_as_dense=False,
+        scale_local_gradients=True,
+    ):
         self._tape = tape
         self._reduce = _GradientAllreduce(
-            compression, op, comm, name, "the gradients of DistributedGradientTape", sparse_as_dense
+            compression,
+            op,
+            comm,
+            name,
+            "the gradients of DistributedGradientTape",
+            sparse_as_dense,
+            scale_local_gradients,
         )
 
     def __getattr__(self, attr):  # watch(), stop_recording(), ... of the wrapped tape
@@ -271,6 +326,11 @@ class DistributedGradientTape:
 
     def gradient(self, target, sources, output_gradients=None):
         return self._reduce.reduce_gradients(self._tape.gradient(target, sources, output_gradients), sources)
+
+    def register_local_source(self, source):
+        """``source`` is this rank's own (Horovod's local variable): gradient() returns its
+        local gradient (scaled, see scale_local_gradients), not reduced nor checked across ranks."""
+        self._reduce.register_local(source)
 
     def allreduce(self, tensors):
         """Reduce a list of tensors over all ranks (eagerly or inside a tf.function)."""

@@ -9,14 +9,17 @@ allreduce); every other parameter goes densely into one fused bucket per dtype
 and device. Per low-rank bucket and step after the
 warm-up, with r the rank and each matrix on its parameter's device:
 
-    put         (each gradient, as backward produces it) M = grad + residual, into the bucket
+    put         (each gradient, as backward produces it) M = grad + residual, into the
+                bucket's work buffer (the residual is left as it is until result)
     launch      (its last gradient is in, during backward)
                 P = M Q (Q: last step's); P's allreduce may start
     exchange_q  (bucket after bucket: during backward, when a bucket is launched, for the
                 earlier ones whose P is summed; the rest at its end, while later P's move)
                 P <- orthogonalize(P) (Gram-Schmidt, float32); Q = M^T P; Q's allreduce starts
-    result      residual = M - P Q^T; approx = P Q^T written straight into the parameter's
-                .grad (no copy back from the bucket) where .grad is a dense float32 tensor
+    result      approx = P Q^T written straight into the parameter's .grad (no copy back
+                from the bucket) where .grad is a dense float32 tensor; residual = M - P Q^T
+                in place over M, whose buffer then holds the residual (the old residual's
+                takes the next step's M)
 
 P and Q are averaged. Every rank orthogonalizes the same P with the same code
 and multiplies by the same Q, so every rank ends with the same bits. During
@@ -57,31 +60,34 @@ def restart_columns(q, q0):
 
 
 def take(mat, grad):
-    """A gradient arrives (None: zeros): M = grad + residual, in one pass into the bucket."""
+    """A gradient arrives (None: zeros): M = grad + residual, in one pass into the matrix's work
+    buffer (the residual stays as it is until the step's result replaces it)."""
     if grad is None:
-        mat.grad.copy_(mat.residual)
+        mat.m.copy_(mat.residual)
     else:
-        torch.add(grad.reshape(mat.grad.shape), mat.residual, out=mat.grad)
+        torch.add(grad.reshape(mat.m.shape), mat.residual, out=mat.m)
 
 
 def project(mat):
     """First half, before P's allreduce, once the bucket's M are in: P = M Q."""
-    torch.matmul(mat.grad, mat.q, out=mat.p)
+    torch.matmul(mat.m, mat.q, out=mat.p)
 
 
 def project_back(mat):
     """Second half, on the summed P, before Q's allreduce: P orthogonalized; Q = M^T P."""
     orthogonalize(mat.p)
-    torch.matmul(mat.grad.T, mat.p, out=mat.q)
+    torch.matmul(mat.m.T, mat.p, out=mat.q)
 
 
-def finish(mat, approx=None):
-    """On the summed Q: residual = M - P Q^T (0 where not finite: an overflow never reaches later
-    steps), then approx = P Q^T into `approx` (an n x m view of the parameter's .grad, which then
-    needs no copy back) or else into the bucket over M; Q's dead columns restart."""
-    torch.addmm(mat.grad, mat.p, mat.q.T, alpha=-1, out=mat.residual)
-    mat.residual.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # one pass (isfinite + where: ~30x slower on CPU)
-    torch.matmul(mat.p, mat.q.T, out=mat.grad if approx is None else approx)
+def finish(mat, approx):
+    """On the summed Q: approx = P Q^T into `approx` (n x m: a view of the parameter's .grad,
+    which then needs no copy back, or of the bucket); the residual M - P Q^T computed in place
+    over M (0 where not finite: an overflow never reaches later steps), whose buffer then holds
+    the residual while the old residual's takes the next M; Q's dead columns restart."""
+    torch.matmul(mat.p, mat.q.T, out=approx)
+    mat.m.addmm_(mat.p, mat.q.T, alpha=-1)  # in place: one pass (an out= addmm copies M first)
+    mat.m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)  # one pass (isfinite + where: ~30x slower on CPU)
+    mat.m, mat.residual = mat.residual, mat.m
     restart_columns(mat.q, mat.q0)
 
 
@@ -146,18 +152,20 @@ class Schedule:
 
 
 class Matrix:
-    """One compressed parameter: n x m views of its gradient (M, then the approximation) and
-    residual, n x r of P, m x r of Q and of the seeded Q (views into its bucket's buffers)."""
+    """One compressed parameter: n x m views of its residual and of its work buffer (M during a
+    step), which trade places at each result; n x r of P, m x r of Q and of the seeded Q (views
+    into its bucket's buffers)."""
 
-    def __init__(self, name, n, m, grad, residual, p, q, q0):
+    def __init__(self, name, n, m, work, residual, p, q, q0):
         self.name = name
-        self.grad, self.residual = grad.view(n, m), residual.view(n, m)  # grad: M, then approx
+        self.m, self.residual = work.view(n, m), residual.view(n, m)
         self.p, self.q, self.q0 = p.view(n, -1), q.view(m, -1), q0.view(m, -1)
 
 
 class LowRankBucket(Bucket):
-    def __init__(self, index, name, slots, staged, schedule, size, names):
-        super().__init__(index, name, torch.float32, slots, staged, None, size)
+    def __init__(self, index, name, slots, staged, schedule, size, names, grad_as_view):
+        # grad_as_view: the riders' .grad (and all of them in the dense warm-up) become slots of the bucket
+        super().__init__(index, name, torch.float32, slots, staged, None, size, grad_as_view)
         self.schedule = schedule
         self.can_compress = not self.local and size > 1  # one rank: the gradients stay exact
         self.compressing = False  # this step's mode, fixed when its allreduce is submitted
@@ -167,9 +175,14 @@ class LowRankBucket(Bucket):
         if not self.can_compress:
             return
         rank, device = schedule.codec.rank, self.device
-        shapes = [schedule.codec.matrix_shape(p.shape) for p, _, _ in slots]
+        factored = [slot for slot in slots if schedule.codec.compresses(slot[0].shape)]
+        # the riders: parameters the codec does not factor (biases, norms), averaged as they are in
+        # P's allreduce, after the matrices' P (one allreduce fewer than a dense bucket of their own)
+        self.riders = [slot for slot in slots if not schedule.codec.compresses(slot[0].shape)]
+        shapes = [schedule.codec.matrix_shape(p.shape) for p, _, _ in factored]
         host = device if staged else torch.device("cpu")
-        self.p_host = _tensors.host_buffer(rank * sum(n for n, _ in shapes), torch.float32, host)
+        p_numel = rank * sum(n for n, _ in shapes) + sum(numel for _, _, numel in self.riders)
+        self.p_host = _tensors.host_buffer(p_numel, torch.float32, host)
         self.q_host = _tensors.host_buffer(rank * sum(m for _, m in shapes), torch.float32, host)
         self.p_array, self.q_array = self.p_host.numpy(), self.q_host.numpy()
         self.p_dev = torch.empty_like(self.p_host, device=device) if staged else self.p_host
@@ -177,19 +190,23 @@ class LowRankBucket(Bucket):
         self.q0 = torch.cat(
             [
                 torch.from_numpy(schedule.codec.initial_q(names[p], m)).view(-1)
-                for (p, _, _), (_, m) in zip(slots, shapes)
+                for (p, _, _), (_, m) in zip(factored, shapes)
             ]
         ).to(device)
         self.q_dev.copy_(self.q0)
+        # the residuals and the work buffer of M: a separate pair, so that M never overwrites the
+        # residual before the step's result (a step abandoned midway leaves it as it was) and the
+        # bucket stays free for the dense warm-up and the approximations that cannot go into .grad
         self.residual = torch.zeros(self.gather.numel(), dtype=torch.float32, device=device)
+        self.work = torch.empty_like(self.residual)
         p_at = q_at = 0
-        for (param, offset, numel), (n, m) in zip(slots, shapes):
+        for (param, offset, numel), (n, m) in zip(factored, shapes):
             self.matrices.append(
                 Matrix(
                     names[param],
                     n,
                     m,
-                    self.gather[offset : offset + numel],
+                    self.work[offset : offset + numel],
                     self.residual[offset : offset + numel],
                     self.p_dev[p_at : p_at + n * rank],
                     self.q_dev[q_at : q_at + m * rank],
@@ -198,6 +215,11 @@ class LowRankBucket(Bucket):
             )
             self.matrix_of[param] = self.matrices[-1]
             p_at, q_at = p_at + n * rank, q_at + m * rank
+        self.factored_slots = factored
+        self.rider_of = {}  # param: (its values in P's buffer, its slot in the bucket)
+        for param, offset, numel in self.riders:
+            self.rider_of[param] = (self.p_dev[p_at : p_at + numel], self.gather[offset : offset + numel])
+            p_at += numel
         schedule.buckets.append(self)
 
     def submit(self, op, comm, deferred):
@@ -215,7 +237,12 @@ class LowRankBucket(Bucket):
     def put(self, offset, numel, param, grad):
         if not self.compressing:
             return super().put(offset, numel, param, grad)
-        take(self.matrix_of[param], grad)
+        if param in self.matrix_of:
+            take(self.matrix_of[param], grad)
+        elif grad is None:
+            self.rider_of[param][0].zero_()
+        else:
+            self.rider_of[param][0].copy_(grad.reshape(-1))
 
     def launch(self):
         if not self.compressing:
@@ -259,11 +286,13 @@ class LowRankBucket(Bucket):
         if self.staged:
             _tensors.copy_async(self.q_dev, self.q_host, self.device).order_current_stream()
         with torch.no_grad():
-            for param, mat in self.matrix_of.items():
+            for (param, offset, numel), mat in zip(self.factored_slots, self.matrices):
                 grad = self._grad_in_place(param)
-                finish(mat, None if grad is None else grad.view(mat.grad.shape))
+                finish(mat, (self.gather[offset : offset + numel] if grad is None else grad).view(mat.m.shape))
                 if grad is not None:
                     self.in_grad.add(param)
+            for summed, slot in self.rider_of.values():  # delivered from the bucket like a dense one's
+                slot.copy_(summed)
         return self.gather
 
     def _grad_in_place(self, param):
@@ -287,23 +316,34 @@ class LowRankBucket(Bucket):
 
 
 def build_buckets(named, bucket_bytes, name, first_index, reducible, staged_of, schedule, size, grad_as_view):
-    """Low-rank buckets of the matrices the codec compresses, then one dense bucket per dtype
-    and device of the other parameters (their gradients are complete last)."""
+    """Low-rank buckets of the matrices the codec compresses, the float32 parameters it does not
+    compress riding in the last one's P (on its device: their gradients are complete last, as its
+    matrices' are), then one dense bucket per dtype and device of the others."""
     names = {p: n for n, p in named}
     factored = {p for _, p in named if p.dtype == torch.float32 and schedule.codec.compresses(p.shape)}
-    compressed = [(n, p) for n, p in named if p in factored]
-    dense = [(n, p) for n, p in named if p not in factored]
-    buckets = make_buckets(
-        compressed,
+    groups = make_buckets(
+        [(n, p) for n, p in named if p in factored],
         bucket_bytes,
         name,
         first_index,
         reducible,
-        lambda i, bname, dtype, slots: LowRankBucket(i, bname, slots, staged_of(slots[0][0]), schedule, size, names),
+        lambda i, bname, dtype, slots: (i, bname, slots),
         weigh=lambda p: schedule.codec.factor_bytes(p.shape),
     )
+    riders = set()
+    if groups:
+        device = groups[-1][2][0][0].device
+        slots = groups[-1][2]
+        for _, p in reversed(named):  # backward order, as make_buckets lays out slots
+            if p not in factored and p.dtype == torch.float32 and p.device == device:
+                riders.add(p)
+                slots.append((p, sum(numel for _, _, numel in slots), p.numel()))
+    buckets = [
+        LowRankBucket(i, bname, slots, staged_of(slots[0][0]), schedule, size, names, grad_as_view)
+        for i, bname, slots in groups
+    ]
     return buckets + make_buckets(
-        dense,
+        [(n, p) for n, p in named if p not in factored and p not in riders],
         _DENSE_BUCKET,
         name,
         first_index + len(buckets),

@@ -60,7 +60,6 @@ std::string describe_disagreement(const std::vector<OpDesc>& descs) {
   field("root", [](const OpDesc& d) { return std::to_string(d.root); });
   field("chunk_bytes", [](const OpDesc& d) { return std::to_string(d.chunk_bytes); });
   field("compression", [](const OpDesc& d) { return d.codec.empty() ? std::string("none") : d.codec; });
-  field("submitting thread", [](const OpDesc& d) { return "'" + d.thread + "'"; });
   return os.str();
 }
 
@@ -98,7 +97,8 @@ Status CommContext::report() {
     const std::string desc = pending.at(name)->req_.desc.serialize(name);
     auto id = ids.find(name);
     auto last = last_reported.find(name);
-    if (id != ids.end() && last != last_reported.end() && last->second == desc) {
+    const bool joins = pending.at(name)->req_.desc.kind == OpKind::kJoin;  // a join always goes up by itself
+    if (!joins && id != ids.end() && last != last_reported.end() && last->second == desc) {
       w.put<std::uint8_t>(kEntryCached);
       w.put<std::uint32_t>(id->second);
       w.put<std::int32_t>(rank);
@@ -130,6 +130,7 @@ Status CommContext::take_report(const char* bytes, std::size_t n, bool own) {
           source >= subtree_end)
         return Status::Internal("malformed operation description");
       if (!own) ++counted.descriptions_received;
+      if (parsed.kind == OpKind::kJoin) take_join_report(source);
       if (!is_coordinator()) {
         if (upward_entries++ == 0) upward.put<std::uint32_t>(0);
         upward.put<std::uint8_t>(kEntryDescription);
@@ -173,6 +174,10 @@ Status CommContext::take_report(const char* bytes, std::size_t n, bool own) {
 }
 
 void CommContext::merge_cached(std::uint32_t id, int first, int end, bool sent_by_id) {
+  if (subtree_joined) {  // no merged entry: a joined rank never reports
+    if (sent_by_id) put_upward_cached(id, first, end);
+    return;
+  }
   const int span = subtree_end - rank;
   Partial& p = partial[id];
   if (p.ready.empty()) {
@@ -259,23 +264,49 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
   };
   // Entries completed in the same cycle run in id order: only the coordinator
   // decides, so every rank gets the same order.
+  std::string join_failure;  // an operation join refused: the join fails too
   for (auto it = table.begin(); it != table.end();) {
     const std::uint32_t id = it->first;
     Entry& e = it->second;
-    if (e.ready_count == size) {
+    const std::string& name = coord_names[id];
+    const bool is_join = name == kJoinName;
+    std::vector<int> filled;  // joined ranks that never submitted it: they run it with zeros
+    for (int r = 0; r < size && !is_join; ++r)
+      if (!e.ready[r] && has_joined(r)) filled.push_back(r);
+    if (is_join && e.ready_count == size) {
+      put_entry(id, PlanResult::kJoined, "");
+      w->put<std::int32_t>(last_joined);
+      end_join();
+      it = table.erase(it);
+      continue;
+    }
+    if (!is_join && e.ready_count + static_cast<int>(filled.size()) == size) {
+      // Joined ranks take the agreed description: the submitters' must agree.
+      int first = 0;
+      while (!e.ready[first]) ++first;
       std::vector<OpDesc> descs(size);
       bool same = true;
       for (int r = 0; r < size; ++r) {
-        std::string name;
-        OpDesc::parse(last_desc[id][r], &name, &descs[r]);
-        same = same && last_desc[id][r] == last_desc[id][0];
+        const std::string& desc = last_desc[id][e.ready[r] ? r : first];
+        std::string parsed_name;
+        OpDesc::parse(desc, &parsed_name, &descs[r]);
+        same = same && desc == last_desc[id][first];
       }
-      if (same) {
-        given_up.erase(coord_names[id]);
-        put_entry(id, PlanResult::kRun, "");
-      } else {
+      const std::string refusal = same && !filled.empty() ? join_refusal(name, descs[first], filled) : "";
+      if (!same) {
         put_entry(id, PlanResult::kMismatch,
-                  "hpcdl: ranks disagree on operation '" + coord_names[id] + "': " + describe_disagreement(descs));
+                  "hpcdl: ranks disagree on operation '" + name + "': " + describe_disagreement(descs));
+      } else if (!refusal.empty()) {
+        put_entry(id, PlanResult::kMismatch, "hpcdl: " + refusal);
+        join_failure = refusal;
+        end_join();  // the entries after this one wait for every rank again
+      } else if (!filled.empty()) {
+        given_up.erase(name);
+        put_entry(id, PlanResult::kRunJoined, "");
+        w->put_string(last_desc[id][first]);
+      } else {
+        given_up.erase(name);
+        put_entry(id, PlanResult::kRun, "");
       }
       it = table.erase(it);
       continue;
@@ -283,9 +314,9 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
     const double waited = seconds_since(e.first_seen);
     std::vector<int> missing;
     for (int r = 0; r < size; ++r)
-      if (!e.ready[r]) missing.push_back(r);
-    const std::string& name = coord_names[id];
-    if (error_s > 0 && waited >= error_s) {
+      if (!e.ready[r] && !has_joined(r)) missing.push_back(r);
+    // A join waits for the ranks that still have data as long as they train: never timed out.
+    if (!is_join && error_s > 0 && waited >= error_s) {
       put_entry(id, PlanResult::kTimeout,
                 "hpcdl: operation '" + name + "' " + describe_missing(name, missing, false) + " (gave up after " +
                     seconds_text(waited) + ")");
@@ -307,6 +338,9 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
     }
     ++it;
   }
+  auto join = coord_ids.find(kJoinName);
+  if (!join_failure.empty() && join != coord_ids.end() && table.erase(join->second))
+    put_entry(join->second, PlanResult::kMismatch, "hpcdl: join failed: " + join_failure);
 }
 
 std::string CommContext::describe_missing(const std::string& name, const std::vector<int>& missing,
@@ -363,6 +397,7 @@ Status Agreement::poll(CommContext& ctx, bool stall_check, const StallLimits& li
       HPCDL_RETURN_NOT_OK(ctx.take_report(control_msg_.data(), control_msg_.size(), false));
     } else if (probe.MPI_TAG == kTagPlan) {
       for (int child : ctx.children) HPCDL_RETURN_NOT_OK(ctx.send(child, kTagPlan, control_msg_));
+      ctx.take_plan_news(control_msg_);  // before the next reports merge: they may come from a new join
       ctx.plans.push_back(control_msg_);
     }
   }

@@ -40,6 +40,11 @@ void Engine::set_stall_limits(double warn_seconds, double error_seconds) {
 
 Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* out) {
   HPCDL_RETURN_NOT_OK(require_thread_multiple("hpcdl", "its engine thread makes MPI calls while yours do"));
+  if (req.desc.kind == OpKind::kJoin) {  // one name on every rank
+    req.name = kJoinName;
+  } else if (req.name == kJoinName) {
+    return Status::Invalid(std::string("the name '") + kJoinName + "' is join's own");
+  }
   const OpDesc& d = req.desc;
   if (!reduce_op_valid(static_cast<int>(d.reduce_op))) return Status::Invalid("unknown reduction op code");
   const char* op_name = reduce_op_name(d.reduce_op);
@@ -61,7 +66,7 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
       return Status::Invalid("a grouped allreduce needs one array per member, and at least one");
     if (!d.codec.empty()) return Status::Invalid("a grouped allreduce takes no compression");
     for (const GroupMember& m : d.members) HPCDL_RETURN_NOT_OK(check_array(m.dtype, m.count, m.shape));
-  } else if (d.kind != OpKind::kBarrier) {
+  } else if (d.kind != OpKind::kBarrier && d.kind != OpKind::kJoin) {
     HPCDL_RETURN_NOT_OK(check_array(d.dtype, d.count, d.shape));
   }
   if ((reduces || d.kind == OpKind::kAllgather) && (d.chunk_bytes < kMinChunkBytes || d.chunk_bytes > kMaxChunkBytes))
@@ -97,7 +102,7 @@ Status Engine::submit(MPI_Comm comm, OpRequest req, std::shared_ptr<Operation>* 
   // Before the operation is named or recorded: a failed start leaves nothing,
   // not even a gap in the unnamed operations' numbering.
   HPCDL_RETURN_NOT_OK(loop_.start_locked());
-  std::string name = req.name.empty() ? "op#" + std::to_string(ctx->unnamed_seq++) : req.name;
+  std::string name = req.name.empty() ? unnamed_op_name(ctx->unnamed_seq++) : req.name;
   if (ctx->in_flight.count(name))
     return Status::Invalid("an operation named '" + name + "' is already in flight on this communicator");
   ctx->in_flight.insert(name);

@@ -38,45 +38,39 @@ Status Executor::run_plans(CommContext& ctx, Progress& progress) {
     std::uint32_t entries = 0;
     r.get(&entries);
     for (std::uint32_t i = 0; i < entries; ++i) {
-      std::uint32_t id = 0;
-      std::uint8_t result = 0, with_name = 0;
-      std::string name, message;
-      r.get(&id);
-      r.get(&result);
-      r.get(&with_name);
-      if (with_name) {
-        r.get_string(&name);
-      } else if (id < ctx.names_by_id.size()) {
-        name = ctx.names_by_id[id];
-      }
-      if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+      PlanEntry entry;
+      if (!read_plan_entry(r, &entry)) return Status::Internal("malformed plan");
+      const std::uint32_t id = entry.id;
+      const PlanResult result = entry.result;
+      std::string name = entry.name;
+      const std::string& message = entry.message;
+      if (name.empty() && id < ctx.names_by_id.size()) name = ctx.names_by_id[id];
+      if (result == PlanResult::kRun || result == PlanResult::kRunJoined) {
         if (id >= ctx.names_by_id.size()) ctx.names_by_id.resize(id + 1);
         ctx.names_by_id[id] = name;
         ctx.ids[name] = id;
-      } else {
-        r.get_string(&message);
       }
-      bool too_late = false;  // this rank had not submitted it when the coordinator gave up on it
-      if (static_cast<PlanResult>(result) == PlanResult::kTimeout) {
-        std::uint32_t missing = 0;
-        r.get(&missing);
-        for (std::uint32_t k = 0; k < missing; ++k) {
-          std::int32_t rank = -1;
-          r.get(&rank);
-          too_late = too_late || rank == ctx.rank;
-        }
-      }
+      // this rank had not submitted it when the coordinator gave up on it
+      const bool too_late = std::find(entry.missing.begin(), entry.missing.end(),
+                                      static_cast<std::int32_t>(ctx.rank)) != entry.missing.end();
       auto it = ctx.pending.find(name);
-      if (it == ctx.pending.end()) continue;  // a stall notice for an op this rank never submitted
+      if (it == ctx.pending.end()) {
+        // This rank has joined: it takes part with zeros. Else a notice for an op this rank never submitted.
+        if (result == PlanResult::kRunJoined) HPCDL_RETURN_NOT_OK(run_joined(ctx, name, entry.desc, progress));
+        continue;
+      }
       if (too_late) continue;  // submitted since: its own report decides (a new entry at the coordinator)
       std::shared_ptr<Operation> op = it->second;
-      if (static_cast<PlanResult>(result) == PlanResult::kStall) {
+      if (result == PlanResult::kStall) {
         op->notify(message);
         continue;
       }
       ctx.pending.erase(it);
       Status st;
-      if (static_cast<PlanResult>(result) == PlanResult::kRun) {
+      if (result == PlanResult::kJoined) {
+        std::lock_guard<std::mutex> g(op->mu_);
+        op->result_.rows.assign(1, static_cast<std::uint64_t>(entry.last_joined));
+      } else if (result == PlanResult::kRun || result == PlanResult::kRunJoined) {
         {
           std::lock_guard<std::mutex> g(op->mu_);
           op->times_.agreed_us = now_us();
@@ -86,8 +80,7 @@ Status Executor::run_plans(CommContext& ctx, Progress& progress) {
         if (!st.ok() && !ctx.gone.ok()) st = ctx.gone;  // abandoned because a rank left: say which
       } else {
         ctx.last_reported.erase(name);  // report it in full next time
-        st = static_cast<PlanResult>(result) == PlanResult::kTimeout ? Status::Timeout(message)
-                                                                     : Status::Mismatch(message);
+        st = result == PlanResult::kTimeout ? Status::Timeout(message) : Status::Mismatch(message);
       }
       {
         // Retire the name before the waiter wakes: its next step may reuse it at once.
@@ -98,6 +91,36 @@ Status Executor::run_plans(CommContext& ctx, Progress& progress) {
     }
   }
   return ctx.control_error;
+}
+
+// This rank has joined: it runs an operation it never submitted with zeros of
+// the agreed dtype and shape (an allgather: no rows), so the other ranks'
+// operation completes. Its result is dropped; a failure fails the join.
+Status Executor::run_joined(CommContext& ctx, const std::string& name, const std::string& desc, Progress& progress) {
+  OpRequest req;
+  std::string described;
+  if (!OpDesc::parse(desc, &described, &req.desc)) return Status::Internal("malformed description in a plan");
+  const OpDesc& d = req.desc;
+  std::uint64_t seq = 0;
+  if (unnamed_op_seq(name, &seq)) {  // this rank's next unnamed operation pairs with the others' next one
+    std::lock_guard<std::mutex> g(queue_.mu);
+    ctx.unnamed_seq = std::max(ctx.unnamed_seq, seq + 1);
+  }
+  std::uint64_t bytes = d.kind == OpKind::kAllgather ? 0 : d.count * dtype_size(d.dtype);
+  for (const GroupMember& m : d.members) bytes += m.count * dtype_size(m.dtype);
+  joined_zeros_.assign(std::max<std::uint64_t>(bytes, 1), 0);  // zeroed again: the last ring left its sum
+  req.data = joined_zeros_.data();
+  std::uint64_t offset = 0;
+  for (const GroupMember& m : d.members) {
+    req.member_data.push_back(joined_zeros_.data() + offset);
+    offset += m.count * dtype_size(m.dtype);
+  }
+  if (!d.codec.empty()) HPCDL_RETURN_NOT_OK(parse_codec(d.codec, &req.codec_spec));
+  Operation op(name, std::move(req));  // unnamed in the request: a codec keeps no residual for zeros
+  op.times_.submitted_us = op.times_.ready_us = op.times_.agreed_us = now_us();
+  Status st = execute(ctx, op, progress);
+  if (!st.ok() && !ctx.gone.ok()) st = ctx.gone;
+  return st;
 }
 
 // The other ranks wait in this operation's ring meanwhile; the control

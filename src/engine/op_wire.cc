@@ -1,4 +1,6 @@
-// An operation's description as it travels in reports (OpDesc::serialize).
+// An operation's description as it travels in reports (OpDesc::serialize), and plan entries as they are read.
+#include "hpcdl/engine/op_wire.hpp"
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -17,8 +19,26 @@ const char* op_kind_name(OpKind k) {
     case OpKind::kReduceScatter: return "reducescatter";
     case OpKind::kAlltoall: return "alltoall";
     case OpKind::kGroupedAllreduce: return "grouped_allreduce";
+    case OpKind::kJoin: return "join";
   }
   return "?";
+}
+
+namespace {
+constexpr char kUnnamedPrefix[] = "op#";
+}  // namespace
+
+std::string unnamed_op_name(std::uint64_t seq) { return kUnnamedPrefix + std::to_string(seq); }
+
+bool unnamed_op_seq(const std::string& name, std::uint64_t* seq) {
+  const std::size_t prefix = sizeof(kUnnamedPrefix) - 1;
+  if (name.size() <= prefix || name.compare(0, prefix, kUnnamedPrefix) != 0) return false;
+  *seq = 0;
+  for (std::size_t i = prefix; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9') return false;
+    *seq = *seq * 10 + static_cast<std::uint64_t>(name[i] - '0');
+  }
+  return true;
 }
 
 std::string shape_text(const std::vector<std::int64_t>& shape) {
@@ -65,7 +85,6 @@ std::string OpDesc::serialize(const std::string& name) const {
   put_shape(w, shape);
   w.put<std::uint64_t>(chunk_bytes);
   w.put_string(codec);
-  w.put_string(thread);
   w.put<std::uint32_t>(static_cast<std::uint32_t>(members.size()));
   for (const GroupMember& m : members) {
     w.put<std::int32_t>(static_cast<std::int32_t>(m.dtype));
@@ -81,7 +100,7 @@ bool OpDesc::parse(const std::string& bytes, std::string* name, OpDesc* out) {
   std::uint32_t members;
   if (!r.get_string(name) || !r.get(&kind) || !r.get(&dtype) || !r.get(&op) || !r.get(&out->root) ||
       !r.get(&out->count) || !get_shape(r, bytes.size(), &out->shape) || !r.get(&out->chunk_bytes) ||
-      !r.get_string(&out->codec) || !r.get_string(&out->thread) || !r.get(&members) || members > bytes.size())
+      !r.get_string(&out->codec) || !r.get(&members) || members > bytes.size())
     return false;
   out->members.resize(members);
   for (GroupMember& m : out->members) {
@@ -92,6 +111,30 @@ bool OpDesc::parse(const std::string& bytes, std::string* name, OpDesc* out) {
   out->kind = static_cast<OpKind>(kind);
   out->dtype = static_cast<DType>(dtype);
   out->reduce_op = static_cast<ReduceOp>(op);
+  return true;
+}
+
+bool read_plan_entry(WireReader& r, PlanEntry* e) {
+  std::uint8_t result = 0, with_name = 0;
+  if (!r.get(&e->id) || !r.get(&result) || !r.get(&with_name) ||
+      result > static_cast<std::uint8_t>(PlanResult::kJoined))
+    return false;
+  e->result = static_cast<PlanResult>(result);
+  e->name.clear();
+  if (with_name && !r.get_string(&e->name)) return false;
+  if (e->result != PlanResult::kRun && !r.get_string(&e->message)) return false;
+  e->missing.clear();
+  if (e->result == PlanResult::kTimeout) {
+    std::uint32_t missing = 0;
+    if (!r.get(&missing)) return false;
+    for (std::uint32_t k = 0; k < missing; ++k) {
+      std::int32_t rank = -1;
+      if (!r.get(&rank)) return false;
+      e->missing.push_back(rank);
+    }
+  }
+  if (e->result == PlanResult::kRunJoined && !r.get_string(&e->desc)) return false;
+  if (e->result == PlanResult::kJoined && !r.get(&e->last_joined)) return false;
   return true;
 }
 

@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import ml_dtypes
 import numpy as np
@@ -753,27 +754,28 @@ def test_integer_sums_wrap_like_numpy(comm, dtype):
     agree(comm, np.array_equal(data, expected), f"{data} vs {expected}")
 
 
-def test_unnamed_ops_from_two_threads_never_pair_across_threads():
-    """Thread "reduce-ones" and thread "reduce-hundreds" submit unnamed allreduces
-    in opposite orders on rank 0 and the other ranks: submission order pairs
-    each thread's operation with the other thread's, which the submitting
-    thread's name turns into a MismatchError on every rank, never a sum of both."""
+def test_unnamed_ops_racing_from_two_threads_that_differ_are_a_mismatch():
+    """Thread "reduce-64" and thread "reduce-96" submit unnamed allreduces in opposite
+    orders on rank 0 and the other ranks: submission order pairs each thread's
+    operation with the other thread's, whose array differs (count, shape), which is
+    a MismatchError on every rank, never a sum of both. Thread names play no part:
+    the threads are named differently on every rank."""
     rank = WORLD.Get_rank()
-    ones, hundreds = np.ones(64, np.float32), np.full(64, 100.0, np.float32)
+    small, large = np.ones(64, np.float32), np.full(96, 100.0, np.float32)
     first_done = threading.Event()
     results = {}
 
-    def reduce(array, goes_first, thread_name):
+    def reduce(array, goes_first, key):
         if not goes_first:
             first_done.wait(30)
         handle = hpcdl.allreduce_async(array)
         if goes_first:
             first_done.set()
-        results[thread_name] = outcome(handle.wait)
+        results[key] = outcome(handle.wait)
 
     threads = [
-        threading.Thread(target=reduce, args=(ones, rank == 0, "reduce-ones"), name="reduce-ones"),
-        threading.Thread(target=reduce, args=(hundreds, rank != 0, "reduce-hundreds"), name="reduce-hundreds"),
+        threading.Thread(target=reduce, args=(small, rank == 0, "small"), name=f"rank{rank}-small"),
+        threading.Thread(target=reduce, args=(large, rank != 0, "large"), name=f"rank{rank}-large"),
     ]
     for t in threads:
         t.start()
@@ -781,9 +783,33 @@ def test_unnamed_ops_from_two_threads_never_pair_across_threads():
         t.join(120)
     errors = {k: err for k, (_, err) in results.items()}
     ok = len(errors) == 2 and all(
-        isinstance(e, hpcdl.MismatchError) and "submitting thread differs" in str(e) for e in errors.values()
+        isinstance(e, hpcdl.MismatchError) and "count differs" in str(e) and "shape differs" in str(e)
+        for e in errors.values()
     )
-    agree(WORLD, ok and np.all(ones == 1) and np.all(hundreds == 100), f"{errors!r}, {ones[0]}, {hundreds[0]}")
+    agree(WORLD, ok and np.all(small == 1) and np.all(large == 100), f"{errors!r}, {small[0]}, {large[0]}")
+
+
+def test_unnamed_ops_from_pool_threads_named_differently_per_rank_are_right(comm):
+    """Unnamed allreduces submitted one after another from ThreadPoolExecutor threads
+    whose names differ on every rank (as TF's numpy_function and tf.data pools, or
+    torch's autograd threads): they pair by submission order and each gets its sum."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    arrays = [np.arange(i, i + 50, dtype=np.float64) * (rank + 1) for i in range(6)]
+    seen = set()
+
+    def reduce(array):
+        seen.add(threading.current_thread().name)
+        return outcome(hpcdl.allreduce, array, comm=comm)
+
+    with ThreadPoolExecutor(max_workers=3, thread_name_prefix=f"rank{rank}-pool") as pool:
+        results = [pool.submit(reduce, a).result(120) for a in arrays]
+    errors = [err for _, err in results if err is not None]
+    scale = size * (size + 1) / 2  # sum over ranks of (rank + 1)
+    expected = [np.arange(i, i + 50, dtype=np.float64) * scale for i in range(6)]
+    right = all(np.array_equal(a, e) for a, e in zip(arrays, expected))
+    names = comm.allgather(sorted(seen))
+    distinct = size == 1 or not set(names[0]) & set(names[-1])
+    agree(comm, not errors and right and distinct, f"{errors!r}, right {right}, names {names}")
 
 
 def test_unnamed_ops_from_two_threads_in_the_same_order_are_right(comm):

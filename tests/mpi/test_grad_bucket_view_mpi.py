@@ -1,6 +1,7 @@
 """DistributedOptimizer(gradient_as_bucket_view=True): .grad becomes the parameter's slot of
 its bucket; the gradients and the trained parameters are the same bits as without it, with
-zero_grad(set_to_none=True) and False, dense, a CPU codec and PowerSGD's dense bucket."""
+zero_grad(set_to_none=True) and False, dense, a CPU codec and PowerSGD's vectors (which ride
+in its last low-rank bucket)."""
 
 import pytest
 import torch
@@ -28,7 +29,8 @@ def _in_buckets(opt, grad):
 
 def train(codec, as_view, set_to_none, name):
     """[per step: the .grad bits after backward], the final parameters' digest, and per step
-    whether every .grad of a dense bucket was a view into its bucket after the step."""
+    whether every .grad of a dense bucket (PowerSGD: every vector) was a view into its bucket after
+    the step."""
     model = make_model()
     opt = hvt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.3, momentum=0.9),

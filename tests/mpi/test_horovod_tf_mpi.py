@@ -4,12 +4,16 @@ the collectives, object and variable broadcast, the tape and Keras fit against
 hpcdl.tensorflow's own."""
 
 import hashlib
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from mpi4py import MPI
 
+import hpcdl
 import hpcdl.horovod.tensorflow as hvd
 import hpcdl.horovod.tensorflow.keras as hvd_keras
 import hpcdl.tensorflow as hvd_tf
@@ -326,3 +330,177 @@ def test_grouped_allreduce_eager_in_tf_function_and_its_gradient():
         and np.allclose(grad.numpy(), 3 * size)
     )
     agree(WORLD, ok, f"{[t.numpy().ravel()[:2] for t in eager]} {grad}")
+
+
+def local_source_gradients(scale_local_gradients, in_function):
+    """One tape step: w is shared (its gradient x_r averaged), b is this rank's own, of a
+    shape that differs per rank (its gradient c_r, divided by size when scaled)."""
+    rank = WORLD.Get_rank()
+    x = tf.constant(rank_data(rank, tf.int64, (5,)))  # integers: float64 sums are exact
+    c = tf.constant(np.arange(2.0 + rank) + 10 * rank)
+    w, b = tf.Variable(tf.zeros(5, tf.float64)), tf.Variable(tf.zeros(2 + rank, tf.float64))
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * x) + tf.reduce_sum(b * c)
+        tape = hvd.DistributedGradientTape(tape, scale_local_gradients=scale_local_gradients)
+        tape.register_local_source(b)
+        return tape.gradient(loss, [w, b])
+
+    return (tf.function(step) if in_function else step)()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("in_function", [False, True])
+@pytest.mark.parametrize("scale_local_gradients", [True, False])
+def test_tape_keeps_a_registered_local_source_local(scale_local_gradients, in_function):
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    grad_w, grad_b = collective(WORLD, local_source_gradients, scale_local_gradients, in_function)
+    want_w = reference_sum(tf.int64, (5,)) / size
+    want_b = (np.arange(2.0 + rank) + 10 * rank) / (size if scale_local_gradients else 1)
+    ok = np.array_equal(grad_w.numpy(), want_w) and np.array_equal(grad_b.numpy(), want_b)
+    agree(WORLD, ok, f"w {grad_w.numpy()} vs {want_w}; b {grad_b.numpy()} vs {want_b}")
+
+
+def fit_with_a_local_head(rank, size):
+    """Keras fit where the output layer's bias is each rank's own: registered with the
+    optimizer (not reduced) and the broadcast callback (not broadcast, nor its Adam state)."""
+    x, y = global_data(size)
+    model = make_model(seed=rank)
+    model.build((None, 10))
+    local = model.layers[-1].bias
+    optimizer = hvd_keras.DistributedOptimizer(tf.keras.optimizers.Adam(0.01))
+    optimizer.register_local_var(local)
+    broadcast = hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)
+    broadcast.register_local_var(local)
+    fit(model, optimizer, quarter(x, rank, size), quarter(y, rank, size), LOCAL_BATCH, callbacks=[broadcast])
+    local_state = [v for v in optimizer.variables if v.name.startswith(local.path.replace("/", "_") + "_")]
+    shared_state = [v for v in optimizer.variables if all(v is not s for s in local_state)]
+    shared = [v for v in model.variables if v is not local]
+    return [v.numpy() for v in shared + shared_state], [local.numpy()], [v.numpy() for v in local_state]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_keras_local_variable_is_neither_reduced_nor_broadcast():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    shared, local, slots = collective(WORLD, fit_with_a_local_head, rank, size)
+
+    def digests(arrays):
+        return WORLD.allgather(hashlib.sha1(b"".join(a.tobytes() for a in arrays)).hexdigest())
+
+    # Adam's m and v of the local bias differ per rank only if its gradients were not reduced
+    ok = len(set(digests(shared))) == 1 and len(set(digests(local))) == len(set(digests(slots))) == size
+    agree(WORLD, ok and len(slots) == 2, f"shared {digests(shared)} local {digests(local)} slots {digests(slots)}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_keras_callbacks_and_optimizer_within_a_process_set():
+    """Each half of the ranks trains its own model from its first member's weights
+    (BroadcastGlobalVariablesCallback's root_rank a rank of init()'s communicator), its
+    gradients and metrics averaged within the half."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    halves = [list(range(size // 2)), list(range(size // 2, size))]
+    x, y = global_data(size)
+
+    def run():
+        sets = [hvd_keras.add_process_set(ranks) for ranks in halves]
+        mine = sets[0] if rank < size // 2 else sets[1]
+        model = make_model(seed=rank)
+        history = fit(
+            model,
+            hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), process_set=mine),
+            quarter(x, rank, size),
+            quarter(y, rank, size),
+            LOCAL_BATCH,
+            epochs=2,
+            callbacks=[
+                hvd_keras.callbacks.BroadcastGlobalVariablesCallback(mine.ranks[0], process_set=mine),
+                hvd_keras.callbacks.MetricAverageCallback(process_set=mine),
+            ],
+        )
+        for s in sets:
+            hvd_keras.remove_process_set(s)
+        return mine.ranks, digest(model), history.history["loss"]
+
+    members, weights, losses = collective(WORLD, run)
+    seen = WORLD.allgather((members[0], weights, losses))
+    by_set = {}
+    for first, w, loss in seen:
+        by_set.setdefault(first, set()).add((w, tuple(loss)))
+    ok = all(len(v) == 1 for v in by_set.values()) and len({next(iter(v))[0] for v in by_set.values()}) == 2
+    agree(WORLD, ok, f"{seen}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_best_model_checkpoint_saves_on_rank_0_only(tmp_path):
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    folder = WORLD.bcast(str(tmp_path) if rank == 0 else None)
+    x, y = global_data(size)
+    checkpoint = hvd_keras.callbacks.BestModelCheckpoint(monitor="loss", mode="min")
+    checkpoint.filepath = f"{folder}/best.{rank}.keras"  # each rank its own name: only rank 0's may exist
+    model = make_model()
+    history = collective(
+        WORLD,
+        fit,
+        model,
+        hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.5)),
+        quarter(x, rank, size),
+        quarter(y, rank, size),
+        LOCAL_BATCH,
+        epochs=3,
+        callbacks=[hvd_keras.callbacks.MetricAverageCallback(), checkpoint],
+    )
+    WORLD.Barrier()
+    saved = sorted(os.listdir(folder)) if rank == 0 else None
+    best_loss = float(checkpoint.best) if rank == 0 else None
+    ok = rank != 0 or (saved == ["best.0.keras"] and best_loss == min(history.history["loss"]))
+    agree(WORLD, ok, f"{saved} best {best_loss} losses {history.history['loss']}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unnamed_allreduce_from_tf_data_threads_named_differently_per_rank():
+    """hpcdl.allreduce without a name inside a tf.data map's numpy_function: TF runs it on
+    its own pool threads, not named alike on every rank. The operations pair by submission
+    order (one element at a time), each the float64 reference."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    threads = set()
+
+    def reduce(i):
+        threads.add(threading.current_thread().name)
+        values = rank_data(rank, tf.int64, (6,)) + i
+        hpcdl.allreduce(values, op="sum")
+        return values
+
+    data = tf.data.Dataset.range(4).map(lambda i: tf.numpy_function(reduce, [i], tf.float64))
+    results, error = outcome(lambda: [t.numpy() for t in data])
+    right = error is None and all(
+        np.array_equal(r, reference_sum(tf.int64, (6,)) + size * i) for i, r in enumerate(results)
+    )
+    agree(WORLD, right and threading.current_thread().name not in threads, f"{error!r} threads {threads}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unnamed_eager_allreduce_from_pool_threads_named_differently_per_rank():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+
+    def reduce(i):
+        return outcome(hvd.allreduce, tf.constant(rank_data(rank, tf.int64, (4, 3)) + i), op=hvd.Sum)
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"rank{rank}-input") as pool:
+        results = [pool.submit(reduce, i).result(120) for i in range(4)]
+    errors = [err for _, err in results if err is not None]
+    right = not errors and all(
+        np.array_equal(out.numpy(), reference_sum(tf.int64, (4, 3)) + size * i) for i, (out, _) in enumerate(results)
+    )
+    agree(WORLD, right, f"{errors!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_join_returns_the_last_rank_as_an_int32_tensor_while_allreduce_sees_zeros():
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    ok = True
+    if rank == size - 1:  # the others have joined: their engines add zeros
+        out = hvd.allreduce(tf.constant([2.0, 3.0], dtype=tf.float64), op=hvd.Sum, name="tf.join.sum")
+        ok = np.array_equal(out.numpy(), [2.0, 3.0])
+    last = hvd.join()
+    agree(WORLD, ok and last.dtype == tf.int32 and int(last) == size - 1, f"{last!r}, ok={ok}")

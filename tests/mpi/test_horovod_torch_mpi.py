@@ -3,6 +3,7 @@ every rank locally, in-place and out-of-place forms, handles, autograd, object b
 and DistributedOptimizer against hpcdl.torch's own."""
 
 import contextlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -293,6 +294,66 @@ def test_process_sets_reduce_and_broadcast_among_their_members():
         ok and isinstance(not_member, ValueError) and "is not in" in str(not_member),
         f"{summed} {average} {got} {obj} {not_member!r}",
     )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_parameters_and_optimizer_state_within_a_process_set():
+    """Each half of the ranks takes its last member's model and Adam state (root_rank a rank
+    of init()'s communicator): equal within a set, different between the sets."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+    halves = [list(range(0, size // 2)), list(range(size // 2, size))]
+
+    def run():
+        sets = [hvd.add_process_set(h) for h in halves]
+        mine = sets[0] if rank < size // 2 else sets[1]
+        root = mine.ranks[-1]
+        model = make_model(seed=rank)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1))
+        if rank == root:
+            loss_of(model, *full_batch(rank, 4, 1)).backward()
+            opt.step()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=root, process_set=mine)
+        hvd.broadcast_optimizer_state(opt, root_rank=root, process_set=mine)
+        other_root = halves[1 - sets.index(mine)][0]
+        _, outside = outcome(hvd.broadcast_parameters, model.state_dict(), root_rank=other_root, process_set=mine)
+        for s in sets:
+            hvd.remove_process_set(s)
+        return root, params_digest(model), opt.param_groups[0]["lr"], len(opt.state_dict()["state"]), outside
+
+    root, digest, lr, steps, outside = collective(WORLD, run)
+    seen = WORLD.allgather((root, digest))
+    by_root = {}
+    for r, d in seen:
+        by_root.setdefault(r, set()).add(d)
+    ok = (
+        all(len(d) == 1 for d in by_root.values())
+        and len({next(iter(d)) for d in by_root.values()}) == len(by_root) == 2
+        and lr == 0.01 * (root + 1)
+        and steps > 0
+        and isinstance(outside, ValueError)
+        and "is not in" in str(outside)
+    )
+    agree(WORLD, ok, f"{seen} lr {lr} steps {steps} {outside!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_unnamed_allreduces_from_pool_threads_named_differently_per_rank():
+    """hvd.allreduce without a name from ThreadPoolExecutor threads whose names differ on
+    every rank (torch's autograd and data-loading threads): paired by submission order,
+    each result the float64 reference."""
+    size, rank = WORLD.Get_size(), WORLD.Get_rank()
+
+    def reduce(i):
+        values = rank_data(rank, torch.int64, (7, 3)) + i  # integers: float64 sums are exact in any order
+        return outcome(hvd.allreduce, as_tensor(values, torch.float64), op=hvd.Sum)
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"rank{rank}-loader") as pool:
+        results = [pool.submit(reduce, i).result(120) for i in range(4)]
+    errors = [err for _, err in results if err is not None]
+    right = not errors and all(
+        np.array_equal(out.numpy(), reference_sum(torch.int64, (7, 3)) + size * i) for i, (out, _) in enumerate(results)
+    )
+    agree(WORLD, right, f"{errors!r}")
 
 
 @pytest.mark.mpi(min_size=2)

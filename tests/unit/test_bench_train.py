@@ -50,6 +50,8 @@ def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
         "1",
         "--train-steps",
         "12",
+        "--seeds",
+        "2",
         "--out",
         str(tmp_path),
         "--tag",
@@ -71,6 +73,11 @@ def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
         else:
             assert all(float(value) > 0 for value in figures), row
             assert int(row["steps_timed"]) == 2 and int(row["train_steps"]) == 12, row
+            # two training seeds: the mean of the per-seed accuracies, between their min and max
+            seeds = [float(a) for a in row["test_acc_per_seed"].split()]
+            assert int(row["acc_seeds"]) == len(seeds) == 2, row
+            assert float(row["test_acc_min"]) == min(seeds) and float(row["test_acc_max"]) == max(seeds), row
+            assert abs(float(row["test_acc"]) - sum(seeds) / 2) < 1e-12 and row["test_acc_sd"] != "", row
     assert rows["ddp-gloo"]["note"] == "" and float(rows["ddp-gloo"]["throughput_vs_ddp"]) == 1.0
     hooks = [row for name, row in rows.items() if name.startswith("ddp-") and name != "ddp-gloo" and not row["note"]]
     assert max(float(row["throughput_vs_fastest_hook"]) for row in hooks) == 1.0, rows

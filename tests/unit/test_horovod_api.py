@@ -21,6 +21,7 @@ from conftest import outcome
 # Horovod's parameters, in Horovod's order (0.28's process_set included).
 TORCH_SIGNATURES = {
     "init": ["comm", "process_sets"],
+    "join": ["device"],
     "allreduce": [
         "tensor",
         "average",
@@ -73,8 +74,9 @@ TORCH_SIGNATURES = {
     "add_process_set": ["process_set"],
     "remove_process_set": ["process_set"],
     "broadcast_object": ["obj", "root_rank", "name", "process_set"],
-    "broadcast_parameters": ["params", "root_rank", "prefix"],
-    "broadcast_optimizer_state": ["optimizer", "root_rank", "model"],
+    # process_set last: hpcdl's addition (Horovod 0.28 broadcasts these over every rank)
+    "broadcast_parameters": ["params", "root_rank", "prefix", "process_set"],
+    "broadcast_optimizer_state": ["optimizer", "root_rank", "model", "process_set"],
     "DistributedOptimizer": [
         "optimizer",
         "named_parameters",
@@ -110,6 +112,7 @@ TORCH_SIGNATURES = {
     "SyncBatchNorm": ["num_features", "eps", "momentum", "affine", "track_running_stats"],
 }
 TF_SIGNATURES = {
+    "join": [],
     "allreduce": [
         "tensor",
         "average",
@@ -235,8 +238,6 @@ BASICS = [
     "add_process_set",
     "remove_process_set",
 ]
-# Not built yet (docs/horovod.md): absent, so a script fails at the name, not later.
-NOT_YET = ["join"]
 
 
 @pytest.fixture(autouse=True)
@@ -258,14 +259,51 @@ def test_names_have_horovods_signatures(module, signatures):
     for name in BASICS:
         assert callable(getattr(module, name)) or isinstance(getattr(module, name), int), name
     assert sorted(module.__all__) == sorted(set(module.__all__)) and all(hasattr(module, n) for n in module.__all__)
-    assert not [name for name in NOT_YET if hasattr(module, name)]
 
 
 def test_keras_alias_and_callbacks():
     assert hvd_keras_alias.DistributedOptimizer is hvd_keras.DistributedOptimizer
     assert hvd_keras_alias.callbacks.MetricAverageCallback is hvd_keras.callbacks.MetricAverageCallback
-    assert _parameters(hvd_keras.callbacks.BroadcastGlobalVariablesCallback) == ["root_rank", "device"]
-    assert _parameters(hvd_keras.callbacks.MetricAverageCallback) == ["device"]
+    assert hvd_keras_alias.callbacks.BestModelCheckpoint is hvd_keras.callbacks.BestModelCheckpoint
+    # Horovod's, with process_set last (hpcdl's addition)
+    assert _parameters(hvd_keras.callbacks.BroadcastGlobalVariablesCallback) == ["root_rank", "device", "process_set"]
+    assert _parameters(hvd_keras.callbacks.MetricAverageCallback) == ["device", "process_set"]
+    assert _parameters(hvd_keras.callbacks.BestModelCheckpoint) == [
+        "monitor",
+        "verbose",
+        "save_weights_only",
+        "mode",
+        "save_freq",
+    ]
+
+
+def test_best_model_checkpoint_needs_a_filepath_and_saves_the_best(tmp_path):
+    model = tf.keras.Sequential([tf.keras.Input((3,)), tf.keras.layers.Dense(1)])
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.05)), loss="mse")
+    x = np.arange(48, dtype=np.float32).reshape(16, 3) / 48
+    checkpoint = hvd_keras.callbacks.BestModelCheckpoint(monitor="loss", mode="min")
+    with pytest.raises(ValueError, match="filepath"):
+        model.fit(x, x[:, :1], epochs=1, verbose=0, callbacks=[checkpoint])
+    checkpoint.filepath = str(tmp_path / "best.keras")
+    history = model.fit(x, x[:, :1], batch_size=4, epochs=3, verbose=0, callbacks=[checkpoint])
+    assert checkpoint.best == min(history.history["loss"]) and (tmp_path / "best.keras").exists()
+    weights = hvd_keras.callbacks.BestModelCheckpoint(save_weights_only=True)
+    assert weights.save_weights_only and weights.save_best_only and weights.filepath is None
+
+
+def test_local_sources_keep_their_own_gradient_in_one_process():
+    w, b = tf.Variable([1.0, 2.0]), tf.Variable([3.0])
+    for scale in (True, False):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * 2.0) + tf.reduce_sum(b * 5.0)
+        tape = hvd_tf.DistributedGradientTape(tape, scale_local_gradients=scale)
+        tape.register_local_source(b)
+        grad_w, grad_b = tape.gradient(loss, [w, b])
+        assert grad_w.numpy().tolist() == [2.0, 2.0] and grad_b.numpy().tolist() == [5.0]  # size 1: / 1
+    optimizer = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(1.0), scale_local_gradients=False)
+    optimizer.register_local_var(b)
+    optimizer.apply([tf.constant([1.0, 1.0]), tf.constant([0.5])], [w, b])
+    assert w.numpy().tolist() == [0.0, 1.0] and b.numpy().tolist() == [2.5]
 
 
 def test_basics_in_one_process():
@@ -403,6 +441,12 @@ def test_process_sets_in_one_process():
     _, outside = outcome(hvd.add_process_set, [0, 1])
     assert mine.process_set_id == 1 and (mine.size(), mine.rank(), mine.included()) == (1, 0, True)
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=mine).tolist() == [1.0, 1.0]
+    params = {"w": torch.ones(2)}
+    hvd.broadcast_parameters(params, root_rank=0, process_set=mine)
+    hvd.broadcast_optimizer_state(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), 0, process_set=mine)
+    with pytest.raises(ValueError, match="root_rank 1 is not in"):
+        hvd.broadcast_parameters(params, root_rank=1, process_set=mine)
+    assert params["w"].tolist() == [1.0, 1.0]
     assert isinstance(again, ValueError) and "already registered" in str(again)
     assert isinstance(outside, ValueError) and "some of 0..0" in str(outside)
     assert hvd.remove_process_set(mine) and not hvd.remove_process_set(mine)

@@ -62,7 +62,7 @@ from hpcdl.horovod.tensorflow.gather_ops import (
     grouped_reducescatter,
     reducescatter,
 )
-from hpcdl.horovod.tensorflow.mpi_ops import allreduce, broadcast, grouped_allreduce
+from hpcdl.horovod.tensorflow.mpi_ops import allreduce, broadcast, grouped_allreduce, join
 
 __all__ = [
     "init",
@@ -104,6 +104,7 @@ __all__ = [
     "grouped_allreduce",
     "broadcast",
     "barrier",
+    "join",
     "broadcast_variables",
     "broadcast_global_variables",
     "broadcast_object",

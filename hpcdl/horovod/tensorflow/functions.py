@@ -36,9 +36,7 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     return common.broadcast_object(obj, root_rank, name, process_set)
 
 
-def _gradient_settings(
-    device_dense, device_sparse, compression, op, gradient_predivide_factor, num_groups, groups, scale_local_gradients
-):
+def _gradient_settings(device_dense, device_sparse, compression, op, gradient_predivide_factor, num_groups, groups):
     """hpcdl's (codec, op) for Horovod's gradient-reduction arguments, checked."""
     _check_device(device_dense, device_sparse)
     op_name = common.reduce_op(op, None)
@@ -48,12 +46,6 @@ def _gradient_settings(
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     common.check_default("num_groups", num_groups, 0, _FUSION)
     common.check_default("groups", groups, None, _FUSION)
-    common.check_default(
-        "scale_local_gradients",
-        scale_local_gradients,
-        True,
-        "hpcdl.horovod has no local variables (register_local_var) yet",
-    )
     return codec(compression), op_name
 
 
@@ -73,7 +65,9 @@ def DistributedGradientTape(
     """hpcdl.tensorflow.DistributedGradientTape over init()'s communicator.
 
     IndexedSlices gradients are allgathered (indices and values), or made dense
-    with sparse_as_dense=True, as in Horovod.
+    with sparse_as_dense=True, as in Horovod. ``tape.register_local_source(var)``
+    keeps a source's gradient this rank's own (divided by the set's size when
+    scale_local_gradients), as in Horovod.
     gradient_predivide_factor with op=Average: the average either way (hpcdl sums
     16-bit floats in float32, so it does not need Horovod's pre-division)."""
     compression, op_name = _gradient_settings(
@@ -84,10 +78,14 @@ def DistributedGradientTape(
         gradient_predivide_factor,
         num_groups,
         groups,
-        scale_local_gradients,
     )
     return hpcdl.tensorflow.DistributedGradientTape(
-        gradtape, compression=compression, op=op_name, comm=common.comm_of(process_set), sparse_as_dense=sparse_as_dense
+        gradtape,
+        compression=compression,
+        op=op_name,
+        comm=common.comm_of(process_set),
+        sparse_as_dense=sparse_as_dense,
+        scale_local_gradients=scale_local_gradients,
     )
 
 
@@ -110,6 +108,8 @@ def DistributedOptimizer(
     """hpcdl.tensorflow.DistributedOptimizer (a Keras optimizer) over init()'s communicator.
 
     IndexedSlices gradients are allgathered, or made dense with sparse_as_dense=True.
+    ``optimizer.register_local_var(var)`` keeps a variable's gradient this rank's own
+    (divided by the set's size when scale_local_gradients), as in Horovod.
     backward_passes_per_step > 1 (local gradient aggregation) is not in hpcdl's Keras
     optimizer yet: it raises ValueError; average_aggregated_gradients goes with it."""
     compression, op_name = _gradient_settings(
@@ -120,7 +120,6 @@ def DistributedOptimizer(
         gradient_predivide_factor,
         num_groups,
         groups,
-        scale_local_gradients,
     )
     common.check_default(
         "backward_passes_per_step", backward_passes_per_step, 1, "hpcdl's Keras optimizer reduces every step"
@@ -144,6 +143,7 @@ def DistributedOptimizer(
         common.comm_of(process_set),
         name or "keras",
         sparse_as_dense,
+        scale_local_gradients,
     )
 
 

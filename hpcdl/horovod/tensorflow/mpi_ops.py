@@ -3,9 +3,10 @@
 Eagerly a tensor's values go to the core as a numpy copy; inside a tf.function
 through ``tf.numpy_function`` (not XLA-compilable), as hpcdl.tensorflow does.
 An unnamed operation inside a tf.function is named after the graph's unique
-name for it (the same on every rank that traced the same function), since
-unnamed operations are otherwise matched by the submitting thread, and TF runs
-numpy_function on pool threads. Both are differentiable, as in Horovod.
+name for it (the same on every rank that traced the same function): unnamed
+operations are otherwise matched by submission order, and a graph may run its
+independent numpy_function ops in a different order on each rank. Both are
+differentiable, as in Horovod.
 """
 
 import numpy as np
@@ -225,3 +226,9 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set, igno
 
 
 __all__ = ["allreduce", "broadcast"]
+
+
+def join():
+    """Horovod's join (hpcdl.join): this rank has run out of data; returns the rank
+    that joined last, as an int32 scalar tensor (Horovod's TensorFlow join)."""
+    return tf.constant(common.join(), dtype=tf.int32)

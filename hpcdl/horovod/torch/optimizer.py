@@ -94,17 +94,28 @@ def _prefixed(params, prefix):
     return [(f"{prefix}{name}", t) for name, t in params] if params and isinstance(params[0], tuple) else params
 
 
-def broadcast_parameters(params, root_rank, prefix=None):
+def broadcast_parameters(params, root_rank, prefix=None, process_set=global_process_set):
     """Rank ``root_rank``'s tensors in every rank's (a state_dict, named_parameters() or a list),
-    in place; ``prefix`` is put before the names that identify them across ranks."""
-    common.call(hpcdl.torch.broadcast_parameters, _prefixed(params, prefix), root_rank, common.comm())
+    in place; ``prefix`` is put before the names that identify them across ranks.
+    ``process_set`` (hpcdl's addition): among its ranks only, ``root_rank`` one of them."""
+    common.call(
+        hpcdl.torch.broadcast_parameters,
+        _prefixed(params, prefix),
+        common.root_in(process_set, root_rank),
+        common.comm_of(process_set),
+    )
 
 
-def broadcast_optimizer_state(optimizer, root_rank, model=None):
-    """Rank ``root_rank``'s optimizer state and hyperparameters on every rank.
-    hpcdl broadcasts the whole state_dict (state not yet created on some ranks included),
-    so ``model``, which Horovod uses to create missing state first, is not needed."""
-    common.call(hpcdl.torch.broadcast_optimizer_state, optimizer, root_rank, common.comm())
+def broadcast_optimizer_state(optimizer, root_rank, model=None, process_set=global_process_set):
+    """Rank ``root_rank``'s optimizer state and hyperparameters on every rank (of ``process_set``,
+    hpcdl's addition). hpcdl broadcasts the whole state_dict (state not yet created on some
+    ranks included), so ``model``, which Horovod uses to create missing state first, is not needed."""
+    common.call(
+        hpcdl.torch.broadcast_optimizer_state,
+        optimizer,
+        common.root_in(process_set, root_rank),
+        common.comm_of(process_set),
+    )
 
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state"]

@@ -150,6 +150,23 @@ class CommContext {
   // Worker: sends what goes up to the parent, if anything.
   Status send_upward();
 
+  // Join (src/engine/join.cc). Worker: a rank of this subtree has joined, so
+  // reports go up as they come (a merged entry would wait for it) until a plan says the join ended.
+  bool subtree_joined = false;
+  // Coordinator: [rank] has joined: ready for every operation, which it runs with zeros.
+  std::vector<char> joined;
+  int joined_count = 0, last_joined = -1;
+  bool has_joined(int r) const { return !joined.empty() && joined[static_cast<std::size_t>(r)]; }
+  // Rank `source` of this subtree reported a join.
+  void take_join_report(int source);
+  // A plan on its way down: a join that ended in it ends this subtree's.
+  void take_plan_news(const std::vector<char>& plan);
+  // Coordinator: why operation `name` cannot run with the joined ranks `filled`
+  // taking part with zeros ("operation 'x' (alltoall) cannot run while..."); empty when it can.
+  std::string join_refusal(const std::string& name, const OpDesc& d, const std::vector<int>& filled) const;
+  // Coordinator: the join ended (every rank joined, or it failed): no rank counts as joined.
+  void end_join();
+
   // Coordinator: ranks [first, end) have operation id ready.
   void mark_ready(std::uint32_t id, int first, int end);
   // Worker: ranks [first, end) of this subtree have operation id ready

@@ -4,6 +4,9 @@
 // algorithms reuse from one operation to the next.
 #pragma once
 
+#include <string>
+#include <vector>
+
 #include "hpcdl/algorithms/compressed_ring.hpp"
 #include "hpcdl/algorithms/progress.hpp"
 #include "hpcdl/algorithms/ring.hpp"
@@ -40,6 +43,8 @@ class Executor {
   // Waits until a deferred operation the plan has reached is marked ready.
   Status await_ready(CommContext& ctx, Operation& op, Progress& progress);
   Status execute(CommContext& ctx, Operation& op, Progress& progress);  // the caller finishes op
+  // This rank has joined: operation `name` (agreed description `desc`) runs here with zeros.
+  Status run_joined(CommContext& ctx, const std::string& name, const std::string& desc, Progress& progress);
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
   // Allgather, reducescatter, alltoall (algorithms/gather.hpp, the ring's phases).
   Status run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
@@ -59,6 +64,7 @@ class Executor {
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
   SplitScratch split_scratch_;
+  std::vector<char> joined_zeros_;  // what a joined rank contributes (run_joined)
 };
 
 }  // namespace hpcdl

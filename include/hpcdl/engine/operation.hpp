@@ -25,7 +25,16 @@ enum class OpKind : int {
   kReduceScatter = 4,     // rank r keeps segment r of the first dimension (the first rows % p ranks one row more)
   kAlltoall = 5,          // rows and splits may differ per rank: OpDesc::count is one row's elements
   kGroupedAllreduce = 6,  // several arrays agreed as one operation, each reduced by its own ring
+  kJoin = 7,              // this rank ran out of data: it takes part with zeros until every rank joined
 };
+
+// Join's own name on every rank (Engine::submit gives it): one join at a time per communicator.
+constexpr const char* kJoinName = "hpcdl.join";
+
+// Unnamed operations are named by submission order on their communicator: "op#<seq>".
+std::string unnamed_op_name(std::uint64_t seq);
+// Its sequence number, for a name unnamed_op_name made; false for any other name.
+bool unnamed_op_seq(const std::string& name, std::uint64_t* seq);
 
 // Allgather and alltoall: each rank has its own first dimension (OpRequest::rows).
 inline bool rows_differ_per_rank(OpKind k) { return k == OpKind::kAllgather || k == OpKind::kAlltoall; }
@@ -56,11 +65,7 @@ struct OpDesc {
   // whose arrays hold the same count in different shapes disagree.
   std::vector<std::int64_t> shape;
   std::uint64_t chunk_bytes = 0;
-  std::string codec;  // codec config, canonical text; empty = none
-  // Unnamed operations: the submitting thread's name. Unnamed operations pair
-  // by submission order; threads racing to submit would pair one thread's
-  // operation with another's, so the thread is part of what ranks agree on.
-  std::string thread;
+  std::string codec;                 // codec config, canonical text; empty = none
   std::vector<GroupMember> members;  // kGroupedAllreduce: its arrays, in the caller's order
 
   std::string serialize(const std::string& name) const;

@@ -1,10 +1,12 @@
 """Horovod's Keras callbacks: the broadcast and metric-average ones are hpcdl.tensorflow's;
-the learning-rate ones change the optimizer's learning-rate variable."""
+the learning-rate ones change the optimizer's learning-rate variable; BestModelCheckpoint
+is Keras' ModelCheckpoint saving on rank 0 only."""
 
 import tensorflow as tf
 
 import hpcdl.tensorflow
 from hpcdl.horovod import common
+from hpcdl.horovod.common import global_process_set
 
 
 def _check_device(device):
@@ -12,19 +14,23 @@ def _check_device(device):
 
 
 class BroadcastGlobalVariablesCallback(hpcdl.tensorflow.BroadcastGlobalVariablesCallback):
-    """Every rank starts from rank ``root_rank``'s weights and optimizer state."""
+    """Every rank starts from rank ``root_rank``'s weights and optimizer state; ``process_set``
+    (hpcdl's addition): every rank of the set, ``root_rank`` one of them (a rank of init()'s
+    communicator). ``register_local_var(var)`` keeps a variable (and its optimizer state) each
+    rank's own, as in Horovod."""
 
-    def __init__(self, root_rank, device=""):
+    def __init__(self, root_rank, device="", process_set=global_process_set):
         _check_device(device)
-        super().__init__(root=root_rank, comm=common.comm())
+        super().__init__(root=common.root_in(process_set, root_rank), comm=common.comm_of(process_set))
 
 
 class MetricAverageCallback(hpcdl.tensorflow.MetricAverageCallback):
-    """The epoch's metrics become their average over the ranks (put it before callbacks reading them)."""
+    """The epoch's metrics become their average over the ranks (of ``process_set``, hpcdl's
+    addition); put it before callbacks reading them."""
 
-    def __init__(self, device=""):
+    def __init__(self, device="", process_set=global_process_set):
         _check_device(device)
-        super().__init__(comm=common.comm())
+        super().__init__(comm=common.comm_of(process_set))
 
 
 class LearningRateScheduleCallback(tf.keras.callbacks.Callback):
@@ -123,9 +129,43 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
             )
 
 
+class BestModelCheckpoint(tf.keras.callbacks.ModelCheckpoint):
+    """Horovod's BestModelCheckpoint: Keras' ModelCheckpoint with save_best_only=True, saving on
+    rank 0 only (the other ranks would write the same file at once). As in Horovod there is no
+    filepath parameter (Horovod's Spark estimator sets it): set ``filepath`` before fit() on
+    every rank that has the callback; fit() raises ValueError where it is None."""
+
+    def __init__(self, monitor="val_loss", verbose=0, save_weights_only=False, mode="auto", save_freq="epoch"):
+        # Keras checks the file's suffix when it is made: a placeholder until filepath is set.
+        super().__init__(
+            filepath=".weights.h5" if save_weights_only else ".keras",
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=True,
+            save_weights_only=save_weights_only,
+            mode=mode,
+            save_freq=save_freq,
+        )
+        self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint has no filepath: set callback.filepath before fit()")
+        super().on_train_begin(logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        if common.rank() == 0:
+            super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if common.rank() == 0:
+            super().on_epoch_end(epoch, logs)
+
+
 __all__ = [
     "BroadcastGlobalVariablesCallback",
     "MetricAverageCallback",
     "LearningRateScheduleCallback",
     "LearningRateWarmupCallback",
+    "BestModelCheckpoint",
 ]

@@ -1,0 +1,253 @@
+"""join() (Horovod's uneven inputs) under MPI: while ranks have joined, the others'
+allreduces (sum, average, grouped) and allgathers complete with the joined ranks'
+engines taking part with zeros (no rows), against float64 references; join returns
+the rank that joined last on every rank; the communicator works again after it (two
+epochs); an operation join does not run raises on every rank within bounded time;
+a Dup() and Split() sub-communicator; DistributedOptimizer with uneven batch counts
+against a float64 reference; Horovod's hvd.join()."""
+
+import re
+import time
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from mpi4py import MPI
+
+import hpcdl
+import hpcdl.horovod.torch as hvd
+from hpcdl.torch import DistributedOptimizer, broadcast_parameters
+
+from conftest import agree, collective, multi_rank, outcome
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+SHAPE = (5, 7)
+BOUND_S = 60  # every wait of a test that expects an error: it must come, not a hang
+
+
+def data(rank, step, shape=SHAPE):
+    return np.random.default_rng(1000 * step + rank).standard_normal(shape)
+
+
+def epoch(comm, live, steps):
+    """Ranks in `live` allreduce (sum named, average unnamed, grouped) and allgather for
+    `steps` steps, then join; the others join at once. Returns (join's result, whether
+    every result on this rank matched its float64 reference, a detail)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    ok, detail = True, ""
+    if rank in live:
+        for step in range(steps):
+            summed = hpcdl.allreduce(data(rank, step), comm=comm, name="join.sum")
+            averaged = hpcdl.allreduce(data(rank, step + 50), op="average", comm=comm)
+            grouped = hpcdl.grouped_allreduce(
+                [data(rank, step + 100), data(rank, step + 150, (3,)).astype(np.float32)], comm=comm, name="join.group"
+            )
+            rows = hpcdl.allgather(data(rank, step + 200, (rank + 1, 2)), comm=comm, name="join.gather")
+            expected_sum = sum(data(r, step) for r in live)
+            expected_average = sum(data(r, step + 50) for r in live) / size  # the full size, as Horovod
+            expected_group = [sum(data(r, step + 100) for r in live), sum(data(r, step + 150, (3,)) for r in live)]
+            expected_rows = np.concatenate([data(r, step + 200, (r + 1, 2)) for r in sorted(live)])
+            good = (
+                np.allclose(summed, expected_sum, rtol=1e-12, atol=1e-12)
+                and np.allclose(averaged, expected_average, rtol=1e-12, atol=1e-12)
+                and np.allclose(grouped[0], expected_group[0], rtol=1e-12, atol=1e-12)
+                and np.allclose(grouped[1], expected_group[1], rtol=1e-5, atol=1e-5)
+                and rows.shape == expected_rows.shape
+                and np.array_equal(rows, expected_rows)
+            )
+            if not good and ok:
+                ok, detail = False, f"step {step} with live ranks {sorted(live)}"
+    return hpcdl.join(comm), ok, detail
+
+
+def check_epoch(comm, live, steps):
+    last, ok, detail = epoch(comm, live, steps)
+    lasts = comm.allgather(last)
+    agree(comm, ok, detail)
+    agree(comm, len(set(lasts)) == 1 and last in live, f"join returned {lasts} with live ranks {sorted(live)}")
+    if len(live) == 1:
+        # Its allreduces completed only once every other rank had joined: it joined last.
+        agree(comm, last == next(iter(live)), f"join returned {last}, the last to join was {live}")
+
+
+@multi_rank
+def test_allreduce_and_allgather_with_one_to_all_but_one_rank_joined(comm):
+    size = comm.Get_size()
+    for joined in range(1, size):
+        check_epoch(comm, set(range(joined, size)), steps=3)  # the coordinator (rank 0) among the joined
+        check_epoch(comm, set(range(size - joined)), steps=2)  # the coordinator live
+
+
+@multi_rank
+def test_two_epochs_in_a_row_and_then_ordinary_operations(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    check_epoch(comm, {size - 1}, steps=4)
+    check_epoch(comm, {0}, steps=1)
+    out = collective(comm, lambda: hpcdl.allreduce(np.full(4, float(rank)), comm=comm, name="join.after"))
+    agree(comm, np.array_equal(out, np.full(4, float(sum(range(size))))), str(out))
+
+
+@multi_rank
+def test_unnamed_operations_pair_again_after_a_join(comm):
+    """The joined ranks ran the live ranks' unnamed operations: their numbering stays in step."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if rank == 0:
+        for _ in range(3):
+            hpcdl.allreduce(np.ones(3), comm=comm)
+    hpcdl.join(comm)
+    out = collective(comm, lambda: hpcdl.allreduce(np.full(3, float(rank + 1)), comm=comm))
+    agree(comm, np.array_equal(out, np.full(3, size * (size + 1) / 2)), str(out))
+
+
+def test_join_on_split_sub_communicators():
+    world = MPI.COMM_WORLD
+    sub = world.Split(world.Get_rank() % 2, world.Get_rank())
+    try:
+        size = sub.Get_size()
+        last, ok, detail = epoch(sub, {size - 1}, steps=2)
+        agree(world, ok and last == size - 1, f"{detail}; join returned {last}")
+        out = hpcdl.allreduce(np.ones(2), comm=sub, name="join.sub.after")
+        agree(world, np.array_equal(out, np.full(2, float(size))), str(out))
+    finally:
+        sub.Free()
+
+
+def _named_in_stall_warnings(caught, name):
+    """The ranks each StallWarning about operation `name` says it waits for."""
+    named = []
+    for w in caught:
+        if issubclass(w.category, hpcdl.StallWarning) and f"'{name}'" in str(w.message):
+            found = re.search(r"for ranks? ([\d, ]+), which", str(w.message))
+            named.append(sorted(int(r) for r in found.group(1).split(", ")) if found else str(w.message))
+    return named
+
+
+def test_stall_warnings_name_the_late_rank_not_the_joined_one():
+    """Rank 0 joins; the last rank is late to an allreduce the others wait in: their
+    warnings name the late rank only, and the join's names the ranks not joined yet."""
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    hpcdl.barrier(world)  # hpcdl's channels on world are set up: what follows waits in the agreement
+    hpcdl.configure(stall_warning_seconds=0.3)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == 0:
+                hpcdl.join(world)
+            else:
+                if rank == size - 1:
+                    time.sleep(1.5)
+                hpcdl.allreduce(np.ones(2), comm=world, name="join.late")
+                hpcdl.join(world)
+        if rank == 0:
+            named = _named_in_stall_warnings(caught, "hpcdl.join")
+            ok = bool(named) and all(isinstance(n, list) and size - 1 in n and 0 not in n for n in named)
+        elif rank < size - 1:
+            named = _named_in_stall_warnings(caught, "join.late")
+            ok = bool(named) and all(n == [size - 1] for n in named)
+        else:
+            named, ok = [], True  # the late rank waited for no one
+        agree(world, ok, named)
+    finally:
+        hpcdl.configure(stall_warning_seconds=60)
+
+
+def _unsupported(comm, kind):
+    size = comm.Get_size()
+    if kind == "reducescatter":
+        return hpcdl.reducescatter(np.ones((size, 2)), comm=comm, name="join.bad")
+    if kind == "alltoall":
+        return hpcdl.alltoall(np.ones((size, 2)), comm=comm, name="join.bad")
+    if kind == "max":
+        return hpcdl.allreduce(np.ones(3), op="max", comm=comm, name="join.bad")
+    if kind == "broadcast":  # from rank 0, which has joined
+        return hpcdl.broadcast(np.ones(3), root=0, comm=comm, name="join.bad")
+    return hpcdl.allreduce(np.ones(8, np.float32), comm=comm, name="join.bad", compression=hpcdl.compression.FP16())
+
+
+@multi_rank
+@pytest.mark.parametrize("kind", ["reducescatter", "alltoall", "max", "broadcast", "compressed"])
+def test_an_operation_join_does_not_run_raises_on_every_rank(comm, kind):
+    """All but the last rank join; the last submits what join does not run: MismatchError
+    there, and the joined ranks' join raises it too; then the communicator works."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    t0 = time.monotonic()
+    if rank == size - 1:
+        _, error = outcome(_unsupported, comm, kind)
+    else:
+        _, error = outcome(lambda: hpcdl.join_async(comm).wait(timeout=BOUND_S))
+    waited = time.monotonic() - t0
+    agree(
+        comm,
+        isinstance(error, hpcdl.MismatchError) and "joined" in str(error) and waited < BOUND_S,
+        f"{type(error).__name__}: {error} after {waited:.1f} s",
+    )
+    out = collective(comm, lambda: hpcdl.allreduce(np.full(2, 1.0), comm=comm, name="join.recovered"))
+    agree(comm, np.array_equal(out, np.full(2, float(size))), str(out))
+    check_epoch(comm, {0}, steps=1)  # and join works again
+
+
+def _model():
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).double()
+
+
+def _batch(rank, step):
+    g = torch.Generator().manual_seed(97 * rank + step)
+    return torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 1, generator=g, dtype=torch.float64)
+
+
+@multi_rank
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_distributed_optimizer_with_uneven_batches_matches_a_float64_reference(comm, op):
+    """Rank r trains on 2 + r batches, then joins: each step's update is the sum of the
+    live ranks' gradients (divided by the full size for average). The last rank to join
+    holds the trained parameters, which it broadcasts."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    lr, steps = 0.1, [2 + r for r in range(size)]
+    model = _model()
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr), model.named_parameters(), comm=comm, op=op, name=f"join.{op}"
+    )
+    for step in range(steps[rank]):
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    last = hpcdl.join(comm)
+    # The ranks that joined early stopped stepping: the last one's parameters are the model (Horovod's recipe).
+    broadcast_parameters(model.state_dict(), root_rank=last, comm=comm)
+
+    reference = _model()
+    for step in range(max(steps)):
+        grads = [torch.zeros_like(p) for p in reference.parameters()]
+        for r in range(size):
+            if step < steps[r]:
+                reference.zero_grad()
+                x, y = _batch(r, step)
+                torch.nn.functional.mse_loss(reference(x), y).backward()
+                grads = [g + p.grad for g, p in zip(grads, reference.parameters())]
+        with torch.no_grad():
+            for p, g in zip(reference.parameters(), grads):
+                p -= lr * (g / size if op == "average" else g)
+    close = all(
+        torch.allclose(p, q, rtol=1e-10, atol=1e-12) for p, q in zip(model.parameters(), reference.parameters())
+    )
+    agree(comm, close and last == size - 1, f"parameters match: {close}; join returned {last}")
+
+
+def test_horovod_join_returns_the_last_rank_and_allreduce_sees_zeros():
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if rank == size - 1:
+        out = hvd.allreduce(torch.full((3,), 2.0, dtype=torch.float64), op=hvd.Sum, name="hvd.join.sum")
+        average = hvd.allreduce(torch.full((3,), 2.0, dtype=torch.float64), name="hvd.join.average")
+        ok = torch.equal(out, torch.full((3,), 2.0, dtype=torch.float64)) and torch.allclose(
+            average, torch.full((3,), 2.0 / size, dtype=torch.float64)
+        )
+    else:
+        ok = True
+    last = hvd.join()
+    agree(MPI.COMM_WORLD, ok and isinstance(last, int) and last == size - 1, f"join returned {last!r}; ok={ok}")
