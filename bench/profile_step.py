@@ -3,11 +3,13 @@
     perf record -a -g -F 499 -o /tmp/topk.perf -- mpiexec -n 4 python bench/profile_step.py topk --steps 300
     perf report -i /tmp/topk.perf --no-children --sort comm,dso,sym -g none
 
-SYSTEM is one of hpcdl's codecs in bench/train.py (dense, fp16, int8, topk, powersgd) or
+SYSTEM is one of hpcdl's codecs in bench/train.py (dense, fp16, int8, topk, topk-reuse, powersgd) or
 no-exchange (the same step with no gradient exchange). The model, batch and
 step are bench/train.py's; after 20 untimed steps rank 0 prints the wall time
 per step and the process CPU time (all threads) per rank and step, mean over
-ranks, so a profile's sample counts can be turned into milliseconds per step.
+ranks, so a profile's sample counts can be turned into milliseconds per step,
+and the allreduces' bytes received per rank and step (hpcdl.stats(), mean
+over ranks).
 """
 
 import argparse
@@ -19,7 +21,17 @@ import torch
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train import CLASSES, CODECS, FEATURES, FLOOR, codecs, make_model, random_batch, train_step  # noqa: E402
+from train import (  # noqa: E402
+    CLASSES,
+    CODECS,
+    FEATURES,
+    FLOOR,
+    TOPK_REUSE_STEPS,
+    codecs,
+    make_model,
+    random_batch,
+    train_step,
+)
 
 import hpcdl.torch  # noqa: E402
 
@@ -35,6 +47,9 @@ def main():
     parser.add_argument("--batch", type=int, default=32, help="per rank")
     parser.add_argument("--lr", type=float, default=0.1)
     parser.add_argument("--bucket-bytes", type=int, default=hpcdl.torch.DEFAULT_BUCKET_BYTES)
+    parser.add_argument(
+        "--topk-reuse-steps", type=int, default=TOPK_REUSE_STEPS, help="topk-reuse: TopK(0.01, reuse_steps=N)"
+    )
     parser.add_argument(
         "--gradient-as-bucket-view",
         action="store_true",
@@ -55,7 +70,7 @@ def main():
     model = make_model(FEATURES, args.hidden, args.layers, CLASSES)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     if args.system != FLOOR:
-        ((_, codec),) = codecs([args.system])
+        ((_, codec),) = codecs([args.system], args.topk_reuse_steps)
         opt = hpcdl.torch.DistributedOptimizer(
             opt,
             model.named_parameters(),
@@ -68,20 +83,23 @@ def main():
     for i in range(WARMUP_STEPS + args.steps):
         if i == WARMUP_STEPS:
             comm.Barrier()
+            hpcdl.stats(reset=True)
             t0, c0 = time.perf_counter(), time.process_time()
         train_step(model, opt, x, y, set_to_none=not args.keep_grads)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     cpus = comm.gather(cpu)
     walls = comm.gather(wall)
+    received = comm.gather(sum(row["bytes_received"] for row in hpcdl.stats().get("allreduce", {}).values()))
     if comm.Get_rank() == 0:
         options = "".join(
             f" +{flag}"
             for flag, on in (("gradient-as-bucket-view", args.gradient_as_bucket_view), ("keep-grads", args.keep_grads))
             if on
-        )
+        ) + (f" (reuse_steps={args.topk_reuse_steps})" if args.system == "topk-reuse" else "")
         print(
             f"[hpcdl rank 0] {args.system}{options}: {max(walls) / args.steps * 1e3:.2f} ms/step, "
-            f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step "
+            f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step, "
+            f"{sum(received) / len(received) / args.steps / 1e3:.1f} kB received per rank and step "
             f"({comm.Get_size()} ranks, {args.steps} timed steps after {WARMUP_STEPS})",
             flush=True,
         )

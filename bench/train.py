@@ -44,7 +44,8 @@ from hpcdl.measure import cell, rate, ratio, save_figure, show
 WORLD = MPI.COMM_WORLD
 POWERSGD_START_ITER = 10  # PowerSGDState's warm-up: plain allreduce before this step (its default is 1000)
 DDP_HOOKS = ("fp16", "bf16", "powersgd-r1", "powersgd-r4")
-CODECS = ("dense", "fp16", "int8", "topk", "powersgd")
+CODECS = ("dense", "fp16", "int8", "topk", "topk-reuse", "powersgd")
+TOPK_REUSE_STEPS = 20  # topk-reuse: TopK(0.01, reuse_steps=...), docs/compression.md
 FEATURES, CLASSES = 784, 10  # the timed steps' random data
 FLOOR = "no-exchange"
 FLOOR_NOTE = "step-time floor: no gradient exchange, not trained"
@@ -98,7 +99,7 @@ def write_csv(path, rows):
         writer.writerows({key: cell(value) for key, value in row.items()} for row in rows)
 
 
-def codecs(names):
+def codecs(names, topk_reuse_steps=TOPK_REUSE_STEPS):
     """[(label, codec)] for the requested --codecs; codecs the build lacks are reported and left out."""
     out = []
     for name in names:
@@ -118,6 +119,7 @@ def codecs(names):
                     "fp16": c.FP16,
                     "int8": lambda: c.Int8(),
                     "topk": lambda: c.TopK(ratio=0.01),
+                    "topk-reuse": lambda: c.TopK(ratio=0.01, reuse_steps=topk_reuse_steps),
                     "powersgd": lambda: c.PowerSGD(rank=1, warmup_steps=POWERSGD_START_ITER),
                 }[name](),
             )

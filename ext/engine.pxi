@@ -13,8 +13,9 @@ from libcpp.utility cimport move
 from libcpp.vector cimport vector
 from mpi4py cimport MPI
 
-from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, codec_decode, codec_encode, codec_encoded_bytes, codec_name,
-                              kDefaultInt8Block, parse_codec, topk_algorithm_name, topk_count as c_topk_count)
+from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, CTopkThreshold, codec_decode, codec_encode, codec_encoded_bytes,
+                              codec_name, kDefaultInt8Block, parse_codec, topk_algorithm_name,
+                              topk_contribution_array, topk_count as c_topk_count, topk_reuse_cap)
 from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting, CGroupMember,
                               CNoticeKind, COpKind, COpRequest, COpResult, COperation, COpTimes, CReduceOp,
                               dtype_is_float,
@@ -573,7 +574,8 @@ def codec_config(text):
     if spec.kind == CCodecKind.kInt8:
         config.update(block=spec.block, rounding="stochastic" if spec.stochastic else "nearest", seed=spec.seed)
     elif spec.kind == CCodecKind.kTopK:
-        config.update(ratio=spec.ratio, algorithm=topk_algorithm_name(spec.topk_algorithm).decode())
+        config.update(ratio=spec.ratio, algorithm=topk_algorithm_name(spec.topk_algorithm).decode(),
+                      reuse_steps=spec.topk_reuse_steps)
     return config
 
 
@@ -639,6 +641,40 @@ def codec_decode_into(codec, encoded, out):
     with nogil:
         st = codec_decode(text, in_ptr, count, dst_ptr)
     check_status(st)
+
+
+def topk_contribution(codec, values, residual, threshold=None):
+    """One rank's top-k pairs of x = values + residual for a named tensor, as the
+    engine selects them under `codec` (canonical text; threshold reuse if it says
+    so), unscaled: (indices uint32, values float32, threshold). The float32
+    `residual` is updated in place to x without the pairs (NaN and Inf as 0);
+    `threshold` is the tensor's state from the last call, (magnitude bits, k,
+    uses left) or None for a new tensor."""
+    cdef Buffer src = _float32(values, False)
+    cdef Buffer res = _float32(residual, True)
+    if res.count != src.count:
+        raise ValueError("residual must have as many values as values")
+    cdef string text = codec.encode()
+    cdef CTopkThreshold state
+    if threshold is not None:
+        state.magnitude, state.k, state.uses_left = threshold
+    import numpy
+    cdef size_t room = topk_reuse_cap(c_topk_count(src.count, codec_config(codec).get("ratio", 1.0)))
+    idx = numpy.empty(room, numpy.uint32)
+    val = numpy.empty(room, numpy.float32)
+    cdef uint32_t[::1] idx_view = idx
+    cdef float[::1] val_view = val
+    cdef size_t count = 0
+    cdef CStatus st
+    cdef const float* src_ptr = <const float*>src.ptr()
+    cdef float* res_ptr = <float*>res.ptr()
+    cdef uint32_t* idx_ptr = &idx_view[0] if room else NULL
+    cdef float* val_ptr = &val_view[0] if room else NULL
+    cdef size_t n = src.count
+    with nogil:
+        st = topk_contribution_array(text, src_ptr, n, res_ptr, &state, idx_ptr, val_ptr, &count)
+    check_status(st)
+    return idx[:count], val[:count], (state.magnitude, state.k, state.uses_left)
 
 
 def shutdown():

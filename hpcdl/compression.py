@@ -167,22 +167,30 @@ class TopK(Codec):
     2 (p - 1)/p 8k per rank, flat in p); "auto" (default): the one that
     receives fewer bytes for this p and tensor size. Use it with a name, so
     error feedback keeps what was dropped.
+
+    reuse_steps: threshold reuse (Ok-Topk), for named tensors: the magnitude
+    of the k-th largest value at a rank's exact selection serves that tensor's
+    next ``reuse_steps`` allreduces, which send every value at or above it in
+    one scan (each rank its own count; an exact selection instead when the
+    count leaves [k/2, 2k]). 0 (default): an exact selection every call.
     """
 
     name = "topk"
 
-    def __init__(self, ratio=0.01, algorithm="auto"):
+    def __init__(self, ratio=0.01, algorithm="auto", reuse_steps=0):
         chosen = "" if algorithm == "auto" else f",algorithm={_word(algorithm)}"
-        _core.codec_config(f"topk(ratio={_real(ratio)}{chosen})")  # the core's rules
-        self.ratio, self.algorithm = float(ratio), algorithm
+        # Every setting checked by the core (reuse_steps=0 too, which the text leaves out).
+        _core.codec_config(f"topk(ratio={_real(ratio)}{chosen},reuse_steps={_integer(reuse_steps)})")
+        self.ratio, self.algorithm, self.reuse_steps = float(ratio), algorithm, int(reuse_steps)
 
     def get_config(self):
-        return {"name": self.name, "ratio": self.ratio, "algorithm": self.algorithm}
+        return {"name": self.name, "ratio": self.ratio, "algorithm": self.algorithm, "reuse_steps": self.reuse_steps}
 
     def canonical(self):
-        if self.algorithm == "auto":
-            return f"topk(ratio={self.ratio!r})"
-        return f"topk(ratio={self.ratio!r},algorithm={self.algorithm})"
+        text = f"topk(ratio={self.ratio!r}"
+        if self.algorithm != "auto":
+            text += f",algorithm={self.algorithm}"
+        return text + (f",reuse_steps={self.reuse_steps})" if self.reuse_steps else ")")
 
     def k(self, count):
         """How many values a tensor of ``count`` elements keeps (the core's topk_count)."""
@@ -278,7 +286,7 @@ def from_config(config):
 def from_text(text):
     """The codec that a canonical text names (``str(codec)``: "none", "fp16", "bf16",
     "int8(block=64)", "int8(block=256,rounding=stochastic,seed=7)", "topk(ratio=0.01)",
-    "topk(ratio=0.01,algorithm=split)"), read by the core's parser, or
+    "topk(ratio=0.01,algorithm=split)", "topk(ratio=0.01,reuse_steps=20)"), read by the core's parser, or
     "powersgd(rank=1,warmup_steps=10,seed=0)", whose integer settings PowerSGD
     checks; a bare name ("int8", "topk", "powersgd") is that codec with its
     default settings."""

@@ -163,9 +163,9 @@ Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* tr
   float* data = static_cast<float*>(op.req_.data);
   const std::size_t n = d.count;
   const double scale = d.reduce_op == ReduceOp::kAverage ? 1.0 / ctx.size : 1.0;
-  std::shared_ptr<std::vector<float>> residual;  // kept alive even if reset_state() runs meanwhile
-  if (!op.req_.name.empty()) residual = residuals_.get(ctx.id, op.req_.name, n);
-  float* res = residual ? residual->data() : nullptr;
+  std::shared_ptr<ErrorFeedback> feedback;  // kept alive even if reset_state() runs meanwhile
+  if (!op.req_.name.empty()) feedback = residuals_.get(ctx.id, op.req_.name, n);
+  float* res = feedback ? feedback->residual.data() : nullptr;
   RingPlan plan(ctx.size, ctx.rank, n, sizeof(float), d.chunk_bytes);
   traffic->dense_bytes = plan.dense_bytes_sent();
   const std::uint64_t stream = mix64((ctx.compressed_ops++ << 20) ^ static_cast<std::uint64_t>(ctx.rank)) << 32;
@@ -175,10 +175,12 @@ Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* tr
       return Status::Internal("run_compressed without a codec");
     } else if constexpr (std::is_same_v<Codec, TopkCodec>) {
       cancellable_ = false;  // both variants run MPI collectives, which cannot be cancelled
+      const TopkReuse reuse{codec.reuse_steps, feedback ? &feedback->topk_threshold : nullptr};
       if (topk_use_split(codec.algorithm, ctx.size, n, codec.count(n)))
-        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, n, codec.ratio, scale, res, traffic,
-                                    topk_scratch_, split_scratch_, progress);
-      return topk_allreduce(ctx.data, ctx.size, data, n, codec.ratio, scale, res, traffic, topk_scratch_, progress);
+        return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, n, codec.ratio, scale, res, reuse,
+                                    traffic, topk_scratch_, split_scratch_, progress);
+      return topk_allreduce(ctx.data, ctx.size, data, n, codec.ratio, scale, res, reuse, traffic, topk_scratch_,
+                            progress);
     } else {
       CompressedRingPolicy<Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
       return run_ring(plan, policy, ctx.data, kTagData, traffic, progress);

@@ -1,5 +1,6 @@
 // Error feedback: per communicator and tensor name, what compression dropped,
-// added back by the next compressed allreduce of that tensor.
+// added back by the next compressed allreduce of that tensor (and top-k's
+// reused threshold).
 #include "hpcdl/engine/residual_store.hpp"
 
 #include "hpcdl/util/env.hpp"
@@ -7,13 +8,13 @@
 namespace hpcdl {
 
 void ResidualStore::erase(Context& c, std::map<std::string, Slot>::iterator it) {
-  bytes_ -= it->second.values->size() * sizeof(float);
+  bytes_ -= it->second.values->residual.size() * sizeof(float);
   c.by_last_use.erase(it->second.in_order);
   c.slots.erase(it);
 }
 
-std::shared_ptr<std::vector<float>> ResidualStore::get(std::uint64_t context_id, const std::string& name,
-                                                       std::size_t count) {
+std::shared_ptr<ErrorFeedback> ResidualStore::get(std::uint64_t context_id, const std::string& name,
+                                                  std::size_t count) {
   std::lock_guard<std::mutex> g(mu_);
   Context& c = contexts_[context_id];
   const std::uint64_t use = ++c.uses;
@@ -26,9 +27,9 @@ std::shared_ptr<std::vector<float>> ResidualStore::get(std::uint64_t context_id,
   }
   Slot& slot = it->second;
   slot.last_use = use;
-  if (!slot.values || slot.values->size() != count) {
-    if (slot.values) bytes_ -= slot.values->size() * sizeof(float);
-    slot.values = std::make_shared<std::vector<float>>(count, 0.0f);
+  if (!slot.values || slot.values->residual.size() != count) {
+    if (slot.values) bytes_ -= slot.values->residual.size() * sizeof(float);
+    slot.values = std::make_shared<ErrorFeedback>(count);
     bytes_ += count * sizeof(float);
   }
   const auto values = slot.values;
@@ -44,7 +45,7 @@ bool ResidualStore::copy(std::uint64_t context_id, const std::string& name, std:
   if (c == contexts_.end()) return false;
   auto it = c->second.slots.find(name);
   if (it == c->second.slots.end()) return false;
-  *out = *it->second.values;
+  *out = it->second.values->residual;
   return true;
 }
 
@@ -67,7 +68,7 @@ void ResidualStore::forget_context(std::uint64_t context_id) {
   std::lock_guard<std::mutex> g(mu_);
   auto c = contexts_.find(context_id);
   if (c == contexts_.end()) return;
-  for (auto& kv : c->second.slots) bytes_ -= kv.second.values->size() * sizeof(float);
+  for (auto& kv : c->second.slots) bytes_ -= kv.second.values->residual.size() * sizeof(float);
   contexts_.erase(c);
 }
 

@@ -20,7 +20,7 @@ from hpcdl import _core
 from hpcdl.compression import BF16, FP16, Int8, NoCompression, TopK, from_config, from_text, from_text_list
 
 from conftest import MPIEXEC, finish_job, start_job
-from helpers.compression import ODD_COUNTS, k_largest
+from helpers.compression import ODD_COUNTS, k_largest, topk_reuse_select
 
 
 def roundtrip(codec, x, stream=0):
@@ -368,3 +368,112 @@ def test_residual_lifetime_setting_is_checked_at_import(value):
     proc = start_job([sys.executable, "-c", "import hpcdl"], env=dict(os.environ, HPCDL_RESIDUAL_TTL_OPS=value))
     rc, out, _ = finish_job(proc, 60)
     assert rc != 0 and "HPCDL_RESIDUAL_TTL_OPS" in out, out
+
+
+def reuse_step(codec, data, residual, state):
+    """One call of the core's selection (hook) and of the float64 reference;
+    returns (sent indices, the core's state, problems)."""
+    k = codec.k(data.size)
+    x64 = data.astype(np.float64) + residual.astype(np.float64)
+    x = data + residual  # float32, as the core adds
+    expected, expected_state = topk_reuse_select(x, k, codec.reuse_steps, state and reference_state(state))
+    old = residual.copy()
+    idx, val, new_state = _core.topk_contribution(codec.canonical(), data, residual, state)
+    problems = []
+    if not np.array_equal(x, x64.astype(np.float32)):
+        problems.append("x is not the float32 rounding of data + residual")
+    if not np.array_equal(idx, expected):
+        problems.append(f"sent {idx.size} indices, the reference {expected.size}")
+    if reference_state(new_state) != expected_state:
+        problems.append(f"state {reference_state(new_state)}, the reference {expected_state}")
+    # Exactly what was not sent stays: data + old residual == sent + new residual, bitwise.
+    sent = np.zeros_like(data)
+    sent[idx] = val
+    if not np.array_equal(data + old, sent + residual) or np.any(sent[idx] != x[idx]) or np.any(residual[idx] != 0):
+        problems.append("data + old residual != sent + new residual")
+    return idx, new_state, problems
+
+
+def reference_state(state):
+    """The core's (magnitude bits, k, uses left) as the reference's (float32 threshold, k, uses left)."""
+    bits, k, left = state
+    return (np.array([bits], np.uint32).view(np.float32)[0], k, left)
+
+
+def test_topk_reuse_sends_everything_at_or_above_the_last_exact_threshold():
+    """Threshold reuse (reuse_steps=3), 9 calls of one tensor: an exact selection,
+    3 calls sending every |x| >= its threshold (their counts vary around k), the
+    next exact, ...; each against the float64 reference of the documented rule,
+    with the residual keeping exactly what was not sent."""
+    codec, n = TopK(0.01, reuse_steps=3), 20_011
+    rng = np.random.default_rng(5)
+    residual, state, counts, problems = np.zeros(n, np.float32), None, [], []
+    for step in range(9):
+        # x = data + residual about standard normal every call (as in steady training), so counts stay near k
+        data = rng.standard_normal(n).astype(np.float32) - residual
+        idx, state, wrong = reuse_step(codec, data, residual, state)
+        counts.append(idx.size)
+        problems += [f"step {step}: {w}" for w in wrong]
+        assert state[2] == 3 - step % 4, state  # calls left after an exact selection (steps 0, 4, 8): 3
+    assert not problems, problems
+    k = codec.k(n)
+    exact, reused = counts[::4], [c for i, c in enumerate(counts) if i % 4]
+    assert exact == [k] * 3 and len(set(reused)) > 1 and all(c != k for c in reused), counts
+
+
+def test_topk_reuse_selects_exactly_when_the_count_leaves_its_bounds():
+    """A threshold that would send over 2k values (the data grew 10x) or under
+    k/2 (it shrank 10x) is not used: that call selects the exact k and takes
+    their threshold. A threshold of 0 (k-th largest |x| is 0) is never reused."""
+    codec, n = TopK(0.01, reuse_steps=5), 10_000
+    k = codec.k(n)
+    rng = np.random.default_rng(6)
+    residual, state, problems = np.zeros(n, np.float32), None, []
+    for step, scale in enumerate([1.0, 1.0, 10.0, 10.0, 0.1]):
+        data = (scale * rng.standard_normal(n)).astype(np.float32) - residual  # x about scale x normal
+        above = state and np.count_nonzero(np.abs(data + residual) >= reference_state(state)[0])
+        idx, state, wrong = reuse_step(codec, data, residual, state)
+        problems += [f"step {step}: {w}" for w in wrong]
+        if step in (2, 4):  # 10x: most |x| above the old threshold; 0.1x: none
+            assert idx.size == k and state[2] == 5 and (above > 2 * k or above < k / 2), (step, above)
+        elif step in (1, 3):
+            assert state[2] == 4 and k / 2 <= idx.size <= 2 * k, (step, idx.size)
+    assert not problems, problems
+    sparse = np.zeros(n, np.float32)
+    sparse[:50] = 1.0  # k = 100: the k-th largest magnitude is 0
+    _, state, wrong = reuse_step(codec, sparse, np.zeros(n, np.float32), None)
+    assert state[0] == 0 and not wrong
+    idx, state, wrong = reuse_step(codec, sparse, np.zeros(n, np.float32), state)
+    assert idx.size == k and not wrong  # exact again, not every zero
+
+
+def test_topk_reuse_sends_nan_and_inf_and_clears_them_from_the_residual():
+    """NaN and Inf rank above every threshold: a reused threshold sends them, and
+    the residual keeps neither."""
+    codec, n = TopK(0.01, reuse_steps=2), 4000
+    rng = np.random.default_rng(7)
+    residual = np.zeros(n, np.float32)
+    _, state, _ = reuse_step(codec, rng.standard_normal(n).astype(np.float32), residual, None)
+    data = rng.standard_normal(n).astype(np.float32) - residual
+    data[[5, 600, 3999]] = [np.nan, np.inf, -np.inf]
+    idx, val, state = _core.topk_contribution(codec.canonical(), data, residual, state)
+    assert state[2] == 1 and {5, 600, 3999} <= set(idx.tolist())  # reused, and sent
+    assert np.isnan(val[list(idx).index(5)]) and np.all(np.isfinite(residual))
+
+
+def test_topk_reuse_setting_round_trips_and_is_checked():
+    reuse = TopK(0.01, algorithm="split", reuse_steps=20)
+    assert str(reuse) == "topk(ratio=0.01,algorithm=split,reuse_steps=20)"
+    assert str(TopK(0.01, reuse_steps=7)) == "topk(ratio=0.01,reuse_steps=7)"
+    assert from_text(str(reuse)) == reuse and from_config(reuse.get_config()) == reuse
+    assert TopK(0.01, reuse_steps=0) == TopK(0.01) and str(TopK(0.01, reuse_steps=0)) == "topk(ratio=0.01)"
+    assert from_text("topk(ratio=0.01,reuse_steps=0)") == TopK(0.01) and TopK().reuse_steps == 0
+    assert _core.codec_config("topk(reuse_steps=1000000,ratio=0.5)")["reuse_steps"] == 10**6
+    for bad in (-1, 1.5, True, "3", 10**6 + 1, None):
+        with pytest.raises(ValueError, match="reuse_steps"):
+            TopK(0.01, reuse_steps=bad)
+    for text in ("topk(ratio=0.1,reuse_steps=)", "topk(ratio=0.1,reuse_steps=1,reuse_steps=2)", "topk(reuse_steps=2)"):
+        with pytest.raises(ValueError):
+            from_text(text)
+    with pytest.raises(ValueError, match="not a top-k codec"):
+        _core.topk_contribution("int8(block=256)", np.ones(4, np.float32), np.zeros(4, np.float32))

@@ -4,10 +4,12 @@
 // choice between the two.
 //
 // Result: the exact top-k (by magnitude, NaN largest, lower index wins ties)
-// of s = the sum, in rank order, of every rank's scaled local top-k, i.e. the
+// of s = the sum, in rank order, of every rank's scaled local pairs, i.e. the
 // top-k of what the allgather variant returns. Steps, all on the engine's
 // data communicator, non-blocking collectives waited on politely:
-//   1. each rank selects its local top-k of x = data (+ residual) (TopkSelector);
+//   1. each rank selects its local top-k of x = data (+ residual) (TopkSelector),
+//      or with threshold reuse every |x| at or above its threshold (TopkReuse:
+//      the counts differ between ranks, between k/2 and 2k);
 //   2. balance: a histogram of the selected indices over B equal bins is summed
 //      (Iallreduce); the index space is cut into p contiguous ranges holding
 //      about p k / p = k selected pairs each (cuts interpolated inside bins);
@@ -47,6 +49,17 @@
 #include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
+
+// Threshold reuse for one call (codecs/topk.hpp, TopkThreshold): the codec's
+// reuse_steps and the named tensor's threshold; off without either. Ranks
+// agree on the codec, so on whether counts may differ.
+struct TopkReuse {
+  std::uint32_t steps = 0;
+  TopkThreshold* threshold = nullptr;
+  bool on() const { return steps > 0; }
+  // The most pairs a rank may send.
+  std::size_t most_pairs(std::size_t k) const { return on() ? topk_reuse_cap(k) : k; }
+};
 
 // Working memory of the split allreduce, reused from call to call.
 struct SplitScratch {
@@ -145,30 +158,34 @@ inline bool topk_use_split(TopkAlgorithm algorithm, int p, std::size_t n, std::s
 // (optional, n values) as in topk_allreduce; traffic counts the logical
 // volume of each exchange (an allreduce as a ring's 2 (p - 1)/p).
 inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, float* data, std::size_t n, double ratio,
-                                   double final_scale, float* residual, RingTraffic* traffic, TopkScratch& topk_scratch,
-                                   SplitScratch& s, Progress& progress) {
+                                   double final_scale, float* residual, const TopkReuse& reuse, RingTraffic* traffic,
+                                   TopkScratch& topk_scratch, SplitScratch& s, Progress& progress) {
   const std::size_t k = topk_count(n, ratio);
   if (k == 0) return Status::OK();
-  if (static_cast<std::uint64_t>(p) * k > static_cast<std::uint64_t>(INT_MAX))
-    return Status::Invalid("top-k split: p * k = " + std::to_string(static_cast<std::uint64_t>(p) * k) +
+  const std::size_t most = reuse.most_pairs(k);
+  if (static_cast<std::uint64_t>(p) * most > static_cast<std::uint64_t>(INT_MAX))
+    return Status::Invalid("top-k split: p * k = " + std::to_string(static_cast<std::uint64_t>(p) * most) +
                            " pairs exceed MPI's int counts; use algorithm=allgather");
   const std::size_t up = static_cast<std::size_t>(p);
   std::uint64_t received = 0, sent = 0;
   MPI_Request rq[2];
 
-  // 1. Local selection, scaled as in topk_allreduce (the sums are the result).
-  std::uint32_t* idx = s.mine_idx.get<std::uint32_t>(k);
-  float* val = s.mine_val.get<float>(k);
-  topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val);
+  // 1. Local selection, scaled as in topk_allreduce (the sums are the result):
+  // c pairs, k unless a reused threshold picked them.
+  std::uint32_t* idx = s.mine_idx.get<std::uint32_t>(most);
+  float* val = s.mine_val.get<float>(most);
+  const std::size_t c =
+      topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val, reuse.steps, reuse.threshold);
 
-  // 2. Balance: range j ends where the running count of all p k pairs reaches
-  // (j + 1) k, interpolated linearly inside that bin (pairs assumed even there).
+  // 2. Balance: range j ends where the running count of all pairs (p k without
+  // reuse) reaches (j + 1) / p of them, interpolated linearly inside that bin
+  // (pairs assumed even there).
   std::size_t bins = detail::split_balance_bins(p, n, k);
   const std::size_t width = (n + bins - 1) / bins;
   bins = (n + width - 1) / width;
   std::uint32_t* hist = s.hist.get<std::uint32_t>(std::max(bins, detail::kRadixBins));
   std::fill(hist, hist + bins, 0u);
-  for (std::size_t j = 0; j < k; ++j) ++hist[idx[j] / width];
+  for (std::size_t j = 0; j < c; ++j) ++hist[idx[j] / width];
   HPCDL_RETURN_NOT_OK(
       mpi_status(MPI_Iallreduce(MPI_IN_PLACE, hist, static_cast<int>(bins), MPI_UINT32_T, MPI_SUM, comm, &rq[0]),
                  "MPI_Iallreduce(top-k balance)"));
@@ -180,8 +197,8 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   std::vector<std::size_t> bound(up + 1, n);
   bound[0] = 0;
   {
-    const std::uint64_t total = static_cast<std::uint64_t>(p) * k;
-    std::uint64_t cum = 0;
+    std::uint64_t total = 0, cum = 0;
+    for (std::size_t b = 0; b < bins; ++b) total += hist[b];
     std::size_t bin = 0;
     for (int j = 1; j < p; ++j) {
       const std::uint64_t target = total * static_cast<std::uint64_t>(j) / up;
@@ -195,8 +212,8 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   // 3. Reduce-scatter: the pairs of range j to rank j, summed there in rank order.
   std::vector<int> send_count(up), send_displ(up), recv_count(up), recv_displ(up);
   for (std::size_t j = 0; j < up; ++j) {
-    std::uint32_t* lo = std::lower_bound(idx, idx + k, bound[j]);
-    std::uint32_t* hi = std::lower_bound(lo, idx + k, bound[j + 1]);
+    std::uint32_t* lo = std::lower_bound(idx, idx + c, bound[j]);
+    std::uint32_t* hi = std::lower_bound(lo, idx + c, bound[j + 1]);
     send_displ[j] = static_cast<int>(lo - idx);
     send_count[j] = static_cast<int>(hi - lo);
   }
@@ -243,7 +260,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
     HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k select)", progress));
     received += detail::allreduce_volume(p, 4 * detail::kRadixBins);
     sent += detail::allreduce_volume(p, 4 * detail::kRadixBins);
-    if (round == 0) {  // every rank's k pairs are distinct indices, so the union holds at least k
+    if (round == 0) {  // the union may hold fewer than k (k each without reuse: at least k)
       std::uint64_t total = 0;
       for (std::size_t b = 0; b < detail::kRadixBins; ++b) total += hist[b];
       need = std::min<std::uint64_t>(need, total);
@@ -304,7 +321,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   sent += 8 * static_cast<std::uint64_t>(n_sel) * (up - 1);
   for (std::size_t g = 0; g < n_out; ++g) data[out_idx[g]] = out_val[g];
   // The residual gives up this rank's pairs that made it into the result (both lists ascend).
-  for (std::size_t j = 0, g = 0; residual && j < k; ++j) {
+  for (std::size_t j = 0, g = 0; residual && j < c; ++j) {
     while (g < n_out && out_idx[g] < idx[j]) ++g;
     if (g < n_out && out_idx[g] == idx[j]) residual[idx[j]] = 0.0f;
   }
@@ -315,29 +332,67 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
 
 // Allreduce of data[0, n) through top-k on every rank. residual (optional,
 // n values): added to the data before selection; on return, what this
-// rank's contribution dropped, in sum units.
+// rank's contribution dropped, in sum units. With reuse on, ranks send
+// different counts: an allgather of the counts, then of the pairs (indices,
+// values) at their rank-order places.
 inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n, double ratio, double final_scale,
-                             float* residual, RingTraffic* traffic, TopkScratch& scratch, Progress& progress) {
-  const std::size_t k = topk_count(n, ratio);
-  const std::size_t bytes = topk_encoded_bytes(k);
-  if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()))
+                             float* residual, const TopkReuse& reuse, RingTraffic* traffic, TopkScratch& scratch,
+                             Progress& progress) {
+  const std::size_t k = topk_count(n, ratio), most = reuse.most_pairs(k);
+  const std::size_t bytes = topk_encoded_bytes(most);
+  if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()) ||
+      (reuse.on() && static_cast<std::uint64_t>(size) * most > static_cast<std::uint64_t>(INT_MAX)))
     return Status::Invalid("top-k message of " + std::to_string(bytes) + " bytes exceeds one MPI message");
   std::uint8_t* mine = scratch.mine.get<std::uint8_t>(bytes);
-  std::uint8_t* all = scratch.all.get<std::uint8_t>(bytes * static_cast<std::size_t>(size));
   std::uint32_t* idx = topk_indices(mine);
-  topk_contribution(data, residual, n, k, final_scale, scratch, idx, topk_values(mine, k));
+  float* val = topk_values(mine, most);
+  const std::size_t c =
+      topk_contribution(data, residual, n, k, final_scale, scratch, idx, val, reuse.steps, reuse.threshold);
   // Non-blocking, waited on without MPI's busy spin: ranks still selecting keep the CPU.
-  MPI_Request request;
-  int rc =
-      MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm, &request);
-  HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Iallgather(top-k)"));
-  // While the pairs travel, the residual gives up what was sent.
-  for (std::size_t j = 0; residual && j < k; ++j) residual[idx[j]] = 0.0f;
-  HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&request, MPI_STATUS_IGNORE, progress), "MPI_Wait(top-k allgather)"));
-  // The logical volume of an allgather: every other rank's pairs in, ours out to each.
-  traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
-  traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
-  topk_sum_into(all, size, k, data, n, scratch);
+  const std::size_t up = static_cast<std::size_t>(size);
+  TopkPairs* ranks = scratch.pairs.get<TopkPairs>(up);
+  MPI_Request rq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  if (!reuse.on()) {
+    std::uint8_t* all = scratch.all.get<std::uint8_t>(bytes * up);
+    HPCDL_RETURN_NOT_OK(mpi_status(
+        MPI_Iallgather(mine, static_cast<int>(bytes), MPI_BYTE, all, static_cast<int>(bytes), MPI_BYTE, comm, &rq[0]),
+        "MPI_Iallgather(top-k)"));
+    // While the pairs travel, the residual gives up what was sent.
+    for (std::size_t j = 0; residual && j < c; ++j) residual[idx[j]] = 0.0f;
+    HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k allgather)", progress));
+    // The logical volume of an allgather: every other rank's pairs in, ours out to each.
+    traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
+    traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
+    topk_sum_into(all, size, k, data, n, scratch);
+    return Status::OK();
+  }
+  int mine_count = static_cast<int>(c);
+  std::vector<int> counts(up), displ(up);
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgather(&mine_count, 1, MPI_INT, counts.data(), 1, MPI_INT, comm, &rq[0]),
+                                 "MPI_Iallgather(top-k counts)"));
+  for (std::size_t j = 0; residual && j < c; ++j) residual[idx[j]] = 0.0f;
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k counts)", progress));
+  std::size_t total = 0;
+  for (std::size_t r = 0; r < up; ++r) {
+    if (counts[r] < 0 || static_cast<std::size_t>(counts[r]) > most)
+      return Status::Internal("top-k: rank " + std::to_string(r) + " sends " + std::to_string(counts[r]) + " pairs");
+    displ[r] = static_cast<int>(total);
+    total += static_cast<std::size_t>(counts[r]);
+  }
+  std::uint32_t* all_idx = scratch.all.get<std::uint32_t>(2 * std::max<std::size_t>(total, 1));
+  float* all_val = reinterpret_cast<float*>(all_idx + std::max<std::size_t>(total, 1));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Iallgatherv(idx, mine_count, MPI_UINT32_T, all_idx, counts.data(), displ.data(), MPI_UINT32_T, comm, &rq[0]),
+      "MPI_Iallgatherv(top-k indices)"));
+  HPCDL_RETURN_NOT_OK(mpi_status(
+      MPI_Iallgatherv(val, mine_count, MPI_FLOAT, all_val, counts.data(), displ.data(), MPI_FLOAT, comm, &rq[1]),
+      "MPI_Iallgatherv(top-k values)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k allgather)", progress));
+  traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * (topk_encoded_bytes(c) + sizeof(int));
+  traffic->bytes_received += topk_encoded_bytes(total - c) + (up - 1) * sizeof(int);
+  for (std::size_t r = 0; r < up; ++r)
+    ranks[r] = TopkPairs{all_idx + displ[r], all_val + displ[r], static_cast<std::size_t>(counts[r])};
+  topk_sum_into(ranks, size, data, n, scratch);
   return Status::OK();
 }
 

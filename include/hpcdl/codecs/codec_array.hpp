@@ -91,4 +91,22 @@ inline Status codec_decode(const std::string& text, const std::uint8_t* in, std:
   return visit_codec(spec, [&](const auto& codec) { return detail::decode_array(codec, in, n, out); });
 }
 
+// One rank's top-k contribution for a named tensor, as the engine selects it
+// (with threshold reuse when the codec asks for it), without the scaling: x =
+// data + residual; idx and val need room for topk_reuse_cap(k) pairs, *count
+// is how many were written; *threshold is the tensor's state, carried from
+// call to call; the residual is left holding x without the pairs sent (what
+// the allgather leaves; NaN and Inf as 0).
+inline Status topk_contribution_array(const std::string& text, const float* x, std::size_t n, float* residual,
+                                      TopkThreshold* threshold, std::uint32_t* idx, float* val, std::size_t* count) {
+  CodecSpec spec;
+  HPCDL_RETURN_NOT_OK(parse_codec(text, &spec));
+  if (spec.kind != CodecKind::kTopK) return Status::Invalid("'" + text + "' is not a top-k codec");
+  thread_local TopkScratch scratch;
+  const TopkCodec codec(spec);
+  *count = topk_contribution(x, residual, n, codec.count(n), 1.0, scratch, idx, val, codec.reuse_steps, threshold);
+  for (std::size_t j = 0; j < *count; ++j) residual[idx[j]] = 0;
+  return Status::OK();
+}
+
 }  // namespace hpcdl

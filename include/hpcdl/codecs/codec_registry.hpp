@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "hpcdl/codecs/codecs.hpp"
 #include "hpcdl/codecs/topk.hpp"
@@ -22,11 +23,13 @@ struct NoCodec {
 // Top-k is not a ring codec: the engine reduces its (index, value) pairs with
 // topk_allreduce or topk_split_allreduce (sparse_allreduce.hpp).
 struct TopkCodec {
-  explicit TopkCodec(const CodecSpec& spec) : ratio(spec.ratio), algorithm(spec.topk_algorithm) {}
+  explicit TopkCodec(const CodecSpec& spec)
+      : ratio(spec.ratio), algorithm(spec.topk_algorithm), reuse_steps(spec.topk_reuse_steps) {}
   std::size_t count(std::size_t n) const { return topk_count(n, ratio); }
   std::size_t encoded_bytes(std::size_t n) const { return topk_encoded_bytes(count(n)); }
   double ratio;
   TopkAlgorithm algorithm;
+  std::uint32_t reuse_steps;  // 0: an exact selection every call
 };
 
 template <class F>

@@ -1,6 +1,7 @@
 // A codec's settings as every rank agrees on them: the canonical text
 // ("fp16", "bf16", "int8(block=256)", "int8(block=256,rounding=stochastic,seed=7)",
-// "topk(ratio=0.01)", "topk(ratio=0.01,algorithm=split)"; empty = none),
+// "topk(ratio=0.01)", "topk(ratio=0.01,algorithm=split)",
+// "topk(ratio=0.01,reuse_steps=20)"; empty = none),
 // parsed and checked once here. No kernels: the engine's public header and
 // hpcdl.compression need only this (the kernels are in codecs.hpp).
 #pragma once
@@ -25,6 +26,9 @@ enum class CodecKind : int { kNone = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kTopK =
 // How top-k is reduced (include/hpcdl/algorithms/sparse_allreduce.hpp): auto picks by bytes received.
 enum class TopkAlgorithm : int { kAuto = 0, kAllgather = 1, kSplit = 2 };
 
+// Top-k's threshold reuse (topk.hpp, TopkThreshold): at most this many calls per exact selection.
+constexpr std::uint32_t kMaxTopkReuseSteps = 1000000;
+
 struct CodecSpec {
   CodecKind kind = CodecKind::kNone;
   std::uint32_t block = kDefaultInt8Block;              // int8: values per scale
@@ -32,6 +36,7 @@ struct CodecSpec {
   std::uint64_t seed = 0;                               // int8 stochastic: RNG seed
   double ratio = 0;                                     // topk: fraction of values kept
   TopkAlgorithm topk_algorithm = TopkAlgorithm::kAuto;  // topk: allgather, split, or auto
+  std::uint32_t topk_reuse_steps = 0;                   // topk: calls reusing an exact selection's threshold
 };
 
 namespace detail {
@@ -108,9 +113,10 @@ inline Status parse_codec(const std::string& text, CodecSpec* out) {
   if (open == std::string::npos || text.back() != ')') return Status::Invalid("unknown compression '" + text + "'");
   const std::string name = text.substr(0, open), args = text.substr(open + 1, text.size() - open - 2);
   std::string v;
-  const std::string unknown = name == "int8"   ? detail::unknown_codec_field(args, {"block", "rounding", "seed"})
-                              : name == "topk" ? detail::unknown_codec_field(args, {"ratio", "algorithm"})
-                                               : "";
+  const std::string unknown = name == "int8" ? detail::unknown_codec_field(args, {"block", "rounding", "seed"})
+                              : name == "topk"
+                                  ? detail::unknown_codec_field(args, {"ratio", "algorithm", "reuse_steps"})
+                                  : "";
   if (!unknown.empty()) return Status::Invalid("compression '" + text + "': unknown or repeated setting " + unknown);
   if (name == "int8") {
     std::uint64_t block = 0, seed = 0;
@@ -142,6 +148,13 @@ inline Status parse_codec(const std::string& text, CodecSpec* out) {
       if (v != "allgather" && v != "split")
         return Status::Invalid("compression '" + text + "': algorithm must be allgather or split (auto: leave it out)");
       out->topk_algorithm = v == "split" ? TopkAlgorithm::kSplit : TopkAlgorithm::kAllgather;
+    }
+    if (detail::codec_field(args, "reuse_steps", &v)) {
+      std::uint64_t steps = 0;
+      if (!detail::parse_uint(v, &steps) || steps > kMaxTopkReuseSteps)
+        return Status::Invalid("compression '" + text + "': reuse_steps must be an integer in [0, " +
+                               std::to_string(kMaxTopkReuseSteps) + "]");
+      out->topk_reuse_steps = static_cast<std::uint32_t>(steps);
     }
     return Status::OK();
   }

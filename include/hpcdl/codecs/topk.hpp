@@ -60,8 +60,24 @@ inline std::uint32_t topk_magnitude(float v) { return float_to_bits(v) & 0x7ffff
 
 // Working memory of one selection, reused from call to call by the engine.
 struct TopkScratch {
-  Scratch above, above_x, at, at_x, mags, all_indices, mine, all, cursors;
+  Scratch above, above_x, at, at_x, mags, all_indices, mine, all, cursors, pairs;
 };
+
+// Threshold reuse (Ok-Topk, Li & Hoefler PPoPP'22), kept per named tensor next
+// to its residual: the magnitude of the k-th largest |x| at the last exact
+// selection, which the next `uses_left` calls send everything at or above
+// (in one scan: no sample, no nth_element).
+struct TopkThreshold {
+  std::uint32_t magnitude = 0;  // topk_magnitude bits; 0: none (a zero threshold would send every zero)
+  std::size_t k = 0;            // the k it was selected for: another k selects exactly
+  std::uint32_t uses_left = 0;
+};
+
+// A reused threshold's count c is sent while k/2 <= c <= 2k; outside, that
+// call selects exactly and takes the new threshold (bounds on traffic and on
+// how far below k the threshold may drift).
+inline std::size_t topk_reuse_cap(std::size_t k) { return 2 * k; }
+inline std::size_t topk_reuse_floor(std::size_t k) { return (k + 1) / 2; }
 
 // Selects the k largest magnitudes of x = data (+ residual): their indices,
 // ascending, and values; among equal magnitudes at the cut, lower indices
@@ -95,6 +111,47 @@ class TopkSelector {
   // replaced by 0 (data is only read).
   void select_with_residual(const float* data, float* residual, std::uint32_t* idx_out, float* val_out) {
     run<true>(data, residual, idx_out, val_out);
+    clear_non_finite(residual);
+  }
+
+  // Threshold reuse: every index whose magnitude of x = data + residual is
+  // >= t, ascending, with its value (the first `room` of them written);
+  // returns how many there are. The residual is left holding x, NaN and Inf
+  // included: then either clear_non_finite, or select_folded for the exact k.
+  std::size_t select_at_least(const float* data, float* residual, std::uint32_t t, std::size_t room,
+                              std::uint32_t* idx_out, float* val_out) {
+    std::size_t count = 0;
+    std::uint32_t non_finite = 0;
+    for (std::size_t lo = 0; lo < n_; lo += kGroup) {
+      const std::size_t len = std::min(kGroup, n_ - lo);
+      std::uint32_t a, e, f;
+      if (len == kGroup) {
+        group_masks<true>(data + lo, residual + lo, t, &a, &e, &f);
+      } else {
+        group_masks_scalar<true>(data + lo, residual + lo, len, t, &a, &e, &f);
+      }
+      non_finite |= f;
+      for (std::uint32_t m = a | e; m; m &= m - 1, ++count) {
+        if (count >= room) continue;
+        const std::size_t i = lo + __builtin_ctz(m);
+        idx_out[count] = static_cast<std::uint32_t>(i);
+        val_out[count] = residual[i];
+      }
+    }
+    any_non_finite_ = non_finite != 0;
+    return count;
+  }
+
+  // The exact k of x after select_at_least left x in the residual.
+  void select_folded(float* residual, std::uint32_t* idx_out, float* val_out) {
+    const bool non_finite = any_non_finite_;
+    run<false>(residual, nullptr, idx_out, val_out);
+    any_non_finite_ = non_finite;
+    clear_non_finite(residual);
+  }
+
+  // The residual's NaN and Inf (x's, after a scan that folded it) become 0.
+  void clear_non_finite(float* residual) {
     if (!any_non_finite_) return;
     for (std::size_t i = 0; i < n_; ++i)
       if (!std::isfinite(residual[i])) residual[i] = 0.0f;
@@ -284,44 +341,94 @@ inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8
   TopkSelector(n, k, scratch).select(x, topk_indices(out), topk_values(out, k));
 }
 
-// data[0, n) = the sum of p encoded contributions, added in rank order (so
-// every rank computes the same bits). Written a block at a time: the block is
-// cleared, then each rank's pairs that fall in it are added, a cursor per
-// rank walking its ascending indices. Memory is written once, in order,
-// instead of p passes of scattered read-modify-writes over the whole buffer.
-inline void topk_sum_into(const std::uint8_t* all, int p, std::size_t k, float* data, std::size_t n,
-                          TopkScratch& scratch) {
+// One rank's pairs in a sum: `count` ascending indices and their values.
+struct TopkPairs {
+  const std::uint32_t* idx;
+  const float* val;
+  std::size_t count;
+};
+
+// data[0, n) = the sum of p ranks' pairs, added in rank order (so every rank
+// computes the same bits). Written a block at a time: the block is cleared,
+// then each rank's pairs that fall in it are added, a cursor per rank walking
+// its ascending indices. Memory is written once, in order, instead of p
+// passes of scattered read-modify-writes over the whole buffer.
+inline void topk_sum_into(const TopkPairs* ranks, int p, float* data, std::size_t n, TopkScratch& scratch) {
   constexpr std::size_t kBlock = 4096;  // floats: 16 KiB, stays in L1 while the adds land
-  const std::size_t bytes = topk_encoded_bytes(k);
   std::size_t* cursor = scratch.cursors.get<std::size_t>(static_cast<std::size_t>(p));
   std::fill(cursor, cursor + p, std::size_t(0));
   for (std::size_t lo = 0; lo < n; lo += kBlock) {
     const std::size_t hi = std::min(n, lo + kBlock);
     std::memset(data + lo, 0, (hi - lo) * sizeof(float));
     for (int r = 0; r < p; ++r) {
-      const std::uint8_t* in = all + static_cast<std::size_t>(r) * bytes;
-      const std::uint32_t* idx = topk_indices(in);
-      const float* val = topk_values(in, k);
+      const TopkPairs& in = ranks[r];
       std::size_t j = cursor[r];
-      for (; j < k && idx[j] < hi; ++j) data[idx[j]] += val[j];
+      for (; j < in.count && in.idx[j] < hi; ++j) data[in.idx[j]] += in.val[j];
       cursor[r] = j;
     }
   }
 }
 
-// This rank's contribution to a top-k allreduce: the k pairs of data (+ residual,
-// which keeps what is not selected), each value scaled before it is sent
-// (average: 1/p), so that the sum of the contributions is the result.
-inline void topk_contribution(const float* data, float* residual, std::size_t n, std::size_t k, double final_scale,
-                              TopkScratch& scratch, std::uint32_t* idx, float* val) {
+// The same for p encoded messages of k pairs each, back to back.
+inline void topk_sum_into(const std::uint8_t* all, int p, std::size_t k, float* data, std::size_t n,
+                          TopkScratch& scratch) {
+  const std::size_t bytes = topk_encoded_bytes(k);
+  TopkPairs* ranks = scratch.pairs.get<TopkPairs>(static_cast<std::size_t>(p));
+  for (int r = 0; r < p; ++r) {
+    const std::uint8_t* in = all + static_cast<std::size_t>(r) * bytes;
+    ranks[r] = TopkPairs{topk_indices(in), topk_values(in, k), k};
+  }
+  topk_sum_into(ranks, p, data, n, scratch);
+}
+
+// Threshold reuse for one named tensor: while its threshold has uses left
+// (and was selected for this k), every value of x at or above it is sent, if
+// their count c lies in [topk_reuse_floor(k), topk_reuse_cap(k)]; otherwise
+// (and every reuse_steps + 1 calls) the exact k are, and their smallest
+// magnitude is the threshold for the next reuse_steps calls. Writes x =
+// data + residual into the residual (NaN and Inf as 0); idx and val need
+// room for topk_reuse_cap(k) pairs. Returns the pairs' count.
+inline std::size_t topk_select_reusing(const float* data, float* residual, std::size_t n, std::size_t k,
+                                       std::uint32_t reuse_steps, TopkThreshold* threshold, TopkScratch& scratch,
+                                       std::uint32_t* idx, float* val) {
   TopkSelector selector(n, k, scratch);
-  if (residual) {
-    selector.select_with_residual(data, residual, idx, val);
+  if (threshold->uses_left > 0 && threshold->k == k && threshold->magnitude > 0) {
+    --threshold->uses_left;
+    const std::size_t count =
+        selector.select_at_least(data, residual, threshold->magnitude, topk_reuse_cap(k), idx, val);
+    if (count >= topk_reuse_floor(k) && count <= topk_reuse_cap(k)) {
+      selector.clear_non_finite(residual);
+      return count;
+    }
+    selector.select_folded(residual, idx, val);
   } else {
-    selector.select(data, idx, val);
+    selector.select_with_residual(data, residual, idx, val);
+  }
+  std::uint32_t smallest = ~0u;
+  for (std::size_t j = 0; j < k; ++j) smallest = std::min(smallest, detail::topk_magnitude(val[j]));
+  *threshold = TopkThreshold{k > 0 ? smallest : 0, k, reuse_steps};
+  return k;
+}
+
+// This rank's contribution to a top-k allreduce: the pairs of data (+ residual,
+// which keeps what is not selected), each value scaled before it is sent
+// (average: 1/p), so that the sum of the contributions is the result. With a
+// threshold (a named tensor, reuse_steps > 0) as topk_select_reusing says,
+// otherwise the exact k. Returns the pairs' count.
+inline std::size_t topk_contribution(const float* data, float* residual, std::size_t n, std::size_t k,
+                                     double final_scale, TopkScratch& scratch, std::uint32_t* idx, float* val,
+                                     std::uint32_t reuse_steps = 0, TopkThreshold* threshold = nullptr) {
+  std::size_t count = k;
+  if (residual && threshold && reuse_steps > 0) {
+    count = topk_select_reusing(data, residual, n, k, reuse_steps, threshold, scratch, idx, val);
+  } else if (residual) {
+    TopkSelector(n, k, scratch).select_with_residual(data, residual, idx, val);
+  } else {
+    TopkSelector(n, k, scratch).select(data, idx, val);
   }
   if (final_scale != 1.0)
-    for (std::size_t j = 0; j < k; ++j) val[j] *= static_cast<float>(final_scale);
+    for (std::size_t j = 0; j < count; ++j) val[j] *= static_cast<float>(final_scale);
+  return count;
 }
 
 }  // namespace hpcdl

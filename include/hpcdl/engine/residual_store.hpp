@@ -16,15 +16,26 @@
 #include <string>
 #include <vector>
 
+#include "hpcdl/codecs/topk.hpp"
+
 namespace hpcdl {
+
+// One named tensor's error-feedback state: its residual and, for top-k with
+// threshold reuse, the threshold of its last exact selection.
+struct ErrorFeedback {
+  explicit ErrorFeedback(std::size_t count) : residual(count, 0.0f) {}
+  std::vector<float> residual;
+  TopkThreshold topk_threshold;
+};
 
 class ResidualStore {
  public:
-  // Tensor `name`'s residual on context `context_id`, `count` floats (made,
-  // zeroed, when new or when the count changed); counts one use on the
-  // context and frees the residuals unused for longer than the lifetime.
-  // The caller's reference keeps it alive even if it is freed meanwhile.
-  std::shared_ptr<std::vector<float>> get(std::uint64_t context_id, const std::string& name, std::size_t count);
+  // Tensor `name`'s state on context `context_id`, a residual of `count`
+  // floats (made, zeroed and without a threshold, when new or when the count
+  // changed); counts one use on the context and frees the states unused for
+  // longer than the lifetime. The caller's reference keeps it alive even if
+  // it is freed meanwhile.
+  std::shared_ptr<ErrorFeedback> get(std::uint64_t context_id, const std::string& name, std::size_t count);
   // A copy of it into *out; false when there is none.
   bool copy(std::uint64_t context_id, const std::string& name, std::vector<float>* out);
   // Frees tensor `name`'s residual on the context; false when there was none.
@@ -36,7 +47,7 @@ class ResidualStore {
 
  private:
   struct Slot {
-    std::shared_ptr<std::vector<float>> values;
+    std::shared_ptr<ErrorFeedback> values;
     std::uint64_t last_use = 0;
     std::list<std::string>::iterator in_order;
   };
