@@ -305,7 +305,7 @@ def _grouped(kind, taken, comm, name, reduce_op, results):
     return _tensors.OutputHandle(handle, results)
 
 
-def allgather_async(buf, comm=None, name=None, dtype=None):
+def allgather_async(buf: Any, comm: MPI.Comm | None = None, name: str | None = None, dtype: str | None = None) -> Any:
     """Start an allgather of ``buf``; returns a handle whose ``wait()`` returns the
     concatenation of every rank's ``buf`` along the first dimension, in rank order.
 
@@ -332,13 +332,18 @@ def allgather_async(buf, comm=None, name=None, dtype=None):
     return _tensors.OutputHandle(handle, lambda h: convert(make(h)[0]))
 
 
-def allgather(buf, comm=None, name=None, dtype=None):
+def allgather(buf: Any, comm: MPI.Comm | None = None, name: str | None = None, dtype: str | None = None) -> Any:
     """Every rank's ``buf`` concatenated along the first dimension in rank order
     (see allgather_async); bitwise identical on every rank."""
     return allgather_async(buf, comm, name, dtype).wait()
 
 
-def grouped_allgather_async(bufs, comm=None, name=None, dtypes=None):
+def grouped_allgather_async(
+    bufs: Sequence[Any],
+    comm: MPI.Comm | None = None,
+    name: str | None = None,
+    dtypes: Sequence[str | None] | None = None,
+) -> Any:
     """Start an allgather of every array or tensor in ``bufs`` as one operation: one
     agreement for the group (each member's dtype and row shape, in order, are what
     ranks compare; first dimensions may differ per rank and per member), one
@@ -356,12 +361,19 @@ def grouped_allgather_async(bufs, comm=None, name=None, dtypes=None):
     return _grouped(_core.KIND_GROUPED_ALLGATHER, taken, comm, name, 0, results)
 
 
-def grouped_allgather(bufs, comm=None, name=None, dtypes=None):
+def grouped_allgather(
+    bufs: Sequence[Any],
+    comm: MPI.Comm | None = None,
+    name: str | None = None,
+    dtypes: Sequence[str | None] | None = None,
+) -> list[Any]:
     """allgather of every array or tensor of ``bufs``, agreed as one operation; returns the list."""
     return grouped_allgather_async(bufs, comm, name, dtypes).wait()
 
 
-def reducescatter_async(buf, op="sum", comm=None, name=None, dtype=None):
+def reducescatter_async(
+    buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None, dtype: str | None = None
+) -> Any:
     """Start a reduce-scatter of ``buf``; returns a handle whose ``wait()`` returns
     this rank's part of the reduction (``op``: as for allreduce) of every rank's
     ``buf``: the first dimension split over the ranks in rank order, the first
@@ -385,12 +397,20 @@ def reducescatter_async(buf, op="sum", comm=None, name=None, dtype=None):
     return _tensors.OutputHandle(handle, lambda h: convert(make(h)[0]))
 
 
-def reducescatter(buf, op="sum", comm=None, name=None, dtype=None):
+def reducescatter(
+    buf: Any, op: str = "sum", comm: MPI.Comm | None = None, name: str | None = None, dtype: str | None = None
+) -> Any:
     """This rank's rows of the reduction of every rank's ``buf`` (see reducescatter_async)."""
     return reducescatter_async(buf, op, comm, name, dtype).wait()
 
 
-def grouped_reducescatter_async(bufs, op="sum", comm=None, name=None, dtypes=None):
+def grouped_reducescatter_async(
+    bufs: Sequence[Any],
+    op: str = "sum",
+    comm: MPI.Comm | None = None,
+    name: str | None = None,
+    dtypes: Sequence[str | None] | None = None,
+) -> Any:
     """Start a reduce-scatter of every array or tensor in ``bufs`` as one operation:
     one agreement for the group (each member's dtype and shape, in order, and
     ``op``), then each member as its own reducescatter runs it, so each result is
@@ -408,12 +428,24 @@ def grouped_reducescatter_async(bufs, op="sum", comm=None, name=None, dtypes=Non
     return _grouped(_core.KIND_GROUPED_REDUCESCATTER, taken, comm, name, reduce_op, results)
 
 
-def grouped_reducescatter(bufs, op="sum", comm=None, name=None, dtypes=None):
+def grouped_reducescatter(
+    bufs: Sequence[Any],
+    op: str = "sum",
+    comm: MPI.Comm | None = None,
+    name: str | None = None,
+    dtypes: Sequence[str | None] | None = None,
+) -> list[Any]:
     """reducescatter of every array or tensor of ``bufs``, agreed as one operation; returns the list."""
     return grouped_reducescatter_async(bufs, op, comm, name, dtypes).wait()
 
 
-def alltoall_async(buf, splits=None, comm=None, name=None, dtype=None):
+def alltoall_async(
+    buf: Any,
+    splits: Sequence[int] | None = None,
+    comm: MPI.Comm | None = None,
+    name: str | None = None,
+    dtype: str | None = None,
+) -> Any:
     """Start an all-to-all of ``buf``; returns a handle whose ``wait()`` returns
     ``(received, received_splits)``.
 
@@ -461,7 +493,13 @@ def alltoall_async(buf, splits=None, comm=None, name=None, dtype=None):
     return _tensors.OutputHandle(handle, finish)
 
 
-def alltoall(buf, splits=None, comm=None, name=None, dtype=None):
+def alltoall(
+    buf: Any,
+    splits: Sequence[int] | None = None,
+    comm: MPI.Comm | None = None,
+    name: str | None = None,
+    dtype: str | None = None,
+) -> tuple[Any, Any]:
     """Rows of ``buf`` to each rank by ``splits``; returns ``(received, received_splits)``
     (see alltoall_async)."""
     return alltoall_async(buf, splits, comm, name, dtype).wait()
