@@ -3,6 +3,7 @@ killed as a group if it outlives its bound, so a hang fails the test instead
 of hanging the run."""
 
 import os
+import re
 import sys
 import textwrap
 
@@ -43,3 +44,12 @@ def finish(proc, bound=BOUND_S):
 
 def run_job(tmp_path, ranks, body, bound=BOUND_S, extra_env=None):
     return finish(start(tmp_path, ranks, body, extra_env), bound)
+
+
+def survivor_lines(out, survivors, left):
+    """Lines where a surviving rank names the rank that left, per survivor."""
+    found = {}
+    for r in survivors:
+        pattern = rf"\[hpcdl rank {r}\].*rank {left} of the communicator .*left"
+        found[r] = [line for line in out.splitlines() if re.search(pattern, line)]
+    return found

@@ -13,16 +13,7 @@ import sys
 import time
 
 from conftest import MPIEXEC, finish_job, start_job
-from helpers.fault_jobs import BOUND_S, TCP_LOOPBACK, finish, run_job, start
-
-
-def survivor_lines(out, survivors, left):
-    """Lines where a surviving rank names the rank that left, per survivor."""
-    found = {}
-    for r in survivors:
-        pattern = rf"\[hpcdl rank {r}\].*rank {left} of the communicator .*left"
-        found[r] = [line for line in out.splitlines() if re.search(pattern, line)]
-    return found
+from helpers.fault_jobs import BOUND_S, TCP_LOOPBACK, finish, run_job, start, survivor_lines
 
 
 def test_rank_that_exits_ends_the_job_and_survivors_name_it(tmp_path):
