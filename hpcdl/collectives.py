@@ -126,10 +126,10 @@ def allreduce_async(
     reduce_op = _core.parse_op(op)
     comm = _comm(comm)
 
-    def run(array, array_dtype):
+    def run(buffer):
         return _core.submit(
             _core.KIND_ALLREDUCE,
-            _core.Buffer(array, array_dtype, True),
+            buffer,
             comm,
             name,
             reduce_op,
@@ -166,15 +166,15 @@ class _GroupMember:
     """One array of a grouped allreduce, as hpcdl._tensors sees a core handle: its
     tensor handle (staging, copy back) finishes it once the group's handle is done."""
 
-    def __init__(self, array, dtype, name):
-        self.array, self.dtype, self.name, self.group = array, dtype, name, None
+    def __init__(self, buffer, name):
+        self.buffer, self.name, self.group = buffer, name, None
 
     def done(self):
         return self.group.done()
 
     def wait(self, timeout=None):
         self.group.wait(timeout)
-        return self.array
+        return self.buffer.owner
 
     def __getattr__(self, attribute):  # mark_ready(), ready(), timings(), wait_for()...
         return getattr(self.group, attribute)
@@ -213,8 +213,8 @@ def grouped_allreduce_async(
     comm = _comm(comm)
     members = []
 
-    def take(array, array_dtype):
-        members.append(_GroupMember(array, array_dtype, name))
+    def take(buffer):
+        members.append(_GroupMember(buffer, name))
         return members[-1]
 
     results = [_tensors.submit(buf, None, True, take) for buf in bufs]
@@ -222,7 +222,7 @@ def grouped_allreduce_async(
         return GroupHandle(None, [], [])
     handle = _core.submit_group(
         _core.KIND_GROUPED_ALLREDUCE,
-        [_core.Buffer(m.array, m.dtype, True) for m in members],
+        [m.buffer for m in members],
         comm,
         name,
         reduce_op,
@@ -248,8 +248,8 @@ def broadcast_async(
     comm = _comm(comm)
     receives = comm.Get_rank() != root
 
-    def run(array, array_dtype):
-        return _core.submit(_core.KIND_BROADCAST, _core.Buffer(array, array_dtype, receives), comm, name, 0, int(root))
+    def run(buffer):
+        return _core.submit(_core.KIND_BROADCAST, buffer, comm, name, 0, int(root))
 
     return _tensors.submit(buf, dtype, receives, run)
 
