@@ -1,7 +1,9 @@
 """The one intake of framework tensors for hpcdl's collectives.
 
 numpy arrays and other buffer-protocol objects go to the core as they are.
-A torch CPU tensor becomes a zero-copy numpy view (in place, like an array).
+A torch CPU tensor goes by address (data_ptr(), shape, dtype: no numpy view)
+to allreduce and broadcast, in place like an array; the collectives whose
+result is new memory read a zero-copy numpy view of it.
 A torch CUDA tensor is staged: its bytes are copied to pinned host memory on
 a side stream once the work queued on its producing stream is done (an
 event, not a device-wide sync), the core reduces the host copy, and the
@@ -12,7 +14,8 @@ the result is a new tensor; a tf.Variable is assigned in place).
 No framework is imported here: a tensor is recognised by its type's module,
 and the framework is taken from sys.modules (it is loaded, since one of its
 tensors exists). Non-contiguous tensors are refused like non-contiguous
-arrays (hpcdl works in place): pass ``tensor.contiguous()``.
+arrays (hpcdl works in place): pass ``tensor.contiguous()``; so are tensors
+with the negative bit set (resolve_neg()) and tensors on other devices.
 """
 
 import sys
