@@ -18,11 +18,12 @@ from mpi4py import MPI
 import hpcdl
 import hpcdl.horovod.torch as hvd
 from hpcdl import _core
-from hpcdl.compression import BF16, FP16, Int8, TopK
+from hpcdl.compression import BF16, FP16, Int8, PowerSGD, TopK
 from hpcdl.torch import DistributedOptimizer, broadcast_parameters
 
 from conftest import agree, collective, multi_rank, outcome
 from helpers.compression import compressed_ring_reference, topk_reference
+from helpers.powersgd import Reference
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -376,6 +377,163 @@ def test_distributed_optimizer_with_uneven_batches_matches_a_float64_reference(c
         torch.allclose(p, q, rtol=1e-10, atol=1e-12) for p, q in zip(model.parameters(), reference.parameters())
     )
     agree(comm, close and last == size - 1, f"parameters match: {close}; join returned {last}")
+
+
+def _uneven_steps(size, epoch):
+    """Rank r's steps in an epoch: 2 + r, then 2 + (size - 1 - r): each rank joins first once."""
+    return [2 + (r if epoch % 2 == 0 else size - 1 - r) for r in range(size)]
+
+
+def _train_and_join(comm, model, opt, epochs, batch):
+    """Each rank trains its uneven steps (batch(rank, epoch, step)), joins, and takes the
+    parameters of the rank that joined last. Returns each epoch's join result."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    lasts = []
+    for epoch in range(epochs):
+        for step in range(_uneven_steps(size, epoch)[rank]):
+            x, y = batch(rank, epoch, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        lasts.append(hpcdl.join(comm))
+        broadcast_parameters(model.state_dict(), root_rank=lasts[-1], comm=comm)
+    return lasts
+
+
+def _classifier(seed=3):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _labelled(rank, epoch, step):
+    g = torch.Generator().manual_seed(1000 * epoch + 31 * step + rank)
+    return torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+
+
+def _live_gradients(model, epoch, step, live):
+    """Each live rank's gradients at the shared parameters, as its DistributedOptimizer gathers them."""
+    grads = {}
+    for r in sorted(live):
+        model.zero_grad()
+        x, y = _labelled(r, epoch, step)
+        torch.nn.functional.cross_entropy(model(x.to(next(model.parameters()).dtype)), y).backward()
+        grads[r] = [p.grad.clone() for p in model.parameters()]
+    return grads
+
+
+@multi_rank
+@pytest.mark.parametrize(
+    "codec", [FP16(), Int8(block=8), TopK(0.2, algorithm="allgather"), TopK(0.2, algorithm="split")], ids=str
+)
+def test_distributed_optimizer_with_uneven_batches_and_a_codec_matches_the_codec_reference(comm, codec):
+    """float32 model, one bucket, the codec's compressed average with error feedback: two
+    epochs of uneven batch counts with join; the parameters equal, bit for bit, plain SGD on
+    the documented codec semantics over the live ranks' gradients (joined ranks' zeros), each
+    rank's bucket residual included (a joined rank's stays as it was)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model = _classifier()
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.3),
+        model.named_parameters(),
+        comm=comm,
+        compression=codec,
+        bucket_bytes=1 << 20,
+        name=f"join.codec.opt.{codec}",
+    )
+    params = list(model.parameters())
+    layout = opt.bucket_layout()
+    one_bucket = len(layout) == 1 and layout[0][2] == [tuple(p.shape) for p in reversed(params)]
+    lasts = collective(comm, _train_and_join, comm, model, opt, 2, _labelled)
+    residual = _core.residual(comm, f"join.codec.opt.{codec}.bucket.0")
+    opt.remove_hooks()
+
+    reference = _classifier()
+    plain = torch.optim.SGD(reference.parameters(), lr=0.3)
+    count = sum(p.numel() for p in params)
+    residuals, states = [np.zeros(count, np.float32) for _ in range(size)], [None] * size
+    for epoch in range(2):
+        steps = _uneven_steps(size, epoch)
+        for step in range(max(steps)):
+            live = {r for r in range(size) if steps[r] > step}
+            grads = _live_gradients(reference, epoch, step, live)
+            # The bucket: the gradients in reverse registration order (backward's), flattened.
+            flat = [
+                torch.cat([g.reshape(-1) for g in reversed(grads[r])]).numpy()
+                if r in live
+                else np.zeros(count, np.float32)
+                for r in range(size)
+            ]
+            mine = [residuals[r] if r in live else None for r in range(size)]
+            if codec.name == "topk":
+                summed, after, states = topk_reference(
+                    flat, mine, [states[r] if r in live else None for r in range(size)], codec, "average"
+                )
+            else:
+                summed, after = compressed_ring_reference(flat, mine, codec, "average", _core.DEFAULT_CHUNK_BYTES)
+            for r in live:
+                residuals[r] = after[r]
+            at = 0
+            for p in reversed(list(reference.parameters())):
+                p.grad = torch.from_numpy(summed[at : at + p.numel()].copy()).view(p.shape)
+                at += p.numel()
+            plain.step()
+    same = all(torch.equal(p, q) for p, q in zip(params, reference.parameters()))
+    agree(
+        comm,
+        one_bucket and same and np.array_equal(residual, residuals[rank]) and lasts == [size - 1, 0],
+        f"one bucket: {one_bucket}; parameters equal: {same}; residual equal: "
+        f"{residual is not None and np.array_equal(residual, residuals[rank])}; joins returned {lasts}",
+    )
+
+
+@multi_rank
+def test_distributed_optimizer_with_powersgd_and_uneven_batches_matches_the_float64_reference(comm):
+    """PowerSGD with a warm-up that some ranks finish before they join and others after: a
+    joined rank contributes zero P and Q, its residuals stay, and after each join every rank
+    takes the last rank's step count and Q (else the next epoch's ranks would disagree on the
+    warm-up and on Q). Two epochs against the float64 reference."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    codec = PowerSGD(rank=1, warmup_steps=3, seed=2)
+    model = _classifier()
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.3),
+        model.named_parameters(),
+        comm=comm,
+        compression=codec,
+        name="join.powersgd",
+    )
+    lasts = collective(comm, _train_and_join, comm, model, opt, 2, _labelled)
+    state = opt.state_dict()["hpcdl_powersgd"]
+    opt.remove_hooks()
+
+    reference = _classifier().double()
+    shapes = {n: (p.shape[0], p[0].numel()) for n, p in reference.named_parameters() if codec.compresses(p.shape)}
+    ref = Reference(shapes, codec.rank, codec.seed, size)
+    reduced = 0
+    for epoch in range(2):
+        steps = _uneven_steps(size, epoch)
+        for step in range(max(steps)):
+            live = {r for r in range(size) if steps[r] > step}
+            grads = _live_gradients(reference, epoch, step, live)
+            with torch.no_grad():
+                for i, (n, p) in enumerate(reference.named_parameters()):
+                    if reduced >= codec.warmup_steps and n in shapes:
+                        g = [
+                            grads[r][i].view(shapes[n]).numpy() if r in live else np.zeros(shapes[n])
+                            for r in range(size)
+                        ]
+                        update = torch.from_numpy(ref.step(n, g, live)[0]).view(p.shape)
+                    else:
+                        update = sum(grads[r][i] for r in live) / size
+                    p -= 0.3 * update
+            reduced += 1
+    diff = max(float((p.double() - q).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+    counted = state["steps"] == reduced or rank != lasts[-1]  # the others take it at their next step
+    agree(
+        comm,
+        diff < 1e-4 and lasts == [size - 1, 0] and counted,
+        f"max difference {diff} to the float64 reference; joins returned {lasts}; steps {state['steps']} of {reduced}",
+    )
 
 
 def test_horovod_join_returns_the_last_rank_and_allreduce_sees_zeros():
