@@ -3,8 +3,10 @@ allreduces (sum, average, grouped) and allgathers complete with the joined ranks
 engines taking part with zeros (no rows), against float64 references; join returns
 the rank that joined last on every rank; the communicator works again after it (two
 epochs); an operation join does not run raises on every rank within bounded time;
-a Dup() and Split() sub-communicator; DistributedOptimizer with uneven batch counts
-against a float64 reference; Horovod's hvd.join()."""
+a Dup() and Split() sub-communicator; compressed allreduces (FP16, BF16, Int8, TopK) with
+1..P-1 ranks joined against a numpy model of each codec; DistributedOptimizer with uneven
+batch counts against a float64 reference, with a codec against the codec's model, with
+PowerSGD against its float64 reference; Horovod's hvd.join()."""
 
 import re
 import time
@@ -384,9 +386,9 @@ def _uneven_steps(size, epoch):
     return [2 + (r if epoch % 2 == 0 else size - 1 - r) for r in range(size)]
 
 
-def _train_and_join(comm, model, opt, epochs, batch):
-    """Each rank trains its uneven steps (batch(rank, epoch, step)), joins, and takes the
-    parameters of the rank that joined last. Returns each epoch's join result."""
+def _train_and_join(comm, model, opt, epochs, batch, join=hpcdl.join):
+    """Each rank trains its uneven steps (batch(rank, epoch, step)), joins (join(comm)), and
+    takes the parameters of the rank that joined last. Returns each epoch's join result."""
     rank, size = comm.Get_rank(), comm.Get_size()
     lasts = []
     for epoch in range(epochs):
@@ -395,7 +397,7 @@ def _train_and_join(comm, model, opt, epochs, batch):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-        lasts.append(hpcdl.join(comm))
+        lasts.append(join(comm))
         broadcast_parameters(model.state_dict(), root_rank=lasts[-1], comm=comm)
     return lasts
 
@@ -421,30 +423,17 @@ def _live_gradients(model, epoch, step, live):
     return grads
 
 
-@multi_rank
-@pytest.mark.parametrize(
-    "codec", [FP16(), Int8(block=8), TopK(0.2, algorithm="allgather"), TopK(0.2, algorithm="split")], ids=str
-)
-def test_distributed_optimizer_with_uneven_batches_and_a_codec_matches_the_codec_reference(comm, codec):
-    """float32 model, one bucket, the codec's compressed average with error feedback: two
-    epochs of uneven batch counts with join; the parameters equal, bit for bit, plain SGD on
-    the documented codec semantics over the live ranks' gradients (joined ranks' zeros), each
-    rank's bucket residual included (a joined rank's stays as it was)."""
+def _check_codec_training(comm, model, opt, codec, join=hpcdl.join):
+    """Two epochs of uneven batch counts with join through `opt` (a float32 model in one
+    bucket, the codec's compressed average with error feedback): the parameters equal, bit for
+    bit, plain SGD on the documented codec semantics over the live ranks' gradients (joined
+    ranks' zeros), and each rank's bucket residual its reference (a joined rank's as it was)."""
     rank, size = comm.Get_rank(), comm.Get_size()
-    model = _classifier()
-    opt = DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.3),
-        model.named_parameters(),
-        comm=comm,
-        compression=codec,
-        bucket_bytes=1 << 20,
-        name=f"join.codec.opt.{codec}",
-    )
     params = list(model.parameters())
     layout = opt.bucket_layout()
     one_bucket = len(layout) == 1 and layout[0][2] == [tuple(p.shape) for p in reversed(params)]
-    lasts = collective(comm, _train_and_join, comm, model, opt, 2, _labelled)
-    residual = _core.residual(comm, f"join.codec.opt.{codec}.bucket.0")
+    lasts = collective(comm, _train_and_join, comm, model, opt, 2, _labelled, join)
+    residual = _core.residual(comm, layout[0][0])
     opt.remove_hooks()
 
     reference = _classifier()
@@ -484,6 +473,36 @@ def test_distributed_optimizer_with_uneven_batches_and_a_codec_matches_the_codec
         f"one bucket: {one_bucket}; parameters equal: {same}; residual equal: "
         f"{residual is not None and np.array_equal(residual, residuals[rank])}; joins returned {lasts}",
     )
+
+
+@multi_rank
+@pytest.mark.parametrize(
+    "codec", [FP16(), Int8(block=8), TopK(0.2, algorithm="allgather"), TopK(0.2, algorithm="split")], ids=str
+)
+def test_distributed_optimizer_with_uneven_batches_and_a_codec_matches_the_codec_reference(comm, codec):
+    model = _classifier()
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.3),
+        model.named_parameters(),
+        comm=comm,
+        compression=codec,
+        bucket_bytes=1 << 20,
+        name=f"join.codec.opt.{codec}",
+    )
+    _check_codec_training(comm, model, opt, codec)
+
+
+def test_horovod_distributed_optimizer_with_fp16_compression_keeps_training_under_join():
+    """Horovod's recipe: hvd.DistributedOptimizer(compression=hvd.Compression.fp16), uneven
+    batches, hvd.join(), parameters broadcast from the last rank (hpcdl's FP16 codec)."""
+    hvd.init()
+    model = _classifier()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.3),
+        named_parameters=model.named_parameters(),
+        compression=hvd.Compression.fp16,
+    )
+    _check_codec_training(MPI.COMM_WORLD, model, opt, FP16(), lambda comm: hvd.join())
 
 
 @multi_rank
