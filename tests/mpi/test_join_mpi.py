@@ -25,6 +25,7 @@ from hpcdl.torch import DistributedOptimizer, broadcast_parameters
 
 from conftest import agree, collective, multi_rank, outcome
 from helpers.compression import compressed_ring_reference, topk_reference
+from helpers.device import device  # noqa: F401 - the fixture
 from helpers.powersgd import Reference
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -505,23 +506,23 @@ def test_horovod_distributed_optimizer_with_fp16_compression_keeps_training_unde
     _check_codec_training(MPI.COMM_WORLD, model, opt, FP16(), lambda comm: hvd.join())
 
 
-@multi_rank
-def test_distributed_optimizer_with_powersgd_and_uneven_batches_matches_the_float64_reference(comm):
+def _check_powersgd_training(comm, device=torch.device("cpu"), name="join.powersgd"):
     """PowerSGD with a warm-up that some ranks finish before they join and others after: a
     joined rank contributes zero P and Q, its residuals stay, and after each join every rank
     takes the last rank's step count and Q (else the next epoch's ranks would disagree on the
     warm-up and on Q). Two epochs against the float64 reference."""
     rank, size = comm.Get_rank(), comm.Get_size()
     codec = PowerSGD(rank=1, warmup_steps=3, seed=2)
-    model = _classifier()
+    model = _classifier().to(device)
     opt = DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.3),
         model.named_parameters(),
         comm=comm,
         compression=codec,
-        name="join.powersgd",
+        name=name,
     )
-    lasts = collective(comm, _train_and_join, comm, model, opt, 2, _labelled)
+    lasts = collective(comm, _train_and_join, comm, model, opt, 2, lambda *at: [t.to(device) for t in _labelled(*at)])
+    model = model.cpu()
     state = opt.state_dict()["hpcdl_powersgd"]
     opt.remove_hooks()
 
@@ -553,6 +554,16 @@ def test_distributed_optimizer_with_powersgd_and_uneven_batches_matches_the_floa
         diff < 1e-4 and lasts == [size - 1, 0] and counted,
         f"max difference {diff} to the float64 reference; joins returned {lasts}; steps {state['steps']} of {reduced}",
     )
+
+
+@multi_rank
+def test_distributed_optimizer_with_powersgd_and_uneven_batches_matches_the_float64_reference(comm):
+    _check_powersgd_training(comm)
+
+
+def test_powersgd_on_the_staged_path_under_join_matches_the_float64_reference(device):
+    """The same on the staged path (Q on the device, shared through its host buffer)."""
+    _check_powersgd_training(MPI.COMM_WORLD, device, "join.powersgd.staged")
 
 
 def test_horovod_join_returns_the_last_rank_and_allreduce_sees_zeros():
