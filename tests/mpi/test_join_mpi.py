@@ -547,7 +547,10 @@ def _check_powersgd_training(comm, device=torch.device("cpu"), name="join.powers
                         update = sum(grads[r][i] for r in live) / size
                     p -= 0.3 * update
             reduced += 1
-    diff = max(float((p.double() - q).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+    diff = max(
+        float((p.detach().double() - q.detach()).abs().max())
+        for p, q in zip(model.parameters(), reference.parameters())
+    )
     counted = state["steps"] == reduced or rank != lasts[-1]  # the others take it at their next step
     agree(
         comm,
