@@ -175,8 +175,8 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   // (x is in val, or in the residual): the selection's pass clears it.
   std::uint32_t* idx = s.mine_idx.get<std::uint32_t>(most);
   float* val = s.mine_val.get<float>(most);
-  const std::size_t c = topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val, reuse.steps,
-                                          reuse.threshold, data);
+  const std::size_t c =
+      topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val, reuse.steps, reuse.threshold, data);
 
   // 2. Balance: range j ends where the running count of all pairs (p k without
   // reuse) reaches (j + 1) / p of them, interpolated linearly inside that bin
