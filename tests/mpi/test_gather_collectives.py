@@ -372,11 +372,11 @@ def test_grouped_gathers_with_mismatched_members_raise_on_every_rank(comm):
 
 @multi_rank
 def test_results_in_recycled_memory_stay_intact_while_held_and_are_whole_when_reused(comm):
-    """A result's memory goes back to the engine's pool only when its last view goes
-    (include/hpcdl/util/result_block.hpp): results still held (the array, or a view that
-    outlived it) keep their bytes through later calls of the same and smaller sizes, and a
-    result that takes a freed block is written whole (alltoall with uneven splits, zeros
-    included, in many pieces)."""
+    """A large result's memory (32 MiB or more) goes back to the engine's pool only when its
+    last view goes (include/hpcdl/util/result_block.hpp): results still held (the array, or a
+    view that outlived it) keep their bytes through later calls of the same and smaller sizes,
+    and a result that takes a freed block, also one up to twice its size, is written whole
+    (alltoall with uneven splits, zeros included, in pieces)."""
     rank, size = comm.Get_rank(), comm.Get_size()
 
     def call(seed, scale):
@@ -390,16 +390,17 @@ def test_results_in_recycled_memory_stay_intact_while_held_and_are_whole_when_re
         return received, got_splits == expected_splits and received.shape == expected.shape, expected
 
     old = hpcdl.configure()["chunk_bytes"]
-    hpcdl.configure(chunk_bytes=256)
+    hpcdl.configure(chunk_bytes=1 << 20)
     try:
-        held, ok, held_expected = call(0, 400)
+        big = 280000  # rows of 40 bytes: 3 x big rows are just over 32 MiB
+        held, ok, held_expected = call(0, big)
         view = held[1::2]
         view_expected = held_expected[1::2].copy()
         del held
-        freed, ok1, _ = call(1, 400)
+        freed, ok1, _ = call(1, big)
         del freed
         checks = [ok, ok1]
-        for seed, scale in ((4, 400), (2, 400), (3, 300), (5, 7)):  # seed 4 sends as seed 1: the same sizes
+        for seed, scale in ((4, big), (2, big), (3, big * 3 // 4), (5, 7)):  # seed 4 sends as seed 1
             got, fine, expected = call(seed, scale)
             checks.append(fine and np.array_equal(got, expected))
             del got

@@ -1,10 +1,11 @@
 // Memory for the results the engine hands to Python (allgather, alltoall,
 // reducescatter), recycled: when a result's last view goes, its block waits
 // in a small pool, and the next result that fits takes it with its pages
-// already mapped. A fresh block for every result pays the kernel's page
-// faults and zeroing while the data arrive: on the emulated 4-host cluster an
-// MPI_Alltoallv of 64 MiB per rank into a fresh buffer took 1.6x as long as
-// into a reused one (docs/performance.md). Contents are unspecified.
+// already mapped: on the emulated 4-host cluster an alltoall of 64 MiB per
+// rank into a fresh block each call took 1.2-1.4x MPI_Alltoallv's time, into
+// a recycled one 1.0-1.1x (docs/performance.md). Only large blocks are kept:
+// glibc serves smaller ones from its heap and reuses them itself, and keeping
+// them measured slower at 1 MiB. Contents are unspecified.
 #pragma once
 
 #include <cstddef>
@@ -19,6 +20,9 @@ class ResultBlock {
   // The pool keeps at most this many blocks (the most recently given back):
   // enough for a training step's few result sizes, a bounded amount held.
   static constexpr std::size_t kKeptBlocks = 4;
+  // Blocks this large or larger are kept: glibc's largest mmap threshold, above
+  // which every block it allocates is a fresh mapping.
+  static constexpr std::size_t kKeptFromBytes = std::size_t(32) << 20;
 
   ResultBlock() = default;
   ResultBlock(ResultBlock&& other) noexcept { swap(other); }
@@ -51,6 +55,7 @@ class ResultBlock {
   class Pool {
    public:
     bool take(std::size_t bytes, char** data, std::size_t* capacity) {
+      if (bytes < kKeptFromBytes) return false;
       std::lock_guard<std::mutex> lock(mu_);
       for (std::size_t i = kept_.size(); i-- > 0;) {  // the most recently given back first
         if (kept_[i].second < bytes || kept_[i].second / 2 > bytes) continue;
@@ -62,7 +67,10 @@ class ResultBlock {
       return false;
     }
     void give_back(char* data, std::size_t capacity) {
-      if (data == nullptr) return;
+      if (capacity < kKeptFromBytes) {
+        delete[] data;
+        return;
+      }
       char* dropped = nullptr;
       {
         std::lock_guard<std::mutex> lock(mu_);
