@@ -119,7 +119,8 @@ cdef class Buffer:
     """A C-contiguous buffer taken through the buffer protocol, zero-copy.
 
     The one intake path for every array handed to the core: it checks layout,
-    writability and dtype before any communication starts.
+    writability and dtype before any communication starts. Buffer.at takes
+    memory whose layout the caller has checked (a torch tensor's, by address).
     """
     cdef Py_buffer view
     cdef bint held
@@ -128,8 +129,8 @@ cdef class Buffer:
     cdef readonly tuple shape  # the exporter's dimensions: part of what ranks agree on
     cdef readonly object owner
 
-    def __cinit__(self, obj, dtype=None, bint writable=True, bint raw=False):
-        self.held = False
+    def __init__(self, obj, dtype=None, bint writable=True, bint raw=False):
+        self.release()  # __init__ called again: the first view is let go
         try:
             PyObject_GetBuffer(obj, &self.view, PyBUF_RECORDS_RO)
         except (TypeError, BufferError, ValueError) as exc:
@@ -153,9 +154,28 @@ cdef class Buffer:
         self.count = self.view.len // self.view.itemsize if self.view.itemsize else 0
         self.shape = tuple(self.view.shape[i] for i in range(self.view.ndim)) if self.view.shape != NULL \
             else (self.count,)
-        if DTYPES[self.dtype][1] != self.view.itemsize:
-            raise TypeError(f"dtype {self.dtype} has {DTYPES[self.dtype][1]}-byte elements, "
-                            f"the buffer has {self.view.itemsize}-byte items")
+        _check_itemsize(self.dtype, self.view.itemsize)
+
+    @staticmethod
+    def at(owner, size_t address, Py_ssize_t itemsize, shape, dtype):
+        """The writable, C-contiguous memory at ``address``: ``shape`` items of
+        ``itemsize`` bytes, read as ``dtype`` (a name, or a numpy dtype), alive as long as ``owner`` is. The
+        caller has checked the layout (hpcdl._tensors: a CPU tensor's data_ptr());
+        nothing is held through the buffer protocol, so no view object is made."""
+        cdef Buffer b = Buffer.__new__(Buffer)
+        cdef Py_ssize_t count = 1
+        b.shape = tuple(shape)
+        for dim in b.shape:
+            count *= <Py_ssize_t>dim
+        b.dtype = _known_dtype(_dtype_name(dtype))
+        _check_itemsize(b.dtype, itemsize)
+        b.view.buf = <void*>address
+        b.view.len = count * itemsize
+        b.view.itemsize = itemsize
+        b.view.readonly = 0
+        b.count = count
+        b.owner = owner
+        return b
 
     def __dealloc__(self):
         if self.held:
@@ -177,7 +197,7 @@ cdef class Buffer:
 
 def _resolve_dtype(obj, dtype, str fmt, Py_ssize_t itemsize):
     if dtype is not None:
-        name = str(getattr(dtype, "name", dtype))
+        name = _dtype_name(dtype)
     elif hasattr(obj, "dtype"):
         name = str(obj.dtype)
     else:
@@ -185,10 +205,24 @@ def _resolve_dtype(obj, dtype, str fmt, Py_ssize_t itemsize):
         name = _FORMATS.get(code, f"format '{code}'")
         if name in ("int64", "uint64") and itemsize != 8:
             name = f"format '{code}' of {itemsize} bytes"
+    return _known_dtype(name)
+
+
+cdef str _dtype_name(dtype):
+    return str(getattr(dtype, "name", dtype))
+
+
+cdef str _known_dtype(str name):
     if name not in DTYPES:
         raise TypeError(f"unsupported dtype {name}; hpcdl takes {', '.join(DTYPES)} "
                         "(bfloat16 through ml_dtypes, or a uint16 view with dtype='bfloat16')")
     return name
+
+
+cdef _check_itemsize(str dtype, Py_ssize_t itemsize):
+    if DTYPES[dtype][1] != itemsize:
+        raise TypeError(f"dtype {dtype} has {DTYPES[dtype][1]}-byte elements, "
+                        f"the buffer has {itemsize}-byte items")
 
 
 cdef class Handle:

@@ -1,7 +1,9 @@
 """The one intake of framework tensors for hpcdl's collectives.
 
 numpy arrays and other buffer-protocol objects go to the core as they are.
-A torch CPU tensor becomes a zero-copy numpy view (in place, like an array).
+A torch CPU tensor goes by address (data_ptr(), shape, dtype: no numpy view)
+to allreduce and broadcast, in place like an array; the collectives whose
+result is new memory read a zero-copy numpy view of it.
 A torch CUDA tensor is staged: its bytes are copied to pinned host memory on
 a side stream once the work queued on its producing stream is done (an
 event, not a device-wide sync), the core reduces the host copy, and the
@@ -12,13 +14,16 @@ the result is a new tensor; a tf.Variable is assigned in place).
 No framework is imported here: a tensor is recognised by its type's module,
 and the framework is taken from sys.modules (it is loaded, since one of its
 tensors exists). Non-contiguous tensors are refused like non-contiguous
-arrays (hpcdl works in place): pass ``tensor.contiguous()``.
+arrays (hpcdl works in place): pass ``tensor.contiguous()``; so are tensors
+with the negative bit set (resolve_neg()) and tensors on other devices.
 """
 
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from hpcdl import _core
 
 # Tests run the staging path (side stream, host buffer, waiter thread) on CPU
 # tensors, where no GPU exists: staging_cpu_tensors(True) turns it on.
@@ -31,8 +36,14 @@ def staging_cpu_tensors(on):
     return old
 
 
+_frameworks = {}  # type -> the package it comes from ("torch", "tensorflow", "numpy"...), per type once
+
+
 def _framework(obj):
-    return type(obj).__module__.partition(".")[0]
+    kind = type(obj)
+    if kind not in _frameworks:
+        _frameworks[kind] = kind.__module__.partition(".")[0]
+    return _frameworks[kind]
 
 
 def is_torch(obj):
@@ -52,6 +63,24 @@ def numpy_view(tensor):
     if flat.dtype == torch.bfloat16:
         return flat.view(torch.int16).numpy(), "bfloat16"
     return flat.numpy(), None
+
+
+_torch_dtypes = {}  # torch dtype -> (its name, the core's when it has it; item size)
+
+
+def host_memory(tensor, dtype):
+    """The core's Buffer over a contiguous CPU tensor's own memory, by address (no
+    numpy view: this is the per-call path of every in-place collective), read as
+    ``dtype`` (None: the tensor's own). Outside autograd, as for any array."""
+    if not tensor.is_cpu:
+        raise TypeError(f"hpcdl takes CPU and CUDA tensors, got one on {tensor.device}: pass tensor.cpu()")
+    if tensor.is_neg():
+        raise ValueError("tensor has its negative bit set (a lazy negation view): pass tensor.resolve_neg()")
+    known = _torch_dtypes.get(tensor.dtype)
+    if known is None:
+        known = _torch_dtypes[tensor.dtype] = (str(tensor.dtype).removeprefix("torch."), tensor.dtype.itemsize)
+    name, itemsize = known
+    return _core.Buffer.at(tensor, tensor.data_ptr(), itemsize, tensor.shape, dtype or name)
 
 
 def _require_contiguous(tensor):
@@ -205,28 +234,27 @@ class _TFResult(_ResultHandle):
 
 
 def submit(obj, dtype, writable, run):
-    """Take any supported array or tensor to the core. run(buf, dtype) submits the
-    operation on a buffer-protocol object and returns the core's Handle; returns the
-    handle the caller's wait() sees. writable: the result is written into obj."""
-    if is_torch(obj):
+    """Take any supported array or tensor to the core. run(buffer) submits the
+    operation on a core Buffer and returns the core's Handle; returns the handle the
+    caller's wait() sees. writable: the result is written into obj."""
+    framework = _framework(obj)
+    if framework == "torch" and hasattr(obj, "data_ptr"):
         return _submit_torch(obj, dtype, writable, run)
-    if _framework(obj) == "tensorflow" and hasattr(obj, "numpy"):
+    if framework == "tensorflow" and hasattr(obj, "numpy"):
         array = obj.numpy().copy()  # a private, writable, contiguous copy
-        return _TFResult(run(array, dtype), obj, array)
-    return run(obj, dtype)
+        return _TFResult(run(_core.Buffer(array, dtype, True)), obj, array)
+    return run(_core.Buffer(obj, dtype, writable))
 
 
 def _submit_torch(tensor, dtype, writable, run):
     _require_contiguous(tensor)
     if not staged(tensor):
-        array, core_dtype = numpy_view(tensor)  # in place, outside autograd, as for any array
-        return TensorHandle(run(array, dtype or core_dtype), tensor, None, copy_back=False)
+        return run(host_memory(tensor, dtype))  # in place: the core's handle gives the tensor back
     host = host_buffer(tensor.numel(), tensor.dtype, tensor.device)
     # the ring needs the bytes: this thread waits for this copy only, not the device
     copy_async(host, tensor.detach().view(-1), tensor.device).wait_host()
-    array, core_dtype = numpy_view(host)
-    array = array.reshape(tuple(tensor.shape))  # a view: the tensor's shape is part of what ranks agree on
-    return TensorHandle(run(array, dtype or core_dtype), tensor, host, copy_back=writable)
+    shaped = host.view(tensor.shape)  # the tensor's shape is part of what ranks agree on
+    return TensorHandle(run(host_memory(shaped, dtype)), tensor, host, copy_back=writable)
 
 
 def intake(obj):

@@ -126,10 +126,10 @@ def allreduce_async(
     reduce_op = _core.parse_op(op)
     comm = _comm(comm)
 
-    def run(array, array_dtype):
+    def run(buffer):
         return _core.submit(
             _core.KIND_ALLREDUCE,
-            _core.Buffer(array, array_dtype, True),
+            buffer,
             comm,
             name,
             reduce_op,
@@ -166,15 +166,15 @@ class _GroupMember:
     """One array of a grouped allreduce, as hpcdl._tensors sees a core handle: its
     tensor handle (staging, copy back) finishes it once the group's handle is done."""
 
-    def __init__(self, array, dtype, name):
-        self.array, self.dtype, self.name, self.group = array, dtype, name, None
+    def __init__(self, buffer, name):
+        self.buffer, self.name, self.group = buffer, name, None
 
     def done(self):
         return self.group.done()
 
     def wait(self, timeout=None):
         self.group.wait(timeout)
-        return self.array
+        return self.buffer.owner
 
     def __getattr__(self, attribute):  # mark_ready(), ready(), timings(), wait_for()...
         return getattr(self.group, attribute)
@@ -213,8 +213,8 @@ def grouped_allreduce_async(
     comm = _comm(comm)
     members = []
 
-    def take(array, array_dtype):
-        members.append(_GroupMember(array, array_dtype, name))
+    def take(buffer):
+        members.append(_GroupMember(buffer, name))
         return members[-1]
 
     results = [_tensors.submit(buf, None, True, take) for buf in bufs]
@@ -222,7 +222,7 @@ def grouped_allreduce_async(
         return GroupHandle(None, [], [])
     handle = _core.submit_group(
         _core.KIND_GROUPED_ALLREDUCE,
-        [_core.Buffer(m.array, m.dtype, True) for m in members],
+        [m.buffer for m in members],
         comm,
         name,
         reduce_op,
@@ -248,8 +248,8 @@ def broadcast_async(
     comm = _comm(comm)
     receives = comm.Get_rank() != root
 
-    def run(array, array_dtype):
-        return _core.submit(_core.KIND_BROADCAST, _core.Buffer(array, array_dtype, receives), comm, name, 0, int(root))
+    def run(buffer):
+        return _core.submit(_core.KIND_BROADCAST, buffer, comm, name, 0, int(root))
 
     return _tensors.submit(buf, dtype, receives, run)
 
@@ -510,10 +510,28 @@ def barrier(comm: MPI.Comm | None = None) -> None:
     _core.submit(_core.KIND_BARRIER, None, _comm(comm), None).wait()
 
 
+# Per communicator (MPI.Comm.py2f), the joins completed on it and the rank that joined last:
+# state that ranks keep equal by stepping together (PowerSGD's Q and step count in
+# hpcdl.torch's DistributedOptimizer) is taken from that rank at the next step.
+_joins: dict[int, tuple[int, int]] = {}
+
+
+def _joins_completed(comm: MPI.Comm) -> tuple[int, int]:
+    """(joins of ``comm`` whose wait() returned on this rank, the last one's last rank; -1: none)."""
+    return _joins.get(MPI.Comm.py2f(comm), (0, -1))
+
+
 def join_async(comm: MPI.Comm | None = None) -> Any:
     """Start a join (see join); returns a handle whose ``wait()`` returns the rank that joined last."""
-    handle = _core.submit(_core.KIND_JOIN, None, _comm(comm), None)
-    return _tensors.OutputHandle(handle, lambda h: h.result()[1][0])
+    comm = _comm(comm)
+    handle = _core.submit(_core.KIND_JOIN, None, comm, None)
+
+    def finish(h):
+        last = h.result()[1][0]
+        _joins[MPI.Comm.py2f(comm)] = (_joins_completed(comm)[0] + 1, last)
+        return last
+
+    return _tensors.OutputHandle(handle, finish)
 
 
 def join(comm: MPI.Comm | None = None) -> int:
@@ -524,9 +542,11 @@ def join(comm: MPI.Comm | None = None) -> int:
     does. Returns, on every rank, the rank that joined last, once all have;
     then ``comm`` works as before (the next epoch).
 
-    While a rank has joined, a broadcast from it, reducescatter, alltoall,
-    op min/max/product and compressed allreduces raise MismatchError on the
-    ranks that submitted them, and the join raises it on the joined ranks
+    Compressed allreduces run too: a joined rank encodes zeros with the agreed
+    codec and keeps no error-feedback state for them (its residuals stay as
+    they were). While a rank has joined, a broadcast from it, reducescatter,
+    alltoall and op min/max/product raise MismatchError on the ranks that
+    submitted them, and the join raises it on the joined ranks
     (docs/horovod.md). A join waits as long as the other ranks train: stall
     warnings name the ranks not joined yet; stall_error_seconds never ends it.
     """

@@ -266,15 +266,16 @@ def stop_timeline():
 
 def reduce_op(op, average):
     """hpcdl's op name for Horovod's (op, deprecated average) pair, checked."""
-    if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
     if op is None:
-        op = Sum if average is False else Average
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by hpcdl.horovod (docs/horovod.md); use op=hvd.Average")
-    if op not in _OP_NAMES:
+        return _OP_NAMES[Sum if average is False else Average]
+    if average is not None:
+        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+    name = _OP_NAMES.get(op)
+    if name is None:
+        if op == Adasum:
+            raise NotImplementedError("Adasum is not supported by hpcdl.horovod (docs/horovod.md); use op=hvd.Average")
         raise ValueError(f"op={op!r}: hpcdl.horovod takes hvd.Average, hvd.Sum, hvd.Min, hvd.Max or hvd.Product")
-    return _OP_NAMES[op]
+    return name
 
 
 def check_scale(prescale_factor, postscale_factor, integer):
@@ -309,10 +310,11 @@ def register(handle, finish):
     return key
 
 
-def _entry(handle):
-    if handle not in _handles:
+def _entry(handle, spend=False):
+    entry = _handles.pop(handle, None) if spend else _handles.get(handle)
+    if entry is None:
         raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
-    return _handles[handle]
+    return entry
 
 
 def poll(handle):
@@ -321,12 +323,10 @@ def poll(handle):
 
 
 def synchronize(handle):
-    """Wait for the operation of ``handle`` and return its output tensor."""
-    operation, finish = _entry(handle)
-    try:
-        return finish(call(operation.wait))
-    finally:
-        del _handles[handle]
+    """Wait for the operation of ``handle`` and return its output tensor; the handle is
+    spent either way (a failed operation's too)."""
+    operation, finish = _entry(handle, spend=True)
+    return finish(call(operation.wait))
 
 
 _horovod_errors = {}

@@ -52,6 +52,32 @@ def test_a_non_contiguous_tensor_is_refused_clearly():
         hpcdl.broadcast_async(t)
 
 
+def test_a_tensor_is_read_at_its_own_offset_and_shape():
+    base = torch.arange(10, dtype=torch.float64)
+    part = base[4:].view(2, 3)  # starts 4 elements into its storage
+    h = hpcdl.allreduce_async(part, op="max")
+    assert h.buffer.shape == (2, 3) and h.buffer.count == 6 and h.buffer.nbytes == 48
+    assert h.wait() is part
+    assert torch.equal(base, torch.arange(10, dtype=torch.float64))  # nothing outside part was touched
+    empty = torch.empty(0, 3)
+    assert hpcdl.allreduce(empty) is empty and empty.shape == (0, 3)
+
+
+def test_tensors_the_core_cannot_read_in_place_are_refused_clearly():
+    with pytest.raises(ValueError, match=r"negative bit.*resolve_neg\(\)"):
+        hpcdl.allreduce(torch._neg_view(torch.ones(3)))
+    with pytest.raises(TypeError, match=r"CPU and CUDA tensors, got one on meta"):
+        hpcdl.allreduce(torch.ones(3, device="meta"))
+    with pytest.raises(TypeError, match="unsupported dtype float8_e4m3fn; hpcdl takes float32"):
+        hpcdl.allreduce(torch.ones(3).to(torch.float8_e4m3fn))
+    # dtype= reads the bytes as another type of the same size only
+    with pytest.raises(TypeError, match="dtype bfloat16 has 2-byte elements, the buffer has 4-byte items"):
+        hpcdl.allreduce(torch.ones(3), dtype="bfloat16")
+    bits = torch.ones(3, dtype=torch.bfloat16).view(torch.int16)
+    assert hpcdl.allreduce(bits, op="average", dtype="bfloat16") is bits
+    assert torch.equal(bits.view(torch.bfloat16), torch.ones(3, dtype=torch.bfloat16))
+
+
 def test_a_tensor_that_requires_grad_is_reduced_outside_autograd():
     w = torch.ones(3, requires_grad=True)
     assert hpcdl.allreduce(w, op="average") is w and w.grad_fn is None

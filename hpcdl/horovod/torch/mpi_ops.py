@@ -44,8 +44,10 @@ def _as_is(result):
 
 
 def _copy(tensor):
-    """A contiguous copy outside autograd, for the out-of-place forms (any input layout)."""
-    return tensor.detach().clone(memory_format=torch.contiguous_format)
+    """A contiguous copy outside autograd, for the out-of-place forms (any input layout):
+    Horovod's output tensor, which the engine then reduces in place. A tensor autograd does
+    not track is cloned as it is (a detach() per call saved)."""
+    return (tensor.detach() if tensor.requires_grad else tensor).clone(memory_format=torch.contiguous_format)
 
 
 def allreduce_async(
@@ -67,7 +69,7 @@ def allreduce_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
 ):
     """Allreduce ``tensor`` in place and return it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    return synchronize(_allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 class HorovodAllreduce(torch.autograd.Function):
