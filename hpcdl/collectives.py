@@ -511,10 +511,28 @@ def barrier(comm: MPI.Comm | None = None) -> None:
     _core.submit(_core.KIND_BARRIER, None, _comm(comm), None).wait()
 
 
+# Per communicator (MPI.Comm.py2f), the joins completed on it and the rank that joined last:
+# state that ranks keep equal by stepping together (PowerSGD's Q and step count in
+# hpcdl.torch's DistributedOptimizer) is taken from that rank at the next step.
+_joins: dict[int, tuple[int, int]] = {}
+
+
+def _joins_completed(comm: MPI.Comm) -> tuple[int, int]:
+    """(joins of ``comm`` whose wait() returned on this rank, the last one's last rank; -1: none)."""
+    return _joins.get(MPI.Comm.py2f(comm), (0, -1))
+
+
 def join_async(comm: MPI.Comm | None = None) -> Any:
     """Start a join (see join); returns a handle whose ``wait()`` returns the rank that joined last."""
-    handle = _core.submit(_core.KIND_JOIN, None, _comm(comm), None)
-    return _tensors.OutputHandle(handle, lambda h: h.result()[1][0])
+    comm = _comm(comm)
+    handle = _core.submit(_core.KIND_JOIN, None, comm, None)
+
+    def finish(h):
+        last = h.result()[1][0]
+        _joins[MPI.Comm.py2f(comm)] = (_joins_completed(comm)[0] + 1, last)
+        return last
+
+    return _tensors.OutputHandle(handle, finish)
 
 
 def join(comm: MPI.Comm | None = None) -> int:
@@ -525,9 +543,11 @@ def join(comm: MPI.Comm | None = None) -> int:
     does. Returns, on every rank, the rank that joined last, once all have;
     then ``comm`` works as before (the next epoch).
 
-    While a rank has joined, a broadcast from it, reducescatter, alltoall,
-    op min/max/product and compressed allreduces raise MismatchError on the
-    ranks that submitted them, and the join raises it on the joined ranks
+    Compressed allreduces run too: a joined rank encodes zeros with the agreed
+    codec and keeps no error-feedback state for them (its residuals stay as
+    they were). While a rank has joined, a broadcast from it, reducescatter,
+    alltoall and op min/max/product raise MismatchError on the ranks that
+    submitted them, and the join raises it on the joined ranks
     (docs/horovod.md). A join waits as long as the other ranks train: stall
     warnings name the ranks not joined yet; stall_error_seconds never ends it.
     """

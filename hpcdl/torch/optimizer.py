@@ -22,6 +22,7 @@ from mpi4py import MPI
 import hpcdl
 from hpcdl import _tensors
 from hpcdl._agree import check_same_on_all_ranks
+from hpcdl.collectives import _joins_completed
 from hpcdl.compression import PowerSGD
 from hpcdl.torch import _buckets, powersgd
 
@@ -126,6 +127,7 @@ class _DistributedOptimizerMixin:
         _names_in_use[(_comm_key(self._comm), name)] = weakref.ref(self)
         self._size = self._comm.Get_size()
         self._low_rank = powersgd.Schedule(compression) if isinstance(compression, PowerSGD) else None
+        self._joins_seen = _joins_completed(self._comm)[0]  # PowerSGD shares its state after one
         self._lock = threading.Lock()
         self._buckets, self._bucket_of, self._passes, self._name_of = [], {}, {}, {}
         self._round_open = False  # this step's bucket allreduces are submitted
@@ -316,6 +318,10 @@ class _DistributedOptimizerMixin:
                         bucket.put(offset, numel, p, _dense(self._name_of[p], p.grad, self._sparse_as_dense))
 
     def _submit(self, bucket, deferred):
+        if self._low_rank is not None and self._joins_seen != _joins_completed(self._comm)[0]:
+            # The step's first bucket after a join: the ranks agree on PowerSGD's state again.
+            self._joins_seen, last = _joins_completed(self._comm)
+            self._low_rank.share(self._comm, last, self._name)
         return bucket.submit(self._op, self._comm, deferred)
 
     def _presence(self):

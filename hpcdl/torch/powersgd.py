@@ -22,13 +22,18 @@ warm-up, with r the rank and each matrix on its parameter's device:
                 takes the next step's M)
 
 P and Q are averaged. Every rank orthogonalizes the same P with the same code
-and multiplies by the same Q, so every rank ends with the same bits. During
+and multiplies by the same Q, so every rank ends with the same bits. Under
+hpcdl.join a joined rank's engine contributes zero P and Q (it has no M) and
+its Q, residuals and step count stay as they were; at the first step after the
+join every rank takes the step count and Q of the rank that joined last
+(Schedule.share), so the ranks agree on the warm-up and on Q again. During
 the warm-up (the first warmup_steps steps) and on a one-rank communicator a
 low-rank bucket is a plain dense bucket (nothing compressed). On the staged
 path (CUDA) the matrix products run on the device and only P and Q travel
 through pinned host memory.
 """
 
+import numpy as np
 import torch
 
 import hpcdl
@@ -114,6 +119,23 @@ class Schedule:
 
     def matrices(self):
         return {m.name: m for b in self.buckets for m in b.matrices}
+
+    def share(self, comm, root, name):
+        """After a join (collective): the ranks that joined early stepped less, so every rank
+        takes the step count and each Q (equal on the ranks that step together) from `root`,
+        the rank that joined last; each keeps its own residuals (a joined rank had no gradient)."""
+        steps = np.array([self.steps], np.int64)
+        handles = [hpcdl.broadcast_async(steps, root=root, comm=comm, name=f"{name}.join.steps")]
+        for bucket in self.buckets:
+            if bucket.staged:
+                bucket.q_host.copy_(bucket.q_dev)
+            handles.append(hpcdl.broadcast_async(bucket.q_array, root=root, comm=comm, name=f"{bucket.name}.join.Q"))
+        for handle in handles:
+            handle.wait()
+        for bucket in self.buckets:
+            if bucket.staged:
+                bucket.q_dev.copy_(bucket.q_host)
+        self.steps = int(steps[0])
 
     def state_dict(self):
         """This rank's state: steps, and per compressed matrix its Q (the same on every rank) and

@@ -94,7 +94,9 @@ Status Executor::run_plans(CommContext& ctx, Progress& progress) {
 
 // This rank has joined: it runs an operation it never submitted with zeros of
 // the agreed dtype and shape (an allgather: no rows), so the other ranks'
-// operation completes. Its result is dropped; a failure fails the join.
+// operation completes: a compressed one with the agreed codec, as a rank whose
+// data is zero and that keeps no error-feedback state (residual, top-k
+// threshold) for it. Its result is dropped; a failure fails the join.
 Status Executor::run_joined(CommContext& ctx, const std::string& name, const std::string& desc, Progress& progress) {
   OpRequest req;
   std::string described;

@@ -44,8 +44,8 @@ std::string CommContext::join_refusal(const std::string& name, const OpDesc& d, 
   switch (d.kind) {
     case OpKind::kAllreduce:
     case OpKind::kGroupedAllreduce:
+      // A codec's scheme runs as it is: the joined rank encodes zeros and keeps no residual (run_joined).
       if (!sums) why = std::string("op='") + reduce_op_name(d.reduce_op) + "' would take their zeros as values";
-      if (!d.codec.empty()) why = "a compressed allreduce is not run under join (pass compression=None)";
       break;
     case OpKind::kBroadcast:
       for (int r : filled)
@@ -64,7 +64,7 @@ std::string CommContext::join_refusal(const std::string& name, const OpDesc& d, 
   for (std::size_t i = 0; i < filled.size(); ++i) ranks += (i ? ", " : "") + std::to_string(filled[i]);
   return "operation '" + name + "' (" + op_kind_name(d.kind) + ") cannot run while rank" +
          (filled.size() == 1 ? " " : "s ") + ranks + (filled.size() == 1 ? " has" : " have") + " joined: " + why +
-         ". Under join hpcdl runs allreduce and grouped_allreduce with op sum or average (uncompressed), "
+         ". Under join hpcdl runs allreduce (compressed too) and grouped_allreduce with op sum or average, "
          "allgather, barrier, and broadcast from a rank that has not joined";
 }
 

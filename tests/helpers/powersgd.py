@@ -31,13 +31,19 @@ class Reference:
         self.q = {name: q.copy() for name, q in self.q0.items()}
         self.residual = {name: [np.zeros(shape) for _ in range(ranks)] for name, shape in shapes.items()}
 
-    def step(self, name, grads):
-        """The approximation every rank applies, from each rank's n x m gradient."""
-        ms = [g + e for g, e in zip(grads, self.residual[name])]
+    def step(self, name, grads, live=None):
+        """The approximation every rank applies, from each rank's n x m gradient. Ranks not in
+        `live` (default: all) have joined: their M is zero (the means still divide by every
+        rank) and their residual stays as it is."""
+        live = range(len(grads)) if live is None else live
+        ms = [g + e if r in live else np.zeros_like(g) for r, (g, e) in enumerate(zip(grads, self.residual[name]))]
         p = gram_schmidt(np.mean([m @ self.q[name] for m in ms], axis=0))
         q = np.mean([m.T @ p for m in ms], axis=0)
         approx = p @ q.T
-        self.residual[name] = [np.where(np.isfinite(m - approx), m - approx, 0.0) for m in ms]
+        self.residual[name] = [
+            np.where(np.isfinite(m - approx), m - approx, 0.0) if r in live else e
+            for r, (m, e) in enumerate(zip(ms, self.residual[name]))
+        ]
         dead = ~np.isfinite(q).all(axis=0) | (q == 0).all(axis=0)
         self.q[name] = np.where(dead, self.q0[name], q)
         return approx, ms

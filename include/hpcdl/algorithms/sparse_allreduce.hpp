@@ -63,7 +63,7 @@ struct TopkReuse {
 
 // Working memory of the split allreduce, reused from call to call.
 struct SplitScratch {
-  Scratch mine_idx, mine_val, hist, recv_idx, recv_val, cand, cand_mag, sel_idx, sel_val, out_idx, out_val;
+  Scratch mine_idx, mine_val, hist, recv_idx, recv_val, seen, cand, cand_mag, sel_idx, sel_val, out_idx, out_val;
 };
 
 namespace detail {
@@ -171,11 +171,12 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   MPI_Request rq[2];
 
   // 1. Local selection, scaled as in topk_allreduce (the sums are the result):
-  // c pairs, k unless a reused threshold picked them.
+  // c pairs, k unless a reused threshold picked them. data is no longer read
+  // (x is in val, or in the residual): the selection's pass clears it.
   std::uint32_t* idx = s.mine_idx.get<std::uint32_t>(most);
   float* val = s.mine_val.get<float>(most);
   const std::size_t c =
-      topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val, reuse.steps, reuse.threshold);
+      topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val, reuse.steps, reuse.threshold, data);
 
   // 2. Balance: range j ends where the running count of all pairs (p k without
   // reuse) reaches (j + 1) / p of them, interpolated linearly inside that bin
@@ -191,8 +192,6 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
                  "MPI_Iallreduce(top-k balance)"));
   received += detail::allreduce_volume(p, 4 * bins);
   sent += detail::allreduce_volume(p, 4 * bins);
-  // While the histogram travels: data is no longer read (x is in val, or in the residual).
-  std::memset(data, 0, n * sizeof(float));
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k balance)", progress));
   std::vector<std::size_t> bound(up + 1, n);
   bound[0] = 0;
@@ -234,17 +233,26 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   float* recv_val = s.recv_val.get<float>(std::max<std::size_t>(n_recv, 1));
   HPCDL_RETURN_NOT_OK(detail::exchange_pairs_pairwise(comm, p, rank, tag, idx, val, send_count, send_displ, recv_idx,
                                                       recv_val, recv_count, recv_displ, progress));
-  const std::size_t lo = bound[rank], hi = bound[rank + 1];
+  // The candidates, ascending without repeats: a bitmap of the range marks the
+  // indices received (no sort), read back word by word.
+  const std::size_t lo = bound[rank], hi = bound[rank + 1], words = (hi - lo + 63) / 64;
+  std::uint64_t* seen = s.seen.get<std::uint64_t>(std::max<std::size_t>(words, 1));
+  std::fill(seen, seen + words, std::uint64_t(0));
   for (std::size_t c = 0; c < n_recv; ++c) {  // blocks arrive in rank order: the sums are too
-    if (recv_idx[c] < lo || recv_idx[c] >= hi) return Status::Internal("top-k split: a pair outside its range");
-    data[recv_idx[c]] += recv_val[c];
+    const std::uint32_t i = recv_idx[c];
+    if (i < lo || i >= hi) return Status::Internal("top-k split: a pair outside its range");
+    data[i] += recv_val[c];
+    seen[(i - lo) / 64] |= std::uint64_t(1) << ((i - lo) % 64);
   }
   std::uint32_t* cand = s.cand.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
-  std::memcpy(cand, recv_idx, n_recv * sizeof(std::uint32_t));
-  std::sort(cand, cand + n_recv);
-  const std::size_t n_cand = static_cast<std::size_t>(std::unique(cand, cand + n_recv) - cand);
-  std::uint32_t* mag = s.cand_mag.get<std::uint32_t>(std::max<std::size_t>(n_cand, 1));
-  for (std::size_t c = 0; c < n_cand; ++c) mag[c] = detail::topk_magnitude(data[cand[c]]);
+  std::uint32_t* mag = s.cand_mag.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
+  std::size_t n_cand = 0;
+  for (std::size_t w = 0; w < words; ++w) {
+    for (std::uint64_t m = seen[w]; m; m &= m - 1, ++n_cand) {
+      cand[n_cand] = static_cast<std::uint32_t>(lo + 64 * w + static_cast<std::size_t>(__builtin_ctzll(m)));
+      mag[n_cand] = detail::topk_magnitude(data[cand[n_cand]]);
+    }
+  }
 
   // 4. Radix select of the k-th largest candidate magnitude over all ranges.
   std::uint64_t need = k;

@@ -56,6 +56,23 @@ namespace detail {
 // float order with NaN above +Inf.
 inline std::uint32_t topk_magnitude(float v) { return float_to_bits(v) & 0x7fffffffu; }
 
+// The rank-th largest (0-based) of count magnitudes, reordering v: a histogram
+// of their top 11 bits (exponent and 3 mantissa bits) finds its bin, and
+// nth_element runs only among that bin's values, moved to the front (about a
+// third of the time of nth_element over all of them).
+inline std::uint32_t nth_largest_magnitude(std::uint32_t* v, std::size_t count, std::size_t rank) {
+  constexpr unsigned kShift = 20, kBins = 1u << 11;  // magnitudes have 31 bits
+  std::uint32_t hist[kBins] = {};
+  for (std::size_t i = 0; i < count; ++i) ++hist[v[i] >> kShift];
+  std::uint32_t bin = kBins - 1;
+  for (; bin > 0 && hist[bin] <= rank; --bin) rank -= hist[bin];
+  std::size_t m = 0;
+  for (std::size_t i = 0; i < count; ++i)
+    if ((v[i] >> kShift) == bin) v[m++] = v[i];
+  std::nth_element(v, v + rank, v + m, std::greater<std::uint32_t>());
+  return v[rank];
+}
+
 }  // namespace detail
 
 // Working memory of one selection, reused from call to call by the engine.
@@ -108,9 +125,14 @@ class TopkSelector {
   void select(const float* x, std::uint32_t* idx_out, float* val_out) { run<false>(x, nullptr, idx_out, val_out); }
 
   // x = data + residual; on return the residual holds x, with NaN and Inf
-  // replaced by 0 (data is only read).
-  void select_with_residual(const float* data, float* residual, std::uint32_t* idx_out, float* val_out) {
+  // replaced by 0. data is only read, or with `clear` (data itself) zeroed in
+  // the same pass: the caller writes a result into it, and a separate memset
+  // would be one more pass over memory.
+  void select_with_residual(const float* data, float* residual, std::uint32_t* idx_out, float* val_out,
+                            float* clear = nullptr) {
+    clear_ = clear;
     run<true>(data, residual, idx_out, val_out);
+    clear_ = nullptr;
     clear_non_finite(residual);
   }
 
@@ -164,6 +186,7 @@ class TopkSelector {
     const float* x = kResidual ? residual : in;  // where x lies after the scan
     if (k_ == n_) {
       for (std::size_t i = 0; kResidual && i < n_; ++i) residual[i] += in[i];
+      if (clear_) std::memset(clear_, 0, n_ * sizeof(float));
       for (std::size_t i = 0; i < n_; ++i) idx_out[i] = static_cast<std::uint32_t>(i);
       std::memcpy(val_out, x, n_ * sizeof(float));
       return;
@@ -196,8 +219,7 @@ class TopkSelector {
     // the sample (16384 samples put the k-th largest within a few percent
     // for the ratios top-k is for, so falling short of k is rare).
     const std::size_t want = std::min(samples - 1, (3 * k_ * samples) / (2 * n_));
-    std::nth_element(sample, sample + want, sample + samples, std::greater<std::uint32_t>());
-    return sample[want];
+    return detail::nth_largest_magnitude(sample, samples, want);
   }
 
   // Groups of 16 values: x (+ the residual fold) and bit masks, lanes with
@@ -209,9 +231,10 @@ class TopkSelector {
 
   static constexpr std::uint32_t kLargestFinite = 0x7f7fffffu;  // magnitudes above: Inf, NaN
 
+  // With `clear` (kResidual only), the group's 16 values of `in` are zeroed after their read.
   template <bool kResidual>
   static void group_masks(const float* in, float* residual, std::uint32_t t, std::uint32_t* above, std::uint32_t* at,
-                          std::uint32_t* non_finite) {
+                          std::uint32_t* non_finite, float* clear = nullptr) {
 #if defined(__SSE2__)
     const __m128i tv = _mm_set1_epi32(static_cast<int>(t)), abs_mask = _mm_set1_epi32(0x7fffffff);
     const __m128i finite_max = _mm_set1_epi32(static_cast<int>(kLargestFinite));
@@ -221,6 +244,7 @@ class TopkSelector {
       if (kResidual) {
         v = _mm_add_ps(_mm_loadu_ps(in + 4 * j), _mm_loadu_ps(residual + 4 * j));
         _mm_storeu_ps(residual + 4 * j, v);
+        if (clear) _mm_storeu_ps(clear + 4 * j, _mm_setzero_ps());
       } else {
         v = _mm_loadu_ps(in + 4 * j);
       }
@@ -233,19 +257,21 @@ class TopkSelector {
     *at = e;
     *non_finite = f;
 #else
-    group_masks_scalar<kResidual>(in, residual, kGroup, t, above, at, non_finite);
+    group_masks_scalar<kResidual>(in, residual, kGroup, t, above, at, non_finite, clear);
 #endif
   }
 
   template <bool kResidual>
   static void group_masks_scalar(const float* in, float* residual, std::size_t len, std::uint32_t t,
-                                 std::uint32_t* above, std::uint32_t* at, std::uint32_t* non_finite) {
+                                 std::uint32_t* above, std::uint32_t* at, std::uint32_t* non_finite,
+                                 float* clear = nullptr) {
     std::uint32_t a = 0, e = 0, f = 0;
     for (std::size_t j = 0; j < len; ++j) {
       float v;
       if (kResidual) {
         v = in[j] + residual[j];
         residual[j] = v;
+        if (clear) clear[j] = 0.0f;
       } else {
         v = in[j];
       }
@@ -275,10 +301,11 @@ class TopkSelector {
       const std::size_t len = std::min(kGroup, n_ - lo);
       std::uint32_t a, e, f;
       float* r = kResidual ? residual + lo : nullptr;
+      float* z = kResidual && clear_ ? clear_ + lo : nullptr;
       if (len == kGroup) {
-        group_masks<kResidual>(in + lo, r, t, &a, &e, &f);
+        group_masks<kResidual>(in + lo, r, t, &a, &e, &f, z);
       } else {
-        group_masks_scalar<kResidual>(in + lo, r, len, t, &a, &e, &f);
+        group_masks_scalar<kResidual>(in + lo, r, len, t, &a, &e, &f, z);
       }
       non_finite |= f;
       for (; a; a &= a - 1, ++na) {
@@ -301,8 +328,7 @@ class TopkSelector {
   void cut_above(std::uint32_t* idx_out, float* val_out) {
     std::uint32_t* mags = scratch_.mags.get<std::uint32_t>(n_above_);
     for (std::size_t j = 0; j < n_above_; ++j) mags[j] = detail::topk_magnitude(above_x_[j]);
-    std::nth_element(mags, mags + (k_ - 1), mags + n_above_, std::greater<std::uint32_t>());
-    const std::uint32_t m = mags[k_ - 1];
+    const std::uint32_t m = detail::nth_largest_magnitude(mags, n_above_, k_ - 1);
     std::size_t over = 0;
     for (std::size_t j = 0; j < n_above_; ++j) over += detail::topk_magnitude(above_x_[j]) > m;
     std::size_t equal_left = k_ - over, out = 0;
@@ -335,6 +361,7 @@ class TopkSelector {
   float *above_x_ = nullptr, *at_x_ = nullptr;
   std::size_t cap_ = 0, n_above_ = 0, n_at_ = 0;
   bool any_non_finite_ = false;
+  float* clear_ = nullptr;  // select_with_residual's `clear`, for its scan
 };
 
 inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8_t* out, TopkScratch& scratch) {
@@ -414,18 +441,23 @@ inline std::size_t topk_select_reusing(const float* data, float* residual, std::
 // which keeps what is not selected), each value scaled before it is sent
 // (average: 1/p), so that the sum of the contributions is the result. With a
 // threshold (a named tensor, reuse_steps > 0) as topk_select_reusing says,
-// otherwise the exact k. Returns the pairs' count.
+// otherwise the exact k. Returns the pairs' count. `clear` (data itself): data
+// is zeroed on return, in the selection's pass where there is a residual and no
+// threshold reuse.
 inline std::size_t topk_contribution(const float* data, float* residual, std::size_t n, std::size_t k,
                                      double final_scale, TopkScratch& scratch, std::uint32_t* idx, float* val,
-                                     std::uint32_t reuse_steps = 0, TopkThreshold* threshold = nullptr) {
+                                     std::uint32_t reuse_steps = 0, TopkThreshold* threshold = nullptr,
+                                     float* clear = nullptr) {
   std::size_t count = k;
   if (residual && threshold && reuse_steps > 0) {
     count = topk_select_reusing(data, residual, n, k, reuse_steps, threshold, scratch, idx, val);
   } else if (residual) {
-    TopkSelector(n, k, scratch).select_with_residual(data, residual, idx, val);
+    TopkSelector(n, k, scratch).select_with_residual(data, residual, idx, val, clear);
+    clear = nullptr;
   } else {
     TopkSelector(n, k, scratch).select(data, idx, val);
   }
+  if (clear) std::memset(clear, 0, n * sizeof(float));
   if (final_scale != 1.0)
     for (std::size_t j = 0; j < count; ++j) val[j] *= static_cast<float>(final_scale);
   return count;
