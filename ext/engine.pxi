@@ -216,6 +216,8 @@ cdef dict _array_dtype_names = {}
 
 
 cdef str _array_dtype_name(dtype):
+    if getattr(type(dtype), "__hash__", None) is None:
+        return str(dtype)  # not a dtype object at all: _known_dtype names it
     cdef tuple entry = _array_dtype_names.get(dtype)
     if entry is not None and entry[0] is dtype:
         return entry[1]

@@ -56,6 +56,14 @@ def test_dtype_names_cached_by_the_intake_keep_byte_order_and_metadata_apart():
     assert _core.Buffer(tagged).dtype == "float32" and _core.Buffer(native).dtype == "float32"
 
 
+def test_buffer_with_an_unhashable_dtype_attribute_is_named_unsupported():
+    class Wrapped(bytearray):  # exports the buffer protocol (bytes), carries a dtype that is not one
+        dtype = ["float32"]  # unhashable: the intake's name cache must not see it
+
+    with pytest.raises(TypeError, match=r"unsupported dtype \['float32'\]"):
+        _core.Buffer(Wrapped(16))
+
+
 def test_object_without_buffer_protocol_is_refused():
     with pytest.raises(TypeError, match="buffer protocol"):
         hpcdl.allreduce([1.0, 2.0])
