@@ -199,13 +199,30 @@ def _resolve_dtype(obj, dtype, str fmt, Py_ssize_t itemsize):
     if dtype is not None:
         name = _dtype_name(dtype)
     elif hasattr(obj, "dtype"):
-        name = str(obj.dtype)
+        name = _array_dtype_name(obj.dtype)
     else:
         code = fmt.lstrip("@=<>!")
         name = _FORMATS.get(code, f"format '{code}'")
         if name in ("int64", "uint64") and itemsize != 8:
             name = f"format '{code}' of {itemsize} bytes"
     return _known_dtype(name)
+
+
+# An array's dtype object -> (that object, its name): str(numpy dtype) runs as
+# Python code in numpy 2 and was the largest cost of a small array's intake.
+# Keyed by equality but used only for the very object stored (dtypes differing
+# in ways equality ignores keep their own name); it holds only supported dtypes.
+cdef dict _array_dtype_names = {}
+
+
+cdef str _array_dtype_name(dtype):
+    cdef tuple entry = _array_dtype_names.get(dtype)
+    if entry is not None and entry[0] is dtype:
+        return entry[1]
+    name = str(dtype)
+    if name in DTYPES:
+        _array_dtype_names[dtype] = (dtype, name)
+    return name
 
 
 cdef str _dtype_name(dtype):

@@ -73,7 +73,8 @@ configure()  # the environment's stall limits reach the engine
 
 
 def _comm(comm):
-    comm = MPI.COMM_WORLD if comm is None else comm
+    if comm is None:
+        return MPI.COMM_WORLD
     if not isinstance(comm, MPI.Comm):
         raise TypeError(f"comm must be an mpi4py.MPI.Comm, got {type(comm).__name__}")
     return comm

@@ -302,9 +302,9 @@ class Finished:
         return self.result
 
 
-def register(handle, finish):
+def register(handle, finish=None):
     """An integer handle, as Horovod returns, for hpcdl's ``handle``; synchronize()
-    returns finish() of what handle.wait() returns."""
+    returns finish() of what handle.wait() returns (None: that result as it is)."""
     key = next(_handle_ids)
     _handles[key] = (handle, finish)
     return key
@@ -325,8 +325,13 @@ def poll(handle):
 def synchronize(handle):
     """Wait for the operation of ``handle`` and return its output tensor; the handle is
     spent either way (a failed operation's too)."""
-    operation, finish = _entry(handle, spend=True)
-    return finish(call(operation.wait))
+    return complete(*_entry(handle, spend=True))
+
+
+def complete(operation, finish=None):
+    """Wait for hpcdl's ``operation`` and return finish() of its result (None: the result as it is)."""
+    result = call(operation.wait)
+    return result if finish is None else finish(result)
 
 
 _horovod_errors = {}

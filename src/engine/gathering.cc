@@ -12,6 +12,7 @@
 #include "hpcdl/engine/executor.hpp"
 #include "hpcdl/engine/op_wire.hpp"
 #include "hpcdl/engine/operation.hpp"
+#include "hpcdl/util/result_block.hpp"
 #include "hpcdl/util/scratch.hpp"
 
 namespace hpcdl {
@@ -27,7 +28,7 @@ void add_traffic(RingTraffic* total, const RingTraffic& part) {
 // Not zeroed: every byte is written (copied, received or reduced into).
 void allocate(OpResult* out, std::uint64_t bytes) {
   out->bytes = bytes;
-  out->data.reset(new char[std::max<std::uint64_t>(bytes, 1)]);
+  out->data = ResultBlock::take(std::max<std::uint64_t>(bytes, 1));
 }
 
 // One array's reduce-scatter: rank r's segment of the first dimension (the

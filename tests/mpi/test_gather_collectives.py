@@ -368,3 +368,42 @@ def test_grouped_gathers_with_mismatched_members_raise_on_every_rank(comm):
     _, err = outcome(hpcdl.grouped_allgather, [np.ones((2, 2)), np.float32(1.0)], comm=comm)
     agree(comm, isinstance(err, ValueError) and "dimension" in str(err), repr(err))
     agree(comm, hpcdl.grouped_allgather([], comm=comm) == [] and hpcdl.grouped_reducescatter([], comm=comm) == [])
+
+
+@multi_rank
+def test_results_in_recycled_memory_stay_intact_while_held_and_are_whole_when_reused(comm):
+    """A large result's memory (32 MiB or more) goes back to the engine's pool only when its
+    last view goes (include/hpcdl/util/result_block.hpp): results still held (the array, or a
+    view that outlived it) keep their bytes through later calls of the same and smaller sizes,
+    and a result that takes a freed block, also one up to twice its size, is written whole
+    (alltoall with uneven splits, zeros included, in pieces)."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+
+    def call(seed, scale):
+        splits = [scale * ((rank + j + seed) % 3) for j in range(size)]
+        mine = np.concatenate([np.full((n, 5), 1000 * seed + 10 * rank + j, np.float64) for j, n in enumerate(splits)])
+        expected_splits = [scale * ((r + rank + seed) % 3) for r in range(size)]
+        expected = np.concatenate(
+            [np.full((n, 5), 1000 * seed + 10 * r + rank, np.float64) for r, n in enumerate(expected_splits)]
+        )
+        received, got_splits = on(comm, hpcdl.alltoall, mine, splits=splits, name=f"a2a.pool.{seed}.{scale}")
+        return received, got_splits == expected_splits and received.shape == expected.shape, expected
+
+    old = hpcdl.configure()["chunk_bytes"]
+    hpcdl.configure(chunk_bytes=1 << 20)
+    try:
+        big = 280000  # rows of 40 bytes: 3 x big rows are just over 32 MiB
+        held, ok, held_expected = call(0, big)
+        view = held[1::2]
+        view_expected = held_expected[1::2].copy()
+        del held
+        freed, ok1, _ = call(1, big)
+        del freed
+        checks = [ok, ok1]
+        for seed, scale in ((4, big), (2, big), (3, big * 3 // 4), (5, 7)):  # seed 4 sends as seed 1
+            got, fine, expected = call(seed, scale)
+            checks.append(fine and np.array_equal(got, expected))
+            del got
+    finally:
+        hpcdl.configure(chunk_bytes=old)
+    agree(comm, all(checks) and np.array_equal(view, view_expected), checks)

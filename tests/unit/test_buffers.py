@@ -44,6 +44,18 @@ def test_unsupported_dtype_is_refused(dtype):
         hpcdl.broadcast(np.zeros(8, dtype=dtype))
 
 
+def test_dtype_names_cached_by_the_intake_keep_byte_order_and_metadata_apart():
+    native = np.ones(8, np.float32)
+    _core.Buffer(native)  # the native float32 dtype's name is now cached
+    swapped = native.astype(native.dtype.newbyteorder())
+    assert swapped.dtype == native.dtype.newbyteorder() and swapped.dtype != native.dtype
+    with pytest.raises(TypeError, match="unsupported dtype >f4"):
+        _core.Buffer(swapped)
+    tagged = np.ones(8, np.dtype(np.float32, metadata={"unit": "m"}))
+    assert tagged.dtype == native.dtype and tagged.dtype is not native.dtype
+    assert _core.Buffer(tagged).dtype == "float32" and _core.Buffer(native).dtype == "float32"
+
+
 def test_object_without_buffer_protocol_is_refused():
     with pytest.raises(TypeError, match="buffer protocol"):
         hpcdl.allreduce([1.0, 2.0])

@@ -28,10 +28,6 @@ def _movable(tensor):
     return tensor.detach().contiguous()
 
 
-def _as_is(result):
-    return result
-
-
 def _rank_in(process_set):
     return common.comm_of(process_set).Get_rank()
 
@@ -40,7 +36,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     """Start concatenating every rank's ``tensor`` along the first dimension (which may
     differ per rank); returns a handle for poll()/synchronize()."""
     handle = common.call(hpcdl.allgather_async, _movable(tensor), common.comm_of(process_set), _name("allgather", name))
-    return common.register(handle, _as_is)
+    return common.register(handle)
 
 
 class HorovodAllgather(torch.autograd.Function):
@@ -80,7 +76,7 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
         common.comm_of(process_set),
         _name("grouped_allgather", name),
     )
-    return common.register(handle, _as_is)
+    return common.register(handle)
 
 
 class HorovodGroupedAllgather(torch.autograd.Function):

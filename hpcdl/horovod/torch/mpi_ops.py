@@ -19,28 +19,26 @@ def _name(kind, name):
     return None if name is None else f"{kind}.{name}"
 
 
-def _allreduce_async(output, average, name, op, prescale_factor, postscale_factor, process_set):
-    """Start reducing ``output`` in place (the caller's tensor, or its copy for the out-of-place forms)."""
+def _allreduce_start(output, average, name, op, prescale_factor, postscale_factor, process_set):
+    """Start reducing ``output`` in place (the caller's tensor, or its copy for the out-of-place forms);
+    returns hpcdl's handle and what finishes its result (None: nothing), for common.register
+    or, waited on at once, common.complete."""
     op_name = common.reduce_op(op, average)
-    integer = not output.dtype.is_floating_point
-    common.check_scale(prescale_factor, postscale_factor, integer)
+    if prescale_factor != 1.0 or postscale_factor != 1.0:  # the dtype is read only when scaled
+        common.check_scale(prescale_factor, postscale_factor, not output.dtype.is_floating_point)
     comm = common.comm_of(process_set)  # every check before the tensor is touched
     if prescale_factor != 1.0:
         output.detach().mul_(prescale_factor)  # detach: the same memory, outside autograd
     # the core averages integers with floor division, as Horovod's torch API does
     handle = common.call(hpcdl.allreduce_async, output, op_name, comm, _name("allreduce", name))
     if postscale_factor == 1.0:
-        return common.register(handle, _as_is)
+        return handle, None
 
     def finish(result):
         result.detach().mul_(postscale_factor)
         return result
 
-    return common.register(handle, finish)
-
-
-def _as_is(result):
-    return result
+    return handle, finish
 
 
 def _copy(tensor):
@@ -55,21 +53,23 @@ def allreduce_async(
 ):
     """Start an average (or op=hvd.Sum, Min, Max, Product) of ``tensor`` over the ranks into a new
     tensor; ``tensor`` is not modified. Returns a handle for poll()/synchronize()."""
-    return _allreduce_async(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
+    return common.register(
+        *_allreduce_start(_copy(tensor), average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 def allreduce_async_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
 ):
     """Start an in-place allreduce of ``tensor``; returns a handle."""
-    return _allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    return common.register(*_allreduce_start(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 def allreduce_(
     tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set
 ):
-    """Allreduce ``tensor`` in place and return it."""
-    return synchronize(_allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    """Allreduce ``tensor`` in place and return it (no integer handle: it is waited on at once)."""
+    return common.complete(*_allreduce_start(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -220,7 +220,7 @@ def _broadcast_async(output, root_rank, name, process_set):
         common.comm_of(process_set),
         _name("broadcast", name),
     )
-    return common.register(handle, _as_is)
+    return common.register(handle)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):

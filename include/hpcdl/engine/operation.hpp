@@ -12,6 +12,7 @@
 
 #include "hpcdl/codecs/codec_spec.hpp"
 #include "hpcdl/util/dtype.hpp"
+#include "hpcdl/util/result_block.hpp"
 #include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
@@ -92,7 +93,7 @@ struct OpRequest {
 // allocates it at its final size once the ranks' row counts are known. Read
 // once done.
 struct OpResult {
-  std::unique_ptr<char[]> data;
+  ResultBlock data;
   std::uint64_t bytes = 0;
   std::vector<std::uint64_t> rows;  // rows from (reducescatter: of the segment of) each rank, in rank order
   char* ptr() { return data.get(); }
