@@ -13,12 +13,18 @@ with TensorFlow's matmul, the P's of all matrices in one fused allreduce ("{name
 and the Q's in another ("{name}.Q.float32"); every other gradient is averaged densely
 ("{name}.{dtype}"). During the warm-up and on a one-rank communicator every gradient is
 averaged densely. The state (steps, Q and the residual per matrix) lives in a tf.Module,
-one per operation name, that tf.train.Checkpoint saves: powersgd_state(name).
+one per operation name, that tf.train.Checkpoint saves: powersgd_state(name). Under
+hpcdl.join a joined rank contributes zero P and Q and its state stays; at the first step
+after the join every rank takes the step count and Q of the rank that joined last, as in
+torch (hpcdl.torch.powersgd.Schedule.share), each keeping its own residuals.
 """
 
+import numpy as np
 import tensorflow as tf
 
+import hpcdl
 from hpcdl._agree import check_same_on_all_ranks
+from hpcdl.collectives import _joins_completed
 from hpcdl.compression import PowerSGD
 
 __all__ = ["PowerSGDState", "powersgd_state"]
@@ -35,10 +41,10 @@ def powersgd_state(name):
         raise KeyError(f"no PowerSGD state named {name!r} (known: {sorted(_STATES)})") from None
 
 
-def _state_for(codec, name):
+def _state_for(codec, name, comm):
     state = _STATES.get(name)
     if state is None:
-        state = _STATES[name] = PowerSGDState(codec)
+        state = _STATES[name] = PowerSGDState(codec, name, _joins_completed(comm)[0])
     elif state.codec != codec:
         raise ValueError(
             f"the PowerSGD state named {name!r} is for {state.codec!r}, not {codec!r}: "
@@ -64,9 +70,11 @@ class PowerSGDState(tf.Module):
     """steps (the steps reduced so far, the warm-up counts them) and per compressed variable,
     keyed by its path, q (m x rank, the same on every rank) and residual (n x m, this rank's)."""
 
-    def __init__(self, codec):
+    def __init__(self, codec, name, joins_seen=0):
         super().__init__()
         self.codec = codec
+        self._name = name
+        self._joins_seen = joins_seen  # the joins after which the ranks took the shared state
         self.steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="steps")
         self.q = {}
         self.residual = {}
@@ -85,6 +93,33 @@ class PowerSGDState(tf.Module):
                 self.q[key] = tf.Variable(self.codec.initial_q(key, m), trainable=False, name="q")
                 self.residual[key] = tf.Variable(tf.zeros((n, m), tf.float32), trainable=False, name="residual")
 
+    def _share_after_join(self, comm):
+        """At the first step after a join (collective): the ranks that joined early stepped
+        less, so every rank takes the step count and every Q from the rank that joined last;
+        each keeps its own residuals. A host function, so that it runs in a tf.function too."""
+        keys = sorted(self.q)
+
+        def share(steps, *qs):
+            seen, last = _joins_completed(comm)
+            if seen == self._joins_seen:
+                return (steps, *qs)
+            self._joins_seen = seen
+            steps = np.array(steps, np.int64).reshape(1)
+            flat = np.concatenate([np.asarray(q, np.float32).ravel() for q in qs])
+            handles = [
+                hpcdl.broadcast_async(steps, root=last, comm=comm, name=f"{self._name}.join.steps"),
+                hpcdl.broadcast_async(flat, root=last, comm=comm, name=f"{self._name}.join.Q"),
+            ]
+            for handle in handles:
+                handle.wait()
+            ends = np.cumsum([q.size for q in qs])[:-1]
+            return (steps.reshape(()), *[f.reshape(q.shape) for f, q in zip(np.split(flat, ends), qs)])
+
+        variables = [self.steps] + [self.q[k] for k in keys]
+        shared = tf.numpy_function(share, variables, [v.dtype for v in variables], stateful=True)
+        for v, value in zip(variables, shared):
+            v.assign(tf.reshape(value, v.shape))
+
     def reduce(self, grads, keys, comm, dense, allreduce_p, allreduce_q):
         """The averaged gradients: low-rank approximations for the compressed ones (after the
         warm-up), dense averages (``dense``, a list -> list allreduce) for the others."""
@@ -99,6 +134,7 @@ class PowerSGDState(tf.Module):
         names = [keys[i] for i in low]
         self._ensure(names, shapes, comm)
         rest = [i for i in range(len(grads)) if i not in set(low)]
+        self._share_after_join(comm)
 
         def compressed():
             out = list(grads)

@@ -83,7 +83,7 @@ class _GradientAllreduce:
         if isinstance(compression, PowerSGD):
             if op != "average":
                 raise ValueError(f"PowerSGD averages its factors: op must be 'average', not {op!r}")
-            self._powersgd = _state_for(compression, name)
+            self._powersgd = _state_for(compression, name, self.comm)
             self._factors = [
                 _GradientAllreduce(None, op, comm, f"{name}.{f}", f"the PowerSGD factors {f} of {what}")
                 for f in ("P", "Q")

@@ -569,10 +569,16 @@ def broadcast_optimizer_state(optimizer, root_rank=0, comm=None):
 
     One pickled broadcast of state_dict() (a one-time cost at start or after
     loading a checkpoint on the root), then load_state_dict() on the others.
+    With PowerSGD the step count and Q are the root's, but every rank keeps its
+    own residuals: error feedback is per rank (the root's on every rank would
+    be applied once per rank).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     state = comm.bcast(optimizer.state_dict() if comm.Get_rank() == root_rank else None, root=root_rank)
     if comm.Get_rank() != root_rank:
+        low_rank = getattr(optimizer, "_low_rank", None)
+        if low_rank is not None and "hpcdl_powersgd" in state:
+            state["hpcdl_powersgd"] = low_rank.with_own_residuals(state["hpcdl_powersgd"])
         optimizer.load_state_dict(state)
 
 

@@ -157,6 +157,16 @@ class Schedule:
             },
         }
 
+    def with_own_residuals(self, state):
+        """``state`` (another rank's state_dict()) with this rank's residuals in place of its
+        own: the step count and Q are shared, the residuals (error feedback) are per rank."""
+        mine = self.matrices()
+        matrices = {
+            name: dict(saved, residual=mine[name].residual.detach().clone()) if name in mine else saved
+            for name, saved in state["matrices"].items()
+        }
+        return dict(state, matrices=matrices)
+
     def load_state_dict(self, state):
         if state.get("codec") != self.codec.get_config():
             raise ValueError(

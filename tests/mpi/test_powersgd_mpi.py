@@ -182,6 +182,38 @@ def test_state_dict_round_trip_resumes_bit_for_bit(comm):
 
 @pytest.mark.mpi(min_size=2)
 @world_only
+def test_broadcast_optimizer_state_shares_steps_and_q_and_keeps_each_ranks_residuals(comm):
+    """Error feedback is per rank: after the broadcast every rank has the root's step count and
+    Q (each rank's made different first) and still its own residuals."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    root = size - 1
+    model = make_model()
+    opt = make_optimizer(model, comm, PowerSGD(rank=1, warmup_steps=0), "psgd.bcast")
+    run(model, opt, comm, 1)
+    state = opt.state_dict()
+    state["hpcdl_powersgd"]["steps"] = 10 + rank
+    for i, m in enumerate(state["hpcdl_powersgd"]["matrices"].values()):
+        m["q"] = torch.full_like(m["q"], float(rank + i))
+        m["residual"] = torch.full_like(m["residual"], float(100 * rank + i))
+    opt.load_state_dict(state)
+    collective(WORLD, hvt.broadcast_optimizer_state, opt, root, comm)
+    after = opt.state_dict()["hpcdl_powersgd"]
+    opt.remove_hooks()
+    matrices = list(after["matrices"].values())
+    own = all(
+        torch.equal(m["residual"], torch.full_like(m["residual"], float(100 * rank + i)))
+        for i, m in enumerate(matrices)
+    )
+    roots = all(torch.equal(m["q"], torch.full_like(m["q"], float(root + i))) for i, m in enumerate(matrices))
+    agree(
+        WORLD,
+        own and roots and after["steps"] == 10 + root and len(matrices) == 3,
+        f"own residuals kept {own}, root's Q {roots}, steps {after['steps']}, matrices {len(matrices)}",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+@world_only
 def test_a_state_of_other_settings_raises_on_every_rank(comm):
     model = make_model()
     opt = make_optimizer(model, comm, PowerSGD(rank=1, warmup_steps=0), "psgd.bad")

@@ -1,7 +1,8 @@
 """PowerSGD through DistributedGradientTape (eager and tf.function) and the Keras
 DistributedOptimizer (model.fit) on several ranks: training against the float64 reference
 of the documented semantics (the world and a split into halves), bitwise identity across
-ranks, the dense warm-up, and a tf.train.Checkpoint round trip of its state."""
+ranks, the dense warm-up, a tf.train.Checkpoint round trip of its state, and uneven batches
+under hpcdl.join."""
 
 import hashlib
 
@@ -10,6 +11,7 @@ import pytest
 import tensorflow as tf
 from mpi4py import MPI
 
+import hpcdl
 import hpcdl.tensorflow as hvd_tf
 from hpcdl.compression import PowerSGD
 
@@ -159,4 +161,86 @@ def test_checkpoint_round_trip_resumes_bit_for_bit(tmp_path_factory):
         WORLD,
         digest(model) == straight and int(fresh.steps.numpy()) == 5,
         f"resuming from the checkpoint changed the training (steps {int(fresh.steps.numpy())})",
+    )
+
+
+def _uneven_steps(size, epoch):
+    """Rank r's steps in an epoch: 2 + r, then 2 + (size - 1 - r): each rank joins first once."""
+    return [2 + (r if epoch % 2 == 0 else size - 1 - r) for r in range(size)]
+
+
+def _rows(epoch, step, rank, size):
+    x, y = full_batch(10 * epoch + step, PER_RANK, size)
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    return x[rows], y[rows]
+
+
+def train_uneven_with_join(comm, codec, name, use_function, epochs=2):
+    """Each rank trains its uneven steps through the tape, joins, and takes the variables of the
+    rank that joined last. Returns the model and each epoch's join result."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    model, opt = make_model(), tf.keras.optimizers.SGD(LR)
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x))
+        tape = hvd_tf.DistributedGradientTape(tape, compression=codec, comm=comm, name=name)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    step_fn = tf.function(step_fn) if use_function else step_fn
+    lasts = []
+    for epoch in range(epochs):
+        for step in range(_uneven_steps(size, epoch)[rank]):
+            step_fn(*_rows(epoch, step, rank, size))
+        lasts.append(hpcdl.join(comm))
+        hvd_tf.broadcast_variables(model.variables, root=lasts[-1], comm=comm)
+    return model, lasts
+
+
+def uneven_reference(size, codec, paths, epochs=2):
+    """The join training in float64: a joined rank's gradient is zero (the averages still divide
+    by every rank) and its residual stays; the warm-up and Q follow the steps reduced."""
+    weights = dict(zip(paths, (v.numpy().astype(np.float64) for v in make_model().trainable_variables)))
+    shapes = {k: codec.matrix_shape(w.shape) for k, w in weights.items() if codec.compresses(w.shape)}
+    ref = Reference(shapes, codec.rank, codec.seed, size)
+    reduced = 0
+    for epoch in range(epochs):
+        steps = _uneven_steps(size, epoch)
+        for step in range(max(steps)):
+            live = {r for r in range(size) if steps[r] > step}
+            grads = {}
+            for r in live:
+                x, y = _rows(epoch, step, r, size)
+                grads[r] = dict(zip(paths, _gradients(list(weights.values()), x.astype(np.float64), y)))
+            for k in weights:
+                if reduced >= codec.warmup_steps and k in shapes:
+                    g = [grads[r][k].reshape(shapes[k]) if r in live else np.zeros(shapes[k]) for r in range(size)]
+                    update = ref.step(k, g, live)[0].reshape(weights[k].shape)
+                else:
+                    update = sum(grads[r][k] for r in live) / size
+                weights[k] = weights[k] - LR * update
+            reduced += 1
+    return weights, reduced
+
+
+@pytest.mark.mpi(min_size=2)
+def test_uneven_batches_under_join_in_a_tf_function_match_the_float64_reference():
+    """A warm-up that some ranks finish before they join and others after: after each join
+    every rank takes the last rank's step count and Q (else the next epoch would stall on the
+    warm-up or disagree on Q). Two epochs against the float64 reference."""
+    # On 2 ranks rank 0 joins inside the warm-up and rank 1 after it (the stall case). On more
+    # the warm-up ends with every rank live: the tape's first check of the factors' shapes
+    # (mpi4py, once per signature) cannot run with joined ranks (a known limit, not PowerSGD's).
+    codec = PowerSGD(rank=1, warmup_steps=3 if WORLD.Get_size() == 2 else 1, seed=2)
+    name = "tfpsgd.join"
+    model, lasts = collective(WORLD, train_uneven_with_join, WORLD, codec, name, True)
+    weights, reduced = uneven_reference(WORLD.Get_size(), codec, [v.path for v in model.trainable_variables])
+    diff = max_difference(model, weights)
+    steps = int(hvd_tf.powersgd_state(name).steps.numpy())
+    counted = steps == reduced or WORLD.Get_rank() != lasts[-1]  # the others take it at their next step
+    size = WORLD.Get_size()
+    agree(
+        WORLD,
+        diff < 1e-4 and lasts == [size - 1, 0] and counted,
+        f"max difference {diff} to the float64 reference; joins returned {lasts}; steps {steps} of {reduced}",
     )
