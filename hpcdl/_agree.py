@@ -13,6 +13,9 @@ rank naming the ranks of each identity and where each read it.
 """
 
 import hashlib
+import pickle
+
+import numpy as np
 
 from hpcdl import _core
 from hpcdl.errors import HpcdlError, MismatchError
@@ -63,12 +66,41 @@ def check_same_on_all_ranks(comm, entries, what, settings=None):
     digest, and a second one of the full lists only when the digests differ.
     """
     _core.require_mpi_process("hpcdl's ranks agreeing")
-    mine = ([(str(n), tuple(int(d) for d in s), str(t)) for n, s, t in entries], dict(settings or {}))
+    mine = _description(entries, settings)
     digest = hashlib.sha1(repr(mine).encode()).hexdigest()
     if len(set(comm.allgather(digest))) == 1:
         return
     everyone = comm.allgather(mine)
-    raise MismatchError(f"{what} differ across ranks: " + "; ".join(_differences(everyone)))
+    raise MismatchError(f"{what} differ across ranks: " + "; ".join(_differences(everyone, range(len(everyone)))))
+
+
+def check_same_through_engine(comm, entries, what, settings, name, allgather):
+    """check_same_on_all_ranks through hpcdl's engine, for checks made while training:
+    ``allgather(array, comm, name)`` is hpcdl's, in which a rank that has joined
+    (hpcdl.join) takes part with no rows, so the ranks still training check among
+    themselves where an mpi4py collective would wait for the joined ranks for ever.
+    One allgather of a digest and the description's length ("{name}.check"), and a
+    second one of the descriptions ("{name}.check.lists") only when the digests differ;
+    every rank taking part raises the same MismatchError."""
+    mine = _description(entries, settings)
+    payload = pickle.dumps((comm.Get_rank(), mine))
+    row = hashlib.sha1(repr(mine).encode()).digest() + len(payload).to_bytes(8, "little")
+    rows = allgather(np.frombuffer(row, np.uint8).reshape(1, -1).copy(), comm, f"{name}.check")
+    if len({bytes(r[:20]) for r in rows}) == 1:
+        return
+    blob = bytes(allgather(np.frombuffer(payload, np.uint8).copy(), comm, f"{name}.check.lists"))
+    described, start = [], 0
+    for r in rows:
+        length = int.from_bytes(bytes(r[20:]), "little")
+        described.append(pickle.loads(blob[start : start + length]))
+        start += length
+    ranks, everyone = zip(*described)
+    raise MismatchError(f"{what} differ across ranks: " + "; ".join(_differences(list(everyone), ranks)))
+
+
+def _description(entries, settings):
+    """What ranks compare: the (name, shape, dtype) entries in plain types, and the settings."""
+    return [(str(n), tuple(int(d) for d in s), str(t)) for n, s, t in entries], dict(settings or {})
 
 
 def check_same_identity(comm, identity, where, what, hint=""):
@@ -115,34 +147,38 @@ def _ranks(ranks):
     return ("rank " if len(ranks) == 1 else "ranks ") + text + (f" and {more} more ranges" if more > 0 else "")
 
 
-def _differences(everyone):
-    """Human-readable differences of every rank from rank 0 (the same text on every rank)."""
+def _differences(everyone, ranks):
+    """Human-readable differences of every rank from the first (the same text on every
+    rank); everyone[i] is the description of rank ranks[i]."""
     ref_entries, ref_settings = everyone[0]
+    first = ranks[0]
     ref = {name: (shape, dtype) for name, shape, dtype in ref_entries}
     found = []
-    for rank, (entries, settings) in enumerate(everyone[1:], start=1):
+    for rank, (entries, settings) in zip(ranks[1:], everyone[1:]):
         have = {name: (shape, dtype) for name, shape, dtype in entries}
         before = len(found)
         for key in sorted(set(ref_settings) | set(settings)):
             if ref_settings.get(key) != settings.get(key):
-                found.append(f"{key} is {ref_settings.get(key)!r} on rank 0 but {settings.get(key)!r} on rank {rank}")
+                found.append(
+                    f"{key} is {ref_settings.get(key)!r} on rank {first} but {settings.get(key)!r} on rank {rank}"
+                )
         missing = [n for n, _, _ in ref_entries if n not in have]
         extra = [n for n, _, _ in entries if n not in ref]
         if missing:
-            found.append(f"{_names(missing)} on rank 0 but not on rank {rank}")
+            found.append(f"{_names(missing)} on rank {first} but not on rank {rank}")
         if extra:
-            found.append(f"{_names(extra)} on rank {rank} but not on rank 0")
+            found.append(f"{_names(extra)} on rank {rank} but not on rank {first}")
         for name, (shape, dtype) in ref.items():
             if name in have and have[name] != (shape, dtype):
                 other_shape, other_dtype = have[name]
                 found.append(
-                    f"'{name}' is {dtype}{list(shape)} on rank 0 but {other_dtype}{list(other_shape)} on rank {rank}"
+                    f"'{name}' is {dtype}{list(shape)} on rank {first} but {other_dtype}{list(other_shape)} on rank {rank}"
                 )
         common_ref = [n for n, _, _ in ref_entries if n in have]
         common = [n for n, _, _ in entries if n in ref]
         if common_ref != common and len(found) == before:
             found.append(
-                f"the order differs on rank {rank} (rank 0: {_names(common_ref)}; rank {rank}: {_names(common)})"
+                f"the order differs on rank {rank} (rank {first}: {_names(common_ref)}; rank {rank}: {_names(common)})"
             )
     return found[:_MAX_LISTED] + ([f"... {len(found) - _MAX_LISTED} more"] if len(found) > _MAX_LISTED else [])
 

@@ -24,7 +24,7 @@ from mpi4py import MPI
 from tensorflow.python.ops import control_flow_util  # XLA context check (no public API)
 
 import hpcdl
-from hpcdl._agree import check_same_on_all_ranks
+from hpcdl._agree import check_same_on_all_ranks, check_same_through_engine
 from hpcdl.compression import PowerSGD
 from hpcdl.tensorflow.powersgd import _state_for
 
@@ -204,7 +204,7 @@ class _GradientAllreduce:
             position += 2 if sparse else 1
         signature = tuple(entries)
         if signature not in self._verified:
-            check_same_on_all_ranks(
+            check_same_through_engine(  # joined ranks take part: a tape made each step checks each step
                 self.comm,
                 entries,
                 self._what,
@@ -213,6 +213,8 @@ class _GradientAllreduce:
                     "name": self.name,
                     "compression": None if self.compression is None else repr(self.compression),
                 },
+                self.name,
+                hpcdl.allgather,
             )
             self._verified.add(signature)
 
