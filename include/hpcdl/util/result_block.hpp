@@ -23,6 +23,8 @@ class ResultBlock {
   // Blocks this large or larger are kept: glibc's largest mmap threshold, above
   // which every block it allocates is a fresh mapping.
   static constexpr std::size_t kKeptFromBytes = std::size_t(32) << 20;
+  // ... and at most this many bytes in all, so a one-off huge result is not held after it goes.
+  static constexpr std::size_t kKeptMaxBytes = std::size_t(1) << 30;
 
   ResultBlock() = default;
   ResultBlock(ResultBlock&& other) noexcept { swap(other); }
@@ -61,31 +63,35 @@ class ResultBlock {
         if (kept_[i].second < bytes || kept_[i].second / 2 > bytes) continue;
         *data = kept_[i].first;
         *capacity = kept_[i].second;
+        kept_bytes_ -= kept_[i].second;
         kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
         return true;
       }
       return false;
     }
     void give_back(char* data, std::size_t capacity) {
-      if (capacity < kKeptFromBytes) {
+      if (capacity < kKeptFromBytes || capacity > kKeptMaxBytes) {
         delete[] data;
         return;
       }
-      char* dropped = nullptr;
+      std::vector<char*> dropped;
       {
         std::lock_guard<std::mutex> lock(mu_);
         kept_.emplace_back(data, capacity);
-        if (kept_.size() > kKeptBlocks) {
-          dropped = kept_.front().first;
+        kept_bytes_ += capacity;
+        while (kept_.size() > kKeptBlocks || kept_bytes_ > kKeptMaxBytes) {
+          dropped.push_back(kept_.front().first);
+          kept_bytes_ -= kept_.front().second;
           kept_.erase(kept_.begin());
         }
       }
-      delete[] dropped;  // outside the lock: unmapping a large block takes a while
+      for (char* block : dropped) delete[] block;  // outside the lock: unmapping a large block takes a while
     }
 
    private:
     std::mutex mu_;
     std::vector<std::pair<char*, std::size_t>> kept_;  // oldest first
+    std::size_t kept_bytes_ = 0;
   };
 
   // Never destroyed: a result Python still holds at exit gives its block back after static destructors ran.
