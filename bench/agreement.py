@@ -1,9 +1,10 @@
-"""Agreement cost per step: the report tree against direct reports to rank 0.
+"""Agreement cost per step: report trees of several radixes against direct reports to rank 0.
 
     python bench/agreement.py --ranks 2,4,8          # starts the mpiexec jobs itself
 
-For every P and mode (tree: the default binomial report tree; flat:
-HPCDL_AGREEMENT_FLAT=1, every rank reports to rank 0 directly) one job
+For every P and mode (radixK: the report tree of radix K, HPCDL_AGREEMENT_RADIX=K,
+radix2 being binomial; flat: HPCDL_AGREEMENT_FLAT=1, every rank reports to rank 0
+directly) one job
 submits B named one-element allreduces per step, each rank in its own order,
 for S steps after a warm-up step (new names: full descriptions), and reports:
 
@@ -82,7 +83,7 @@ def job(args):
     per_op_us = comm.gather(per_op_us)
     if rank == 0:
         row = {
-            "mode": "flat" if os.environ.get("HPCDL_AGREEMENT_FLAT") == "1" else "tree",
+            "mode": args.mode,
             "ranks": size,
             "ops_per_step": args.ops,
             "steps": args.steps,
@@ -98,10 +99,12 @@ def job(args):
 
 def draw(plt, rows, title):
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for mode, style in (("flat", "o--"), ("tree", "s-")):
+    styles = ("s-", "^-", "v-", "D-")
+    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in rows)):
         mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["ranks"])
         ranks = [r["ranks"] for r in mine]
-        label = {"flat": "direct reports to rank 0", "tree": "binomial report tree"}[mode]
+        style = "o--" if mode == "flat" else styles[i % len(styles)]
+        label = "direct reports to rank 0" if mode == "flat" else f"report tree, radix {mode[len('radix') :]}"
         axes[0].plot(ranks, [r["rank0_entries_per_step"] for r in mine], style, label=label)
         axes[1].plot(ranks, [r["plan_latency_us"] for r in mine], style, label=label)
         axes[2].plot(ranks, [r["step_ms"] for r in mine], style, label=label)
@@ -122,8 +125,10 @@ def drive(args):
     rows = []
     here = os.path.abspath(__file__)
     for size in [int(p) for p in args.ranks.split(",")]:
-        for mode in ("flat", "tree"):
+        for mode in args.modes.split(","):
             env = dict(os.environ, HPCDL_AGREEMENT_FLAT="1" if mode == "flat" else "0")
+            if mode != "flat":
+                env["HPCDL_AGREEMENT_RADIX"] = mode[len("radix") :]
             cmd = [
                 "mpiexec",
                 "-n",
@@ -131,6 +136,8 @@ def drive(args):
                 sys.executable,
                 here,
                 "--job",
+                "--mode",
+                mode,
                 "--ops",
                 str(args.ops),
                 "--steps",
@@ -158,12 +165,16 @@ def drive(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="2,4,8", help="comma-separated P to run (driver)")
+    parser.add_argument(
+        "--modes", default="flat,radix2,radix4", help="comma-separated: flat, radixK (HPCDL_AGREEMENT_RADIX=K)"
+    )
     parser.add_argument("--ops", type=int, default=50, help="named ops per step (B)")
     parser.add_argument("--steps", type=int, default=30, help="measured steps (S)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--tag", default="agreement")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per mpiexec job")
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # one mpiexec job's rank
+    parser.add_argument("--mode", help=argparse.SUPPRESS)  # that job's mode, for its row
     args = parser.parse_args()
     job(args) if args.job else drive(args)
 

@@ -174,8 +174,13 @@ ENGINE_DOCS = {
     "HPCDL_ENGINE_SLICE_US": ("100", "the engine thread's scheduler slice (Linux 6.12+; 0: the system's)"),
     "HPCDL_AGREEMENT_FLAT": (
         "0",
-        "1: every rank reports to the coordinator directly instead of up a binomial tree "
-        "(`bench/agreement.py` compares the two)",
+        "1: every rank reports to the coordinator directly instead of up the report tree "
+        "(`bench/agreement.py` compares them)",
+    ),
+    "HPCDL_AGREEMENT_RADIX": (
+        "4",
+        "the report tree's radix k: ceil(log_k P) hops each way, up to (k - 1) ceil(log_k P) "
+        "children at the coordinator (2: binomial; [architecture.md](architecture.md))",
     ),
     "HPCDL_TIMELINE_MAX_EVENTS": (
         "1000000",

@@ -53,9 +53,10 @@ def configure(
     Read from the environment only (by the engine thread): HPCDL_WAIT_SLEEP_US
     (longest sleep between polls of a waiting operation, default 200; 0 blocks
     in MPI) and HPCDL_ENGINE_SLICE_US (the engine thread's scheduler slice on
-    Linux 6.12+, default 100; 0 keeps the system's). HPCDL_AGREEMENT_FLAT=1
-    sends every rank's reports to the coordinator directly instead of up a
-    binomial tree (bench/agreement.py compares the two). HPCDL_RESIDUAL_TTL_OPS:
+    Linux 6.12+, default 100; 0 keeps the system's). HPCDL_AGREEMENT_RADIX: the
+    radix of the tree that carries reports to the coordinator (default 4; 2 is
+    binomial); HPCDL_AGREEMENT_FLAT=1 sends them to it directly instead
+    (bench/agreement.py compares these). HPCDL_RESIDUAL_TTL_OPS:
     the lifetime of an unused error-feedback residual (hpcdl.compression).
     """
     for key, value in (

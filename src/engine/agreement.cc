@@ -1,5 +1,5 @@
 // The agreement protocol: ranks report the operations ready on them up a
-// binomial report tree to the coordinator (rank 0), which plans what every
+// k-nomial report tree to the coordinator (rank 0), which plans what every
 // rank reported the same way and sends the plan down the tree
 // (agreement.hpp describes it; op_wire.hpp the messages).
 #include "hpcdl/engine/agreement.hpp"
@@ -65,23 +65,22 @@ std::string describe_disagreement(const std::vector<OpDesc>& descs) {
 
 }  // namespace
 
-void CommContext::set_tree(bool flat) {
-  if (flat) {
-    parent = rank == 0 ? -1 : 0;
-    subtree_end = rank == 0 ? size : rank + 1;
-    for (int r = 1; rank == 0 && r < size; ++r) children.push_back(r);
-    return;
-  }
-  // Rank r's parent clears r's lowest set bit; r's subtree spans that bit.
-  int span = 1;
+void CommContext::set_tree(long radix) {
+  // Rank r's parent clears r's lowest nonzero base-radix digit; r's subtree
+  // spans that digit's place (the root's: every rank). A radix >= size is
+  // flat: every rank reports to the coordinator directly.
+  const long long k = radix;
+  long long place = 1;
   if (rank == 0) {
-    while (span < size) span <<= 1;
+    while (place < size) place *= k;
   } else {
-    span = rank & -rank;
-    parent = rank - span;
+    while ((rank / place) % k == 0) place *= k;
+    parent = static_cast<int>(rank - (rank / place) % k * place);
   }
-  subtree_end = std::min(size, rank + span);
-  for (int step = 1; step < span && rank + step < size; step <<= 1) children.push_back(rank + step);
+  subtree_end = static_cast<int>(std::min<long long>(size, rank + place));
+  for (long long step = 1; step < place; step *= k)
+    for (long long child = rank + step; child < subtree_end && child < rank + k * step; child += step)
+      children.push_back(static_cast<int>(child));
 }
 
 Status CommContext::report() {

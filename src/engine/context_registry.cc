@@ -3,6 +3,7 @@
 // by the engine thread, dropped when the user frees the communicator.
 #include "hpcdl/engine/context_registry.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <string>
 #include <thread>
@@ -57,7 +58,7 @@ Status ContextRegistry::context_for(MPI_Comm comm, std::shared_ptr<CommContext>*
   ctx->user = comm;
   MPI_Comm_rank(comm, &ctx->rank);
   MPI_Comm_size(comm, &ctx->size);
-  ctx->set_tree(agreement_flat());
+  ctx->set_tree(agreement_flat() ? std::max(2, ctx->size) : agreement_radix());
   ctx->id = next_id_++;
   rc = MPI_Comm_set_attr(comm, keyval_, ctx.get());
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_set_attr"));

@@ -25,6 +25,7 @@ from mpi4py import MPI
 import hpcdl
 
 from conftest import agree, collective, multi_rank, outcome
+from helpers import report_tree
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -581,11 +582,6 @@ def test_stall_warning_names_the_missing_rank():
         hpcdl.configure(stall_warning_seconds=60)
 
 
-def report_tree_children_of_rank0(size):
-    """Rank 0's children in the binomial report tree: ranks 1, 2, 4, ... below size."""
-    return sum(1 for k in range(size.bit_length()) if (1 << k) < size)
-
-
 def run_named_step(names, arrays, step, seed):
     """Every rank submits the named ops in its own order; True when all sums are right."""
     order = np.random.default_rng(seed).permutation(len(names))
@@ -597,9 +593,10 @@ def run_named_step(names, arrays, step, seed):
     return all(np.all(arrays[n] == (step + i) * WORLD.Get_size()) for i, n in enumerate(names))
 
 
-def test_ops_seen_before_reach_rank0_once_per_tree_child():
-    """Steady state: rank 0 gets one merged report per op from each of its
-    children in the report tree (ceil(log2 P) of them), never a rank's own."""
+def test_ops_seen_before_reach_each_rank_once_per_tree_child():
+    """Steady state: each rank gets one merged report per op from each of its
+    children in the report tree (rank 0: up to (k - 1) ceil(log_k P) of them),
+    never a rank's own description."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     names = [f"steady.{i}" for i in range(6)]
     arrays = {n: np.zeros(33 + i, dtype=np.float32) for i, n in enumerate(names)}
@@ -610,12 +607,11 @@ def test_ops_seen_before_reach_rank0_once_per_tree_child():
     results = [outcome(run_named_step, names, arrays, step, 100 * step + rank) for step in range(1, steps + 1)]
     right = first is True and all(ok is True and err is None for ok, err in results)
     counts = hpcdl.stats()["agreement"]
-    if rank == 0:
-        expected = steps * len(names) * report_tree_children_of_rank0(size)
-        ok = counts["descriptions_received"] == 0 and counts["entries_received"] == expected
-    else:
-        ok = counts["descriptions_received"] == 0 and counts["messages_sent"] > 0
-    agree(WORLD, right and ok, f"results right: {right}, {counts}")
+    children = report_tree.children_counts(size, report_tree.radix_in_effect(size))[rank]
+    ok = counts["descriptions_received"] == 0 and counts["entries_received"] == steps * len(names) * children
+    if rank != 0:
+        ok = ok and counts["messages_sent"] > 0
+    agree(WORLD, right and ok, f"results right: {right}, {children} children, {counts}")
 
 
 def test_mismatch_after_many_cached_steps_is_named_on_every_rank():

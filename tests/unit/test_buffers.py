@@ -170,6 +170,8 @@ def test_python_reads_the_core_rules():
         ("HPCDL_CHUNK_BYTES", "65_536"),
         ("HPCDL_AGREEMENT_FLAT", "2"),
         ("HPCDL_AGREEMENT_FLAT", "yes"),
+        ("HPCDL_AGREEMENT_RADIX", "1"),
+        ("HPCDL_AGREEMENT_RADIX", "65537"),
     ],
 )
 def test_bad_environment_setting_fails_at_import_naming_it(variable, value):
@@ -187,6 +189,7 @@ def test_good_environment_settings_are_taken():
         HPCDL_WAIT_SLEEP_US="0",
         HPCDL_ENGINE_SLICE_US="0",
         HPCDL_AGREEMENT_FLAT="1",
+        HPCDL_AGREEMENT_RADIX="8",
     )
     out = subprocess.run(
         [

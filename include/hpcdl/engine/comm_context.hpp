@@ -69,11 +69,12 @@ class CommContext {
 
   bool is_coordinator() const { return rank == 0; }
 
-  // Report tree: binomial and rooted at the coordinator (or flat,
-  // HPCDL_AGREEMENT_FLAT=1); this rank's subtree is ranks [rank, subtree_end).
+  // Report tree: k-nomial of the given radix and rooted at the coordinator
+  // (HPCDL_AGREEMENT_RADIX; flat with HPCDL_AGREEMENT_FLAT=1); this rank's
+  // subtree is ranks [rank, subtree_end).
   int parent = -1, subtree_end = 1;
   std::vector<int> children;
-  void set_tree(bool flat);
+  void set_tree(long radix);
 
   // Cached reports from this rank's subtree, merged until all of it has
   // reported an operation (then one entry goes up) or until they have been

@@ -33,6 +33,7 @@ constexpr EnvSetting kEnvSettings[] = {
     {"wait_sleep_us", "HPCDL_WAIT_SLEEP_US", true, 0, 1000000},
     {"engine_slice_us", "HPCDL_ENGINE_SLICE_US", true, 0, 100000},  // Linux takes 100 us to 100 ms
     {"agreement_flat", "HPCDL_AGREEMENT_FLAT", true, 0, 1},
+    {"agreement_radix", "HPCDL_AGREEMENT_RADIX", true, 2, 65536},
     {"timeline_max_events", "HPCDL_TIMELINE_MAX_EVENTS", true, 1, std::numeric_limits<std::int64_t>::max()},
     {"residual_ttl_ops", "HPCDL_RESIDUAL_TTL_OPS", true, 0, 999999999999999999},  // error feedback (residual_store.hpp)
 };

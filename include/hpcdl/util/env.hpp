@@ -34,10 +34,17 @@ inline long engine_slice_us() {
 }
 
 // HPCDL_AGREEMENT_FLAT=1: every rank reports to the coordinator directly
-// (fan-in P - 1) instead of up a binomial tree; for comparison in bench/.
+// (fan-in P - 1) instead of up the report tree; for comparison in bench/.
 inline bool agreement_flat() {
   static const bool flat = env_long("HPCDL_AGREEMENT_FLAT", 0) != 0;
   return flat;
+}
+
+// The report tree's radix k (HPCDL_AGREEMENT_RADIX, default 4): ceil(log_k P)
+// hops each way, up to (k - 1) ceil(log_k P) children at the coordinator.
+inline long agreement_radix() {
+  static const long radix = env_long("HPCDL_AGREEMENT_RADIX", 4);
+  return radix;
 }
 
 // How many named compressed allreduces may run on a communicator without a
