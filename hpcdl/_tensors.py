@@ -69,26 +69,35 @@ _torch_dtypes = {}  # torch dtype -> (its name, the core's when it has it; item 
 
 
 def host_memory(tensor, dtype):
-    """The core's Buffer over a contiguous CPU tensor's own memory, by address (no
-    numpy view: this is the per-call path of every in-place collective), read as
-    ``dtype`` (None: the tensor's own). Outside autograd, as for any array."""
+    """The core's Buffer over a CPU tensor's own memory, by address (no numpy view:
+    this is the per-call path of every in-place collective), read as ``dtype``
+    (None: the tensor's own), once it is contiguous, on the CPU and without the
+    negative bit. Outside autograd, as for any array."""
+    if not tensor.is_contiguous():
+        raise ValueError(_NOT_CONTIGUOUS)
     if not tensor.is_cpu:
         raise TypeError(f"hpcdl takes CPU and CUDA tensors, got one on {tensor.device}: pass tensor.cpu()")
     if tensor.is_neg():
         raise ValueError("tensor has its negative bit set (a lazy negation view): pass tensor.resolve_neg()")
-    known = _torch_dtypes.get(tensor.dtype)
-    if known is None:
-        known = _torch_dtypes[tensor.dtype] = (str(tensor.dtype).removeprefix("torch."), tensor.dtype.itemsize)
-    name, itemsize = known
+    name, itemsize = _torch_dtypes.get(tensor.dtype) or _torch_dtype(tensor.dtype)
     return _core.Buffer.at(tensor, tensor.data_ptr(), itemsize, tensor.shape, dtype or name)
+
+
+def _torch_dtype(dtype):
+    """(dtype's name, the core's when it has it; its item size), kept per torch dtype."""
+    _torch_dtypes[dtype] = (str(dtype).removeprefix("torch."), dtype.itemsize)
+    return _torch_dtypes[dtype]
+
+
+_NOT_CONTIGUOUS = (
+    "tensor is not contiguous; hpcdl works in place: pass tensor.contiguous() "
+    "(and copy the result back if you need it in the original)"
+)
 
 
 def _require_contiguous(tensor):
     if not tensor.is_contiguous():
-        raise ValueError(
-            "tensor is not contiguous; hpcdl works in place: pass tensor.contiguous() "
-            "(and copy the result back if you need it in the original)"
-        )
+        raise ValueError(_NOT_CONTIGUOUS)
 
 
 _side_streams = {}
@@ -239,17 +248,17 @@ def submit(obj, dtype, writable, run):
     caller's wait() sees. writable: the result is written into obj."""
     framework = _framework(obj)
     if framework == "torch" and hasattr(obj, "data_ptr"):
-        return _submit_torch(obj, dtype, writable, run)
+        if not staged(obj):
+            return run(host_memory(obj, dtype))  # in place: the core's handle gives the tensor back
+        return _submit_staged(obj, dtype, writable, run)
     if framework == "tensorflow" and hasattr(obj, "numpy"):
         array = obj.numpy().copy()  # a private, writable, contiguous copy
         return _TFResult(run(_core.Buffer(array, dtype, True)), obj, array)
     return run(_core.Buffer(obj, dtype, writable))
 
 
-def _submit_torch(tensor, dtype, writable, run):
+def _submit_staged(tensor, dtype, writable, run):
     _require_contiguous(tensor)
-    if not staged(tensor):
-        return run(host_memory(tensor, dtype))  # in place: the core's handle gives the tensor back
     host = host_buffer(tensor.numel(), tensor.dtype, tensor.device)
     # the ring needs the bytes: this thread waits for this copy only, not the device
     copy_async(host, tensor.detach().view(-1), tensor.device).wait_host()
