@@ -2,8 +2,8 @@
 
 numpy arrays and other buffer-protocol objects go to the core as they are.
 A torch CPU tensor goes by address (data_ptr(), shape, dtype: no numpy view)
-to allreduce and broadcast, in place like an array; the collectives whose
-result is new memory read a zero-copy numpy view of it.
+to every collective, with one set of checks (host_memory): in place like an
+array for allreduce and broadcast, read for those whose result is new memory.
 A torch CUDA tensor is staged: its bytes are copied to pinned host memory on
 a side stream once the work queued on its producing stream is done (an
 event, not a device-wide sync), the core reduces the host copy, and the
@@ -57,7 +57,8 @@ def staged(tensor):
 
 def numpy_view(tensor):
     """A zero-copy numpy view of a contiguous CPU tensor and the dtype name for the core
-    (None: numpy's own). bfloat16 has no numpy type: its bits go as int16 with "bfloat16"."""
+    (None: numpy's own), for code that works on the tensor as an array (hpcdl.torch's
+    buckets). bfloat16 has no numpy type: its bits go as int16 with "bfloat16"."""
     torch = sys.modules["torch"]
     flat = tensor.detach()
     if flat.dtype == torch.bfloat16:
@@ -266,25 +267,33 @@ def _submit_staged(tensor, dtype, writable, run):
     return TensorHandle(run(host_memory(shaped, dtype)), tensor, host, copy_back=writable)
 
 
-def intake(obj):
-    """obj as a numpy array the core reads (zero-copy for numpy arrays and torch CPU
-    tensors; a staged copy of CUDA tensors; TensorFlow's copy), the dtype to read it
-    as (None: the array's own) and a function turning a result array into obj's kind:
-    a numpy array, a torch tensor on obj's device, a TensorFlow tensor. For the
-    collectives whose result is new memory (allgather, alltoall, reducescatter)."""
+def intake(obj, dtype):
+    """obj for the collectives whose result is new memory (allgather, alltoall,
+    reducescatter): the core's Buffer over it, read as ``dtype`` (None: its own),
+    obj's shape, the numpy dtype of a result's elements, and a function turning a
+    result array into obj's kind: a numpy array, a torch tensor on obj's device, a
+    TensorFlow tensor. A torch CPU tensor goes by address (host_memory: the checks
+    of the in-place collectives); a CUDA one is staged; TensorFlow's is its copy."""
     if is_torch(obj):
-        _require_contiguous(obj)
+        source = obj
         if staged(obj):
-            host = host_buffer(obj.numel(), obj.dtype, obj.device)
-            copy_async(host, obj.detach().view(-1), obj.device).wait_host()
-            array, core_dtype = numpy_view(host)
-            array = array.reshape(tuple(obj.shape))
-        else:
-            array, core_dtype = numpy_view(obj)
-        return array, core_dtype, lambda result: _as_torch(result, obj)
+            _require_contiguous(obj)
+            source = host_buffer(obj.numel(), obj.dtype, obj.device)
+            copy_async(source, obj.detach().view(-1), obj.device).wait_host()
+            source = source.view(obj.shape)
+        buffer = host_memory(source, dtype)
+        return buffer, tuple(obj.shape), _result_dtype(obj.dtype), lambda result: _as_torch(result, obj)
     if _framework(obj) == "tensorflow" and hasattr(obj, "numpy"):
-        return obj.numpy(), None, sys.modules["tensorflow"].convert_to_tensor
-    return np.asarray(obj), None, lambda result: result
+        array, convert = obj.numpy(), sys.modules["tensorflow"].convert_to_tensor
+    else:
+        array, convert = np.asarray(obj), None
+    return _core.Buffer(array, dtype, False), array.shape, array.dtype, convert or (lambda result: result)
+
+
+def _result_dtype(dtype):
+    """The numpy dtype a result of torch ``dtype`` is read as (bfloat16: its bits as int16, as numpy_view)."""
+    name = (_torch_dtypes.get(dtype) or _torch_dtype(dtype))[0]
+    return np.dtype("int16" if name == "bfloat16" else name)
 
 
 def _as_torch(array, like):
