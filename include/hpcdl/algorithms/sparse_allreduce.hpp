@@ -62,7 +62,7 @@ struct TopkReuse {
 
 // Working memory of the split allreduce, reused from call to call.
 struct SplitScratch {
-  Scratch mine_idx, mine_val, hist, packed, slots, seen, cand, cand_mag, sel, out;
+  Scratch mine_idx, mine_val, hist, packed, slots, cand, cand_sum, cand_mag, sel, out;
 };
 
 namespace detail {
@@ -126,6 +126,41 @@ inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, c
   // A failed round leaves requests posted into the scratch buffers the next call reuses.
   if (!st.ok()) cancel_and_complete({&rq[0], &rq[1]}, 10.0, "top-k split");
   return st;
+}
+
+// One peer's block of the reduce-scatter: ascending indices and their values.
+struct PairBlock {
+  const std::uint32_t* idx;
+  const float* val;
+  std::size_t count;
+};
+
+// The union of the blocks' indices, ascending, each index's values summed in
+// block (rank) order from +0.0f, as into a cleared buffer, with the sums'
+// magnitudes: a p-way merge, so the sums never touch the tensor (there each
+// would be a cache miss, and another to read it back and one to clear it).
+inline std::size_t merge_blocks(const std::vector<PairBlock>& blocks, std::uint32_t* cand, float* sum,
+                                std::uint32_t* mag) {
+  std::vector<std::size_t> at(blocks.size(), 0);
+  std::size_t n = 0;
+  for (;;) {
+    bool any = false;
+    std::uint32_t next = 0;
+    for (std::size_t r = 0; r < blocks.size(); ++r) {
+      if (at[r] == blocks[r].count) continue;
+      const std::uint32_t i = blocks[r].idx[at[r]];
+      if (!any || i < next) next = i;
+      any = true;
+    }
+    if (!any) return n;
+    float s = 0.0f;
+    for (std::size_t r = 0; r < blocks.size(); ++r) {
+      if (at[r] < blocks[r].count && blocks[r].idx[at[r]] == next) s += blocks[r].val[at[r]++];
+    }
+    cand[n] = next;
+    sum[n] = s;
+    mag[n++] = topk_magnitude(s);
+  }
 }
 
 }  // namespace detail
@@ -222,7 +257,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
     std::memcpy(block + 4 * static_cast<std::size_t>(send_count[j]), val + send_displ[j],
                 4 * static_cast<std::size_t>(send_count[j]));
   }
-  const std::size_t lo = bound[rank], hi = bound[rank + 1], words = (hi - lo + 63) / 64;
+  const std::size_t lo = bound[rank], hi = bound[rank + 1];
   // A peer sends distinct indices of this range, at most `most` of them.
   const std::size_t slot_pairs = std::min(most, hi - lo);
   std::uint8_t* slots = s.slots.get<std::uint8_t>(std::max<std::size_t>(8 * slot_pairs * up, 1));
@@ -237,32 +272,24 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
       sent += 8 * static_cast<std::uint64_t>(send_count[r]);
     }
   }
-  // The candidates, ascending without repeats: a bitmap of the range marks the
-  // indices received (no sort), read back word by word.
-  std::uint64_t* seen = s.seen.get<std::uint64_t>(std::max<std::size_t>(words, 1));
-  std::fill(seen, seen + words, std::uint64_t(0));
-  for (std::size_t r = 0; r < up; ++r) {  // in rank order: the sums are too
-    const bool own = r == static_cast<std::size_t>(rank);
+  // The candidates: the blocks' union, ascending, each summed in rank order.
+  std::vector<detail::PairBlock> blocks(up);
+  for (std::size_t r = 0; r < up; ++r) {
     const std::size_t count = static_cast<std::size_t>(recv_count[r]);
-    const std::uint8_t* block = own ? packed + 8 * static_cast<std::size_t>(send_displ[r]) : slots + 8 * slot_pairs * r;
-    const std::uint32_t* block_idx = reinterpret_cast<const std::uint32_t*>(block);
-    const float* block_val = reinterpret_cast<const float*>(block + 4 * count);
-    for (std::size_t j = 0; j < count; ++j) {
-      const std::uint32_t i = block_idx[j];
-      if (i < lo || i >= hi) return Status::Internal("top-k split: a pair outside its range");
-      data[i] += block_val[j];
-      seen[(i - lo) / 64] |= std::uint64_t(1) << ((i - lo) % 64);
-    }
+    const std::uint8_t* block = r == static_cast<std::size_t>(rank)
+                                    ? packed + 8 * static_cast<std::size_t>(send_displ[r])
+                                    : slots + 8 * slot_pairs * r;
+    blocks[r] = {reinterpret_cast<const std::uint32_t*>(block), reinterpret_cast<const float*>(block + 4 * count),
+                 count};
+    for (std::size_t j = 0; j < count; ++j)
+      if (blocks[r].idx[j] < lo || blocks[r].idx[j] >= hi || (j > 0 && blocks[r].idx[j] <= blocks[r].idx[j - 1]))
+        return Status::Internal("top-k split: rank " + std::to_string(r) +
+                                "'s pairs are not ascending inside its range");
   }
   std::uint32_t* cand = s.cand.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
+  float* sum = s.cand_sum.get<float>(std::max<std::size_t>(n_recv, 1));
   std::uint32_t* mag = s.cand_mag.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
-  std::size_t n_cand = 0;
-  for (std::size_t w = 0; w < words; ++w) {
-    for (std::uint64_t m = seen[w]; m; m &= m - 1, ++n_cand) {
-      cand[n_cand] = static_cast<std::uint32_t>(lo + 64 * w + static_cast<std::size_t>(__builtin_ctzll(m)));
-      mag[n_cand] = detail::topk_magnitude(data[cand[n_cand]]);
-    }
-  }
+  const std::size_t n_cand = detail::merge_blocks(blocks, cand, sum, mag);
 
   // 4. Radix select of the k-th largest candidate magnitude over all ranges.
   std::uint64_t need = k;
@@ -322,9 +349,8 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
     if (mag[c] > cut || (mag[c] == cut && take > 0)) {
       if (mag[c] == cut) --take;
       sel_idx[out] = cand[c];
-      sel_val[out++] = data[cand[c]];
+      sel_val[out++] = sum[c];
     }
-    data[cand[c]] = 0.0f;  // the buffer is cleared again; the gathered result lands in it
   }
 
   // 5. Allgather of the selected blocks, in range order (ascending indices).
