@@ -89,7 +89,7 @@ def main():
         train_step(model, opt, x, y, set_to_none=not args.keep_grads)
     wall, cpu, main_cpu = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
     cpus = comm.gather(cpu)
-    others = comm.gather(cpu - main_cpu)
+    others = comm.gather(max(0.0, cpu - main_cpu))
     walls = comm.gather(wall)
     received = comm.gather(sum(row["bytes_received"] for row in hpcdl.stats().get("allreduce", {}).values()))
     if comm.Get_rank() == 0:
