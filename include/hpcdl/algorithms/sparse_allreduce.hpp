@@ -62,7 +62,8 @@ struct TopkReuse {
 
 // Working memory of the split allreduce, reused from call to call.
 struct SplitScratch {
-  Scratch mine_idx, mine_val, hist, packed, slots, cand, cand_sum, cand_mag, sel, out;
+  Scratch mine_idx, mine_val, hist, packed, slot, cand, cand_sum, cand_mag, sel, out;
+  std::vector<std::uint8_t> received;  // the peers' blocks, one after another
 };
 
 namespace detail {
@@ -93,20 +94,23 @@ inline Status wait_all(MPI_Request* requests, int count, const char* what, Progr
 // An all-to-all puts p - 1 messages on each rank's link at once; on a link
 // that polices its rate (a token bucket, a switch's shallow buffers) those
 // bursts are dropped and resent. The receiver does not know a block's size
-// beforehand: each peer's block lands in a slot for the most it may send
-// (`slot_pairs`), and the message's length gives its count (recv_count; an
-// empty block is an empty message).
+// beforehand: it lands in a slot for the most a peer may send (`slot_pairs`),
+// the message's length gives its count (recv_count; an empty block is an
+// empty message), and it is appended to `received` (at recv_offset), so the
+// memory held is one slot and the pairs received, not a slot per peer.
 inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, const std::uint8_t* packed,
                                       const std::vector<int>& send_count, const std::vector<int>& send_displ,
-                                      std::uint8_t* slots, std::size_t slot_pairs, std::vector<int>& recv_count,
+                                      std::uint8_t* slot, std::size_t slot_pairs, std::vector<std::uint8_t>& received,
+                                      std::vector<std::size_t>& recv_offset, std::vector<int>& recv_count,
                                       Progress& progress) {
+  received.clear();
   MPI_Request rq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   auto rounds = [&]() -> Status {
     for (int r = 1; r < p; ++r) {
       const int to = (rank + r) % p, from = (rank - r + p) % p;
-      HPCDL_RETURN_NOT_OK(mpi_status(MPI_Irecv(slots + 8 * slot_pairs * static_cast<std::size_t>(from),
-                                               static_cast<int>(8 * slot_pairs), MPI_BYTE, from, tag, comm, &rq[0]),
-                                     "MPI_Irecv(top-k pairs)"));
+      HPCDL_RETURN_NOT_OK(
+          mpi_status(MPI_Irecv(slot, static_cast<int>(8 * slot_pairs), MPI_BYTE, from, tag, comm, &rq[0]),
+                     "MPI_Irecv(top-k pairs)"));
       HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(packed + 8 * static_cast<std::size_t>(send_displ[to]),
                                                8 * send_count[to], MPI_BYTE, to, tag, comm, &rq[1]),
                                      "MPI_Isend(top-k pairs)"));
@@ -118,6 +122,8 @@ inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, c
         return Status::Internal("top-k split: a block of " + std::to_string(bytes) + " bytes from rank " +
                                 std::to_string(from));
       recv_count[from] = bytes / 8;
+      recv_offset[from] = received.size();
+      received.insert(received.end(), slot, slot + bytes);
       HPCDL_RETURN_NOT_OK(wait_all(&rq[1], 1, "MPI_Wait(top-k pairs)", progress));
     }
     return Status::OK();
@@ -260,9 +266,10 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   const std::size_t lo = bound[rank], hi = bound[rank + 1];
   // A peer sends distinct indices of this range, at most `most` of them.
   const std::size_t slot_pairs = std::min(most, hi - lo);
-  std::uint8_t* slots = s.slots.get<std::uint8_t>(std::max<std::size_t>(8 * slot_pairs * up, 1));
-  HPCDL_RETURN_NOT_OK(detail::exchange_pairs_pairwise(comm, p, rank, tag, packed, send_count, send_displ, slots,
-                                                      slot_pairs, recv_count, progress));
+  std::uint8_t* slot = s.slot.get<std::uint8_t>(std::max<std::size_t>(8 * slot_pairs, 1));
+  std::vector<std::size_t> recv_offset(up, 0);
+  HPCDL_RETURN_NOT_OK(detail::exchange_pairs_pairwise(comm, p, rank, tag, packed, send_count, send_displ, slot,
+                                                      slot_pairs, s.received, recv_offset, recv_count, progress));
   recv_count[rank] = send_count[rank];
   std::size_t n_recv = 0;
   for (std::size_t r = 0; r < up; ++r) {
@@ -278,7 +285,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
     const std::size_t count = static_cast<std::size_t>(recv_count[r]);
     const std::uint8_t* block = r == static_cast<std::size_t>(rank)
                                     ? packed + 8 * static_cast<std::size_t>(send_displ[r])
-                                    : slots + 8 * slot_pairs * r;
+                                    : s.received.data() + recv_offset[r];
     blocks[r] = {reinterpret_cast<const std::uint32_t*>(block), reinterpret_cast<const float*>(block + 4 * count),
                  count};
     for (std::size_t j = 0; j < count; ++j)
