@@ -107,19 +107,17 @@ Status Executor::run_gathering(CommContext& ctx, Operation& op, RingTraffic* tra
       return allgather_each(ctx, d, arrays, traffic, progress);
     }
     case OpKind::kAlltoall: {
-      // Each rank needs only what each peer sends it: one count from each, pairwise.
+      // Each rank needs only what each peer sends it: one count from each, ahead of its rows.
       OpResult& out = op.result_;
-      out.rows.assign(ctx.size, 0);
-      const std::vector<std::uint64_t> one_each(ctx.size, 1);
-      HPCDL_RETURN_NOT_OK(pairwise_alltoallv(ctx.data, ctx.size, ctx.rank, kTagData, req.splits.data(), one_each,
-                                             one_each, sizeof(std::uint64_t), d.chunk_bytes, out.rows.data(), traffic,
-                                             progress));
-      std::uint64_t rows = 0;
-      for (std::uint64_t n : out.rows) rows += n;
       const std::size_t row_bytes = d.count * dtype_size(d.dtype);
-      allocate(&out, rows * row_bytes);
-      return pairwise_alltoallv(ctx.data, ctx.size, ctx.rank, kTagData, req.data, req.splits, out.rows, row_bytes,
-                                d.chunk_bytes, out.ptr(), traffic, progress);
+      auto place = [&](const std::vector<std::uint64_t>& rows) {
+        std::uint64_t total = 0;
+        for (std::uint64_t n : rows) total += n;
+        allocate(&out, total * row_bytes);
+        return out.ptr();
+      };
+      return alltoallv_learning_counts(ctx.data, ctx.size, ctx.rank, kTagData, req.data, req.splits, row_bytes,
+                                       d.chunk_bytes, &out.rows, place, traffic, progress);
     }
     default: return Status::Internal(std::string("run_gathering of a ") + op_kind_name(d.kind));
   }

@@ -230,6 +230,42 @@ def test_alltoall_without_splits_splits_equally(comm):
     agree(comm, splits == [2] * size and torch.equal(received, expected), received.tolist())
 
 
+def pieces_splits(rank, size, call):
+    """Rank `rank`'s splits in call `call`: thousands of rows, an empty block at every size > 1."""
+    return [0 if (rank + j + call) % 3 == 0 else 700 * (1 + (rank * size + j + call) % 4) for j in range(size)]
+
+
+def pieces_block(sender, receiver, call, n):
+    """The n rows `sender` sends `receiver` in call `call`: each names them and its index."""
+    return np.stack([np.arange(n, dtype=np.int64), np.full(n, 1000 * sender + 10 * receiver + call, np.int64)], axis=1)
+
+
+def test_alltoall_in_many_pieces_with_several_calls_in_flight(comm):
+    """Blocks far larger than the chunk (many pieces each, sent ahead of the count the
+    receiver learns them by) and three calls submitted at once, so a fast rank's next
+    call can arrive while a peer still receives the one before: every row lands whole,
+    in rank order, with each call's own counts."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    old = hpcdl.configure()["chunk_bytes"]
+    hpcdl.configure(chunk_bytes=256)
+    try:
+        handles = []
+        for c in range(3):
+            splits = pieces_splits(rank, size, c)
+            mine = np.concatenate([pieces_block(rank, j, c, n) for j, n in enumerate(splits)])
+            handles.append(hpcdl.alltoall_async(mine, splits=splits, comm=comm, name=f"a2a.pieces.{c}"))
+        results = [outcome(h.wait) for h in handles]
+    finally:
+        hpcdl.configure(chunk_bytes=old)
+    ok = all(err is None for _, err in results)
+    for c, (got, _) in enumerate(results if ok else []):
+        received, got_splits = got
+        expected_splits = [pieces_splits(r, size, c)[rank] for r in range(size)]
+        expected = np.concatenate([pieces_block(r, rank, c, n) for r, n in enumerate(expected_splits)])
+        ok = ok and got_splits == expected_splits and np.array_equal(received, expected)
+    agree(comm, ok, repr([err for _, err in results]))
+
+
 @multi_rank
 def test_alltoall_and_reducescatter_with_different_shapes_raise_on_every_rank(comm):
     rank, size = comm.Get_rank(), comm.Get_size()

@@ -4,7 +4,7 @@
 // through Progress.
 //
 // The row counts are learned at execution (allgather: one small allgather over
-// the same ring; alltoall: one count from each peer, pairwise), so the
+// the same ring; alltoall: one count from each peer, ahead of its rows), so the
 // agreement stays a comparison of identical descriptions (architecture.md,
 // "Gathering collectives").
 #pragma once
@@ -76,52 +76,71 @@ inline std::size_t piece_bytes(std::size_t bytes, std::size_t chunk_bytes, std::
   return std::min(kMaxChunkBytes / unit, std::max(wanted, fewest)) * unit;
 }
 
-// send_rows[j] rows of `data` (in rank order) go to rank j; recv_rows[j] rows
-// from rank j land in `out` (in rank order). Pairwise: at step s a rank sends
-// to rank + s and receives from rank - s; every message is posted at once,
-// in pieces (piece_bytes).
-inline Status pairwise_alltoallv(MPI_Comm comm, int size, int rank, int tag, const void* data,
-                                 const std::vector<std::uint64_t>& send_rows,
-                                 const std::vector<std::uint64_t>& recv_rows, std::size_t row_bytes,
-                                 std::size_t chunk_bytes, void* out, RingTraffic* traffic, Progress& progress) {
+// send_rows[j] rows of `data` (in rank order) go to rank j; the rows from
+// each rank j land in rank order in the memory `place(recv_rows)` returns,
+// once recv_rows[j] (what rank j sends here) is known. Each rank sends peer j
+// send_rows[j] as one 8-byte message and its rows right behind it, without
+// waiting: MPI matches messages from one rank on one tag in order, so the
+// count receives, posted before any data receive, take the counts. The data
+// receives are posted once every count is in (one latency), the sends are in
+// flight by then. Pairwise order: at step s a rank sends to rank + s and
+// receives from rank - s; every message is posted at once, in pieces
+// (piece_bytes).
+template <class Place>
+inline Status alltoallv_learning_counts(MPI_Comm comm, int size, int rank, int tag, const void* data,
+                                        const std::vector<std::uint64_t>& send_rows, std::size_t row_bytes,
+                                        std::size_t chunk_bytes, std::vector<std::uint64_t>* recv_rows, Place place,
+                                        RingTraffic* traffic, Progress& progress) {
   const std::vector<std::size_t> send_at = row_offsets(send_rows, row_bytes);
-  const std::vector<std::size_t> recv_at = row_offsets(recv_rows, row_bytes);
   const char* src = static_cast<const char*>(data);
-  char* dst = static_cast<char*>(out);
-  const std::size_t self_bytes = send_at[rank + 1] - send_at[rank];
-  if (self_bytes > 0) std::memcpy(dst + recv_at[rank], src + send_at[rank], self_bytes);
+  recv_rows->assign(size, 0);
+  (*recv_rows)[rank] = send_rows[rank];
   std::vector<MPI_Request> requests;
-  auto post = [&](bool send, int peer, std::size_t begin, std::size_t end) -> Status {
-    const std::size_t piece = piece_bytes(end - begin, chunk_bytes, 1);
-    std::size_t off = begin;
+  auto post = [&](bool send, int peer, const void* from, void* into, std::size_t bytes) -> Status {
+    const std::size_t piece = piece_bytes(bytes, chunk_bytes, 1);
+    std::size_t off = 0;
     do {  // an empty message too: it pairs with the peer's
-      const int n = static_cast<int>(std::min(piece, end - off));
+      const int n = static_cast<int>(std::min(piece, bytes - off));
       requests.push_back(MPI_REQUEST_NULL);
-      const int rc = send ? MPI_Isend(src + off, n, MPI_BYTE, peer, tag, comm, &requests.back())
-                          : MPI_Irecv(dst + off, n, MPI_BYTE, peer, tag, comm, &requests.back());
+      const int rc =
+          send ? MPI_Isend(static_cast<const char*>(from) + off, n, MPI_BYTE, peer, tag, comm, &requests.back())
+               : MPI_Irecv(static_cast<char*>(into) + off, n, MPI_BYTE, peer, tag, comm, &requests.back());
       HPCDL_RETURN_NOT_OK(mpi_status(rc, send ? "MPI_Isend(alltoall)" : "MPI_Irecv(alltoall)"));
       (send ? traffic->bytes_sent : traffic->bytes_received) += static_cast<std::uint64_t>(n);
       off += static_cast<std::size_t>(n);
-    } while (off < end);
+    } while (off < bytes);
+    return Status::OK();
+  };
+  auto wait_some = [&](std::size_t n, std::size_t count) -> Status {
+    for (std::size_t done = 0; done < count; ++done) {
+      int index = MPI_UNDEFINED;
+      MPI_Status st;
+      HPCDL_RETURN_NOT_OK(mpi_status(wait_any_politely(static_cast<int>(n), requests.data(), &index, &st, progress),
+                                     "MPI_Waitany(alltoall)"));
+    }
     return Status::OK();
   };
   auto run = [&]() -> Status {
-    for (int s = 1; s < size; ++s) {
+    const std::size_t peers = static_cast<std::size_t>(size - 1);
+    for (int s = 1; s < size; ++s) {  // first: requests[0, peers) are the count receives
       const int from = (rank - s + size) % size;
-      HPCDL_RETURN_NOT_OK(post(false, from, recv_at[from], recv_at[from + 1]));
+      HPCDL_RETURN_NOT_OK(post(false, from, nullptr, &(*recv_rows)[from], sizeof(std::uint64_t)));
     }
     for (int s = 1; s < size; ++s) {
       const int to = (rank + s) % size;
-      HPCDL_RETURN_NOT_OK(post(true, to, send_at[to], send_at[to + 1]));
+      HPCDL_RETURN_NOT_OK(post(true, to, &send_rows[to], nullptr, sizeof(std::uint64_t)));
+      HPCDL_RETURN_NOT_OK(post(true, to, src + send_at[to], nullptr, send_at[to + 1] - send_at[to]));
     }
-    for (std::size_t done = 0; done < requests.size(); ++done) {
-      int index = MPI_UNDEFINED;
-      MPI_Status st;
-      HPCDL_RETURN_NOT_OK(
-          mpi_status(wait_any_politely(static_cast<int>(requests.size()), requests.data(), &index, &st, progress),
-                     "MPI_Waitany(alltoall)"));
+    HPCDL_RETURN_NOT_OK(wait_some(peers, peers));
+    const std::vector<std::size_t> recv_at = row_offsets(*recv_rows, row_bytes);
+    char* dst = static_cast<char*>(place(*recv_rows));
+    const std::size_t self_bytes = send_at[rank + 1] - send_at[rank];
+    if (self_bytes > 0) std::memcpy(dst + recv_at[rank], src + send_at[rank], self_bytes);
+    for (int s = 1; s < size; ++s) {
+      const int from = (rank - s + size) % size;
+      HPCDL_RETURN_NOT_OK(post(false, from, nullptr, dst + recv_at[from], recv_at[from + 1] - recv_at[from]));
     }
-    return Status::OK();
+    return wait_some(requests.size(), requests.size() - peers);
   };
   Status st = run();
   if (!st.ok()) {
