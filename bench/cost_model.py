@@ -95,24 +95,20 @@ def traffic(scheme, p, n, ratio=TOPK_RATIO):
     if scheme == "topk_allgather":
         total = 8.0 * k * p
         return (p - 1 if total >= ALLGATHER_LONG_BYTES else log2_rounds(p)), (p - 1) * 8.0 * k
-    if scheme == "topk_split":  # docs/compression.md: balance, counts, pairs, 4 radix rounds, ties, result
+    if scheme == "topk_split":  # docs/compression.md: balance, pairs, 4 radix rounds, ties, result
         bins = min(n, max(4 * p, k // 64))
-        volume = 2.0 * (p - 1) / p * (8.0 * k + 4.0 * bins + 4.0 * 1024) + 12.0 * (p - 1)
-        # The counts' all-to-all (P - 1 messages), the pairs' pairwise exchange (indices and values
-        # to one peer per round: 2 (P - 1)); 5 allreduces, 1 allgather and 2 allgathervs (the
-        # result, k pairs in all): recursive doubling, log2 P each.
-        return 3 * (p - 1) + 8 * log2_rounds(p), volume
+        volume = 2.0 * (p - 1) / p * (8.0 * k + 4.0 * bins + 4.0 * 1024) + 8.0 * (p - 1)
+        # The pairs' pairwise exchange (one message to one peer per round: P - 1); 5 allreduces,
+        # 1 allgather and 1 allgatherv (the result, k pairs in all): recursive doubling, log2 P each.
+        return (p - 1) + 7 * log2_rounds(p), volume
     raise ValueError(f"unknown scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
 
 
 def latency_rounds(scheme, p, n, ratio=TOPK_RATIO):
-    """Rounds per call: messages that wait for an earlier one. An all-to-all's P - 1 messages
-    go out together (one round), so do the two of a pairwise exchange's round; the other
-    messages are rounds of their own."""
-    if p < 2 or scheme != "topk_split":
-        return traffic(scheme, p, n, ratio)[0]
-    # the counts' all-to-all, P - 1 pairwise rounds, 5 allreduces, 1 allgather, 2 allgathervs
-    return 1 + (p - 1) + 8 * log2_rounds(p)
+    """Rounds per call: messages that wait for an earlier one. Each scheme's messages are
+    rounds of their own (the split's pairwise exchange: one message a round), so none pays
+    the per-message overhead of an all-to-all's further messages."""
+    return traffic(scheme, p, n, ratio)[0]
 
 
 def kernel_seconds(scheme, p, n, codec):

@@ -8,7 +8,8 @@ no-exchange (the same step with no gradient exchange). The model, batch and
 step are bench/train.py's; after 20 untimed steps rank 0 prints the wall time
 per step and the process CPU time (all threads) per rank and step, mean over
 ranks, so a profile's sample counts can be turned into milliseconds per step,
-and the allreduces' bytes received per rank and step (hpcdl.stats(), mean
+and of it the CPU of the threads other than the training thread (the engine's
+and MPI's), and the allreduces' bytes received per rank and step (hpcdl.stats(), mean
 over ranks).
 """
 
@@ -84,10 +85,11 @@ def main():
         if i == WARMUP_STEPS:
             comm.Barrier()
             hpcdl.stats(reset=True)
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         train_step(model, opt, x, y, set_to_none=not args.keep_grads)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu, main_cpu = time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
     cpus = comm.gather(cpu)
+    others = comm.gather(max(0.0, cpu - main_cpu))
     walls = comm.gather(wall)
     received = comm.gather(sum(row["bytes_received"] for row in hpcdl.stats().get("allreduce", {}).values()))
     if comm.Get_rank() == 0:
@@ -98,7 +100,9 @@ def main():
         ) + (f" (reuse_steps={args.topk_reuse_steps})" if args.system == "topk-reuse" else "")
         print(
             f"[hpcdl rank 0] {args.system}{options}: {max(walls) / args.steps * 1e3:.2f} ms/step, "
-            f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step, "
+            f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step "
+            f"({sum(others) / len(others) / args.steps * 1e3:.2f} of it in threads other than training's: "
+            "the engine's, MPI's), "
             f"{sum(received) / len(received) / args.steps / 1e3:.1f} kB received per rank and step "
             f"({comm.Get_size()} ranks, {args.steps} timed steps after {WARMUP_STEPS})",
             flush=True,

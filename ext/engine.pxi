@@ -228,6 +228,8 @@ cdef str _array_dtype_name(dtype):
 
 
 cdef str _dtype_name(dtype):
+    if type(dtype) is str:  # a name already (Buffer.at's per-call case): no attribute lookup
+        return <str>dtype
     return str(getattr(dtype, "name", dtype))
 
 

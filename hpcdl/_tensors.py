@@ -2,8 +2,8 @@
 
 numpy arrays and other buffer-protocol objects go to the core as they are.
 A torch CPU tensor goes by address (data_ptr(), shape, dtype: no numpy view)
-to allreduce and broadcast, in place like an array; the collectives whose
-result is new memory read a zero-copy numpy view of it.
+to every collective, with one set of checks (host_memory): in place like an
+array for allreduce and broadcast, read for those whose result is new memory.
 A torch CUDA tensor is staged: its bytes are copied to pinned host memory on
 a side stream once the work queued on its producing stream is done (an
 event, not a device-wide sync), the core reduces the host copy, and the
@@ -57,7 +57,8 @@ def staged(tensor):
 
 def numpy_view(tensor):
     """A zero-copy numpy view of a contiguous CPU tensor and the dtype name for the core
-    (None: numpy's own). bfloat16 has no numpy type: its bits go as int16 with "bfloat16"."""
+    (None: numpy's own), for code that works on the tensor as an array (hpcdl.torch's
+    buckets). bfloat16 has no numpy type: its bits go as int16 with "bfloat16"."""
     torch = sys.modules["torch"]
     flat = tensor.detach()
     if flat.dtype == torch.bfloat16:
@@ -69,26 +70,35 @@ _torch_dtypes = {}  # torch dtype -> (its name, the core's when it has it; item 
 
 
 def host_memory(tensor, dtype):
-    """The core's Buffer over a contiguous CPU tensor's own memory, by address (no
-    numpy view: this is the per-call path of every in-place collective), read as
-    ``dtype`` (None: the tensor's own). Outside autograd, as for any array."""
+    """The core's Buffer over a CPU tensor's own memory, by address (no numpy view:
+    this is the per-call path of every in-place collective), read as ``dtype``
+    (None: the tensor's own), once it is contiguous, on the CPU and without the
+    negative bit. Outside autograd, as for any array."""
+    if not tensor.is_contiguous():
+        raise ValueError(_NOT_CONTIGUOUS)
     if not tensor.is_cpu:
         raise TypeError(f"hpcdl takes CPU and CUDA tensors, got one on {tensor.device}: pass tensor.cpu()")
     if tensor.is_neg():
         raise ValueError("tensor has its negative bit set (a lazy negation view): pass tensor.resolve_neg()")
-    known = _torch_dtypes.get(tensor.dtype)
-    if known is None:
-        known = _torch_dtypes[tensor.dtype] = (str(tensor.dtype).removeprefix("torch."), tensor.dtype.itemsize)
-    name, itemsize = known
+    name, itemsize = _torch_dtypes.get(tensor.dtype) or _torch_dtype(tensor.dtype)
     return _core.Buffer.at(tensor, tensor.data_ptr(), itemsize, tensor.shape, dtype or name)
+
+
+def _torch_dtype(dtype):
+    """(dtype's name, the core's when it has it; its item size), kept per torch dtype."""
+    _torch_dtypes[dtype] = (str(dtype).removeprefix("torch."), dtype.itemsize)
+    return _torch_dtypes[dtype]
+
+
+_NOT_CONTIGUOUS = (
+    "tensor is not contiguous; hpcdl works in place: pass tensor.contiguous() "
+    "(and copy the result back if you need it in the original)"
+)
 
 
 def _require_contiguous(tensor):
     if not tensor.is_contiguous():
-        raise ValueError(
-            "tensor is not contiguous; hpcdl works in place: pass tensor.contiguous() "
-            "(and copy the result back if you need it in the original)"
-        )
+        raise ValueError(_NOT_CONTIGUOUS)
 
 
 _side_streams = {}
@@ -239,17 +249,17 @@ def submit(obj, dtype, writable, run):
     caller's wait() sees. writable: the result is written into obj."""
     framework = _framework(obj)
     if framework == "torch" and hasattr(obj, "data_ptr"):
-        return _submit_torch(obj, dtype, writable, run)
+        if not staged(obj):
+            return run(host_memory(obj, dtype))  # in place: the core's handle gives the tensor back
+        return _submit_staged(obj, dtype, writable, run)
     if framework == "tensorflow" and hasattr(obj, "numpy"):
         array = obj.numpy().copy()  # a private, writable, contiguous copy
         return _TFResult(run(_core.Buffer(array, dtype, True)), obj, array)
     return run(_core.Buffer(obj, dtype, writable))
 
 
-def _submit_torch(tensor, dtype, writable, run):
+def _submit_staged(tensor, dtype, writable, run):
     _require_contiguous(tensor)
-    if not staged(tensor):
-        return run(host_memory(tensor, dtype))  # in place: the core's handle gives the tensor back
     host = host_buffer(tensor.numel(), tensor.dtype, tensor.device)
     # the ring needs the bytes: this thread waits for this copy only, not the device
     copy_async(host, tensor.detach().view(-1), tensor.device).wait_host()
@@ -257,25 +267,33 @@ def _submit_torch(tensor, dtype, writable, run):
     return TensorHandle(run(host_memory(shaped, dtype)), tensor, host, copy_back=writable)
 
 
-def intake(obj):
-    """obj as a numpy array the core reads (zero-copy for numpy arrays and torch CPU
-    tensors; a staged copy of CUDA tensors; TensorFlow's copy), the dtype to read it
-    as (None: the array's own) and a function turning a result array into obj's kind:
-    a numpy array, a torch tensor on obj's device, a TensorFlow tensor. For the
-    collectives whose result is new memory (allgather, alltoall, reducescatter)."""
+def intake(obj, dtype):
+    """obj for the collectives whose result is new memory (allgather, alltoall,
+    reducescatter): the core's Buffer over it, read as ``dtype`` (None: its own),
+    obj's shape, the numpy dtype of a result's elements, and a function turning a
+    result array into obj's kind: a numpy array, a torch tensor on obj's device, a
+    TensorFlow tensor. A torch CPU tensor goes by address (host_memory: the checks
+    of the in-place collectives); a CUDA one is staged; TensorFlow's is its copy."""
     if is_torch(obj):
-        _require_contiguous(obj)
+        source = obj
         if staged(obj):
-            host = host_buffer(obj.numel(), obj.dtype, obj.device)
-            copy_async(host, obj.detach().view(-1), obj.device).wait_host()
-            array, core_dtype = numpy_view(host)
-            array = array.reshape(tuple(obj.shape))
-        else:
-            array, core_dtype = numpy_view(obj)
-        return array, core_dtype, lambda result: _as_torch(result, obj)
+            _require_contiguous(obj)
+            source = host_buffer(obj.numel(), obj.dtype, obj.device)
+            copy_async(source, obj.detach().view(-1), obj.device).wait_host()
+            source = source.view(obj.shape)
+        buffer = host_memory(source, dtype)
+        return buffer, tuple(obj.shape), _result_dtype(obj.dtype), lambda result: _as_torch(result, obj)
     if _framework(obj) == "tensorflow" and hasattr(obj, "numpy"):
-        return obj.numpy(), None, sys.modules["tensorflow"].convert_to_tensor
-    return np.asarray(obj), None, lambda result: result
+        array, convert = obj.numpy(), sys.modules["tensorflow"].convert_to_tensor
+    else:
+        array, convert = np.asarray(obj), None
+    return _core.Buffer(array, dtype, False), array.shape, array.dtype, convert or (lambda result: result)
+
+
+def _result_dtype(dtype):
+    """The numpy dtype a result of torch ``dtype`` is read as (bfloat16: its bits as int16, as numpy_view)."""
+    name = (_torch_dtypes.get(dtype) or _torch_dtype(dtype))[0]
+    return np.dtype("int16" if name == "bfloat16" else name)
 
 
 def _as_torch(array, like):

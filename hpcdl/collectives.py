@@ -263,21 +263,21 @@ def broadcast(
     return broadcast_async(buf, root, comm, name, dtype).wait()
 
 
-def _first_dimension(array, what):
-    if array.ndim == 0:
+def _first_dimension(shape, what):
+    if not shape:
         raise ValueError(f"{what} needs an array with at least one dimension (rows), got a 0-d array")
-    return array.shape[0]
+    return shape[0]
 
 
-def _new_array(array, member=None, rank=None):
+def _new_array(dtype, shape, member=None, rank=None):
     """The result of a core handle (a grouped one's: of ``member``) as an array of
-    ``array``'s dtype and row shape, and the rows from each rank (a reducescatter,
+    ``dtype`` and the row shape of ``shape``, and the rows from each rank (a reducescatter,
     ``rank`` given: of each rank's segment, this rank's alone in the result)."""
 
     def make(handle):
         data, counts = handle.result(member)
         rows = sum(counts) if rank is None else counts[rank]
-        return np.frombuffer(data, dtype=array.dtype).reshape((rows,) + array.shape[1:]), counts
+        return np.frombuffer(data, dtype=dtype).reshape((rows,) + tuple(shape[1:])), counts
 
     return make
 
@@ -290,9 +290,8 @@ def _take_rows(bufs, dtypes, what):
         raise ValueError(f"{what}: {len(dtypes)} dtypes for {len(bufs)} arrays")
     taken = []
     for i, buf in enumerate(bufs):
-        array, core_dtype, convert = _tensors.intake(buf)
-        _first_dimension(array, what)
-        taken.append((array, dtypes[i] if dtypes is not None and dtypes[i] else core_dtype, convert))
+        taken.append(_tensors.intake(buf, dtypes[i] if dtypes is not None else None))
+        _first_dimension(taken[-1][1], what)
     return taken
 
 
@@ -302,7 +301,7 @@ def _grouped(kind, taken, comm, name, reduce_op, results):
     if not taken:
         return GroupHandle(None, [], [])
     handle = _core.submit_group(
-        kind, [_core.Buffer(a, d, False) for a, d, _ in taken], comm, name, reduce_op, _config["chunk_bytes"]
+        kind, [buffer for buffer, _, _, _ in taken], comm, name, reduce_op, _config["chunk_bytes"]
     )
     return _tensors.OutputHandle(handle, results)
 
@@ -318,11 +317,11 @@ def allgather_async(buf: Any, comm: MPI.Comm | None = None, name: str | None = N
     kind (a torch tensor on buf's device). Every dtype of DTYPES.
     """
     comm = _comm(comm)
-    array, core_dtype, convert = _tensors.intake(buf)
-    rows = _first_dimension(array, "allgather")
+    buffer, shape, result_dtype, convert = _tensors.intake(buf, dtype)
+    rows = _first_dimension(shape, "allgather")
     handle = _core.submit(
         _core.KIND_ALLGATHER,
-        _core.Buffer(array, dtype or core_dtype, False),
+        buffer,
         comm,
         name,
         0,
@@ -330,7 +329,7 @@ def allgather_async(buf: Any, comm: MPI.Comm | None = None, name: str | None = N
         _config["chunk_bytes"],
         rows=rows,
     )
-    make = _new_array(array)
+    make = _new_array(result_dtype, shape)
     return _tensors.OutputHandle(handle, lambda h: convert(make(h)[0]))
 
 
@@ -355,10 +354,10 @@ def grouped_allgather_async(
     argument (as allgather's ``dtype``), or None."""
     comm = _comm(comm)
     taken = _take_rows(bufs, dtypes, "grouped_allgather")
-    makes = [_new_array(array, i) for i, (array, _, _) in enumerate(taken)]
+    makes = [_new_array(result_dtype, shape, i) for i, (_, shape, result_dtype, _) in enumerate(taken)]
 
     def results(h):
-        return [convert(make(h)[0]) for make, (_, _, convert) in zip(makes, taken)]
+        return [convert(make(h)[0]) for make, (_, _, _, convert) in zip(makes, taken)]
 
     return _grouped(_core.KIND_GROUPED_ALLGATHER, taken, comm, name, 0, results)
 
@@ -383,11 +382,11 @@ def reducescatter_async(
     same shape and dtype. ``buf`` is only read; the result is new memory."""
     reduce_op = _core.parse_op(op)
     comm = _comm(comm)
-    array, core_dtype, convert = _tensors.intake(buf)
-    rows = _first_dimension(array, "reducescatter")
+    buffer, shape, result_dtype, convert = _tensors.intake(buf, dtype)
+    rows = _first_dimension(shape, "reducescatter")
     handle = _core.submit(
         _core.KIND_REDUCESCATTER,
-        _core.Buffer(array, dtype or core_dtype, False),
+        buffer,
         comm,
         name,
         reduce_op,
@@ -395,7 +394,7 @@ def reducescatter_async(
         _config["chunk_bytes"],
         rows=rows,
     )
-    make = _new_array(array, rank=comm.Get_rank())
+    make = _new_array(result_dtype, shape, rank=comm.Get_rank())
     return _tensors.OutputHandle(handle, lambda h: convert(make(h)[0]))
 
 
@@ -422,10 +421,10 @@ def grouped_reducescatter_async(
     reduce_op = _core.parse_op(op)
     comm = _comm(comm)
     taken = _take_rows(bufs, dtypes, "grouped_reducescatter")
-    makes = [_new_array(array, i, comm.Get_rank()) for i, (array, _, _) in enumerate(taken)]
+    makes = [_new_array(result_dtype, shape, i, comm.Get_rank()) for i, (_, shape, result_dtype, _) in enumerate(taken)]
 
     def results(h):
-        return [convert(make(h)[0]) for make, (_, _, convert) in zip(makes, taken)]
+        return [convert(make(h)[0]) for make, (_, _, _, convert) in zip(makes, taken)]
 
     return _grouped(_core.KIND_GROUPED_REDUCESCATTER, taken, comm, name, reduce_op, results)
 
@@ -460,8 +459,8 @@ def alltoall_async(
     """
     comm = _comm(comm)
     size = comm.Get_size()
-    array, core_dtype, convert = _tensors.intake(buf)
-    rows = _first_dimension(array, "alltoall")
+    buffer, shape, result_dtype, convert = _tensors.intake(buf, dtype)
+    rows = _first_dimension(shape, "alltoall")
     if splits is None:
         if rows % size:
             raise ValueError(
@@ -477,7 +476,7 @@ def alltoall_async(
         )
     handle = _core.submit(
         _core.KIND_ALLTOALL,
-        _core.Buffer(array, dtype or core_dtype, False),
+        buffer,
         comm,
         name,
         0,
@@ -486,7 +485,7 @@ def alltoall_async(
         rows=rows,
         splits=splits,
     )
-    make = _new_array(array)
+    make = _new_array(result_dtype, shape)
 
     def finish(h):
         received, counts = make(h)

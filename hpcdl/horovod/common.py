@@ -140,7 +140,8 @@ def _forget(process_set):
 def comm_of(process_set):
     """The communicator a collective on ``process_set`` runs over (this rank must be a member)."""
     if process_set is global_process_set:
-        return comm()
+        # init() sets it and shutdown() clears it: read without comm()'s frames (a per-call path)
+        return process_set.mpi_comm if process_set.mpi_comm is not None else comm()
     if _process_sets.get(process_set.process_set_id) is not process_set:
         raise ValueError(f"{process_set!r} is not registered: pass it to add_process_set() first")
     if process_set.mpi_comm is None:
@@ -310,8 +311,8 @@ def register(handle, finish=None):
     return key
 
 
-def _entry(handle, spend=False):
-    entry = _handles.pop(handle, None) if spend else _handles.get(handle)
+def _entry(handle):
+    entry = _handles.get(handle)
     if entry is None:
         raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
     return entry
@@ -325,12 +326,16 @@ def poll(handle):
 def synchronize(handle):
     """Wait for the operation of ``handle`` and return its output tensor; the handle is
     spent either way (a failed operation's too)."""
-    return complete(*_entry(handle, spend=True))
+    # the pop inline (the per-call path of every asynchronous collective); _entry() names a miss
+    return complete(*(_handles.pop(handle, None) or _entry(handle)))
 
 
 def complete(operation, finish=None):
     """Wait for hpcdl's ``operation`` and return finish() of its result (None: the result as it is)."""
-    result = call(operation.wait)
+    try:  # call()'s translation without its frame: this is the per-call path of allreduce_
+        result = operation.wait()
+    except HpcdlError as exc:
+        reraise(exc)
     return result if finish is None else finish(result)
 
 
@@ -344,14 +349,19 @@ def _as_horovod_error(kind):
     return _horovod_errors[kind]
 
 
+def reraise(exc):
+    """Raise hpcdl's error ``exc`` as one that is also a HorovodInternalError (keeping its own type)."""
+    if isinstance(exc, HorovodInternalError):
+        raise exc
+    raise _as_horovod_error(type(exc))(str(exc)) from exc
+
+
 def call(fn, *args):
     """Run an hpcdl call; an hpcdl error also becomes a HorovodInternalError (keeping its own type)."""
     try:
         return fn(*args)
     except HpcdlError as exc:
-        if isinstance(exc, HorovodInternalError):
-            raise
-        raise _as_horovod_error(type(exc))(str(exc)) from exc
+        reraise(exc)
 
 
 def wait(handle):

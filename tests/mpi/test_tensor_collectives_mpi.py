@@ -1,6 +1,6 @@
 """hpcdl.allreduce / broadcast over torch tensors under MPI: CPU tensors in place, staged
 tensors ([cuda] on the GPU, [staged-cpu] the same path on CPU) in place, the results of
-numpy arrays bit for bit."""
+numpy arrays bit for bit; the gathering collectives read them through the same intake."""
 
 import numpy as np
 import pytest
@@ -126,3 +126,71 @@ def test_grouped_allreduce_of_tensors_lands_in_place(device):
         collective(WORLD, hpcdl.allreduce, t, op="average", name=f"tensor.alone.{i}")
     ok = all(r is t and torch.equal(t.cpu(), a.cpu()) for r, t, a in zip(results, tensors, alone))
     agree(WORLD, ok and tensors[1].shape == (2, 3), f"{[t.cpu().ravel()[:3] for t in tensors]}")
+
+
+def _gathers(size):
+    """Each gathering collective (single and grouped) as a function of one tensor with size * 2 rows."""
+    return {
+        "allgather": lambda t, name: hpcdl.allgather(t, name=name),
+        "reducescatter": lambda t, name: hpcdl.reducescatter(t, name=name),
+        "alltoall": lambda t, name: hpcdl.alltoall(t, name=name)[0],
+        "grouped_allgather": lambda t, name: hpcdl.grouped_allgather([t], name=name)[0],
+        "grouped_reducescatter": lambda t, name: hpcdl.grouped_reducescatter([t], name=name)[0],
+    }
+
+
+def _gathering_float64_problems(to_device):
+    """allgather, reducescatter and alltoall (and the grouped forms) of a float64 tensor, against
+    numpy's float64 references of every rank's values: the problems seen (none: all equal)."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    values = [rank_values(r, n=size * 2 * 3, dtype=torch.float64).reshape(size * 2, 3).numpy() for r in range(size)]
+    mine = to_device(torch.from_numpy(values[rank].copy()))
+    expected = {
+        "allgather": np.concatenate(values),
+        "reducescatter": np.sum(values, axis=0)[2 * rank : 2 * rank + 2],
+        "alltoall": np.concatenate([v[2 * rank : 2 * rank + 2] for v in values]),
+    }
+    problems = []
+    for kind, fn in _gathers(size).items():
+        out = collective(WORLD, fn, mine, f"gather.f64.{kind}")
+        want = expected[kind.removeprefix("grouped_")]
+        close = out.shape == want.shape and np.allclose(out.cpu().numpy(), want, rtol=1e-12, atol=0)
+        if not (isinstance(out, torch.Tensor) and out.device == mine.device and out.dtype == torch.float64 and close):
+            problems.append(f"{kind}: {out!r}")
+    if not torch.equal(mine.cpu(), torch.from_numpy(values[rank])):
+        problems.append(f"the input changed: {mine!r}")
+    return problems
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gathering_collectives_of_cpu_tensors_equal_their_float64_references():
+    """A CPU tensor is read by address (hpcdl._tensors.host_memory, as allreduce reads it)."""
+    problems = _gathering_float64_problems(lambda t: t)
+    agree(WORLD, not problems, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gathering_collectives_of_staged_tensors_equal_their_float64_references(device):
+    """[cuda], [staged-cpu]: the tensor's staged host copy is read; results land on its device."""
+    problems = _gathering_float64_problems(lambda t: t.to(device))
+    agree(WORLD, not problems, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gathering_collectives_refuse_what_allreduce_refuses_on_every_rank():
+    """One intake's checks: a tensor with the negative bit set, a non-contiguous one and one
+    on another device are refused by every gathering collective with allreduce's errors,
+    before any rank submits (so no rank waits for the others)."""
+    size = WORLD.Get_size()
+    refused = {
+        "negative bit": (ValueError, torch._neg_view(torch.ones(size * 2, 3))),
+        "contiguous": (ValueError, torch.ones(3, size * 2).t()),
+        "CPU and CUDA tensors, got one on meta": (TypeError, torch.ones(size * 2, 3, device="meta")),
+    }
+    problems = []
+    for words, (kind, tensor) in refused.items():
+        for name, fn in _gathers(size).items():
+            _, err = outcome(fn, tensor, f"refused.{name}")
+            if not (isinstance(err, kind) and words in str(err)):
+                problems.append(f"{name} of a tensor that should raise '{words}': {err!r}")
+    agree(WORLD, not problems, problems)

@@ -10,6 +10,7 @@ allreduce of the gradient, and a broadcast's gradient is summed onto the root.
 import torch
 
 import hpcdl
+from hpcdl.errors import HpcdlError
 from hpcdl.horovod import common
 from hpcdl.horovod.common import Sum, global_process_set, poll, synchronize  # noqa: F401 - Horovod's names
 from hpcdl.horovod.torch.compression import Compression
@@ -30,7 +31,12 @@ def _allreduce_start(output, average, name, op, prescale_factor, postscale_facto
     if prescale_factor != 1.0:
         output.detach().mul_(prescale_factor)  # detach: the same memory, outside autograd
     # the core averages integers with floor division, as Horovod's torch API does
-    handle = common.call(hpcdl.allreduce_async, output, op_name, comm, _name("allreduce", name))
+    if name is not None:  # _name() only when named: this is the per-call path of every allreduce
+        name = _name("allreduce", name)
+    try:  # common.call()'s translation without its frame
+        handle = hpcdl.allreduce_async(output, op_name, comm, name)
+    except HpcdlError as exc:
+        common.reraise(exc)
     if postscale_factor == 1.0:
         return handle, None
 

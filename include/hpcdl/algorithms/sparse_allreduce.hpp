@@ -14,16 +14,15 @@
 //      (Iallreduce); the index space is cut into p contiguous ranges holding
 //      about p k / p = k selected pairs each (cuts interpolated inside bins);
 //   3. reduce-scatter: each rank sends the pairs of range j to rank j
-//      (Ialltoall of the counts, then a pairwise exchange of the pairs); rank
-//      j sums them in rank order: its candidates are the union of received
-//      indices. The counts go first, together (4 bytes a peer: one round),
-//      so the pairs land in a buffer of exactly their size;
+//      (a pairwise exchange, one message per peer: its indices then its
+//      values, the count read from the message's length); rank j sums them in
+//      rank order: its candidates are the union of received indices;
 //   4. global selection: the k-th largest candidate magnitude m is found by a
 //      radix select over the 32 magnitude bits, 8 at a time (4 Iallreduces of
 //      256 counts); ties at m go to the lowest indices (an Iallgather of each
 //      range's counts above and at m: ranges ascend, so lower ranges take
 //      their ties first, and every rank knows every range's selected count);
-//   5. an Iallgatherv of the selected pairs (k in all) gives every rank the
+//   5. an Iallgatherv of the selected blocks (k pairs in all) gives every rank the
 //      same bytes, written into the cleared buffer: bitwise identical results.
 // Error feedback: a rank's residual keeps x except where its own pair made it
 // into the result (residual = 0 there): residual + what was applied of this
@@ -63,7 +62,8 @@ struct TopkReuse {
 
 // Working memory of the split allreduce, reused from call to call.
 struct SplitScratch {
-  Scratch mine_idx, mine_val, hist, recv_idx, recv_val, seen, cand, cand_mag, sel_idx, sel_val, out_idx, out_val;
+  Scratch mine_idx, mine_val, hist, packed, slot, cand, cand_sum, cand_mag, sel, out;
+  std::vector<std::uint8_t> received;  // the peers' blocks, one after another
 };
 
 namespace detail {
@@ -89,59 +89,96 @@ inline Status wait_all(MPI_Request* requests, int count, const char* what, Progr
 }
 
 // The pairs of the reduce-scatter, one peer at a time: in round r = 1..p-1 a
-// rank sends to rank + r and receives from rank - r (its indices, then its
-// values: one stream on the link), and waits for both before the next round.
+// rank sends to rank + r and receives from rank - r, one message of its
+// block's indices then values, and waits for both before the next round.
 // An all-to-all puts p - 1 messages on each rank's link at once; on a link
 // that polices its rate (a token bucket, a switch's shallow buffers) those
-// bursts are dropped and resent. Blocks land at their rank-order displacement
-// (this rank's own is copied), so the sum that follows runs in rank order.
-inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, const std::uint32_t* idx,
-                                      const float* val, const std::vector<int>& send_count,
-                                      const std::vector<int>& send_displ, std::uint32_t* recv_idx, float* recv_val,
-                                      const std::vector<int>& recv_count, const std::vector<int>& recv_displ,
+// bursts are dropped and resent. The receiver does not know a block's size
+// beforehand: it lands in a slot for the most a peer may send (`slot_pairs`),
+// the message's length gives its count (recv_count; an empty block is an
+// empty message), and it is appended to `received` (at recv_offset), so the
+// memory held is one slot and the pairs received, not a slot per peer.
+inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, const std::uint8_t* packed,
+                                      const std::vector<int>& send_count, const std::vector<int>& send_displ,
+                                      std::uint8_t* slot, std::size_t slot_pairs, std::vector<std::uint8_t>& received,
+                                      std::vector<std::size_t>& recv_offset, std::vector<int>& recv_count,
                                       Progress& progress) {
-  std::memcpy(recv_idx + recv_displ[rank], idx + send_displ[rank], send_count[rank] * sizeof(std::uint32_t));
-  std::memcpy(recv_val + recv_displ[rank], val + send_displ[rank], send_count[rank] * sizeof(float));
-  MPI_Request rq[4] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+  received.clear();
+  MPI_Request rq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   auto rounds = [&]() -> Status {
     for (int r = 1; r < p; ++r) {
       const int to = (rank + r) % p, from = (rank - r + p) % p;
-      if (recv_count[from] > 0) {  // both sides know the count: an empty block is no message
-        HPCDL_RETURN_NOT_OK(
-            mpi_status(MPI_Irecv(recv_idx + recv_displ[from], recv_count[from], MPI_UINT32_T, from, tag, comm, &rq[0]),
-                       "MPI_Irecv(top-k indices)"));
-        HPCDL_RETURN_NOT_OK(
-            mpi_status(MPI_Irecv(recv_val + recv_displ[from], recv_count[from], MPI_FLOAT, from, tag, comm, &rq[1]),
-                       "MPI_Irecv(top-k values)"));
-      }
-      if (send_count[to] > 0) {
-        HPCDL_RETURN_NOT_OK(
-            mpi_status(MPI_Isend(idx + send_displ[to], send_count[to], MPI_UINT32_T, to, tag, comm, &rq[2]),
-                       "MPI_Isend(top-k indices)"));
-        HPCDL_RETURN_NOT_OK(
-            mpi_status(MPI_Isend(val + send_displ[to], send_count[to], MPI_FLOAT, to, tag, comm, &rq[3]),
-                       "MPI_Isend(top-k values)"));
-      }
-      HPCDL_RETURN_NOT_OK(wait_all(rq, 4, "MPI_Wait(top-k pairs)", progress));
+      HPCDL_RETURN_NOT_OK(
+          mpi_status(MPI_Irecv(slot, static_cast<int>(8 * slot_pairs), MPI_BYTE, from, tag, comm, &rq[0]),
+                     "MPI_Irecv(top-k pairs)"));
+      HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(packed + 8 * static_cast<std::size_t>(send_displ[to]),
+                                               8 * send_count[to], MPI_BYTE, to, tag, comm, &rq[1]),
+                                     "MPI_Isend(top-k pairs)"));
+      MPI_Status status;
+      HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&rq[0], &status, progress), "MPI_Wait(top-k pairs)"));
+      int bytes = 0;
+      MPI_Get_count(&status, MPI_BYTE, &bytes);
+      if (bytes < 0 || bytes % 8 != 0)
+        return Status::Internal("top-k split: a block of " + std::to_string(bytes) + " bytes from rank " +
+                                std::to_string(from));
+      recv_count[from] = bytes / 8;
+      recv_offset[from] = received.size();
+      received.insert(received.end(), slot, slot + bytes);
+      HPCDL_RETURN_NOT_OK(wait_all(&rq[1], 1, "MPI_Wait(top-k pairs)", progress));
     }
     return Status::OK();
   };
   Status st = rounds();
   // A failed round leaves requests posted into the scratch buffers the next call reuses.
-  if (!st.ok()) cancel_and_complete({&rq[0], &rq[1], &rq[2], &rq[3]}, 10.0, "top-k split");
+  if (!st.ok()) cancel_and_complete({&rq[0], &rq[1]}, 10.0, "top-k split");
   return st;
+}
+
+// One peer's block of the reduce-scatter: ascending indices and their values.
+struct PairBlock {
+  const std::uint32_t* idx;
+  const float* val;
+  std::size_t count;
+};
+
+// The union of the blocks' indices, ascending, each index's values summed in
+// block (rank) order from +0.0f, as into a cleared buffer, with the sums'
+// magnitudes: a p-way merge, so the sums never touch the tensor (there each
+// would be a cache miss, and another to read it back and one to clear it).
+inline std::size_t merge_blocks(const std::vector<PairBlock>& blocks, std::uint32_t* cand, float* sum,
+                                std::uint32_t* mag) {
+  std::vector<std::size_t> at(blocks.size(), 0);
+  std::size_t n = 0;
+  for (;;) {
+    bool any = false;
+    std::uint32_t next = 0;
+    for (std::size_t r = 0; r < blocks.size(); ++r) {
+      if (at[r] == blocks[r].count) continue;
+      const std::uint32_t i = blocks[r].idx[at[r]];
+      if (!any || i < next) next = i;
+      any = true;
+    }
+    if (!any) return n;
+    float s = 0.0f;
+    for (std::size_t r = 0; r < blocks.size(); ++r) {
+      if (at[r] < blocks[r].count && blocks[r].idx[at[r]] == next) s += blocks[r].val[at[r]++];
+    }
+    cand[n] = next;
+    sum[n] = s;
+    mag[n++] = topk_magnitude(s);
+  }
 }
 
 }  // namespace detail
 
 // Bytes a rank receives in one split allreduce with evenly spread pairs: the
 // reduce-scatter's and the allgather's (p - 1)/p * 8k each, plus the balance
-// histogram, the radix select and the count exchanges.
+// histogram, the radix select and the selected counts.
 inline std::uint64_t topk_split_model_bytes(int p, std::size_t n, std::size_t k) {
   const std::uint64_t pairs = 2 * static_cast<std::uint64_t>(p - 1) * topk_encoded_bytes(k) / p;
   return pairs + detail::allreduce_volume(p, 4 * detail::split_balance_bins(p, n, k)) +
          detail::kRadixRounds * detail::allreduce_volume(p, 4 * detail::kRadixBins) +
-         static_cast<std::uint64_t>(p - 1) * (4 + 8);
+         static_cast<std::uint64_t>(p - 1) * 8;
 }
 
 // Split or allgather: the algorithm named, or with "auto" the one whose
@@ -150,7 +187,9 @@ inline std::uint64_t topk_split_model_bytes(int p, std::size_t n, std::size_t k)
 // uint32 histograms) would not fit.
 inline bool topk_use_split(TopkAlgorithm algorithm, int p, std::size_t n, std::size_t k) {
   if (algorithm != TopkAlgorithm::kAuto) return algorithm == TopkAlgorithm::kSplit;
-  if (static_cast<std::uint64_t>(p) * k > static_cast<std::uint64_t>(INT_MAX)) return false;
+  if (static_cast<std::uint64_t>(p) * k > static_cast<std::uint64_t>(INT_MAX) ||
+      topk_encoded_bytes(k) > static_cast<std::size_t>(INT_MAX))
+    return false;
   return topk_split_model_bytes(p, n, k) < static_cast<std::uint64_t>(p - 1) * topk_encoded_bytes(k);
 }
 
@@ -166,6 +205,9 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   if (static_cast<std::uint64_t>(p) * most > static_cast<std::uint64_t>(INT_MAX))
     return Status::Invalid("top-k split: p * k = " + std::to_string(static_cast<std::uint64_t>(p) * most) +
                            " pairs exceed MPI's int counts; use algorithm=allgather");
+  if (topk_encoded_bytes(most) > static_cast<std::size_t>(INT_MAX))
+    return Status::Invalid("top-k split: a block of up to " + std::to_string(topk_encoded_bytes(most)) +
+                           " bytes exceeds one MPI message; use algorithm=allgather");
   const std::size_t up = static_cast<std::size_t>(p);
   std::uint64_t received = 0, sent = 0;
   MPI_Request rq[2];
@@ -209,50 +251,52 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   }
 
   // 3. Reduce-scatter: the pairs of range j to rank j, summed there in rank order.
-  std::vector<int> send_count(up), send_displ(up), recv_count(up), recv_displ(up);
+  std::vector<int> send_count(up), send_displ(up), recv_count(up, 0);
+  std::uint8_t* packed = s.packed.get<std::uint8_t>(std::max<std::size_t>(8 * c, 1));
   for (std::size_t j = 0; j < up; ++j) {
-    std::uint32_t* lo = std::lower_bound(idx, idx + c, bound[j]);
-    std::uint32_t* hi = std::lower_bound(lo, idx + c, bound[j + 1]);
-    send_displ[j] = static_cast<int>(lo - idx);
-    send_count[j] = static_cast<int>(hi - lo);
+    std::uint32_t* first = std::lower_bound(idx, idx + c, bound[j]);
+    std::uint32_t* last = std::lower_bound(first, idx + c, bound[j + 1]);
+    send_displ[j] = static_cast<int>(first - idx);
+    send_count[j] = static_cast<int>(last - first);
+    std::uint8_t* block = packed + 8 * static_cast<std::size_t>(send_displ[j]);
+    std::memcpy(block, first, 4 * static_cast<std::size_t>(send_count[j]));
+    std::memcpy(block + 4 * static_cast<std::size_t>(send_count[j]), val + send_displ[j],
+                4 * static_cast<std::size_t>(send_count[j]));
   }
-  HPCDL_RETURN_NOT_OK(
-      mpi_status(MPI_Ialltoall(send_count.data(), 1, MPI_INT, recv_count.data(), 1, MPI_INT, comm, &rq[0]),
-                 "MPI_Ialltoall(top-k counts)"));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k counts)", progress));
+  const std::size_t lo = bound[rank], hi = bound[rank + 1];
+  // A peer sends distinct indices of this range, at most `most` of them.
+  const std::size_t slot_pairs = std::min(most, hi - lo);
+  std::uint8_t* slot = s.slot.get<std::uint8_t>(std::max<std::size_t>(8 * slot_pairs, 1));
+  std::vector<std::size_t> recv_offset(up, 0);
+  HPCDL_RETURN_NOT_OK(detail::exchange_pairs_pairwise(comm, p, rank, tag, packed, send_count, send_displ, slot,
+                                                      slot_pairs, s.received, recv_offset, recv_count, progress));
+  recv_count[rank] = send_count[rank];
   std::size_t n_recv = 0;
   for (std::size_t r = 0; r < up; ++r) {
-    recv_displ[r] = static_cast<int>(n_recv);
     n_recv += static_cast<std::size_t>(recv_count[r]);
     if (r != static_cast<std::size_t>(rank)) {
-      received += 8 * static_cast<std::uint64_t>(recv_count[r]) + 4;
-      sent += 8 * static_cast<std::uint64_t>(send_count[r]) + 4;
+      received += 8 * static_cast<std::uint64_t>(recv_count[r]);
+      sent += 8 * static_cast<std::uint64_t>(send_count[r]);
     }
   }
-  std::uint32_t* recv_idx = s.recv_idx.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
-  float* recv_val = s.recv_val.get<float>(std::max<std::size_t>(n_recv, 1));
-  HPCDL_RETURN_NOT_OK(detail::exchange_pairs_pairwise(comm, p, rank, tag, idx, val, send_count, send_displ, recv_idx,
-                                                      recv_val, recv_count, recv_displ, progress));
-  // The candidates, ascending without repeats: a bitmap of the range marks the
-  // indices received (no sort), read back word by word.
-  const std::size_t lo = bound[rank], hi = bound[rank + 1], words = (hi - lo + 63) / 64;
-  std::uint64_t* seen = s.seen.get<std::uint64_t>(std::max<std::size_t>(words, 1));
-  std::fill(seen, seen + words, std::uint64_t(0));
-  for (std::size_t c = 0; c < n_recv; ++c) {  // blocks arrive in rank order: the sums are too
-    const std::uint32_t i = recv_idx[c];
-    if (i < lo || i >= hi) return Status::Internal("top-k split: a pair outside its range");
-    data[i] += recv_val[c];
-    seen[(i - lo) / 64] |= std::uint64_t(1) << ((i - lo) % 64);
+  // The candidates: the blocks' union, ascending, each summed in rank order.
+  std::vector<detail::PairBlock> blocks(up);
+  for (std::size_t r = 0; r < up; ++r) {
+    const std::size_t count = static_cast<std::size_t>(recv_count[r]);
+    const std::uint8_t* block = r == static_cast<std::size_t>(rank)
+                                    ? packed + 8 * static_cast<std::size_t>(send_displ[r])
+                                    : s.received.data() + recv_offset[r];
+    blocks[r] = {reinterpret_cast<const std::uint32_t*>(block), reinterpret_cast<const float*>(block + 4 * count),
+                 count};
+    for (std::size_t j = 0; j < count; ++j)
+      if (blocks[r].idx[j] < lo || blocks[r].idx[j] >= hi || (j > 0 && blocks[r].idx[j] <= blocks[r].idx[j - 1]))
+        return Status::Internal("top-k split: rank " + std::to_string(r) +
+                                "'s pairs are not ascending inside its range");
   }
   std::uint32_t* cand = s.cand.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
+  float* sum = s.cand_sum.get<float>(std::max<std::size_t>(n_recv, 1));
   std::uint32_t* mag = s.cand_mag.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
-  std::size_t n_cand = 0;
-  for (std::size_t w = 0; w < words; ++w) {
-    for (std::uint64_t m = seen[w]; m; m &= m - 1, ++n_cand) {
-      cand[n_cand] = static_cast<std::uint32_t>(lo + 64 * w + static_cast<std::size_t>(__builtin_ctzll(m)));
-      mag[n_cand] = detail::topk_magnitude(data[cand[n_cand]]);
-    }
-  }
+  const std::size_t n_cand = detail::merge_blocks(blocks, cand, sum, mag);
 
   // 4. Radix select of the k-th largest candidate magnitude over all ranges.
   std::uint64_t need = k;
@@ -303,35 +347,43 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
     out_displ[r] = static_cast<int>(n_out);
     n_out += static_cast<std::size_t>(out_count[r]);
   }
-  std::uint32_t* sel_idx = s.sel_idx.get<std::uint32_t>(std::max<std::size_t>(n_cand, 1));
-  float* sel_val = s.sel_val.get<float>(std::max<std::size_t>(n_cand, 1));
+  // This range's selected pairs, packed as a block: its indices, then its values.
   const int n_sel = out_count[rank];
+  std::uint8_t* sel = s.sel.get<std::uint8_t>(std::max<std::size_t>(8 * static_cast<std::size_t>(n_sel), 1));
+  std::uint32_t* sel_idx = reinterpret_cast<std::uint32_t*>(sel);
+  float* sel_val = reinterpret_cast<float*>(sel + 4 * static_cast<std::size_t>(n_sel));
   for (std::size_t c = 0, out = 0; c < n_cand; ++c) {
     if (mag[c] > cut || (mag[c] == cut && take > 0)) {
       if (mag[c] == cut) --take;
       sel_idx[out] = cand[c];
-      sel_val[out++] = data[cand[c]];
+      sel_val[out++] = sum[c];
     }
-    data[cand[c]] = 0.0f;  // the buffer is cleared again; the gathered result lands in it
   }
 
-  // 5. Allgather of the selected pairs: ranges ascend, so the result's indices do.
-  std::uint32_t* out_idx = s.out_idx.get<std::uint32_t>(std::max<std::size_t>(n_out, 1));
-  float* out_val = s.out_val.get<float>(std::max<std::size_t>(n_out, 1));
-  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iallgatherv(sel_idx, n_sel, MPI_UINT32_T, out_idx, out_count.data(),
-                                                 out_displ.data(), MPI_UINT32_T, comm, &rq[0]),
-                                 "MPI_Iallgatherv(top-k indices)"));
+  // 5. Allgather of the selected blocks, in range order (ascending indices).
+  std::vector<int> out_bytes(up), out_byte_displ(up);
+  for (std::size_t r = 0; r < up; ++r) {
+    out_bytes[r] = 8 * out_count[r];
+    out_byte_displ[r] = 8 * out_displ[r];
+  }
+  std::uint8_t* out = s.out.get<std::uint8_t>(std::max<std::size_t>(8 * n_out, 1));
   HPCDL_RETURN_NOT_OK(mpi_status(
-      MPI_Iallgatherv(sel_val, n_sel, MPI_FLOAT, out_val, out_count.data(), out_displ.data(), MPI_FLOAT, comm, &rq[1]),
-      "MPI_Iallgatherv(top-k values)"));
-  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 2, "MPI_Wait(top-k allgather)", progress));
+      MPI_Iallgatherv(sel, 8 * n_sel, MPI_BYTE, out, out_bytes.data(), out_byte_displ.data(), MPI_BYTE, comm, &rq[0]),
+      "MPI_Iallgatherv(top-k result)"));
+  HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k result)", progress));
   received += 8 * static_cast<std::uint64_t>(n_out - static_cast<std::size_t>(n_sel));
   sent += 8 * static_cast<std::uint64_t>(n_sel) * (up - 1);
-  for (std::size_t g = 0; g < n_out; ++g) data[out_idx[g]] = out_val[g];
-  // The residual gives up this rank's pairs that made it into the result (both lists ascend).
-  for (std::size_t j = 0, g = 0; residual && j < c; ++j) {
-    while (g < n_out && out_idx[g] < idx[j]) ++g;
-    if (g < n_out && out_idx[g] == idx[j]) residual[idx[j]] = 0.0f;
+  for (std::size_t r = 0; r < up; ++r) {
+    const std::size_t count = static_cast<std::size_t>(out_count[r]);
+    const std::uint32_t* block_idx = reinterpret_cast<const std::uint32_t*>(out + 8 * out_displ[r]);
+    const float* block_val = reinterpret_cast<const float*>(out + 8 * out_displ[r] + 4 * count);
+    for (std::size_t g = 0; g < count; ++g) data[block_idx[g]] = block_val[g];
+    // The residual gives up this rank's pairs of range r that made it into the result (both ascend).
+    const std::uint32_t* own = idx + send_displ[r];
+    for (std::size_t j = 0, g = 0; residual && j < static_cast<std::size_t>(send_count[r]); ++j) {
+      while (g < count && block_idx[g] < own[j]) ++g;
+      if (g < count && block_idx[g] == own[j]) residual[own[j]] = 0.0f;
+    }
   }
   traffic->bytes_received += received;
   traffic->bytes_sent += sent;
