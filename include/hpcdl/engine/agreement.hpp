@@ -2,11 +2,12 @@
 // reports operations that are ready to a coordinator (rank 0 of the
 // communicator). The coordinator runs an operation once every rank has
 // reported it, after checking that they all describe it the same way, and
-// sends the order out. Reports travel up a binomial tree rooted at the
-// coordinator and plans down it: a rank merges the reports of its subtree, so
-// an operation seen before (reported as a small integer id with an unchanged
-// description) reaches the coordinator as one entry per child, O(log P)
-// messages and hops per step instead of one report per rank. The tree's state
+// sends the order out. Reports travel up a k-nomial tree (radix
+// HPCDL_AGREEMENT_RADIX) rooted at the coordinator and plans down it: a rank
+// merges the reports of its subtree, so an operation seen before (reported as
+// a small integer id with an unchanged description) reaches the coordinator
+// as one entry per child, O(k log_k P) messages and O(log_k P) hops per step
+// instead of one report per rank. The tree's state
 // is CommContext's (src/engine/agreement.cc); the leave notices that tell the
 // other ranks this one is gone travel on the same channel (leave_notices.cc).
 #pragma once
