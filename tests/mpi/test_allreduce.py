@@ -601,8 +601,8 @@ def test_ops_seen_before_reach_each_rank_once_per_tree_child():
     names = [f"steady.{i}" for i in range(6)]
     arrays = {n: np.zeros(33 + i, dtype=np.float32) for i, n in enumerate(names)}
     first, _ = outcome(run_named_step, names, arrays, 0, rank)  # new names: full descriptions
-    WORLD.Barrier()
     hpcdl.stats(reset=True)
+    WORLD.Barrier()  # every rank's counts are reset before any rank reports the next step
     steps = 5
     results = [outcome(run_named_step, names, arrays, step, 100 * step + rank) for step in range(1, steps + 1)]
     right = first is True and all(ok is True and err is None for ok, err in results)

@@ -24,10 +24,12 @@ def step(value):
         h.wait()
     return all(bool((a == value * WORLD.Get_size()).all()) for a in arrays.values())
 
-WORLD.Barrier()
+# Each rank resets its counts before any rank starts the next step, whose reports it could take first.
 hpcdl.stats(reset=True)
+WORLD.Barrier()
 right = step(1)  # new names: every rank's description goes up
 new = hpcdl.stats(reset=True)["agreement"]
+WORLD.Barrier()
 right = all([step(v) for v in range(2, 6)]) and right  # seen before: merged by subtree
 seen = hpcdl.stats()["agreement"]
 found = WORLD.gather((right, new["descriptions_received"], seen["descriptions_received"], seen["entries_received"]))
