@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -145,28 +146,38 @@ struct PairBlock {
 // block (rank) order from +0.0f, as into a cleared buffer, with the sums'
 // magnitudes: a p-way merge, so the sums never touch the tensor (there each
 // would be a cache miss, and another to read it back and one to clear it).
+// A heap of (index, rank) keys: O(m log p) for the m pairs received, and equal
+// indices leave it in rank order.
 inline std::size_t merge_blocks(const std::vector<PairBlock>& blocks, std::uint32_t* cand, float* sum,
                                 std::uint32_t* mag) {
   std::vector<std::size_t> at(blocks.size(), 0);
+  auto key = [&](std::size_t r) { return (static_cast<std::uint64_t>(blocks[r].idx[at[r]]) << 32) | r; };
+  std::vector<std::uint64_t> heap;
+  heap.reserve(blocks.size());
+  for (std::size_t r = 0; r < blocks.size(); ++r)
+    if (blocks[r].count > 0) heap.push_back(key(r));
+  const std::greater<std::uint64_t> later;
+  std::make_heap(heap.begin(), heap.end(), later);
   std::size_t n = 0;
-  for (;;) {
-    bool any = false;
-    std::uint32_t next = 0;
-    for (std::size_t r = 0; r < blocks.size(); ++r) {
-      if (at[r] == blocks[r].count) continue;
-      const std::uint32_t i = blocks[r].idx[at[r]];
-      if (!any || i < next) next = i;
-      any = true;
-    }
-    if (!any) return n;
+  while (!heap.empty()) {
+    const std::uint64_t index = heap.front() >> 32;
     float s = 0.0f;
-    for (std::size_t r = 0; r < blocks.size(); ++r) {
-      if (at[r] < blocks[r].count && blocks[r].idx[at[r]] == next) s += blocks[r].val[at[r]++];
+    while (!heap.empty() && heap.front() >> 32 == index) {
+      std::pop_heap(heap.begin(), heap.end(), later);
+      const std::size_t r = static_cast<std::size_t>(heap.back() & 0xffffffffu);
+      s += blocks[r].val[at[r]++];
+      if (at[r] < blocks[r].count) {
+        heap.back() = key(r);
+        std::push_heap(heap.begin(), heap.end(), later);
+      } else {
+        heap.pop_back();
+      }
     }
-    cand[n] = next;
+    cand[n] = static_cast<std::uint32_t>(index);
     sum[n] = s;
     mag[n++] = topk_magnitude(s);
   }
+  return n;
 }
 
 }  // namespace detail
