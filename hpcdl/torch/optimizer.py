@@ -296,8 +296,7 @@ class _DistributedOptimizerMixin:
             bucket.wait_launched()
             if bucket.handle is not None:
                 bucket.handle.wait()
-                bucket.handle = None
-            bucket.filled.clear()
+            bucket.end_step()
         for handles in self._sparse.values():
             for handle in handles:
                 handle.wait()
@@ -369,17 +368,14 @@ class _DistributedOptimizerMixin:
                     if not bucket.local:
                         bucket.handle.wait()
                         timings += bucket.timings()
-                        reduced = bucket.result()
-                        for p, offset, numel in bucket.slots:
-                            flat = reduced[offset : offset + numel].view(p.shape)
+                        for p, flat in bucket.results():
                             if p in self._sparse:
                                 continue
                             if p in bucket.filled:
                                 bucket.deliver(p, flat)
                             else:
                                 late.append((bucket, p, flat))
-                    bucket.handle = None
-                    bucket.filled.clear()
+                    bucket.end_step()
                 if presence is not None:
                     presence.wait()
                     count = dict(zip(params, present))
