@@ -253,6 +253,7 @@ cdef class Handle:
     cdef readonly Buffer buffer  # keeps the memory alive while the engine uses it
     cdef readonly list members  # a grouped operation's Buffers, instead
     cdef list segments  # Buffers holding the data in pieces (mark_ready(segments)), kept alive likewise
+    cdef bint takes_segments  # a float32 allreduce with TopK
     cdef readonly str name
     cdef bint raised  # its error has reached the caller
 
@@ -333,6 +334,8 @@ cdef class Handle:
         cdef Buffer seg
         cdef Py_ssize_t total = 0
         if segments is not None and not self.op.get().ready():
+            if not self.takes_segments:
+                raise ValueError(f"'{self.name}': only a float32 allreduce with TopK takes its data in segments")
             for seg in segments:
                 if seg.dtype != "float32":
                     raise TypeError(f"'{self.name}': segments must be float32, got {seg.dtype}")
@@ -488,6 +491,7 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     h.op = op
     h.buffer = buf
     h.name = op.get().name().decode()
+    h.takes_segments = kind == KIND_ALLREDUCE and codec.startswith("topk") and buf.dtype == "float32"
     if len(_inflight) >= _prune_at[0]:
         _prune()
     _inflight.add(h)

@@ -92,7 +92,7 @@ class Bucket:
     def deliver(self, param, reduced):
         """Leave param's reduced gradient (its slot of result()) in param.grad: a copy, or with
         grad_as_view the slot itself becomes param.grad (backward then accumulates into it)."""
-        if param.grad is not None and _same_memory(param.grad, reduced):
+        if param.grad is not None and param.grad.layout == torch.strided and _same_memory(param.grad, reduced):
             return  # reduced in place (a segment): nothing to copy
         if not self.grad_as_view:
             set_grad(param, reduced)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 import hpcdl
 import hpcdl.torch as hvt
 from hpcdl import _core
-from hpcdl.compression import TopK
+from hpcdl.compression import Int8, TopK
 
 from conftest import agree, collective
 from helpers.torch_adapter import full_batch, loss_of, make_model
@@ -74,10 +74,8 @@ def test_segments_give_the_bits_of_the_contiguous_array(codec):
     )
 
 
-def _mark_wrong(segments):
-    handle = hpcdl.allreduce_async(
-        np.zeros(N, np.float32), name="segments.wrong", compression=TopK(0.01), deferred=True
-    )
+def _mark_wrong(segments, codec=TopK(0.01)):
+    handle = hpcdl.allreduce_async(np.zeros(N, np.float32), name="segments.wrong", compression=codec, deferred=True)
     try:
         handle.mark_ready(segments)
         return None
@@ -100,6 +98,13 @@ def _mark_wrong(segments):
 def test_wrong_segments_raise_on_every_rank(segments, words):
     error = _mark_wrong(segments())
     agree(WORLD, error is not None and words in error, f"error: {error!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", [None, Int8()], ids=str)
+def test_segments_are_refused_without_topk(codec):
+    error = _mark_wrong([_core.Buffer(np.zeros(N, np.float32))], codec)
+    agree(WORLD, error is not None and "only a float32 allreduce with TopK" in error, f"error: {error!r}")
 
 
 def _flat_slot_is_zero(opt, param):
