@@ -16,7 +16,8 @@ from mpi4py cimport MPI
 from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, CTopkThreshold, codec_decode, codec_encode, codec_encoded_bytes,
                               codec_name, kDefaultInt8Block, parse_codec, topk_algorithm_name,
                               topk_contribution_array, topk_count as c_topk_count, topk_reuse_cap)
-from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting, CGroupMember,
+from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting, CFloatSegment,
+                              CGroupMember,
                               CNoticeKind, COpKind, COpRequest, COpResult, COperation, COpTimes, CReduceOp,
                               dtype_is_float,
                               dtype_name, dtype_size, dtype_valid, in_mpi_process as c_in_mpi_process,
@@ -251,6 +252,8 @@ cdef class Handle:
     cdef shared_ptr[COperation] op
     cdef readonly Buffer buffer  # keeps the memory alive while the engine uses it
     cdef readonly list members  # a grouped operation's Buffers, instead
+    cdef list segments  # Buffers holding the data in pieces (mark_ready(segments)), kept alive likewise
+    cdef bint takes_segments  # a float32 allreduce with TopK
     cdef readonly str name
     cdef bint raised  # its error has reached the caller
 
@@ -261,6 +264,8 @@ cdef class Handle:
             self.buffer.release()
         for member in self.members or ():
             (<Buffer>member).release()
+        for segment in self.segments or ():
+            (<Buffer>segment).release()
 
     cdef _finish(self):
         """Retire a finished operation and raise its error, the first time one is seen."""
@@ -316,10 +321,33 @@ cdef class Handle:
             return [member.owner for member in self.members]
         return None if self.buffer is None else self.buffer.owner
 
-    def mark_ready(self):
+    def mark_ready(self, segments=None):
         """The buffer of an operation submitted with deferred=True now holds its
-        data: the engine may run it. Idempotent; nothing to do for others."""
-        self.op.get().mark_ready()
+        data: the engine may run it. Idempotent; nothing to do for others.
+
+        segments: a float32 allreduce with TopK may instead take its data in
+        pieces, Buffers whose concatenation in order is the array (as many
+        values as the buffer): the result is written into them and the buffer
+        is left alone. The engine holds them until the operation finishes."""
+        cdef vector[CFloatSegment] pieces
+        cdef CFloatSegment piece
+        cdef Buffer seg
+        cdef Py_ssize_t total = 0
+        if segments is not None and not self.op.get().ready():
+            if not self.takes_segments:
+                raise ValueError(f"'{self.name}': only a float32 allreduce with TopK takes its data in segments")
+            for seg in segments:
+                if seg.dtype != "float32":
+                    raise TypeError(f"'{self.name}': segments must be float32, got {seg.dtype}")
+                piece.data = <float*>seg.ptr()
+                piece.count = seg.count
+                total += seg.count
+                pieces.push_back(piece)
+            if self.buffer is None or total != self.buffer.count:
+                raise ValueError(f"'{self.name}': segments hold {total} values, the operation "
+                                 f"{0 if self.buffer is None else self.buffer.count}")
+            self.segments = list(segments)
+        self.op.get().mark_ready(move(pieces))
         _emit_engine_notices()
 
     def ready(self):
@@ -463,6 +491,7 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     h.op = op
     h.buffer = buf
     h.name = op.get().name().decode()
+    h.takes_segments = kind == KIND_ALLREDUCE and codec.startswith("topk") and buf.dtype == "float32"
     if len(_inflight) >= _prune_at[0]:
         _prune()
     _inflight.add(h)

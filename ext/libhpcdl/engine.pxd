@@ -7,6 +7,11 @@ from mpi4py.libmpi cimport MPI_Comm
 
 from libhpcdl.status cimport CStatus
 
+cdef extern from "hpcdl/util/segments.hpp" namespace "hpcdl" nogil:
+    cdef cppclass CFloatSegment "hpcdl::FloatSegment":
+        float* data
+        size_t count
+
 cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
     cdef enum class COpKind "hpcdl::OpKind":
         kAllreduce
@@ -80,6 +85,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         const string& name()
         cbool done()
         void mark_ready()
+        void mark_ready(vector[CFloatSegment] segments)
         cbool ready()
         cbool wait_for(double seconds)
         CStatus status()

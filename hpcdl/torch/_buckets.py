@@ -11,12 +11,21 @@ bytes to pinned host memory; the "hpcdl-cuda" thread waits for that copy's
 event, decodes compressed bytes on the host and lets the engine move the
 data. After the ring the result goes back to the device asynchronously,
 ordered before whatever the caller's stream runs next (the optimizer step).
+
+A float32 CPU bucket with TopK is not gathered: the engine reads each
+gradient where backward left it, as a segment of the bucket (the index of
+an element is its offset in the concatenation of the slots), and writes the
+result back into the same tensors, so neither the copy in nor the copy back
+exists. A gradient that cannot be a segment (none, not contiguous, another
+dtype) is copied into its slot of the flat buffer, which is then its segment.
+The bucket keeps each segment's tensor until the step's reduction is read.
 """
 
 import torch
 
 import hpcdl
 from hpcdl import _tensors
+from hpcdl.compression import TopK
 from hpcdl.torch.device_codecs import device_codec
 
 
@@ -45,6 +54,9 @@ class Bucket:
         self.launched = None  # the hpcdl-cuda thread's job for a staged bucket
         # gradient_as_bucket_view: .grad becomes the parameter's slot of a host bucket (reduced in place)
         self.grad_as_view = grad_as_view and not staged and not self.local
+        # TopK reads and writes the gradients where they lie (the module's docstring)
+        self.segmented = isinstance(compression, TopK) and dtype == torch.float32 and not staged
+        self.in_place = {}  # param -> its .grad, the segment reduced in place this step
         if self.local:
             return
         self.flat = _tensors.host_buffer(numel, dtype, self.device if staged else torch.device("cpu"))
@@ -80,6 +92,8 @@ class Bucket:
     def deliver(self, param, reduced):
         """Leave param's reduced gradient (its slot of result()) in param.grad: a copy, or with
         grad_as_view the slot itself becomes param.grad (backward then accumulates into it)."""
+        if param.grad is not None and param.grad.layout == torch.strided and _same_memory(param.grad, reduced):
+            return  # reduced in place (a segment): nothing to copy
         if not self.grad_as_view:
             set_grad(param, reduced)
         elif param.grad is None or not _same_memory(param.grad, reduced):
@@ -88,6 +102,9 @@ class Bucket:
     def put(self, offset, numel, param, grad):
         """Gather param's gradient (None: zeros) into the bucket (nothing to copy when it is
         the slot already: gradient_as_bucket_view)."""
+        if self.segmented and grad is not None and _can_be_segment(grad):
+            self.in_place[param] = grad
+            return
         slot = self.view(offset, numel, param)
         if grad is None:
             slot.zero_()
@@ -97,7 +114,12 @@ class Bucket:
     def launch(self):
         """All gradients are in: let the data move (for a staged bucket, once it reached the host)."""
         if not self.staged:
-            self.handle.mark_ready()
+            if self.segmented:
+                self.handle.mark_ready(
+                    [_tensors.host_memory(self._segment(p, off, n), None) for p, off, n in self.slots]
+                )
+            else:
+                self.handle.mark_ready()
             return
         with _tensors.SideWork(self.device) as work:
             if self.encoder is None:
@@ -122,12 +144,36 @@ class Bucket:
             launched, self.launched = self.launched, None
             launched.result()
 
+    def _segment(self, param, offset, numel):
+        """Where param's data lies this step: its gradient, or its slot of the flat buffer."""
+        grad = self.in_place.get(param)
+        return grad if grad is not None else self.flat[offset : offset + numel]
+
     def result(self):
-        """The reduced gradients, where the parameters live: for a staged bucket the copy back
+        """The reduced bucket, where the parameters live: for a staged bucket the copy back
         is queued on the side stream and the caller's stream waits for it."""
         if self.staged:
             _tensors.copy_async(self.gather, self.flat, self.device).order_current_stream()
         return self.gather
+
+    def results(self):
+        """(param, its reduced gradient) per slot: its slot of result(), or the gradient
+        itself where its segment was reduced in place."""
+        reduced = self.result()
+        for p, offset, numel in self.slots:
+            grad = self.in_place.get(p)
+            yield p, grad if grad is not None else reduced[offset : offset + numel].view(p.shape)
+
+    def end_step(self):
+        """The step's reduction is read: forget its gradients."""
+        self.handle = None
+        self.filled.clear()
+        self.in_place.clear()
+
+
+def _can_be_segment(grad):
+    """A gradient the engine may reduce where it lies (the host_memory rules, and float32)."""
+    return grad.dtype == torch.float32 and grad.is_cpu and grad.is_contiguous() and not grad.is_neg()
 
 
 def _same_memory(a, b):

@@ -296,8 +296,7 @@ class _DistributedOptimizerMixin:
             bucket.wait_launched()
             if bucket.handle is not None:
                 bucket.handle.wait()
-                bucket.handle = None
-            bucket.filled.clear()
+            bucket.end_step()
         for handles in self._sparse.values():
             for handle in handles:
                 handle.wait()
@@ -369,17 +368,14 @@ class _DistributedOptimizerMixin:
                     if not bucket.local:
                         bucket.handle.wait()
                         timings += bucket.timings()
-                        reduced = bucket.result()
-                        for p, offset, numel in bucket.slots:
-                            flat = reduced[offset : offset + numel].view(p.shape)
+                        for p, flat in bucket.results():
                             if p in self._sparse:
                                 continue
                             if p in bucket.filled:
                                 bucket.deliver(p, flat)
                             else:
                                 late.append((bucket, p, flat))
-                    bucket.handle = None
-                    bucket.filled.clear()
+                    bucket.end_step()
                 if presence is not None:
                     presence.wait()
                     count = dict(zip(params, present))
@@ -457,7 +453,9 @@ def DistributedOptimizer(
     original's parameter groups and state (so LR schedulers, state_dict() and
     isinstance checks work). Per-parameter hooks copy each finished gradient
     into a fusion bucket; a bucket's allreduce starts as soon as its last
-    gradient is in, overlapping the rest of the backward pass.
+    gradient is in, overlapping the rest of the backward pass. A float32 CPU
+    bucket with TopK copies nothing: the engine reduces each contiguous .grad
+    in place, as a segment of the bucket (hpcdl.torch._buckets).
 
     named_parameters: model.named_parameters(); names identify the buckets'
         contents across ranks and appear in error messages. Checked at
@@ -489,7 +487,9 @@ def DistributedOptimizer(
         set_to_none=False)) is not copied in either. zero_grad(set_to_none=True)
         (torch's default) drops the view: that step's gradient is copied in and
         .grad is the view again after the reduction. The gradients are the
-        same bits as without it. CUDA (staged) buckets keep their copies, and
+        same bits as without it. TopK's float32 CPU buckets copy neither way
+        with or without it (each .grad is reduced in place). CUDA (staged)
+        buckets keep their copies, and
         PowerSGD's low-rank matrices get their approximation written into
         .grad anyway; only the fused dense bucket takes the view there.
 

@@ -17,10 +17,13 @@ bool Operation::done() {
   return done_;
 }
 
-void Operation::mark_ready() {
+void Operation::mark_ready() { mark_ready({}); }
+
+void Operation::mark_ready(std::vector<FloatSegment> segments) {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (ready_) return;
+    if (!segments.empty()) req_.segments = std::move(segments);  // read by the engine once ready_
     ready_ = true;
     times_.ready_us = now_us();
   }

@@ -27,6 +27,8 @@
 // Error feedback: a rank's residual keeps x except where its own pair made it
 // into the result (residual = 0 there): residual + what was applied of this
 // rank's contribution = x, per rank, in sum units.
+// Both allreduces take the data as segments (util/segments.hpp: a bucket's
+// gradients where they lie, or one array); more than one needs a residual.
 #pragma once
 
 #include <mpi.h>
@@ -46,6 +48,7 @@
 #include "hpcdl/codecs/topk.hpp"
 #include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/util/scratch.hpp"
+#include "hpcdl/util/segments.hpp"
 #include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
@@ -81,6 +84,12 @@ inline std::size_t split_balance_bins(int p, std::size_t n, std::size_t k) {
 // The logical volume a rank receives (and sends) in an allreduce of `bytes`: a ring's.
 inline std::uint64_t allreduce_volume(int p, std::size_t bytes) {
   return 2 * static_cast<std::uint64_t>(p - 1) * bytes / static_cast<std::uint64_t>(p);
+}
+
+inline Status check_segments(const FloatSegments& data, const float* residual) {
+  if (data.size() > 1 && residual == nullptr)
+    return Status::Invalid("top-k over data in segments needs a residual (a named operation)");
+  return Status::OK();
 }
 
 inline Status wait_all(MPI_Request* requests, int count, const char* what, Progress& progress) {
@@ -204,12 +213,14 @@ inline bool topk_use_split(TopkAlgorithm algorithm, int p, std::size_t n, std::s
   return topk_split_model_bytes(p, n, k) < static_cast<std::uint64_t>(p - 1) * topk_encoded_bytes(k);
 }
 
-// The split allreduce of data[0, n) (see the top of this file). residual
+// The split allreduce of data's n values (see the top of this file). residual
 // (optional, n values) as in topk_allreduce; traffic counts the logical
 // volume of each exchange (an allreduce as a ring's 2 (p - 1)/p).
-inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, float* data, std::size_t n, double ratio,
+inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, const FloatSegments& data, double ratio,
                                    double final_scale, float* residual, const TopkReuse& reuse, RingTraffic* traffic,
                                    TopkScratch& topk_scratch, SplitScratch& s, Progress& progress) {
+  HPCDL_RETURN_NOT_OK(detail::check_segments(data, residual));
+  const std::size_t n = data.total();
   const std::size_t k = topk_count(n, ratio);
   if (k == 0) return Status::OK();
   const std::size_t most = reuse.most_pairs(k);
@@ -229,7 +240,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   std::uint32_t* idx = s.mine_idx.get<std::uint32_t>(most);
   float* val = s.mine_val.get<float>(most);
   const std::size_t c =
-      topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val, reuse.steps, reuse.threshold, data);
+      topk_contribution(data, residual, n, k, final_scale, topk_scratch, idx, val, reuse.steps, reuse.threshold, true);
 
   // 2. Balance: range j ends where the running count of all pairs (p k without
   // reuse) reaches (j + 1) / p of them, interpolated linearly inside that bin
@@ -384,11 +395,12 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   HPCDL_RETURN_NOT_OK(detail::wait_all(rq, 1, "MPI_Wait(top-k result)", progress));
   received += 8 * static_cast<std::uint64_t>(n_out - static_cast<std::size_t>(n_sel));
   sent += 8 * static_cast<std::uint64_t>(n_sel) * (up - 1);
+  AscendingCursor result(data);  // the blocks ascend, and indices inside each
   for (std::size_t r = 0; r < up; ++r) {
     const std::size_t count = static_cast<std::size_t>(out_count[r]);
     const std::uint32_t* block_idx = reinterpret_cast<const std::uint32_t*>(out + 8 * out_displ[r]);
     const float* block_val = reinterpret_cast<const float*>(out + 8 * out_displ[r] + 4 * count);
-    for (std::size_t g = 0; g < count; ++g) data[block_idx[g]] = block_val[g];
+    for (std::size_t g = 0; g < count; ++g) result.at(block_idx[g]) = block_val[g];
     // The residual gives up this rank's pairs of range r that made it into the result (both ascend).
     const std::uint32_t* own = idx + send_displ[r];
     for (std::size_t j = 0, g = 0; residual && j < static_cast<std::size_t>(send_count[r]); ++j) {
@@ -401,14 +413,16 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, floa
   return Status::OK();
 }
 
-// Allreduce of data[0, n) through top-k on every rank. residual (optional,
+// Allreduce of data's n values through top-k on every rank. residual (optional,
 // n values): added to the data before selection; on return, what this
 // rank's contribution dropped, in sum units. With reuse on, ranks send
 // different counts: an allgather of the counts, then of the pairs (indices,
 // values) at their rank-order places.
-inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n, double ratio, double final_scale,
+inline Status topk_allreduce(MPI_Comm comm, int size, const FloatSegments& data, double ratio, double final_scale,
                              float* residual, const TopkReuse& reuse, RingTraffic* traffic, TopkScratch& scratch,
                              Progress& progress) {
+  HPCDL_RETURN_NOT_OK(detail::check_segments(data, residual));
+  const std::size_t n = data.total();
   const std::size_t k = topk_count(n, ratio), most = reuse.most_pairs(k);
   const std::size_t bytes = topk_encoded_bytes(most);
   if (bytes > static_cast<std::size_t>(std::numeric_limits<int>::max()) ||
@@ -434,7 +448,11 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
     // The logical volume of an allgather: every other rank's pairs in, ours out to each.
     traffic->bytes_sent += static_cast<std::uint64_t>(size - 1) * bytes;
     traffic->bytes_received += static_cast<std::uint64_t>(size - 1) * bytes;
-    topk_sum_into(all, size, k, data, n, scratch);
+    for (std::size_t r = 0; r < up; ++r) {
+      const std::uint8_t* in = all + r * bytes;
+      ranks[r] = TopkPairs{topk_indices(in), topk_values(in, k), k};
+    }
+    topk_sum_into(ranks, size, data, scratch);
     return Status::OK();
   }
   int mine_count = static_cast<int>(c);
@@ -463,7 +481,7 @@ inline Status topk_allreduce(MPI_Comm comm, int size, float* data, std::size_t n
   traffic->bytes_received += topk_encoded_bytes(total - c) + (up - 1) * sizeof(int);
   for (std::size_t r = 0; r < up; ++r)
     ranks[r] = TopkPairs{all_idx + displ[r], all_val + displ[r], static_cast<std::size_t>(counts[r])};
-  topk_sum_into(ranks, size, data, n, scratch);
+  topk_sum_into(ranks, size, data, scratch);
   return Status::OK();
 }
 

@@ -25,6 +25,7 @@
 
 #include "hpcdl/util/dtype.hpp"
 #include "hpcdl/util/scratch.hpp"
+#include "hpcdl/util/segments.hpp"
 #include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
@@ -116,13 +117,17 @@ inline std::size_t topk_reuse_floor(std::size_t k) { return (k + 1) / 2; }
 // and notes whether any x is NaN or Inf; if so, those residual entries are
 // cleared after the selection (a NaN or Inf is sent this step if it is among
 // the k, and never added back at later steps). data is only read (the caller
-// overwrites it with the sum).
+// overwrites it with the sum). With a residual, data may lie in segments
+// (util/segments.hpp): the scan reads each in turn, and nothing else reads it.
 class TopkSelector {
  public:
   TopkSelector(std::size_t n, std::size_t k, TopkScratch& scratch) : n_(n), k_(k), scratch_(scratch) {}
 
   // Fills idx_out[0, k) and val_out[0, k) from x, which is only read.
-  void select(const float* x, std::uint32_t* idx_out, float* val_out) { run<false>(x, nullptr, idx_out, val_out); }
+  void select(const float* x, std::uint32_t* idx_out, float* val_out) {
+    const FloatSegment whole{const_cast<float*>(x), n_};  // only read
+    run<false>(FloatSegments(&whole, 1), nullptr, idx_out, val_out);
+  }
 
   // x = data + residual; on return the residual holds x, with NaN and Inf
   // replaced by 0. data is only read, or with `clear` (data itself) zeroed in
@@ -130,9 +135,16 @@ class TopkSelector {
   // would be one more pass over memory.
   void select_with_residual(const float* data, float* residual, std::uint32_t* idx_out, float* val_out,
                             float* clear = nullptr) {
+    const FloatSegment whole{clear ? clear : const_cast<float*>(data), n_};  // written only with `clear`
+    select_with_residual(FloatSegments(&whole, 1), residual, idx_out, val_out, clear != nullptr);
+  }
+
+  // The same over data in segments (n_ values in all); `clear` zeroes them.
+  void select_with_residual(const FloatSegments& data, float* residual, std::uint32_t* idx_out, float* val_out,
+                            bool clear) {
     clear_ = clear;
     run<true>(data, residual, idx_out, val_out);
-    clear_ = nullptr;
+    clear_ = false;
     clear_non_finite(residual);
   }
 
@@ -140,25 +152,28 @@ class TopkSelector {
   // >= t, ascending, with its value (the first `room` of them written);
   // returns how many there are. The residual is left holding x, NaN and Inf
   // included: then either clear_non_finite, or select_folded for the exact k.
-  std::size_t select_at_least(const float* data, float* residual, std::uint32_t t, std::size_t room,
+  std::size_t select_at_least(const FloatSegments& data, float* residual, std::uint32_t t, std::size_t room,
                               std::uint32_t* idx_out, float* val_out) {
-    std::size_t count = 0;
+    std::size_t count = 0, base = 0;
     std::uint32_t non_finite = 0;
-    for (std::size_t lo = 0; lo < n_; lo += kGroup) {
-      const std::size_t len = std::min(kGroup, n_ - lo);
-      std::uint32_t a, e, f;
-      if (len == kGroup) {
-        group_masks<true>(data + lo, residual + lo, t, &a, &e, &f);
-      } else {
-        group_masks_scalar<true>(data + lo, residual + lo, len, t, &a, &e, &f);
+    for (const FloatSegment& seg : data) {
+      for (std::size_t lo = 0; lo < seg.count; lo += kGroup) {
+        const std::size_t len = std::min(kGroup, seg.count - lo);
+        std::uint32_t a, e, f;
+        if (len == kGroup) {
+          group_masks<true>(seg.data + lo, residual + base + lo, t, &a, &e, &f);
+        } else {
+          group_masks_scalar<true>(seg.data + lo, residual + base + lo, len, t, &a, &e, &f);
+        }
+        non_finite |= f;
+        for (std::uint32_t m = a | e; m; m &= m - 1, ++count) {
+          if (count >= room) continue;
+          const std::size_t i = base + lo + __builtin_ctz(m);
+          idx_out[count] = static_cast<std::uint32_t>(i);
+          val_out[count] = residual[i];
+        }
       }
-      non_finite |= f;
-      for (std::uint32_t m = a | e; m; m &= m - 1, ++count) {
-        if (count >= room) continue;
-        const std::size_t i = lo + __builtin_ctz(m);
-        idx_out[count] = static_cast<std::uint32_t>(i);
-        val_out[count] = residual[i];
-      }
+      base += seg.count;
     }
     any_non_finite_ = non_finite != 0;
     return count;
@@ -167,7 +182,8 @@ class TopkSelector {
   // The exact k of x after select_at_least left x in the residual.
   void select_folded(float* residual, std::uint32_t* idx_out, float* val_out) {
     const bool non_finite = any_non_finite_;
-    run<false>(residual, nullptr, idx_out, val_out);
+    const FloatSegment x{residual, n_};
+    run<false>(FloatSegments(&x, 1), nullptr, idx_out, val_out);
     any_non_finite_ = non_finite;
     clear_non_finite(residual);
   }
@@ -180,13 +196,18 @@ class TopkSelector {
   }
 
  private:
+  // Without a residual, `in` is one segment (x itself).
   template <bool kResidual>
-  void run(const float* in, float* residual, std::uint32_t* idx_out, float* val_out) {
+  void run(const FloatSegments& in, float* residual, std::uint32_t* idx_out, float* val_out) {
     if (k_ == 0) return;
-    const float* x = kResidual ? residual : in;  // where x lies after the scan
+    const float* x = kResidual ? residual : in[0].data;  // where x lies after the scan
     if (k_ == n_) {
-      for (std::size_t i = 0; kResidual && i < n_; ++i) residual[i] += in[i];
-      if (clear_) std::memset(clear_, 0, n_ * sizeof(float));
+      std::size_t base = 0;
+      for (const FloatSegment& seg : in) {
+        for (std::size_t i = 0; kResidual && i < seg.count; ++i) residual[base + i] += seg.data[i];
+        base += seg.count;
+      }
+      if (clear_) in.zero();
       for (std::size_t i = 0; i < n_; ++i) idx_out[i] = static_cast<std::uint32_t>(i);
       std::memcpy(val_out, x, n_ * sizeof(float));
       return;
@@ -208,12 +229,14 @@ class TopkSelector {
     }
   }
 
-  std::uint32_t sample_threshold(const float* data, const float* residual) {
+  std::uint32_t sample_threshold(const FloatSegments& data, const float* residual) {
     const std::size_t samples = std::min<std::size_t>(n_, 16384), stride = n_ / samples;
     std::uint32_t* sample = scratch_.mags.get<std::uint32_t>(samples);
+    AscendingCursor at(data);
     for (std::size_t s = 0; s < samples; ++s) {
       const std::size_t i = s * stride;
-      sample[s] = detail::topk_magnitude(residual ? data[i] + residual[i] : data[i]);
+      const float v = at.at(i);
+      sample[s] = detail::topk_magnitude(residual ? v + residual[i] : v);
     }
     // Aim for about 1.5k candidates: the (1.5k/n)-quantile from the top of
     // the sample (16384 samples put the k-th largest within a few percent
@@ -288,37 +311,41 @@ class TopkSelector {
   // With kResidual, x ends up in residual; else x = in. Candidates are kept
   // with their values, so the cut never reads x again.
   template <bool kResidual>
-  void scan(const float* in, float* residual, std::uint32_t t) {
+  void scan(const FloatSegments& in, float* residual, std::uint32_t t) {
     cap_ = 4 * k_ + 64;
     above_ = scratch_.above.get<std::uint32_t>(cap_);
     above_x_ = scratch_.above_x.get<float>(cap_);
     at_ = scratch_.at.get<std::uint32_t>(k_);
     at_x_ = scratch_.at_x.get<float>(k_);
-    const float* x = kResidual ? residual : in;
-    std::size_t na = 0, ne = 0;
+    std::size_t na = 0, ne = 0, base = 0;
     std::uint32_t non_finite = 0;
-    for (std::size_t lo = 0; lo < n_; lo += kGroup) {
-      const std::size_t len = std::min(kGroup, n_ - lo);
-      std::uint32_t a, e, f;
-      float* r = kResidual ? residual + lo : nullptr;
-      float* z = kResidual && clear_ ? clear_ + lo : nullptr;
-      if (len == kGroup) {
-        group_masks<kResidual>(in + lo, r, t, &a, &e, &f, z);
-      } else {
-        group_masks_scalar<kResidual>(in + lo, r, len, t, &a, &e, &f, z);
+    for (const FloatSegment& seg : in) {
+      // x of this segment: its fold in the residual, or the segment itself
+      const float* x = kResidual ? residual + base : seg.data;
+      for (std::size_t lo = 0; lo < seg.count; lo += kGroup) {
+        const std::size_t len = std::min(kGroup, seg.count - lo);
+        std::uint32_t a, e, f;
+        float* r = kResidual ? residual + base + lo : nullptr;
+        float* z = kResidual && clear_ ? seg.data + lo : nullptr;
+        if (len == kGroup) {
+          group_masks<kResidual>(seg.data + lo, r, t, &a, &e, &f, z);
+        } else {
+          group_masks_scalar<kResidual>(seg.data + lo, r, len, t, &a, &e, &f, z);
+        }
+        non_finite |= f;
+        for (; a; a &= a - 1, ++na) {
+          if (na >= cap_) continue;
+          const std::size_t j = lo + __builtin_ctz(a);
+          above_[na] = static_cast<std::uint32_t>(base + j);
+          above_x_[na] = x[j];
+        }
+        for (; e && ne < k_; e &= e - 1, ++ne) {
+          const std::size_t j = lo + __builtin_ctz(e);
+          at_[ne] = static_cast<std::uint32_t>(base + j);
+          at_x_[ne] = x[j];
+        }
       }
-      non_finite |= f;
-      for (; a; a &= a - 1, ++na) {
-        if (na >= cap_) continue;
-        const std::size_t i = lo + __builtin_ctz(a);
-        above_[na] = static_cast<std::uint32_t>(i);
-        above_x_[na] = x[i];
-      }
-      for (; e && ne < k_; e &= e - 1, ++ne) {
-        const std::size_t i = lo + __builtin_ctz(e);
-        at_[ne] = static_cast<std::uint32_t>(i);
-        at_x_[ne] = x[i];
-      }
+      base += seg.count;
     }
     n_above_ = na;
     n_at_ = ne;
@@ -361,7 +388,7 @@ class TopkSelector {
   float *above_x_ = nullptr, *at_x_ = nullptr;
   std::size_t cap_ = 0, n_above_ = 0, n_at_ = 0;
   bool any_non_finite_ = false;
-  float* clear_ = nullptr;  // select_with_residual's `clear`, for its scan
+  bool clear_ = false;  // select_with_residual's `clear`, for its scan
 };
 
 inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8_t* out, TopkScratch& scratch) {
@@ -380,20 +407,32 @@ struct TopkPairs {
 // then each rank's pairs that fall in it are added, a cursor per rank walking
 // its ascending indices. Memory is written once, in order, instead of p
 // passes of scattered read-modify-writes over the whole buffer.
-inline void topk_sum_into(const TopkPairs* ranks, int p, float* data, std::size_t n, TopkScratch& scratch) {
+// In segments, each is written so a block at a time.
+inline void topk_sum_into(const TopkPairs* ranks, int p, const FloatSegments& data, TopkScratch& scratch) {
   constexpr std::size_t kBlock = 4096;  // floats: 16 KiB, stays in L1 while the adds land
   std::size_t* cursor = scratch.cursors.get<std::size_t>(static_cast<std::size_t>(p));
   std::fill(cursor, cursor + p, std::size_t(0));
-  for (std::size_t lo = 0; lo < n; lo += kBlock) {
-    const std::size_t hi = std::min(n, lo + kBlock);
-    std::memset(data + lo, 0, (hi - lo) * sizeof(float));
-    for (int r = 0; r < p; ++r) {
-      const TopkPairs& in = ranks[r];
-      std::size_t j = cursor[r];
-      for (; j < in.count && in.idx[j] < hi; ++j) data[in.idx[j]] += in.val[j];
-      cursor[r] = j;
+  std::size_t base = 0;
+  for (const FloatSegment& seg : data) {
+    float* out = seg.data - base;  // indexed by the global index
+    const std::size_t end = base + seg.count;
+    for (std::size_t lo = base; lo < end; lo += kBlock) {
+      const std::size_t hi = std::min(end, lo + kBlock);
+      std::memset(out + lo, 0, (hi - lo) * sizeof(float));
+      for (int r = 0; r < p; ++r) {
+        const TopkPairs& in = ranks[r];
+        std::size_t j = cursor[r];
+        for (; j < in.count && in.idx[j] < hi; ++j) out[in.idx[j]] += in.val[j];
+        cursor[r] = j;
+      }
     }
+    base = end;
   }
+}
+
+inline void topk_sum_into(const TopkPairs* ranks, int p, float* data, std::size_t n, TopkScratch& scratch) {
+  const FloatSegment whole{data, n};
+  topk_sum_into(ranks, p, FloatSegments(&whole, 1), scratch);
 }
 
 // The same for p encoded messages of k pairs each, back to back.
@@ -415,7 +454,7 @@ inline void topk_sum_into(const std::uint8_t* all, int p, std::size_t k, float* 
 // magnitude is the threshold for the next reuse_steps calls. Writes x =
 // data + residual into the residual (NaN and Inf as 0); idx and val need
 // room for topk_reuse_cap(k) pairs. Returns the pairs' count.
-inline std::size_t topk_select_reusing(const float* data, float* residual, std::size_t n, std::size_t k,
+inline std::size_t topk_select_reusing(const FloatSegments& data, float* residual, std::size_t n, std::size_t k,
                                        std::uint32_t reuse_steps, TopkThreshold* threshold, TopkScratch& scratch,
                                        std::uint32_t* idx, float* val) {
   TopkSelector selector(n, k, scratch);
@@ -429,7 +468,7 @@ inline std::size_t topk_select_reusing(const float* data, float* residual, std::
     }
     selector.select_folded(residual, idx, val);
   } else {
-    selector.select_with_residual(data, residual, idx, val);
+    selector.select_with_residual(data, residual, idx, val, false);
   }
   std::uint32_t smallest = ~0u;
   for (std::size_t j = 0; j < k; ++j) smallest = std::min(smallest, detail::topk_magnitude(val[j]));
@@ -443,24 +482,32 @@ inline std::size_t topk_select_reusing(const float* data, float* residual, std::
 // threshold (a named tensor, reuse_steps > 0) as topk_select_reusing says,
 // otherwise the exact k. Returns the pairs' count. `clear` (data itself): data
 // is zeroed on return, in the selection's pass where there is a residual and no
-// threshold reuse.
-inline std::size_t topk_contribution(const float* data, float* residual, std::size_t n, std::size_t k,
+// threshold reuse. data in segments needs a residual (the scan folds x into it).
+inline std::size_t topk_contribution(const FloatSegments& data, float* residual, std::size_t n, std::size_t k,
                                      double final_scale, TopkScratch& scratch, std::uint32_t* idx, float* val,
                                      std::uint32_t reuse_steps = 0, TopkThreshold* threshold = nullptr,
-                                     float* clear = nullptr) {
+                                     bool clear = false) {
   std::size_t count = k;
   if (residual && threshold && reuse_steps > 0) {
     count = topk_select_reusing(data, residual, n, k, reuse_steps, threshold, scratch, idx, val);
   } else if (residual) {
     TopkSelector(n, k, scratch).select_with_residual(data, residual, idx, val, clear);
-    clear = nullptr;
+    clear = false;
   } else {
-    TopkSelector(n, k, scratch).select(data, idx, val);
+    TopkSelector(n, k, scratch).select(data[0].data, idx, val);
   }
-  if (clear) std::memset(clear, 0, n * sizeof(float));
+  if (clear) data.zero();
   if (final_scale != 1.0)
     for (std::size_t j = 0; j < count; ++j) val[j] *= static_cast<float>(final_scale);
   return count;
+}
+
+inline std::size_t topk_contribution(const float* data, float* residual, std::size_t n, std::size_t k,
+                                     double final_scale, TopkScratch& scratch, std::uint32_t* idx, float* val,
+                                     std::uint32_t reuse_steps = 0, TopkThreshold* threshold = nullptr) {
+  const FloatSegment whole{const_cast<float*>(data), n};  // only read
+  return topk_contribution(FloatSegments(&whole, 1), residual, n, k, final_scale, scratch, idx, val, reuse_steps,
+                           threshold);
 }
 
 }  // namespace hpcdl

@@ -13,6 +13,7 @@
 #include "hpcdl/codecs/codec_spec.hpp"
 #include "hpcdl/util/dtype.hpp"
 #include "hpcdl/util/result_block.hpp"
+#include "hpcdl/util/segments.hpp"
 #include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
@@ -81,7 +82,10 @@ struct OpRequest {
   std::string name;  // empty: named by submission order on this communicator
   OpDesc desc;
   void* data = nullptr;
-  std::vector<void*> member_data;          // grouped kinds: each member's array
+  std::vector<void*> member_data;  // grouped kinds: each member's array
+  // A float32 allreduce with top-k: data in pieces (util/segments.hpp) summing to
+  // desc.count, given by mark_ready(segments); empty: data. Local: ranks need not agree.
+  std::vector<FloatSegment> segments;
   bool deferred = false;                   // data not in place yet: run only after Operation::mark_ready()
   CodecSpec codec_spec;                    // desc.codec as Engine::submit parsed it (the engine's own copy)
   std::uint64_t rows = 0;                  // allgather, alltoall, reducescatter: the first dimension
@@ -112,6 +116,8 @@ class Operation {
   bool done();
   // A deferred operation's data is in place: the engine may run it. Idempotent.
   void mark_ready();
+  // The same, with the data in segments (OpRequest::segments) instead of the buffer.
+  void mark_ready(std::vector<FloatSegment> segments);
   bool ready();
   // Waits up to `seconds`; true once the operation has finished.
   bool wait_for(double seconds);
