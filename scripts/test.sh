@@ -16,7 +16,7 @@ run ./scripts/lint.sh
 run timeout 3000 python -m pytest -q -p no:cacheprovider -m "not mpi" "$@" tests/unit
 for n in 4 3 5; do
   files=tests/mpi
-  [ "$n" != 4 ] && files="tests/mpi/test_allreduce.py tests/mpi/test_sparse_allreduce.py"
+  [ "$n" != 4 ] && files="tests/mpi/test_allreduce.py tests/mpi/test_sparse_allreduce.py tests/mpi/test_topk_segments_mpi.py"
   run timeout 2400 mpiexec -n $n python -m pytest -q -p no:cacheprovider --with-mpi -m mpi "$@" $files
 done
 if [ -x /usr/bin/mpicc.openmpi ] || [ "${CI:-}" = true ]; then
