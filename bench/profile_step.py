@@ -10,10 +10,13 @@ per step and the process CPU time (all threads) per rank and step, mean over
 ranks, so a profile's sample counts can be turned into milliseconds per step,
 and of it the CPU of the threads other than the training thread (the engine's
 and MPI's), and the allreduces' bytes received per rank and step (hpcdl.stats(), mean
-over ranks).
+over ranks). --csv PATH also appends those figures, unrounded, as one row
+to PATH (a header first when the file is new), so runs can be compared from
+their values.
 """
 
 import argparse
+import csv
 import os
 import sys
 import time
@@ -61,6 +64,7 @@ def main():
         action="store_true",
         help="zero_grad(set_to_none=False): backward accumulates into the existing .grad",
     )
+    parser.add_argument("--csv", metavar="PATH", help="append this run's figures, unrounded, to PATH")
     args = parser.parse_args()
     if args.system != FLOOR and args.system not in CODECS:
         parser.error(f"unknown system '{args.system}': choose {', '.join(CODECS)} or {FLOOR}")
@@ -98,15 +102,31 @@ def main():
             for flag, on in (("gradient-as-bucket-view", args.gradient_as_bucket_view), ("keep-grads", args.keep_grads))
             if on
         ) + (f" (reuse_steps={args.topk_reuse_steps})" if args.system == "topk-reuse" else "")
+        row = {
+            "system": args.system + options,
+            "ranks": comm.Get_size(),
+            "steps": args.steps,
+            "ms_per_step": max(walls) / args.steps * 1e3,
+            "cpu_ms_per_rank_step": sum(cpus) / len(cpus) / args.steps * 1e3,
+            "other_threads_cpu_ms_per_rank_step": sum(others) / len(others) / args.steps * 1e3,
+            "kb_received_per_rank_step": sum(received) / len(received) / args.steps / 1e3,
+        }
         print(
-            f"[hpcdl rank 0] {args.system}{options}: {max(walls) / args.steps * 1e3:.2f} ms/step, "
-            f"{sum(cpus) / len(cpus) / args.steps * 1e3:.2f} ms CPU per rank and step "
-            f"({sum(others) / len(others) / args.steps * 1e3:.2f} of it in threads other than training's: "
+            f"[hpcdl rank 0] {row['system']}: {row['ms_per_step']:.2f} ms/step, "
+            f"{row['cpu_ms_per_rank_step']:.2f} ms CPU per rank and step "
+            f"({row['other_threads_cpu_ms_per_rank_step']:.2f} of it in threads other than training's: "
             "the engine's, MPI's), "
-            f"{sum(received) / len(received) / args.steps / 1e3:.1f} kB received per rank and step "
+            f"{row['kb_received_per_rank_step']:.1f} kB received per rank and step "
             f"({comm.Get_size()} ranks, {args.steps} timed steps after {WARMUP_STEPS})",
             flush=True,
         )
+        if args.csv:
+            new = not os.path.exists(args.csv) or os.path.getsize(args.csv) == 0
+            with open(args.csv, "a", newline="") as fh:
+                writer = csv.DictWriter(fh, fieldnames=list(row))
+                if new:
+                    writer.writeheader()
+                writer.writerow(row)
 
 
 if __name__ == "__main__":

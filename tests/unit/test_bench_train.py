@@ -84,12 +84,14 @@ def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
     assert os.path.getsize(tmp_path / "tiny.png") > 5000
 
 
-def test_profile_step_times_one_system_and_refuses_an_unknown_one():
+def test_profile_step_times_one_system_and_refuses_an_unknown_one(tmp_path):
     """bench/profile_step.py: the step of one system alone, with its wall and CPU time per step
     (and the part of that CPU outside the training thread) and the bytes its allreduces
-    received (none without an exchange)."""
+    received (none without an exchange); --csv appends each run's figures unrounded."""
     script = os.path.join(ROOT, "bench", "profile_step.py")
+    table = tmp_path / "profile.csv"
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    printed = []
     for system in ("topk", "topk-reuse", "no-exchange"):
         command = [
             MPIEXEC,
@@ -106,6 +108,8 @@ def test_profile_step_times_one_system_and_refuses_an_unknown_one():
             "1",
             "--batch",
             "4",
+            "--csv",
+            str(table),
         ]
         code, output, _ = finish_job(start_job(command, cwd=ROOT, env=env), 300)
         assert code == 0, output[-3000:]
@@ -118,6 +122,16 @@ def test_profile_step_times_one_system_and_refuses_an_unknown_one():
         assert found and float(found.group(1)) > 0 and float(found.group(2)) > 0, output[-3000:]
         assert 0 <= float(found.group(3)) <= float(found.group(2)), output[-3000:]
         assert (float(found.group(4)) > 0) == (system != "no-exchange"), output[-3000:]
+        printed.append(found)
+    with open(table, newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [row["system"] for row in rows] == ["topk", "topk-reuse (reuse_steps=20)", "no-exchange"], rows
+    columns = ("ms_per_step", "cpu_ms_per_rank_step", "other_threads_cpu_ms_per_rank_step")
+    for row, found in zip(rows, printed):
+        assert row["ranks"] == "2" and row["steps"] == "3", row
+        for i, column in enumerate(columns, start=1):  # the printed figure is the row's, rounded
+            assert abs(float(row[column]) - float(found.group(i))) <= 0.005 + 1e-9, (column, row, found.group(0))
+        assert abs(float(row["kb_received_per_rank_step"]) - float(found.group(4))) <= 0.05 + 1e-9, row
     code, output, _ = finish_job(start_job([sys.executable, script, "fp8"], cwd=ROOT, env=env), 120)
     assert code == 2 and "unknown system 'fp8'" in output, output[-3000:]
 
