@@ -197,6 +197,40 @@ def test_topk_large_tensor_identity_ties_and_misled_sample():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("ties", [False, True], ids=["spread", "ties"])
+def test_named_topk_exact_from_the_last_cut_and_when_x_moves_away(ties):
+    """A named tensor's scan starts from its last selection's cut: its results and
+    residuals equal those of the exact k largest, step after step, also where x
+    jumps far above that cut (1000 times the gradient: over 4k + 64 candidates)
+    or falls below it (a zero gradient: fewer than k), and with ties at the cut."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    codec, count, name = TopK(0.01, algorithm="allgather"), 200_003, "ef.cut"
+    k = codec.k(count)
+    hpcdl.compression.reset_state()
+    residuals = [np.zeros(count, np.float32) for _ in range(size)]
+    problems = []
+    for t, scale in enumerate([1, 1, 1.05, 1, 1000, 1000, 0, 1, 1]):
+        grads = [contribution(r + 10 * t, count, scale) for r in range(size)]
+        if ties:  # integers: every magnitude, the cut's included, is shared by thousands
+            grads = [np.round(g * 4) for g in grads]
+        xs = [g + e for g, e in zip(grads, residuals)]
+        expected = topk_sum_in_rank_order(xs, codec)
+        for r, x in enumerate(xs):
+            residuals[r] = x.copy()
+            residuals[r][k_largest(x, k)] = 0
+        data = grads[rank].copy()
+        hpcdl.allreduce(data, name=name, compression=codec)
+        mine = hpcdl.compression.residual(name)
+        if data.tobytes() != expected.tobytes() or mine.tobytes() != residuals[rank].tobytes():
+            problems.append(
+                f"step {t} (x{scale}): {np.count_nonzero(data != expected)} results and "
+                f"{np.count_nonzero(mine != residuals[rank])} residuals differ"
+            )
+    hpcdl.compression.reset_state()
+    agree(WORLD, not problems, problems)
+
+
+@pytest.mark.mpi(min_size=2)
 def test_error_feedback_recovers_what_topk_dropped():
     """A constant gradient under top-k 10%: with error feedback every element is
     eventually sent; the running total tracks the truth far better than without."""

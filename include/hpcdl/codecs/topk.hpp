@@ -89,6 +89,10 @@ struct TopkThreshold {
   std::uint32_t magnitude = 0;  // topk_magnitude bits; 0: none (a zero threshold would send every zero)
   std::size_t k = 0;            // the k it was selected for: another k selects exactly
   std::uint32_t uses_left = 0;
+  // The exact selection's own cut for the next call (TopkSelector's scan):
+  // a magnitude that left between 5k/4 and 2k candidates at the last one; 0: none.
+  std::uint32_t scan_cut = 0;
+  std::size_t scan_cut_k = 0;  // the k it was found for
 };
 
 // A reused threshold's count c is sent while k/2 <= c <= 2k; outside, that
@@ -102,7 +106,13 @@ inline std::size_t topk_reuse_floor(std::size_t k) { return (k + 1) / 2; }
 // win. O(n), one pass over memory (as Deep Gradient Compression does, made
 // exact):
 //   1. a fixed-size strided sample of x guesses a threshold t a little below
-//      the k-th largest magnitude (about 1.5k values at or above it);
+//      the k-th largest magnitude (about 1.5k values at or above it); for a
+//      named tensor (a TopkThreshold given), the last call's t instead, while
+//      it keeps between 5k/4 and 2k above it (x changes little from step to
+//      step, and the sample's strided reads, a cache miss each, cost about a
+//      fifth of the selection); a t that misses (fewer than k at or above
+//      it, or over 4k + 64 above) costs one more scan, from a sample, over x
+//      as the first left it;
 //   2. one scan collects, in index order, the indices and values with
 //      magnitude > t and the first k with magnitude == t (so ties on t cost
 //      nothing);
@@ -140,11 +150,14 @@ class TopkSelector {
   }
 
   // The same over data in segments (n_ values in all); `clear` zeroes them.
+  // `cut` (a named tensor's): the scan starts from its scan_cut and leaves the next one there.
   void select_with_residual(const FloatSegments& data, float* residual, std::uint32_t* idx_out, float* val_out,
-                            bool clear) {
+                            bool clear, TopkThreshold* cut = nullptr) {
     clear_ = clear;
+    cut_ = cut;
     run<true>(data, residual, idx_out, val_out);
     clear_ = false;
+    cut_ = nullptr;
     clear_non_finite(residual);
   }
 
@@ -212,11 +225,25 @@ class TopkSelector {
       std::memcpy(val_out, x, n_ * sizeof(float));
       return;
     }
-    scan<kResidual>(in, residual, sample_threshold(in, residual));
-    if (n_above_ > cap_ || n_above_ + n_at_ < k_) {
+    const bool from_last = cut_ != nullptr && cut_->scan_cut > 0 && cut_->scan_cut_k == k_;
+    const std::uint32_t t = from_last ? cut_->scan_cut : sample_threshold(in, residual);
+    scan<kResidual>(in, residual, t);
+    const bool missed = n_above_ > cap_ || n_above_ + n_at_ < k_;
+    if (cut_ != nullptr) {
+      cut_->scan_cut = 0;  // unless this scan's t is worth keeping (below)
+      cut_->scan_cut_k = k_;
+    }
+    if (from_last && missed) {
+      // x moved away from the last cut: select it from a sample, where the scan left it.
+      const bool non_finite = any_non_finite_;
+      const FloatSegment folded{const_cast<float*>(x), n_};
+      run<false>(FloatSegments(&folded, 1), nullptr, idx_out, val_out);
+      any_non_finite_ = non_finite;
+    } else if (missed) {
       select_exact(x, idx_out, val_out);
     } else if (n_above_ >= k_) {
-      cut_above(idx_out, val_out);
+      const std::uint32_t m = cut_above(idx_out, val_out);
+      if (cut_ != nullptr) cut_->scan_cut = next_cut(t, m);
     } else {
       // Both lists ascend and share no index: merge them with their values.
       std::size_t a = 0, e = 0;
@@ -352,7 +379,8 @@ class TopkSelector {
     any_non_finite_ = non_finite != 0;
   }
 
-  void cut_above(std::uint32_t* idx_out, float* val_out) {
+  // Returns the k-th largest magnitude.
+  std::uint32_t cut_above(std::uint32_t* idx_out, float* val_out) {
     std::uint32_t* mags = scratch_.mags.get<std::uint32_t>(n_above_);
     for (std::size_t j = 0; j < n_above_; ++j) mags[j] = detail::topk_magnitude(above_x_[j]);
     const std::uint32_t m = detail::nth_largest_magnitude(mags, n_above_, k_ - 1);
@@ -367,6 +395,20 @@ class TopkSelector {
         val_out[out++] = above_x_[j];
       }
     }
+    return m;
+  }
+
+  // After cut_above (m: the k-th largest magnitude), the cut the next call's
+  // scan starts from: t while it left between 5k/4 and 2k above it, else the
+  // magnitude where about 3k/2 would lie if they spread evenly between t and
+  // m as the n_above - k there did (a guess: no second nth_element); 0 (a
+  // sample next time) when none lay between them or x is not finite there.
+  std::uint32_t next_cut(std::uint32_t t, std::uint32_t m) const {
+    if (4 * n_above_ >= 5 * k_ && n_above_ <= 2 * k_) return t;
+    if (n_above_ <= k_ || m > kLargestFinite) return 0;
+    const float top = bits_to_float(m), low = bits_to_float(t);
+    const float aim = top - (top - low) * static_cast<float>(k_ / 2) / static_cast<float>(n_above_ - k_);
+    return aim > 0.0f ? detail::topk_magnitude(aim) : 0;
   }
 
   void select_exact(const float* x, std::uint32_t* idx_out, float* val_out) {
@@ -388,7 +430,8 @@ class TopkSelector {
   float *above_x_ = nullptr, *at_x_ = nullptr;
   std::size_t cap_ = 0, n_above_ = 0, n_at_ = 0;
   bool any_non_finite_ = false;
-  bool clear_ = false;  // select_with_residual's `clear`, for its scan
+  bool clear_ = false;            // select_with_residual's `clear`, for its scan
+  TopkThreshold* cut_ = nullptr;  // select_with_residual's `cut`
 };
 
 inline void topk_encode(const float* x, std::size_t n, std::size_t k, std::uint8_t* out, TopkScratch& scratch) {
@@ -468,11 +511,13 @@ inline std::size_t topk_select_reusing(const FloatSegments& data, float* residua
     }
     selector.select_folded(residual, idx, val);
   } else {
-    selector.select_with_residual(data, residual, idx, val, false);
+    selector.select_with_residual(data, residual, idx, val, false, threshold);
   }
   std::uint32_t smallest = ~0u;
   for (std::size_t j = 0; j < k; ++j) smallest = std::min(smallest, detail::topk_magnitude(val[j]));
-  *threshold = TopkThreshold{k > 0 ? smallest : 0, k, reuse_steps};
+  threshold->magnitude = k > 0 ? smallest : 0;
+  threshold->k = k;
+  threshold->uses_left = reuse_steps;
   return k;
 }
 
@@ -480,9 +525,10 @@ inline std::size_t topk_select_reusing(const FloatSegments& data, float* residua
 // which keeps what is not selected), each value scaled before it is sent
 // (average: 1/p), so that the sum of the contributions is the result. With a
 // threshold (a named tensor, reuse_steps > 0) as topk_select_reusing says,
-// otherwise the exact k. Returns the pairs' count. `clear` (data itself): data
-// is zeroed on return, in the selection's pass where there is a residual and no
-// threshold reuse. data in segments needs a residual (the scan folds x into it).
+// otherwise the exact k (with a threshold, scanned from its scan_cut).
+// Returns the pairs' count. `clear` (data itself): data is zeroed on return,
+// in the selection's pass where there is a residual and no threshold reuse.
+// data in segments needs a residual (the scan folds x into it).
 inline std::size_t topk_contribution(const FloatSegments& data, float* residual, std::size_t n, std::size_t k,
                                      double final_scale, TopkScratch& scratch, std::uint32_t* idx, float* val,
                                      std::uint32_t reuse_steps = 0, TopkThreshold* threshold = nullptr,
@@ -491,7 +537,7 @@ inline std::size_t topk_contribution(const FloatSegments& data, float* residual,
   if (residual && threshold && reuse_steps > 0) {
     count = topk_select_reusing(data, residual, n, k, reuse_steps, threshold, scratch, idx, val);
   } else if (residual) {
-    TopkSelector(n, k, scratch).select_with_residual(data, residual, idx, val, clear);
+    TopkSelector(n, k, scratch).select_with_residual(data, residual, idx, val, clear, threshold);
     clear = false;
   } else {
     TopkSelector(n, k, scratch).select(data[0].data, idx, val);
