@@ -253,7 +253,6 @@ cdef class Handle:
     cdef readonly Buffer buffer  # keeps the memory alive while the engine uses it
     cdef readonly list members  # a grouped operation's Buffers, instead
     cdef list segments  # Buffers holding the data in pieces (mark_ready(segments)), kept alive likewise
-    cdef bint takes_segments  # a float32 allreduce with TopK
     cdef readonly str name
     cdef bint raised  # its error has reached the caller
 
@@ -332,22 +331,17 @@ cdef class Handle:
         cdef vector[CFloatSegment] pieces
         cdef CFloatSegment piece
         cdef Buffer seg
-        cdef Py_ssize_t total = 0
-        if segments is not None and not self.op.get().ready():
-            if not self.takes_segments:
-                raise ValueError(f"'{self.name}': only a float32 allreduce with TopK takes its data in segments")
+        if segments is None:
+            self.op.get().mark_ready()
+        else:
             for seg in segments:
                 if seg.dtype != "float32":
                     raise TypeError(f"'{self.name}': segments must be float32, got {seg.dtype}")
                 piece.data = <float*>seg.ptr()
                 piece.count = seg.count
-                total += seg.count
                 pieces.push_back(piece)
-            if self.buffer is None or total != self.buffer.count:
-                raise ValueError(f"'{self.name}': segments hold {total} values, the operation "
-                                 f"{0 if self.buffer is None else self.buffer.count}")
             self.segments = list(segments)
-        self.op.get().mark_ready(move(pieces))
+            check_status(self.op.get().mark_ready(move(pieces)))
         _emit_engine_notices()
 
     def ready(self):
@@ -491,7 +485,6 @@ def submit(int kind, Buffer buf, MPI.Comm comm not None, name, int reduce_op=0, 
     h.op = op
     h.buffer = buf
     h.name = op.get().name().decode()
-    h.takes_segments = kind == KIND_ALLREDUCE and codec.startswith("topk") and buf.dtype == "float32"
     if len(_inflight) >= _prune_at[0]:
         _prune()
     _inflight.add(h)

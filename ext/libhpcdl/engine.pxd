@@ -85,7 +85,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         const string& name()
         cbool done()
         void mark_ready()
-        void mark_ready(vector[CFloatSegment] segments)
+        CStatus mark_ready(vector[CFloatSegment] segments)
         cbool ready()
         cbool wait_for(double seconds)
         CStatus status()

@@ -180,18 +180,13 @@ Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* tr
       const TopkReuse reuse{codec.reuse_steps, feedback ? &feedback->topk_threshold : nullptr};
       const FloatSegment whole{data, n};
       const std::vector<FloatSegment>& pieces = op.req_.segments;
-      const FloatSegments segments =
+      const FloatSegments segments =  // n values: Operation::mark_ready refuses others
           pieces.empty() ? FloatSegments(&whole, 1) : FloatSegments(pieces.data(), pieces.size());
-      if (segments.total() != n)
-        return Status::Invalid("'" + op.name() + "': its segments hold " + std::to_string(segments.total()) +
-                               " values, the operation " + std::to_string(n));
       if (topk_use_split(codec.algorithm, ctx.size, n, codec.count(n)))
         return topk_split_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, segments, codec.ratio, scale, res, reuse,
                                     traffic, topk_scratch_, split_scratch_, progress);
       return topk_allreduce(ctx.data, ctx.size, segments, codec.ratio, scale, res, reuse, traffic, topk_scratch_,
                             progress);
-    } else if (!op.req_.segments.empty()) {
-      return Status::Invalid("'" + op.name() + "': only top-k reduces data in segments");
     } else {
       CompressedRingPolicy<Codec> policy(plan, data, codec, scale, res, stream, ring_scratch_);
       return run_ring(plan, policy, ctx.data, kTagData, traffic, progress);

@@ -17,18 +17,32 @@ bool Operation::done() {
   return done_;
 }
 
-void Operation::mark_ready() { mark_ready({}); }
-
-void Operation::mark_ready(std::vector<FloatSegment> segments) {
+void Operation::mark_ready() {
   {
     std::lock_guard<std::mutex> g(mu_);
     if (ready_) return;
-    if (!segments.empty()) req_.segments = std::move(segments);  // read by the engine once ready_
     ready_ = true;
     times_.ready_us = now_us();
   }
   cv_.notify_all();           // the engine, if the plan has reached this operation
   Engine::instance().wake();  // the engine, if it idles until something is ready
+}
+
+Status Operation::mark_ready(std::vector<FloatSegment> segments) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (ready_) return Status::OK();
+    const OpDesc& d = req_.desc;
+    if (d.kind != OpKind::kAllreduce || d.dtype != DType::kFloat32 || req_.codec_spec.kind != CodecKind::kTopK)
+      return Status::Invalid("'" + name_ + "': only a float32 allreduce with TopK takes its data in segments");
+    const std::uint64_t total = FloatSegments(segments.data(), segments.size()).total();
+    if (total != d.count)
+      return Status::Invalid("'" + name_ + "': segments hold " + std::to_string(total) + " values, the operation " +
+                             std::to_string(d.count));
+    req_.segments = std::move(segments);  // read by the engine once ready_
+  }
+  mark_ready();
+  return Status::OK();
 }
 
 bool Operation::ready() {

@@ -116,8 +116,11 @@ class Operation {
   bool done();
   // A deferred operation's data is in place: the engine may run it. Idempotent.
   void mark_ready();
-  // The same, with the data in segments (OpRequest::segments) instead of the buffer.
-  void mark_ready(std::vector<FloatSegment> segments);
+  // The same, with the data in segments (OpRequest::segments) instead of the
+  // buffer. Refused, and the operation left unready, unless it is a float32
+  // allreduce with top-k and the segments hold desc.count values: the engine
+  // writes the result through them. Ignored once ready.
+  Status mark_ready(std::vector<FloatSegment> segments);
   bool ready();
   // Waits up to `seconds`; true once the operation has finished.
   bool wait_for(double seconds);
