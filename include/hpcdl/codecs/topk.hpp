@@ -89,8 +89,7 @@ struct TopkThreshold {
   std::uint32_t magnitude = 0;  // topk_magnitude bits; 0: none (a zero threshold would send every zero)
   std::size_t k = 0;            // the k it was selected for: another k selects exactly
   std::uint32_t uses_left = 0;
-  // The exact selection's own cut for the next call (TopkSelector's scan):
-  // a magnitude that left between 5k/4 and 2k candidates at the last one; 0: none.
+  // Where the next exact selection's scan starts (TopkSelector::next_cut); 0: none (a sample).
   std::uint32_t scan_cut = 0;
   std::size_t scan_cut_k = 0;  // the k it was found for
 };
@@ -107,12 +106,13 @@ inline std::size_t topk_reuse_floor(std::size_t k) { return (k + 1) / 2; }
 // exact):
 //   1. a fixed-size strided sample of x guesses a threshold t a little below
 //      the k-th largest magnitude (about 1.5k values at or above it); for a
-//      named tensor (a TopkThreshold given), the last call's t instead, while
-//      it keeps between 5k/4 and 2k above it (x changes little from step to
-//      step, and the sample's strided reads, a cache miss each, cost about a
-//      fifth of the selection); a t that misses (fewer than k at or above
-//      it, or over 4k + 64 above) costs one more scan, from a sample, over x
-//      as the first left it;
+//      named tensor (a TopkThreshold given), the last call's t instead,
+//      kept while it leaves between 5k/4 and 2k above it and otherwise moved
+//      toward 3k/2 (next_cut): x changes little from step to step, and the
+//      sample's strided reads, a cache miss each, cost about a fifth of the
+//      selection; a t that misses (fewer than k at or above it, or over
+//      4k + 64 above) costs one more scan, from a sample, over x as the
+//      first left it;
 //   2. one scan collects, in index order, the indices and values with
 //      magnitude > t and the first k with magnitude == t (so ties on t cost
 //      nothing);
