@@ -24,7 +24,7 @@ from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, C
                               reduce_op_name, reduce_op_valid,
                               kDefaultChunkBytes, kDefaultStallErrorSeconds, kDefaultStallWarningSeconds,
                               kEnvSettingCount, kEnvSettings, kMaxChunkBytes, kMaxNotices, kMinChunkBytes,
-                              kUnbounded, remember_mpi_process, require_mpi_process as c_require_mpi_process)
+                              kRecursiveDoublingMaxBytes, kUnbounded, remember_mpi_process, require_mpi_process as c_require_mpi_process)
 from libhpcdl.status cimport CStatus, check_status
 
 import math
@@ -35,6 +35,9 @@ from hpcdl._warn import warn as _warn
 DEFAULT_CHUNK_BYTES = kDefaultChunkBytes
 MIN_CHUNK_BYTES = kMinChunkBytes
 MAX_CHUNK_BYTES = kMaxChunkBytes
+# A dense allreduce of at most this many bytes runs by recursive doubling, not the ring
+# (include/hpcdl/algorithms/recursive_doubling.hpp).
+RECURSIVE_DOUBLING_MAX_BYTES = kRecursiveDoublingMaxBytes
 # hpcdl.configure()'s stall limits unless set (include/hpcdl/engine/stall_inspector.hpp).
 DEFAULT_STALL_WARNING_SECONDS = kDefaultStallWarningSeconds
 DEFAULT_STALL_ERROR_SECONDS = kDefaultStallErrorSeconds

@@ -155,6 +155,9 @@ cdef extern from "hpcdl/util/dtype.hpp" namespace "hpcdl" nogil:
 cdef extern from "hpcdl/algorithms/ring.hpp" namespace "hpcdl" nogil:
     size_t kDefaultChunkBytes, kMinChunkBytes, kMaxChunkBytes
 
+cdef extern from "hpcdl/algorithms/recursive_doubling.hpp" namespace "hpcdl" nogil:
+    size_t kRecursiveDoublingMaxBytes
+
 cdef extern from "hpcdl/util/mpi_process.hpp" namespace "hpcdl" nogil:
     void remember_mpi_process()
     cbool in_mpi_process()

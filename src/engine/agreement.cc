@@ -24,13 +24,6 @@ namespace hpcdl {
 
 namespace {
 
-std::string rank_list(const std::vector<int>& ranks) {
-  std::ostringstream os;
-  os << (ranks.size() == 1 ? "rank " : "ranks ");
-  for (std::size_t i = 0; i < ranks.size(); ++i) os << (i ? ", " : "") << ranks[i];
-  return os.str();
-}
-
 // "count differs: 1000 on ranks 0, 1, 3; 998 on rank 2" for each field where ranks disagree.
 std::string describe_disagreement(const std::vector<OpDesc>& descs) {
   std::ostringstream os;

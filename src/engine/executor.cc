@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "hpcdl/algorithms/compressed_ring.hpp"
+#include "hpcdl/algorithms/recursive_doubling.hpp"
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/codecs/codec_registry.hpp"
 #include "hpcdl/codecs/codecs.hpp"
@@ -197,6 +198,11 @@ Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* tr
 Status Executor::run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
                            RingTraffic* traffic, Progress& progress) {
   if (ctx.size == 1) return Status::OK();  // every op over one rank leaves its data
+  if (use_recursive_doubling(count * dtype_size(dtype))) {
+    doubling_partners_ = recursive_doubling_partners(ctx.size, ctx.rank);
+    return recursive_doubling_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, dtype, d.reduce_op, count,
+                                        traffic, progress);
+  }
   RingPlan plan(ctx.size, ctx.rank, count, dtype_size(dtype), d.chunk_bytes);
   DenseRingPolicy policy(plan, data, dtype, d.reduce_op, ctx.size);
   traffic->dense_bytes = plan.dense_bytes_sent();
@@ -251,12 +257,19 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   // A barrier needs nothing more: it ran because every rank had entered it.
   executing_ = nullptr;
   if (stalled_s_ > 0) {
-    st = Status::Timeout(
-        "hpcdl: operation '" + op.name() + "' made no progress in its ring for " + seconds_text(stalled_s_) +
-        " (stall_error_seconds): rank " + std::to_string((ctx.rank + ctx.size - 1) % ctx.size) + " or rank " +
-        std::to_string((ctx.rank + 1) % ctx.size) + " of the communicator, its neighbours, may be stopped or dead");
+    const std::string stalled = "hpcdl: operation '" + op.name() + "' made no progress in its ";
+    const std::string why = " for " + seconds_text(stalled_s_) + " (stall_error_seconds): ";
+    st = Status::Timeout(doubling_partners_.empty()
+                             ? stalled + "ring" + why + "rank " + std::to_string((ctx.rank + ctx.size - 1) % ctx.size) +
+                                   " or rank " + std::to_string((ctx.rank + 1) % ctx.size) +
+                                   " of the communicator, its neighbours, may be stopped or dead"
+                             : stalled + "recursive doubling" + why + (doubling_partners_.size() > 1 ? "one of " : "") +
+                                   rank_list(doubling_partners_) + " of the communicator, " +
+                                   (doubling_partners_.size() > 1 ? "its partners" : "its partner") +
+                                   ", may be stopped or dead");
     stalled_s_ = 0;
   }
+  doubling_partners_.clear();
   const double end_us = now_us();
   {
     std::lock_guard<std::mutex> g(op.mu_);

@@ -465,6 +465,28 @@ def test_stats_count_ring_bytes_exactly(comm):
     )
 
 
+def test_small_allreduce_is_recursive_doubling_bytes_exactly(comm):
+    """Up to RECURSIVE_DOUBLING_MAX_BYTES each of the largest power of two q <= p ranks
+    sends its buffer log2 q times, and each of the p - q folded pairs sends it twice more
+    (the pair's values in, the result back); one float32 more is the ring's 2(p-1).
+    Either way within the float64 reference's bound and bitwise the same on every rank."""
+    size = comm.Get_size()
+    q = 1 << (size.bit_length() - 1)
+    small = hpcdl._core.RECURSIVE_DOUBLING_MAX_BYTES // 4
+    problems = []
+    for n, expected in (
+        (small, (q * (q.bit_length() - 1) + 2 * (size - q)) * small * 4),
+        (small + 1, 2 * (size - 1) * (small + 1) * 4),
+    ):
+        hpcdl.stats(reset=True)
+        ok, detail = check_allreduce(comm, n, "float32", "sum")
+        row = hpcdl.stats().get("allreduce", {}).get("none", {"bytes_sent": 0, "bytes_received": 0})
+        sent, received = comm.allreduce(row["bytes_sent"]), comm.allreduce(row["bytes_received"])
+        if (sent, received) != (expected, expected) or not ok:
+            problems.append(f"n {n}: sent {sent}, received {received}, expected {expected}; {detail}")
+    agree(comm, not problems, problems)
+
+
 @multi_rank
 def test_mismatched_count_raises_on_every_rank(comm):
     rank = comm.Get_rank()

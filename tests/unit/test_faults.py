@@ -190,6 +190,35 @@ def test_a_stopped_rank_inside_a_ring_ends_the_job_after_stall_error_seconds(tmp
     assert failed and named and all("1" in pair for pair in named), out
 
 
+def test_a_stopped_rank_inside_a_small_allreduce_is_named_by_its_partners(tmp_path):
+    """A small allreduce runs by recursive doubling: on 3 ranks rank 0 folds into rank 1
+    and rank 1 exchanges with rank 2. Rank 1 stops: both wait on it alone, and name it."""
+    rc, out = run_job(
+        tmp_path,
+        3,
+        """
+        hpcdl.configure(stall_error_seconds=3)
+        a = np.ones(16, np.float32)
+        h = hpcdl.allreduce_async(a, name="small", deferred=True)
+        if RANK == 1:
+            time.sleep(1.0)  # the others wait for its values by now
+            os.kill(os.getpid(), signal.SIGSTOP)
+        h.mark_ready()
+        h.wait()
+        print(f"rank {RANK} finished the allreduce", flush=True)
+    """,
+    )
+    assert rc != 0, out
+    assert "finished the allreduce" not in out, out
+    failed = [r for r in (0, 2) if f"[hpcdl rank {r}] uncaught StallTimeoutError" in out]
+    named = re.findall(
+        r"operation 'small' made no progress in its recursive doubling for [\d.]+ s \(stall_error_seconds\): "
+        r"rank (\d) of the communicator, its partner, may be stopped or dead",
+        out,
+    )
+    assert failed and named and set(named) == {"1"}, out
+
+
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
     """Rank 1 frees a communicator while its operation "a" is in flight there and
     rank 0 waits in "b" on it: rank 0 fails naming rank 1."""

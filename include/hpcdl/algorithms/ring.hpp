@@ -156,7 +156,7 @@ struct RingBuffer {
 struct RingTraffic {
   std::uint64_t bytes_sent = 0;
   std::uint64_t bytes_received = 0;
-  std::uint64_t dense_bytes = 0;  // what the uncompressed ring sends for the same op
+  std::uint64_t dense_bytes = 0;  // what the uncompressed allreduce sends for the same op
   double reduce_scatter_end = 0;  // MPI_Wtime() when the last reduce-scatter unit was consumed
 };
 

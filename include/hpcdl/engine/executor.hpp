@@ -49,7 +49,8 @@ class Executor {
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
   // Allgather, reducescatter, alltoall and the grouped forms (src/engine/gathering.cc).
   Status run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
-  // One array through the dense ring (in place; nothing to move on one rank).
+  // One array through the dense ring, or by recursive doubling when it is small
+  // (in place; nothing to move on one rank).
   Status run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
                    RingTraffic* traffic, Progress& progress);
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
@@ -61,7 +62,8 @@ class Executor {
   const Transfers& transfers_;
   CommContext* executing_ = nullptr;
   bool cancellable_ = false;
-  double stalled_s_ = 0;  // > 0: that ring was abandoned after this long without progress
+  double stalled_s_ = 0;                // > 0: that ring was abandoned after this long without progress
+  std::vector<int> doubling_partners_;  // the operation's recursive doubling partners (none: a ring)
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
   SplitScratch split_scratch_;

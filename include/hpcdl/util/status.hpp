@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace hpcdl {
 
@@ -13,6 +14,13 @@ namespace hpcdl {
 inline std::string seconds_text(double seconds) {
   char text[32];
   std::snprintf(text, sizeof(text), "%.1f s", seconds);
+  return text;
+}
+
+// Ranks in a message: "rank 3", "ranks 0, 2".
+inline std::string rank_list(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (std::size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
   return text;
 }
 
