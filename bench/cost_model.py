@@ -1,7 +1,7 @@
 """A communication cost model of one gradient allreduce per step, per scheme,
 calibrated and validated on the emulated cluster, and its predictions to P = 1024.
 
-Schemes (SCHEMES): hpcdl's dense ring ("dense"), MPI_Allreduce ("mpi"), the
+Schemes (SCHEMES): hpcdl's dense ring ("dense"; recursive doubling up to 64 KiB), MPI_Allreduce ("mpi"), the
 compressed rings over 2-byte payloads ("fp16", "bf16") and blockwise Int8
 ("int8"), and TopK 1% as the sparse allgather ("topk_allgather") or the split
 allreduce ("topk_split"). Alpha-beta form, per rank and call, for P ranks, N
@@ -40,6 +40,8 @@ SCHEMES = ("dense", "mpi", "fp16", "bf16", "int8", "topk_allgather", "topk_split
 RING_WIDTH = {"dense": 4.0, "fp16": 2.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 256}  # wire bytes per value
 TOPK_RATIO = 0.01
 CHUNK_BYTES = 4 << 20  # hpcdl's default ring chunk (kDefaultChunkBytes)
+# hpcdl's dense allreduce of at most this many bytes runs by recursive doubling (kRecursiveDoublingMaxBytes)
+RECURSIVE_DOUBLING_MAX_BYTES = 64 << 10
 ALLGATHER_LONG_BYTES = 512 << 10  # MPICH: allgather by recursive doubling below this total, ring above
 CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc", "int8_dec", "topk_select", "topk_sum")
 
@@ -82,10 +84,22 @@ def log2_rounds(p):
     return math.ceil(math.log2(p)) if p > 1 else 0
 
 
+def doubling_steps(p):
+    """(rounds, buffers sent and reduced) of the recursive doubling on its busiest rank: log2 q
+    for q the largest power of two <= P; when q < P, a folded pair's odd rank adds two rounds
+    (the pair's values in, the result out) and one buffer each."""
+    q = 1 << (p.bit_length() - 1)
+    doubling = q.bit_length() - 1
+    return (doubling, doubling) if q == p else (doubling + 2, doubling + 1)
+
+
 def traffic(scheme, p, n, ratio=TOPK_RATIO):
     """(messages sent, bytes sent) per rank per call: the counts the model charges alpha and beta."""
     if p < 2:
         return 0, 0.0
+    if scheme == "dense" and 4 * n <= RECURSIVE_DOUBLING_MAX_BYTES:
+        rounds, buffers = doubling_steps(p)
+        return rounds, buffers * 4.0 * n
     if scheme in RING_WIDTH:
         chunks = max(1, math.ceil(4.0 * math.ceil(n / p) / CHUNK_BYTES))
         return 2 * (p - 1) * chunks, 2.0 * (p - 1) / p * n * RING_WIDTH[scheme]
@@ -116,6 +130,8 @@ def kernel_seconds(scheme, p, n, codec):
     if p < 2:
         return 0.0
     part = (p - 1) / p
+    if scheme == "dense" and 4 * n <= RECURSIVE_DOUBLING_MAX_BYTES:
+        return doubling_steps(p)[1] * n * codec["add"]
     if scheme in ("dense", "mpi"):
         return part * n * codec["add"]
     if scheme in ("fp16", "bf16", "int8"):  # each value encoded once, decoded in both phases

@@ -31,13 +31,31 @@ def machine(**kw):
 @pytest.mark.parametrize("n", [1, 1000, 4 << 20, 16 << 20])
 def test_ring_bytes_are_2_p_minus_1_over_p_of_the_payload(p, n):
     for scheme, width in cm.RING_WIDTH.items():
+        if scheme == "dense" and 4 * n <= cm.RECURSIVE_DOUBLING_MAX_BYTES:
+            continue  # recursive doubling (the next test)
         messages, sent = cm.traffic(scheme, p, n)
         assert sent == pytest.approx(2 * (p - 1) / p * n * width, rel=1e-12)
         assert sent < 2 * n * width  # bounded in P: the ring's point
         chunks = max(1, math.ceil(4 * math.ceil(n / p) / cm.CHUNK_BYTES))
         assert messages == 2 * (p - 1) * chunks
-    assert cm.traffic("mpi", p, n)[1] == cm.traffic("dense", p, n)[1]
-    assert cm.traffic("fp16", p, n)[1] == pytest.approx(cm.traffic("dense", p, n)[1] / 2)
+    if 4 * n > cm.RECURSIVE_DOUBLING_MAX_BYTES:
+        assert cm.traffic("mpi", p, n)[1] == cm.traffic("dense", p, n)[1]
+        assert cm.traffic("fp16", p, n)[1] == pytest.approx(cm.traffic("dense", p, n)[1] / 2)
+
+
+def test_small_dense_allreduce_rounds_grow_as_log_p_and_match_the_core():
+    """Up to RECURSIVE_DOUBLING_MAX_BYTES the dense allreduce is recursive doubling: rounds
+    log2 P (+2 off powers of two) against the ring's 2(P - 1), the whole buffer each round."""
+    from hpcdl import _core
+
+    assert cm.RECURSIVE_DOUBLING_MAX_BYTES == _core.RECURSIVE_DOUBLING_MAX_BYTES
+    n = cm.RECURSIVE_DOUBLING_MAX_BYTES // 4
+    rounds = {2: 1, 3: 3, 4: 2, 8: 3, 16: 4, 100: 8, 1024: 10}
+    buffers = {2: 1, 3: 2, 4: 2, 8: 3, 16: 4, 100: 7, 1024: 10}
+    for p in RANKS:
+        assert cm.traffic("dense", p, n) == (rounds[p], buffers[p] * 4.0 * n)
+        assert cm.traffic("dense", p, n + 1)[0] == 2 * (p - 1)  # one value more: the ring
+    assert cm.latency_rounds("dense", 1024, 1) == 10 < 2 * 1023
 
 
 def test_topk_allgather_grows_with_p_and_split_stays_flat():
