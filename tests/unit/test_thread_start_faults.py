@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="re
 # A child's own: glibc reuses the stacks of threads that ended, so a process
 # that ran threads before (packing a store) could start more without mapping anything.
 PRELUDE = """
-import os, resource, sys
+import os, resource, sys, time
 import numpy as np
 from mpi4py import MPI
 import hpcdl
@@ -45,6 +45,15 @@ def lift_limit():
 
 def threads_now():
     return len(os.listdir("/proc/self/task"))
+
+
+def threads_left(before, seconds=5.0):
+    # A joined thread's task stays in /proc until the kernel reaps it, a moment
+    # after pthread_join returns (longer on a loaded machine); one still running stays.
+    deadline = time.monotonic() + seconds
+    while threads_now() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads_now() - before
 """
 
 
@@ -99,7 +108,7 @@ def test_prefetcher_threads_refused_raise_and_none_is_left_running(tmp_path):
                 pf = Prefetcher(st, 8, 1, 0, **kwargs)
             except hpcdl.errors.HpcdlError as exc:
                 lift_limit()
-                print(f"refused at +{extra_mib} MiB: {exc}; threads left: {threads_now() - before}", flush=True)
+                print(f"refused at +{extra_mib} MiB: {exc}; threads left: {threads_left(before)}", flush=True)
                 continue
             lift_limit()
             print(f"started at +{extra_mib} MiB", flush=True)
