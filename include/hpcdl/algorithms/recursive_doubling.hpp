@@ -1,5 +1,5 @@
-// A small dense allreduce by recursive doubling: ceil(log2 P) rounds (two
-// more when P is not a power of two) instead of the ring's 2(P - 1), every
+// A small dense allreduce by recursive doubling: log2 q rounds, q the largest
+// power of two <= P (two more when q < P), instead of the ring's 2(P - 1), every
 // rank sending its whole buffer each round. For buffers of at most
 // kRecursiveDoublingMaxBytes, whose time is the rounds' latency, not bytes:
 // a step's counters, a loss, DistributedOptimizer's presence counts (at
@@ -30,7 +30,7 @@ namespace hpcdl {
 
 // The largest dense allreduce run by recursive doubling (bytes); larger ones
 // take the ring, whose bytes per rank stay 2(P - 1)/P of the buffer
-// (docs/performance.md, "Small allreduces").
+// (docs/performance.md, "Small messages and the idle engine").
 constexpr std::size_t kRecursiveDoublingMaxBytes = 64 << 10;
 
 inline bool use_recursive_doubling(std::size_t bytes) { return bytes <= kRecursiveDoublingMaxBytes; }
