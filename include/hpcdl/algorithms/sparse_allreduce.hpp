@@ -64,12 +64,6 @@ struct TopkReuse {
   std::size_t most_pairs(std::size_t k) const { return on() ? topk_reuse_cap(k) : k; }
 };
 
-// Working memory of the split allreduce, reused from call to call.
-struct SplitScratch {
-  Scratch mine_idx, mine_val, hist, packed, slot, cand, cand_sum, cand_mag, sel, out;
-  std::vector<std::uint8_t> received;  // the peers' blocks, one after another
-};
-
 namespace detail {
 
 constexpr std::size_t kRadixBits = 8, kRadixBins = 1u << kRadixBits, kRadixRounds = 32 / kRadixBits;
@@ -152,44 +146,76 @@ struct PairBlock {
 };
 
 // The union of the blocks' indices, ascending, each index's values summed in
-// block (rank) order from +0.0f, as into a cleared buffer, with the sums'
-// magnitudes: a p-way merge, so the sums never touch the tensor (there each
-// would be a cache miss, and another to read it back and one to clear it).
-// A heap of (index, rank) keys: O(m log p) for the m pairs received, and equal
-// indices leave it in rank order.
-inline std::size_t merge_blocks(const std::vector<PairBlock>& blocks, std::uint32_t* cand, float* sum,
-                                std::uint32_t* mag) {
-  std::vector<std::size_t> at(blocks.size(), 0);
-  auto key = [&](std::size_t r) { return (static_cast<std::uint64_t>(blocks[r].idx[at[r]]) << 32) | r; };
-  std::vector<std::uint64_t> heap;
-  heap.reserve(blocks.size());
-  for (std::size_t r = 0; r < blocks.size(); ++r)
-    if (blocks[r].count > 0) heap.push_back(key(r));
-  const std::greater<std::uint64_t> later;
-  std::make_heap(heap.begin(), heap.end(), later);
-  std::size_t n = 0;
-  while (!heap.empty()) {
-    const std::uint64_t index = heap.front() >> 32;
-    float s = 0.0f;
-    while (!heap.empty() && heap.front() >> 32 == index) {
-      std::pop_heap(heap.begin(), heap.end(), later);
-      const std::size_t r = static_cast<std::size_t>(heap.back() & 0xffffffffu);
-      s += blocks[r].val[at[r]++];
-      if (at[r] < blocks[r].count) {
-        heap.back() = key(r);
-        std::push_heap(heap.begin(), heap.end(), later);
-      } else {
-        heap.pop_back();
+// block (rank) order from +0.0f, with the sums' magnitudes, so the sums never
+// touch the tensor (there each would be a cache miss, and another to read it
+// back and one to clear it). A window of kMergeWindow indices at a time,
+// starting at the smallest index not taken yet: each block's pairs inside it
+// are added, block after block, into a cleared array of sums (cache-resident),
+// and marked in a bitmap whose set bits, read in order, are the window's
+// candidates ascending. O(m + w p) for m pairs in w windows; the windows are
+// disjoint inside this rank's range of about n / p indices, so w p <= n / W + p
+// (W = kMergeWindow) whatever the pairs' spread; no branch per pair depends on
+// the data (a heap's merge: O(m log p), one such branch per step).
+constexpr std::size_t kMergeWindow = std::size_t{1} << 14;
+class MergeWindow {
+ public:
+  std::size_t merge(const std::vector<PairBlock>& blocks, std::uint32_t* cand, float* sum, std::uint32_t* mag) {
+    if (sums_.empty()) {
+      sums_.assign(kMergeWindow, 0.0f);  // kept cleared between calls: taken sums are reset
+      words_.assign(kMergeWindow / 64, 0);
+    }
+    at_.assign(blocks.size(), 0);
+    std::size_t n = 0;
+    for (;;) {
+      std::uint64_t base = UINT64_MAX;
+      for (std::size_t r = 0; r < blocks.size(); ++r)
+        if (at_[r] < blocks[r].count) base = std::min<std::uint64_t>(base, blocks[r].idx[at_[r]]);
+      if (base == UINT64_MAX) return n;
+      const std::uint64_t end = base + kMergeWindow;
+      for (std::size_t r = 0; r < blocks.size(); ++r) {
+        const PairBlock& b = blocks[r];
+        std::size_t j = at_[r];
+        for (; j < b.count && b.idx[j] < end; ++j) {
+          const std::size_t off = static_cast<std::size_t>(b.idx[j] - base);
+          sums_[off] += b.val[j];
+          words_[off / 64] |= std::uint64_t{1} << (off % 64);
+          summary_[off / 4096] |= std::uint64_t{1} << (off / 64 % 64);
+        }
+        at_[r] = j;
+      }
+      for (std::size_t s = 0; s < kSummaryWords; ++s) {
+        for (std::uint64_t marked = summary_[s]; marked != 0; marked &= marked - 1) {
+          const std::size_t w = s * 64 + static_cast<std::size_t>(__builtin_ctzll(marked));
+          for (std::uint64_t bits = words_[w]; bits != 0; bits &= bits - 1) {
+            const std::size_t off = w * 64 + static_cast<std::size_t>(__builtin_ctzll(bits));
+            cand[n] = static_cast<std::uint32_t>(base + off);
+            sum[n] = sums_[off];
+            mag[n++] = topk_magnitude(sums_[off]);
+            sums_[off] = 0.0f;
+          }
+          words_[w] = 0;
+        }
+        summary_[s] = 0;
       }
     }
-    cand[n] = static_cast<std::uint32_t>(index);
-    sum[n] = s;
-    mag[n++] = topk_magnitude(s);
   }
-  return n;
-}
+
+ private:
+  static constexpr std::size_t kSummaryWords = kMergeWindow / 4096;  // a bit per word of the bitmap
+  std::vector<float> sums_;
+  std::vector<std::uint64_t> words_;
+  std::uint64_t summary_[kSummaryWords] = {};
+  std::vector<std::size_t> at_;  // per block, its first pair not taken yet
+};
 
 }  // namespace detail
+
+// Working memory of the split allreduce, reused from call to call.
+struct SplitScratch {
+  Scratch mine_idx, mine_val, hist, packed, slot, cand, cand_sum, cand_mag, sel, out;
+  std::vector<std::uint8_t> received;  // the peers' blocks, one after another
+  detail::MergeWindow merge;
+};
 
 // Bytes a rank receives in one split allreduce with evenly spread pairs: the
 // reduce-scatter's and the allgather's (p - 1)/p * 8k each, plus the balance
@@ -318,7 +344,7 @@ inline Status topk_split_allreduce(MPI_Comm comm, int p, int rank, int tag, cons
   std::uint32_t* cand = s.cand.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
   float* sum = s.cand_sum.get<float>(std::max<std::size_t>(n_recv, 1));
   std::uint32_t* mag = s.cand_mag.get<std::uint32_t>(std::max<std::size_t>(n_recv, 1));
-  const std::size_t n_cand = detail::merge_blocks(blocks, cand, sum, mag);
+  const std::size_t n_cand = s.merge.merge(blocks, cand, sum, mag);
 
   // 4. Radix select of the k-th largest candidate magnitude over all ranges.
   std::uint64_t need = k;
