@@ -42,6 +42,9 @@ TOPK_RATIO = 0.01
 CHUNK_BYTES = 4 << 20  # hpcdl's default ring chunk (kDefaultChunkBytes)
 # hpcdl's dense allreduce of at most this many bytes runs by recursive doubling (kRecursiveDoublingMaxBytes)
 RECURSIVE_DOUBLING_MAX_BYTES = 64 << 10
+# above it, over a power-of-two P, one of at most this many bytes per rank runs by halving-doubling
+# (kHalvingDoublingMaxSegmentBytes)
+HALVING_DOUBLING_MAX_SEGMENT_BYTES = 64 << 10
 ALLGATHER_LONG_BYTES = 512 << 10  # MPICH: allgather by recursive doubling below this total, ring above
 CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc", "int8_dec", "topk_select", "topk_sum")
 
@@ -93,13 +96,26 @@ def doubling_steps(p):
     return (doubling, doubling) if q == p else (doubling + 2, doubling + 1)
 
 
+def dense_algorithm(p, n):
+    """hpcdl's algorithm for a dense allreduce of n float32 over p ranks (the core's choice,
+    hpcdl._core.dense_allreduce_algorithm): "recursive doubling", "halving-doubling" or "ring"."""
+    nbytes = 4 * n
+    if nbytes <= RECURSIVE_DOUBLING_MAX_BYTES:
+        return "recursive doubling"
+    if p & (p - 1) == 0 and nbytes <= p * HALVING_DOUBLING_MAX_SEGMENT_BYTES and nbytes <= 2**31 - 1:
+        return "halving-doubling"
+    return "ring"
+
+
 def traffic(scheme, p, n, ratio=TOPK_RATIO):
     """(messages sent, bytes sent) per rank per call: the counts the model charges alpha and beta."""
     if p < 2:
         return 0, 0.0
-    if scheme == "dense" and 4 * n <= RECURSIVE_DOUBLING_MAX_BYTES:
+    if scheme == "dense" and dense_algorithm(p, n) == "recursive doubling":
         rounds, buffers = doubling_steps(p)
         return rounds, buffers * 4.0 * n
+    if scheme == "dense" and dense_algorithm(p, n) == "halving-doubling":
+        return 2 * log2_rounds(p), 2.0 * (p - 1) / p * 4.0 * n
     if scheme in RING_WIDTH:
         chunks = max(1, math.ceil(4.0 * math.ceil(n / p) / CHUNK_BYTES))
         return 2 * (p - 1) * chunks, 2.0 * (p - 1) / p * n * RING_WIDTH[scheme]
@@ -130,7 +146,7 @@ def kernel_seconds(scheme, p, n, codec):
     if p < 2:
         return 0.0
     part = (p - 1) / p
-    if scheme == "dense" and 4 * n <= RECURSIVE_DOUBLING_MAX_BYTES:
+    if scheme == "dense" and dense_algorithm(p, n) == "recursive doubling":
         return doubling_steps(p)[1] * n * codec["add"]
     if scheme in ("dense", "mpi"):
         return part * n * codec["add"]
@@ -157,7 +173,7 @@ def predict_time(scheme, p, n, m, ratio=TOPK_RATIO):
     share = m.share(p)
     compute = m.kappa * kernel_seconds(scheme, p, n, m.codec) / share
     transfer = max(max(0.0, sent - m.burst) * m.beta, m.net * 2.0 * sent / share)
-    if scheme in RING_WIDTH:
+    if scheme in RING_WIDTH and (scheme != "dense" or dense_algorithm(p, n) == "ring"):
         # msgs units in 2(P-1) dependent steps: within a step the chunks pipeline the transfer
         # against the kernels; each step boundary waits for one chunk of the faster of the two.
         per_link, per_cpu = transfer / msgs, compute / msgs

@@ -24,7 +24,8 @@ from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, C
                               reduce_op_name, reduce_op_valid,
                               kDefaultChunkBytes, kDefaultStallErrorSeconds, kDefaultStallWarningSeconds,
                               kEnvSettingCount, kEnvSettings, kMaxChunkBytes, kMaxNotices, kMinChunkBytes,
-                              kRecursiveDoublingMaxBytes, kUnbounded, remember_mpi_process, require_mpi_process as c_require_mpi_process)
+                              kHalvingDoublingMaxSegmentBytes, kRecursiveDoublingMaxBytes, kUnbounded,
+                              use_halving_doubling, use_recursive_doubling, remember_mpi_process, require_mpi_process as c_require_mpi_process)
 from libhpcdl.status cimport CStatus, check_status
 
 import math
@@ -38,6 +39,19 @@ MAX_CHUNK_BYTES = kMaxChunkBytes
 # A dense allreduce of at most this many bytes runs by recursive doubling, not the ring
 # (include/hpcdl/algorithms/recursive_doubling.hpp).
 RECURSIVE_DOUBLING_MAX_BYTES = kRecursiveDoublingMaxBytes
+# Above that, over a power-of-two number of ranks, one of at most this many bytes per rank
+# (bytes / size) runs by recursive halving and doubling (include/hpcdl/algorithms/halving_doubling.hpp).
+HALVING_DOUBLING_MAX_SEGMENT_BYTES = kHalvingDoublingMaxSegmentBytes
+
+
+def dense_allreduce_algorithm(int size, size_t nbytes):
+    """The algorithm of an uncompressed allreduce of nbytes over size ranks (the engine's choice):
+    "recursive doubling", "halving-doubling" or "ring" ("none" on one rank)."""
+    if size == 1:
+        return "none"
+    if use_recursive_doubling(nbytes):
+        return "recursive doubling"
+    return "halving-doubling" if use_halving_doubling(size, nbytes) else "ring"
 # hpcdl.configure()'s stall limits unless set (include/hpcdl/engine/stall_inspector.hpp).
 DEFAULT_STALL_WARNING_SECONDS = kDefaultStallWarningSeconds
 DEFAULT_STALL_ERROR_SECONDS = kDefaultStallErrorSeconds

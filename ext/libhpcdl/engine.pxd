@@ -157,6 +157,11 @@ cdef extern from "hpcdl/algorithms/ring.hpp" namespace "hpcdl" nogil:
 
 cdef extern from "hpcdl/algorithms/recursive_doubling.hpp" namespace "hpcdl" nogil:
     size_t kRecursiveDoublingMaxBytes
+    cbool use_recursive_doubling(size_t bytes)
+
+cdef extern from "hpcdl/algorithms/halving_doubling.hpp" namespace "hpcdl" nogil:
+    size_t kHalvingDoublingMaxSegmentBytes
+    cbool use_halving_doubling(int p, size_t bytes)
 
 cdef extern from "hpcdl/util/mpi_process.hpp" namespace "hpcdl" nogil:
     void remember_mpi_process()

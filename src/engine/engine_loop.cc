@@ -82,6 +82,8 @@ class EngineLoop::Meanwhile : public Progress {
     return wait_on;
   }
 
+  std::string abandoned_because() const override { return loop_.executor_.stall_text(); }
+
  private:
   EngineLoop& loop_;
   const Pass& pass_;

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "hpcdl/algorithms/compressed_ring.hpp"
+#include "hpcdl/algorithms/halving_doubling.hpp"
 #include "hpcdl/algorithms/recursive_doubling.hpp"
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/codecs/codec_registry.hpp"
@@ -198,15 +199,39 @@ Status Executor::run_compressed(CommContext& ctx, Operation& op, RingTraffic* tr
 Status Executor::run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
                            RingTraffic* traffic, Progress& progress) {
   if (ctx.size == 1) return Status::OK();  // every op over one rank leaves its data
-  if (use_recursive_doubling(count * dtype_size(dtype))) {
-    doubling_partners_ = recursive_doubling_partners(ctx.size, ctx.rank);
+  const std::size_t bytes = count * dtype_size(dtype);
+  if (use_recursive_doubling(bytes)) {
+    partnered_ = "recursive doubling";
+    partners_ = recursive_doubling_partners(ctx.size, ctx.rank);
     return recursive_doubling_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, dtype, d.reduce_op, count,
                                         traffic, progress);
   }
+  if (use_halving_doubling(ctx.size, bytes)) {
+    partnered_ = "halving-doubling";
+    partners_ = halving_doubling_partners(ctx.size, ctx.rank);
+    return halving_doubling_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, dtype, d.reduce_op, count, traffic,
+                                      progress);
+  }
+  partners_.clear();  // a grouped operation's earlier member may have had partners
   RingPlan plan(ctx.size, ctx.rank, count, dtype_size(dtype), d.chunk_bytes);
   DenseRingPolicy policy(plan, data, dtype, d.reduce_op, ctx.size);
   traffic->dense_bytes = plan.dense_bytes_sent();
   return run_ring(plan, policy, ctx.data, kTagData, traffic, progress);
+}
+
+void Executor::stalled(double seconds) {
+  const CommContext& ctx = *executing_;
+  const std::string stalled = "hpcdl: operation '" + executing_name_ + "' made no progress in its ";
+  const std::string why = " for " + seconds_text(seconds) + " (stall_error_seconds): ";
+  if (partners_.empty()) {
+    stall_text_ = stalled + "ring" + why + "rank " + std::to_string((ctx.rank + ctx.size - 1) % ctx.size) +
+                  " or rank " + std::to_string((ctx.rank + 1) % ctx.size) +
+                  " of the communicator, its neighbours, may be stopped or dead";
+  } else {
+    stall_text_ = stalled + partnered_ + why + (partners_.size() > 1 ? "one of " : "") + rank_list(partners_) +
+                  " of the communicator, " + (partners_.size() > 1 ? "its partners" : "its partner") +
+                  ", may be stopped or dead";
+  }
 }
 
 Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
@@ -220,6 +245,7 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   Status st;
   RingTraffic traffic;
   executing_ = &ctx;
+  executing_name_ = op.name();
   // Point-to-point requests (the ring's, the gathering collectives') can be cancelled.
   cancellable_ = d.kind != OpKind::kBroadcast && d.kind != OpKind::kBarrier;
   if (d.kind == OpKind::kAllreduce) {
@@ -256,20 +282,11 @@ Status Executor::execute(CommContext& ctx, Operation& op, Progress& progress) {
   }
   // A barrier needs nothing more: it ran because every rank had entered it.
   executing_ = nullptr;
-  if (stalled_s_ > 0) {
-    const std::string stalled = "hpcdl: operation '" + op.name() + "' made no progress in its ";
-    const std::string why = " for " + seconds_text(stalled_s_) + " (stall_error_seconds): ";
-    st = Status::Timeout(doubling_partners_.empty()
-                             ? stalled + "ring" + why + "rank " + std::to_string((ctx.rank + ctx.size - 1) % ctx.size) +
-                                   " or rank " + std::to_string((ctx.rank + 1) % ctx.size) +
-                                   " of the communicator, its neighbours, may be stopped or dead"
-                             : stalled + "recursive doubling" + why + (doubling_partners_.size() > 1 ? "one of " : "") +
-                                   rank_list(doubling_partners_) + " of the communicator, " +
-                                   (doubling_partners_.size() > 1 ? "its partners" : "its partner") +
-                                   ", may be stopped or dead");
-    stalled_s_ = 0;
+  if (!stall_text_.empty()) {
+    st = Status::Timeout(stall_text_);
+    stall_text_.clear();
   }
-  doubling_partners_.clear();
+  partners_.clear();
   const double end_us = now_us();
   {
     std::lock_guard<std::mutex> g(op.mu_);

@@ -468,7 +468,8 @@ def test_stats_count_ring_bytes_exactly(comm):
 def test_small_allreduce_is_recursive_doubling_bytes_exactly(comm):
     """Up to RECURSIVE_DOUBLING_MAX_BYTES each of the largest power of two q <= p ranks
     sends its buffer log2 q times, and each of the p - q folded pairs sends it twice more
-    (the pair's values in, the result back); one float32 more is the ring's 2(p-1).
+    (the pair's values in, the result back); one float32 more is the ring's or, over
+    a power-of-two size, halving-doubling's 2(p-1) (the same bytes).
     Either way within the float64 reference's bound and bitwise the same on every rank."""
     size = comm.Get_size()
     q = 1 << (size.bit_length() - 1)
@@ -485,6 +486,50 @@ def test_small_allreduce_is_recursive_doubling_bytes_exactly(comm):
         if (sent, received) != (expected, expected) or not ok:
             problems.append(f"n {n}: sent {sent}, received {received}, expected {expected}; {detail}")
     agree(comm, not problems, problems)
+
+
+def check_halving_doubling(comm):
+    """Problems of allreduces around halving-doubling's range (more than
+    RECURSIVE_DOUBLING_MAX_BYTES, at most HALVING_DOUBLING_MAX_SEGMENT_BYTES per rank, a
+    power-of-two size): both ends, a count that splits unevenly and one element more
+    (the ring again), each dtype's width, every op, against the float64 reference
+    (exact for integers) and bitwise the same on every rank."""
+    size = comm.Get_size()
+    power_of_two = size & (size - 1) == 0
+    problems = []
+    for dtype, ops in (
+        ("float32", ("sum", "average", "min", "product")),
+        ("float64", ("sum", "max")),
+        ("float16", ("average",)),
+        ("int32", ("sum", "average")),
+    ):
+        width = np.dtype(np_dtype(dtype)).itemsize
+        low = hpcdl._core.RECURSIVE_DOUBLING_MAX_BYTES // width + 1
+        high = size * hpcdl._core.HALVING_DOUBLING_MAX_SEGMENT_BYTES // width
+        for count in (low, low + size + 1, high, high + 1):
+            algorithm = hpcdl._core.dense_allreduce_algorithm(size, count * width)
+            expected = "none" if size == 1 else "halving-doubling" if power_of_two and count <= high else "ring"
+            if algorithm != expected:
+                problems.append(f"{dtype} x {count} on {size}: {algorithm}, expected {expected}")
+            for op in ops:
+                ok, detail = check_allreduce(comm, count, dtype, op)
+                if not ok:
+                    problems.append(f"{dtype} x {count} {op} ({algorithm}): {detail}")
+    return problems
+
+
+def test_mid_allreduce_by_halving_doubling(comm):
+    problems = check_halving_doubling(comm)
+    agree(comm, not problems, problems)
+
+
+@pytest.mark.parametrize("group", [2, 4])
+def test_halving_doubling_on_sub_communicators(group):
+    """Groups of 2 and 4 ranks (the last may be smaller, then the ring), each on its own communicator."""
+    sub = WORLD.Split(WORLD.Get_rank() // group, WORLD.Get_rank())
+    problems = check_halving_doubling(sub)
+    sub.Free()
+    agree(WORLD, not problems, problems)
 
 
 @multi_rank

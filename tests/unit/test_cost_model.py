@@ -31,8 +31,8 @@ def machine(**kw):
 @pytest.mark.parametrize("n", [1, 1000, 4 << 20, 16 << 20])
 def test_ring_bytes_are_2_p_minus_1_over_p_of_the_payload(p, n):
     for scheme, width in cm.RING_WIDTH.items():
-        if scheme == "dense" and 4 * n <= cm.RECURSIVE_DOUBLING_MAX_BYTES:
-            continue  # recursive doubling (the next test)
+        if scheme == "dense" and cm.dense_algorithm(p, n) != "ring":
+            continue  # recursive doubling or halving-doubling (the next tests)
         messages, sent = cm.traffic(scheme, p, n)
         assert sent == pytest.approx(2 * (p - 1) / p * n * width, rel=1e-12)
         assert sent < 2 * n * width  # bounded in P: the ring's point
@@ -54,8 +54,27 @@ def test_small_dense_allreduce_rounds_grow_as_log_p_and_match_the_core():
     buffers = {2: 1, 3: 2, 4: 2, 8: 3, 16: 4, 100: 7, 1024: 10}
     for p in RANKS:
         assert cm.traffic("dense", p, n) == (rounds[p], buffers[p] * 4.0 * n)
-        assert cm.traffic("dense", p, n + 1)[0] == 2 * (p - 1)  # one value more: the ring
+        if p & (p - 1):  # one value more: the ring
+            assert cm.traffic("dense", p, n + 1)[0] == 2 * (p - 1)
     assert cm.latency_rounds("dense", 1024, 1) == 10 < 2 * 1023
+
+
+@pytest.mark.parametrize("p", RANKS)
+@pytest.mark.parametrize("nbytes", [(64 << 10) + 4, 128 << 10, 4 << 20, 64 << 20, 256 << 20])
+def test_mid_dense_allreduce_is_halving_doubling_over_powers_of_two_as_the_core_chooses(p, nbytes):
+    """Over a power-of-two P, a dense allreduce of at most HALVING_DOUBLING_MAX_SEGMENT_BYTES
+    per rank takes 2 log2 P rounds with the ring's bytes; the model's choice is the core's."""
+    from hpcdl import _core
+
+    assert cm.HALVING_DOUBLING_MAX_SEGMENT_BYTES == _core.HALVING_DOUBLING_MAX_SEGMENT_BYTES
+    n = nbytes // 4
+    assert cm.dense_algorithm(p, n) == _core.dense_allreduce_algorithm(p, nbytes)
+    messages, sent = cm.traffic("dense", p, n)
+    assert sent == pytest.approx(2 * (p - 1) / p * nbytes, rel=1e-12)
+    if cm.dense_algorithm(p, n) == "halving-doubling":
+        assert messages == 2 * (p.bit_length() - 1) == cm.latency_rounds("dense", p, n)
+    else:
+        assert messages >= 2 * (p - 1)
 
 
 def test_topk_allgather_grows_with_p_and_split_stays_flat():

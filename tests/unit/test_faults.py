@@ -162,25 +162,31 @@ def test_rank_killed_with_sigkill_ends_the_job(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "values, scheme, who",
+    "ranks, values, scheme, who, every_one_names_it",
     [
         # several ring chunks of 4 MiB on 3 ranks: ranks 0 and 2 wait on their neighbours
-        ("3 << 20", "ring", r"rank \d or rank \d of the communicator, its neighbours"),
+        (3, "3 << 20", "ring", r"rank \d or rank \d of the communicator, its neighbours", True),
         # recursive doubling: rank 0 folds into rank 1, which exchanges with rank 2
-        ("16", "recursive doubling", r"rank \d of the communicator, its partner"),
+        (3, "16", "recursive doubling", r"rank \d of the communicator, its partner", True),
+        # halving-doubling, 64 KiB per rank on 4: ranks 0 and 3 exchange with rank 1, rank 2
+        # then waits on them
+        (4, "64 << 10", "halving-doubling", r"one of ranks \d, \d of the communicator, its partners", False),
     ],
 )
-def test_a_stopped_rank_inside_an_allreduce_ends_the_job_after_stall_error_seconds(tmp_path, values, scheme, who):
+def test_a_stopped_rank_inside_an_allreduce_ends_the_job_after_stall_error_seconds(
+    tmp_path, ranks, values, scheme, who, every_one_names_it
+):
     """A rank that stops (SIGSTOP; likewise one killed under a launcher that leaves
     the others running) sends nothing and never leaves: the ranks waiting on it make
     no progress, and with stall_error_seconds set they fail naming the ranks they wait
     on instead of waiting for ever, and their uncaught error ends the job."""
     rc, out = run_job(
         tmp_path,
-        3,
+        ranks,
         f"""
         hpcdl.configure(stall_error_seconds=3)
         a = np.ones({values}, np.float32)
+        assert hpcdl._core.dense_allreduce_algorithm(WORLD.Get_size(), a.nbytes) == "{scheme}"
         h = hpcdl.allreduce_async(a, name="stopped", deferred=True)
         if RANK == 1:
             time.sleep(1.0)  # the others wait on it by now
@@ -192,12 +198,16 @@ def test_a_stopped_rank_inside_an_allreduce_ends_the_job_after_stall_error_secon
     )
     assert rc != 0, out
     assert "finished the allreduce" not in out, out
-    failed = [r for r in (0, 2) if f"[hpcdl rank {r}] uncaught StallTimeoutError" in out]
+    failed = [r for r in range(ranks) if r != 1 and f"[hpcdl rank {r}] uncaught StallTimeoutError" in out]
     named = re.findall(
         rf"operation 'stopped' made no progress in its {scheme} for [\d.]+ s \(stall_error_seconds\): ({who})",
         out,
     )
-    assert failed and named and all("rank 1" in text for text in named), out
+    names_rank_1 = [bool(re.search(r"\b1\b", text)) for text in named]
+    # A send MPI cannot cancel (a message of 64 KiB to a stopped rank, half in shared
+    # memory) aborts the job after 10 s, the stall named in the abort's line.
+    ended = failed or "aborting the job (MPI_Abort)" in out
+    assert ended and named and (all if every_one_names_it else any)(names_rank_1), out
 
 
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):

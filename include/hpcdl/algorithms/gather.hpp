@@ -146,7 +146,7 @@ inline Status alltoallv_learning_counts(MPI_Comm comm, int size, int rank, int t
   if (!st.ok()) {
     std::vector<MPI_Request*> posted;
     for (MPI_Request& r : requests) posted.push_back(&r);
-    cancel_and_complete(posted, 10.0, "alltoall");
+    cancel_and_complete(posted, 10.0, "alltoall", progress.abandoned_because());
   }
   return st;
 }
@@ -215,7 +215,7 @@ inline Status pairwise_reduce_scatter(MPI_Comm comm, int size, int rank, int tag
   if (!st.ok()) {
     std::vector<MPI_Request*> posted;
     for (MPI_Request& r : requests) posted.push_back(&r);
-    cancel_and_complete(posted, 10.0, "reducescatter");
+    cancel_and_complete(posted, 10.0, "reducescatter", progress.abandoned_because());
   }
   return st;
 }

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <string>
 #include <thread>
 
 #include "hpcdl/util/env.hpp"
@@ -23,6 +24,8 @@ class Progress {
   // how long it has lasted (from its first call). Must not wait on MPI
   // itself. False: abandon the wait (a rank it waits for has left).
   virtual bool waiting(double waited_s) = 0;
+  // Once waiting() said false: why, for an abort that cancelling the requests may still need.
+  virtual std::string abandoned_because() const { return {}; }
 };
 
 // MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a

@@ -125,7 +125,7 @@ inline Status recursive_doubling_allreduce(MPI_Comm comm, int p, int rank, int t
   Status st = rounds();
   traffic->dense_bytes = traffic->bytes_sent;
   // A failed round leaves requests posted into `theirs` (freed on return) and the caller's buffer.
-  if (!st.ok()) cancel_and_complete({&rq[0], &rq[1]}, 10.0, "recursive doubling");
+  if (!st.ok()) cancel_and_complete({&rq[0], &rq[1]}, 10.0, "recursive doubling", progress.abandoned_because());
   return st;
 }
 

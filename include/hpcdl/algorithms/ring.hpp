@@ -257,7 +257,7 @@ Status run_ring(const RingPlan& plan, Policy& policy, MPI_Comm comm, int tag, Ri
     std::vector<MPI_Request*> posted;
     for (MPI_Request& r : recv_req) posted.push_back(&r);
     for (auto& s : send_req) posted.push_back(&s.second);
-    cancel_and_complete(posted, 10.0, "ring allreduce");
+    cancel_and_complete(posted, 10.0, "ring allreduce", progress.abandoned_because());
   }
   return st;
 }

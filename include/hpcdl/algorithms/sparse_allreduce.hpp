@@ -134,7 +134,7 @@ inline Status exchange_pairs_pairwise(MPI_Comm comm, int p, int rank, int tag, c
   };
   Status st = rounds();
   // A failed round leaves requests posted into the scratch buffers the next call reuses.
-  if (!st.ok()) cancel_and_complete({&rq[0], &rq[1]}, 10.0, "top-k split");
+  if (!st.ok()) cancel_and_complete({&rq[0], &rq[1]}, 10.0, "top-k split", progress.abandoned_because());
   return st;
 }
 

@@ -38,7 +38,9 @@ class Executor {
   // That operation's requests can be cancelled (a ring).
   bool cancellable() const { return cancellable_; }
   // That operation's wait is abandoned after `seconds` without progress.
-  void stalled(double seconds) { stalled_s_ = seconds; }
+  void stalled(double seconds);
+  // Why (empty: it was not): the operation, its algorithm and the ranks it waits on.
+  const std::string& stall_text() const { return stall_text_; }
 
  private:
   // Waits until a deferred operation the plan has reached is marked ready.
@@ -49,8 +51,9 @@ class Executor {
   Status run_compressed(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
   // Allgather, reducescatter, alltoall and the grouped forms (src/engine/gathering.cc).
   Status run_gathering(CommContext& ctx, Operation& op, RingTraffic* traffic, Progress& progress);
-  // One array through the dense ring, or by recursive doubling when it is small
-  // (in place; nothing to move on one rank).
+  // One array through the dense ring, by recursive doubling when it is small, or
+  // by halving and doubling when the ring's segments would be (in place; nothing
+  // to move on one rank).
   Status run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::uint64_t count, void* data,
                    RingTraffic* traffic, Progress& progress);
   void record(const Operation& op, const RingTraffic& traffic, double seconds);
@@ -62,8 +65,10 @@ class Executor {
   const Transfers& transfers_;
   CommContext* executing_ = nullptr;
   bool cancellable_ = false;
-  double stalled_s_ = 0;                // > 0: that ring was abandoned after this long without progress
-  std::vector<int> doubling_partners_;  // the operation's recursive doubling partners (none: a ring)
+  std::string stall_text_;  // not empty: the executing operation was abandoned (stalled())
+  std::string executing_name_;
+  std::vector<int> partners_;   // the ranks the operation's recursive doubling or halving-doubling exchanges with
+  const char* partnered_ = "";  // which of the two (partners_ empty: a ring)
   RingScratch ring_scratch_;
   TopkScratch topk_scratch_;
   SplitScratch split_scratch_;

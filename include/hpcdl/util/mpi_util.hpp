@@ -65,7 +65,8 @@ inline Status require_thread_multiple(const std::string& who, const std::string&
 // the memory can be freed or reused; a send MPI cannot cancel must still
 // complete: up to `seconds`, then the job is aborted rather than let MPI write
 // into (or read from) memory the caller is about to free.
-inline void cancel_and_complete(std::vector<MPI_Request*> requests, double seconds, const char* who) {
+inline void cancel_and_complete(std::vector<MPI_Request*> requests, double seconds, const char* who,
+                                const std::string& because = "") {
   for (MPI_Request* r : requests)
     if (*r != MPI_REQUEST_NULL) MPI_Cancel(r);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
@@ -75,8 +76,8 @@ inline void cancel_and_complete(std::vector<MPI_Request*> requests, double secon
       MPI_Test(r, &flag, MPI_STATUS_IGNORE);
       if (flag) break;
       if (std::chrono::steady_clock::now() > deadline)
-        abort_job(std::string(who) + ": a transfer could not be cancelled within " + seconds_text(seconds) +
-                  ", and MPI would still use memory about to be freed");
+        abort_job((because.empty() ? "" : because + "; ") + who + ": a transfer could not be cancelled within " +
+                  seconds_text(seconds) + ", and MPI would still use memory about to be freed");
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
   }
