@@ -17,6 +17,7 @@ RECURSIVE_DOUBLING_MAX_BYTES: int
 HALVING_DOUBLING_MAX_SEGMENT_BYTES: int
 
 def dense_allreduce_algorithm(size: int, nbytes: int) -> str: ...
+
 DEFAULT_STALL_WARNING_SECONDS: float
 DEFAULT_STALL_ERROR_SECONDS: float
 DEFAULT_INT8_BLOCK: int
