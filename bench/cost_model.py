@@ -42,9 +42,10 @@ TOPK_RATIO = 0.01
 CHUNK_BYTES = 4 << 20  # hpcdl's default ring chunk (kDefaultChunkBytes)
 # hpcdl's dense allreduce of at most this many bytes runs by recursive doubling (kRecursiveDoublingMaxBytes)
 RECURSIVE_DOUBLING_MAX_BYTES = 64 << 10
-# above it, over a power-of-two P, one of at most this many bytes per rank runs by halving-doubling
-# (kHalvingDoublingMaxSegmentBytes)
+# above it, over a power-of-two P of at least HALVING_DOUBLING_MIN_RANKS, one of at most this many
+# bytes per rank runs by halving-doubling (kHalvingDoublingMaxSegmentBytes)
 HALVING_DOUBLING_MAX_SEGMENT_BYTES = 64 << 10
+HALVING_DOUBLING_MIN_RANKS = 8  # kHalvingDoublingMinRanks
 ALLGATHER_LONG_BYTES = 512 << 10  # MPICH: allgather by recursive doubling below this total, ring above
 CODEC_TERMS = ("add", "fp16_enc", "fp16_dec", "bf16_enc", "bf16_dec", "int8_enc", "int8_dec", "topk_select", "topk_sum")
 
@@ -102,7 +103,12 @@ def dense_algorithm(p, n):
     nbytes = 4 * n
     if nbytes <= RECURSIVE_DOUBLING_MAX_BYTES:
         return "recursive doubling"
-    if p & (p - 1) == 0 and nbytes <= p * HALVING_DOUBLING_MAX_SEGMENT_BYTES and nbytes <= 2**31 - 1:
+    if (
+        p >= HALVING_DOUBLING_MIN_RANKS
+        and p & (p - 1) == 0
+        and nbytes <= p * HALVING_DOUBLING_MAX_SEGMENT_BYTES
+        and nbytes <= 2**31 - 1
+    ):
         return "halving-doubling"
     return "ring"
 

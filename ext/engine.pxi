@@ -24,7 +24,7 @@ from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, C
                               reduce_op_name, reduce_op_valid,
                               kDefaultChunkBytes, kDefaultStallErrorSeconds, kDefaultStallWarningSeconds,
                               kEnvSettingCount, kEnvSettings, kMaxChunkBytes, kMaxNotices, kMinChunkBytes,
-                              kHalvingDoublingMaxSegmentBytes, kRecursiveDoublingMaxBytes, kUnbounded,
+                              kHalvingDoublingMaxSegmentBytes, kHalvingDoublingMinRanks, kRecursiveDoublingMaxBytes, kUnbounded,
                               use_halving_doubling, use_recursive_doubling, remember_mpi_process, require_mpi_process as c_require_mpi_process)
 from libhpcdl.status cimport CStatus, check_status
 
@@ -39,9 +39,11 @@ MAX_CHUNK_BYTES = kMaxChunkBytes
 # A dense allreduce of at most this many bytes runs by recursive doubling, not the ring
 # (include/hpcdl/algorithms/recursive_doubling.hpp).
 RECURSIVE_DOUBLING_MAX_BYTES = kRecursiveDoublingMaxBytes
-# Above that, over a power-of-two number of ranks, one of at most this many bytes per rank
-# (bytes / size) runs by recursive halving and doubling (include/hpcdl/algorithms/halving_doubling.hpp).
+# Above that, over a power-of-two number of ranks (at least HALVING_DOUBLING_MIN_RANKS), one of
+# at most this many bytes per rank (bytes / size) runs by recursive halving and doubling
+# (include/hpcdl/algorithms/halving_doubling.hpp).
 HALVING_DOUBLING_MAX_SEGMENT_BYTES = kHalvingDoublingMaxSegmentBytes
+HALVING_DOUBLING_MIN_RANKS = kHalvingDoublingMinRanks
 
 
 def dense_allreduce_algorithm(int size, size_t nbytes):

@@ -15,6 +15,7 @@ MIN_CHUNK_BYTES: int
 MAX_CHUNK_BYTES: int
 RECURSIVE_DOUBLING_MAX_BYTES: int
 HALVING_DOUBLING_MAX_SEGMENT_BYTES: int
+HALVING_DOUBLING_MIN_RANKS: int
 
 def dense_allreduce_algorithm(size: int, nbytes: int) -> str: ...
 

@@ -161,6 +161,7 @@ cdef extern from "hpcdl/algorithms/recursive_doubling.hpp" namespace "hpcdl" nog
 
 cdef extern from "hpcdl/algorithms/halving_doubling.hpp" namespace "hpcdl" nogil:
     size_t kHalvingDoublingMaxSegmentBytes
+    int kHalvingDoublingMinRanks
     cbool use_halving_doubling(int p, size_t bytes)
 
 cdef extern from "hpcdl/util/mpi_process.hpp" namespace "hpcdl" nogil:

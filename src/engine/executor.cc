@@ -209,8 +209,8 @@ Status Executor::run_dense(CommContext& ctx, const OpDesc& d, DType dtype, std::
   if (use_halving_doubling(ctx.size, bytes)) {
     partnered_ = "halving-doubling";
     partners_ = halving_doubling_partners(ctx.size, ctx.rank);
-    return halving_doubling_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, dtype, d.reduce_op, count, traffic,
-                                      progress);
+    return halving_doubling_allreduce(ctx.data, ctx.size, ctx.rank, kTagData, data, dtype, d.reduce_op, count,
+                                      partner_scratch_, traffic, progress);
   }
   partners_.clear();  // a grouped operation's earlier member may have had partners
   RingPlan plan(ctx.size, ctx.rank, count, dtype_size(dtype), d.chunk_bytes);

@@ -62,11 +62,13 @@ def test_small_dense_allreduce_rounds_grow_as_log_p_and_match_the_core():
 @pytest.mark.parametrize("p", RANKS)
 @pytest.mark.parametrize("nbytes", [(64 << 10) + 4, 128 << 10, 4 << 20, 64 << 20, 256 << 20])
 def test_mid_dense_allreduce_is_halving_doubling_over_powers_of_two_as_the_core_chooses(p, nbytes):
-    """Over a power-of-two P, a dense allreduce of at most HALVING_DOUBLING_MAX_SEGMENT_BYTES
-    per rank takes 2 log2 P rounds with the ring's bytes; the model's choice is the core's."""
+    """Over a power-of-two P of at least HALVING_DOUBLING_MIN_RANKS, a dense allreduce of at most
+    HALVING_DOUBLING_MAX_SEGMENT_BYTES per rank takes 2 log2 P rounds with the ring's bytes; the
+    model's choice is the core's."""
     from hpcdl import _core
 
     assert cm.HALVING_DOUBLING_MAX_SEGMENT_BYTES == _core.HALVING_DOUBLING_MAX_SEGMENT_BYTES
+    assert cm.HALVING_DOUBLING_MIN_RANKS == _core.HALVING_DOUBLING_MIN_RANKS
     n = nbytes // 4
     assert cm.dense_algorithm(p, n) == _core.dense_allreduce_algorithm(p, nbytes)
     messages, sent = cm.traffic("dense", p, n)

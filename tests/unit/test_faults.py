@@ -168,9 +168,9 @@ def test_rank_killed_with_sigkill_ends_the_job(tmp_path):
         (3, "3 << 20", "ring", r"rank \d or rank \d of the communicator, its neighbours", True),
         # recursive doubling: rank 0 folds into rank 1, which exchanges with rank 2
         (3, "16", "recursive doubling", r"rank \d of the communicator, its partner", True),
-        # halving-doubling, 64 KiB per rank on 4: ranks 0 and 3 exchange with rank 1, rank 2
-        # then waits on them
-        (4, "64 << 10", "halving-doubling", r"one of ranks \d, \d of the communicator, its partners", False),
+        # halving-doubling, 32 KiB per rank on 8: ranks 0, 3 and 5 exchange with rank 1, the
+        # others then wait on them
+        (8, "64 << 10", "halving-doubling", r"one of ranks \d, \d, \d of the communicator, its partners", False),
     ],
 )
 def test_a_stopped_rank_inside_an_allreduce_ends_the_job_after_stall_error_seconds(

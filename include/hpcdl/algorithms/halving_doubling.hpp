@@ -7,15 +7,15 @@
 // (2(P - 1)/P of the buffer). Used where a ring step's segment (bytes / P)
 // is at most kHalvingDoublingMaxSegmentBytes, i.e. where the ring's rounds'
 // latency, not its bytes, sets its time: at P = 1024 a 4 MiB bucket is 2046
-// ring steps of 4 KiB. Only for P a power of two: otherwise the ranks beyond
+// ring steps of 4 KiB. From P = 8 on, and only for P a power of two: otherwise the ranks beyond
 // it would fold their whole buffer into a partner and get it back (MPICH's
 // way), N more bytes each way on those ranks, as much again as the ring's
 // whole volume; those communicators keep the ring (docs/performance.md,
 // "Small messages and the idle engine").
 // Every rank ends with the same bits: each block of the buffer is reduced on
-// one rank, its owner, and copied to the others. In each halving round the
-// partial of the lower rank of the pair is reduce_into's dst; the average's
-// divisor is applied by the last halving round, each element's last reduction.
+// one rank, its owner (into its own partial, as the ring's reductions are),
+// and copied to the others; the average's divisor is applied by the last
+// halving round, each element's last reduction.
 #pragma once
 
 #include <mpi.h>
@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <climits>
 #include <cstddef>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -32,15 +31,19 @@
 #include "hpcdl/algorithms/ring.hpp"
 #include "hpcdl/util/dtype.hpp"
 #include "hpcdl/util/mpi_util.hpp"
+#include "hpcdl/util/scratch.hpp"
 #include "hpcdl/util/status.hpp"
 
 namespace hpcdl {
 
 // The largest ring segment (bytes / P) for which halving and doubling replaces the ring.
 constexpr std::size_t kHalvingDoublingMaxSegmentBytes = 64 << 10;
+// The fewest ranks it runs on: it saves 2(P - 1) - 2 log2 P rounds, 2 at P = 4, where its
+// fewer, larger messages cost as much (measured: docs/performance.md), 8 at P = 8.
+constexpr int kHalvingDoublingMinRanks = 8;
 
 inline bool use_halving_doubling(int p, std::size_t bytes) {
-  return p > 1 && (p & (p - 1)) == 0 && !use_recursive_doubling(bytes) &&
+  return p >= kHalvingDoublingMinRanks && (p & (p - 1)) == 0 && !use_recursive_doubling(bytes) &&
          bytes <= static_cast<std::size_t>(p) * kHalvingDoublingMaxSegmentBytes &&
          bytes <= static_cast<std::size_t>(INT_MAX);
 }
@@ -56,14 +59,15 @@ inline std::vector<int> halving_doubling_partners(int p, int rank) {
 // The allreduce of `count` values of dtype at `data`, in place (see the top of
 // this file); traffic->reduce_scatter_end marks the end of the halving.
 inline Status halving_doubling_allreduce(MPI_Comm comm, int p, int rank, int tag, void* data, DType dtype, ReduceOp op,
-                                         std::size_t count, RingTraffic* traffic, Progress& progress) {
+                                         std::size_t count, Scratch& scratch, RingTraffic* traffic,
+                                         Progress& progress) {
   const std::size_t esize = dtype_size(dtype);
   // Block b of the buffer is elements [off[b], off[b + 1]); rank r ends owning block r.
   const std::vector<std::size_t> off = RingPlan::even_offsets(p, count, 1);
   char* buf = static_cast<char*>(data);
   auto at = [&](int block) { return buf + off[block] * esize; };
   auto bytes_of = [&](int lo, int hi) { return (off[hi] - off[lo]) * esize; };
-  std::vector<char> theirs(std::max(bytes_of(0, p / 2), bytes_of(p / 2, p)));
+  char* theirs = scratch.get<char>(std::max<std::size_t>(1, std::max(bytes_of(0, p / 2), bytes_of(p / 2, p))));
   MPI_Request rq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   // Sends `send_bytes` at `send` to partner and receives exactly `recv_bytes` into `recv` from it.
   auto exchange = [&](int partner, const char* send, std::size_t send_bytes, char* recv,
@@ -92,15 +96,8 @@ inline Status halving_doubling_allreduce(MPI_Comm comm, int p, int rank, int tag
       const int keep_lo = lower_half ? lo : mid, keep_hi = lower_half ? mid : hi;
       const int send_lo = lower_half ? mid : lo, send_hi = lower_half ? hi : mid;
       const std::size_t kept = bytes_of(keep_lo, keep_hi);
-      HPCDL_RETURN_NOT_OK(exchange(partner, at(send_lo), bytes_of(send_lo, send_hi), theirs.data(), kept));
-      const std::size_t n = kept / esize;
-      const int divisor = mask == 1 ? p : 1;
-      if (partner < rank) {  // op(lower rank's partial, this one's)
-        reduce_into(dtype, op, theirs.data(), at(keep_lo), n, divisor);
-        std::memcpy(at(keep_lo), theirs.data(), kept);
-      } else {
-        reduce_into(dtype, op, at(keep_lo), theirs.data(), n, divisor);
-      }
+      HPCDL_RETURN_NOT_OK(exchange(partner, at(send_lo), bytes_of(send_lo, send_hi), theirs, kept));
+      reduce_into(dtype, op, at(keep_lo), theirs, kept / esize, mask == 1 ? p : 1);
       lo = keep_lo;
       hi = keep_hi;
     }
@@ -116,7 +113,7 @@ inline Status halving_doubling_allreduce(MPI_Comm comm, int p, int rank, int tag
   };
   Status st = rounds();
   traffic->dense_bytes = traffic->bytes_sent;
-  // A failed round leaves requests posted into `theirs` (freed on return) and the caller's buffer.
+  // A failed round leaves requests posted into the scratch the next call reuses and the caller's buffer.
   if (!st.ok()) cancel_and_complete({&rq[0], &rq[1]}, 10.0, "halving-doubling", progress.abandoned_because());
   return st;
 }

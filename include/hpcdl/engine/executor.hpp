@@ -73,6 +73,7 @@ class Executor {
   TopkScratch topk_scratch_;
   SplitScratch split_scratch_;
   Scratch gather_scratch_;          // where a reducescatter's blocks from the other ranks land
+  Scratch partner_scratch_;         // where halving-doubling's halves from the partners land
   std::vector<char> joined_zeros_;  // what a joined rank contributes (run_joined)
 };
 
