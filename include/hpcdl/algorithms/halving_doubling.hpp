@@ -7,11 +7,12 @@
 // (2(P - 1)/P of the buffer). Used where a ring step's segment (bytes / P)
 // is at most kHalvingDoublingMaxSegmentBytes, i.e. where the ring's rounds'
 // latency, not its bytes, sets its time: at P = 1024 a 4 MiB bucket is 2046
-// ring steps of 4 KiB. From P = 8 on, and only for P a power of two: otherwise the ranks beyond
-// it would fold their whole buffer into a partner and get it back (MPICH's
-// way), N more bytes each way on those ranks, as much again as the ring's
-// whole volume; those communicators keep the ring (docs/performance.md,
-// "Small messages and the idle engine").
+// ring steps of 4 KiB. From P = 8 on, and only for P a power of two:
+// otherwise the ranks beyond the largest power of two would fold their whole
+// buffer into a partner and get it back (MPICH's way), N more bytes each way
+// on those ranks, as much again as the ring's whole volume; those
+// communicators keep the ring (docs/performance.md, "Small messages and the
+// idle engine").
 // Every rank ends with the same bits: each block of the buffer is reduced on
 // one rank, its owner (into its own partial, as the ring's reductions are),
 // and copied to the others; the average's divisor is applied by the last
