@@ -73,21 +73,8 @@ inline Status halving_doubling_allreduce(MPI_Comm comm, int p, int rank, int tag
   // Sends `send_bytes` at `send` to partner and receives exactly `recv_bytes` into `recv` from it.
   auto exchange = [&](int partner, const char* send, std::size_t send_bytes, char* recv,
                       std::size_t recv_bytes) -> Status {
-    HPCDL_RETURN_NOT_OK(
-        mpi_status(MPI_Irecv(recv, static_cast<int>(recv_bytes), MPI_BYTE, partner, tag, comm, &rq[0]), "MPI_Irecv"));
-    HPCDL_RETURN_NOT_OK(
-        mpi_status(MPI_Isend(send, static_cast<int>(send_bytes), MPI_BYTE, partner, tag, comm, &rq[1]), "MPI_Isend"));
-    MPI_Status status;
-    HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&rq[0], &status, progress), "MPI_Wait(halving-doubling)"));
-    int got = 0;
-    MPI_Get_count(&status, MPI_BYTE, &got);
-    if (static_cast<std::size_t>(got) != recv_bytes)
-      return Status::Mismatch("halving-doubling: " + std::to_string(got) + " bytes from rank " +
-                              std::to_string(partner) + ", expected " + std::to_string(recv_bytes));
-    HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&rq[1], MPI_STATUS_IGNORE, progress), "MPI_Wait(halving-doubling)"));
-    traffic->bytes_received += recv_bytes;
-    traffic->bytes_sent += send_bytes;
-    return Status::OK();
+    return exchange_with_partner(comm, tag, rq, partner, send, send_bytes, partner, recv, recv_bytes,
+                                 "halving-doubling", traffic, progress);
   };
   auto rounds = [&]() -> Status {
     int lo = 0, hi = p;  // the blocks this rank holds partials of

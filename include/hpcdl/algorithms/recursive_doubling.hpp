@@ -61,36 +61,49 @@ inline std::vector<int> recursive_doubling_partners(int p, int rank) {
   return partners;
 }
 
+// One round with a partner: posts a receive of exactly `recv_bytes` into `recv` from
+// rank `from` and a send of `send_bytes` at `send` to rank `to` (-1: no such
+// half) into rq[0] and rq[1], then waits politely for both; a message of another
+// length is a Mismatch. Counts what moved in traffic. `what` names the algorithm.
+inline Status exchange_with_partner(MPI_Comm comm, int tag, MPI_Request rq[2], int to, const void* send,
+                                    std::size_t send_bytes, int from, void* recv, std::size_t recv_bytes,
+                                    const char* what, RingTraffic* traffic, Progress& progress) {
+  const std::string wait = std::string("MPI_Wait(") + what + ")";
+  if (from >= 0)
+    HPCDL_RETURN_NOT_OK(
+        mpi_status(MPI_Irecv(recv, static_cast<int>(recv_bytes), MPI_BYTE, from, tag, comm, &rq[0]), "MPI_Irecv"));
+  if (to >= 0)
+    HPCDL_RETURN_NOT_OK(
+        mpi_status(MPI_Isend(send, static_cast<int>(send_bytes), MPI_BYTE, to, tag, comm, &rq[1]), "MPI_Isend"));
+  if (from >= 0) {
+    MPI_Status status;
+    HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&rq[0], &status, progress), wait.c_str()));
+    int got = 0;
+    MPI_Get_count(&status, MPI_BYTE, &got);
+    if (static_cast<std::size_t>(got) != recv_bytes)
+      return Status::Mismatch(std::string(what) + ": " + std::to_string(got) + " bytes from rank " +
+                              std::to_string(from) + ", expected " + std::to_string(recv_bytes));
+    traffic->bytes_received += recv_bytes;
+  }
+  if (to >= 0) {
+    HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&rq[1], MPI_STATUS_IGNORE, progress), wait.c_str()));
+    traffic->bytes_sent += send_bytes;
+  }
+  return Status::OK();
+}
+
 // The allreduce of `count` values of dtype at `data`, in place (see the top of this file).
 inline Status recursive_doubling_allreduce(MPI_Comm comm, int p, int rank, int tag, void* data, DType dtype,
                                            ReduceOp op, std::size_t count, RingTraffic* traffic, Progress& progress) {
   const std::size_t bytes = count * dtype_size(dtype);
   if (bytes == 0) return Status::OK();  // the count is agreed: no rank sends anything
-  const int n = static_cast<int>(bytes);
   char* mine = static_cast<char*>(data);
   std::vector<char> theirs(bytes);
   MPI_Request rq[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
   // Sends `mine` to `to` and/or receives `theirs` from `from` (-1: neither), then waits for both.
   auto exchange = [&](int to, int from) -> Status {
-    if (from >= 0)
-      HPCDL_RETURN_NOT_OK(mpi_status(MPI_Irecv(theirs.data(), n, MPI_BYTE, from, tag, comm, &rq[0]), "MPI_Irecv"));
-    if (to >= 0) HPCDL_RETURN_NOT_OK(mpi_status(MPI_Isend(mine, n, MPI_BYTE, to, tag, comm, &rq[1]), "MPI_Isend"));
-    if (from >= 0) {
-      MPI_Status status;
-      HPCDL_RETURN_NOT_OK(mpi_status(wait_politely(&rq[0], &status, progress), "MPI_Wait(recursive doubling)"));
-      int got = 0;
-      MPI_Get_count(&status, MPI_BYTE, &got);
-      if (got != n)
-        return Status::Mismatch("recursive doubling: " + std::to_string(got) + " bytes from rank " +
-                                std::to_string(from) + ", expected " + std::to_string(n));
-      traffic->bytes_received += bytes;
-    }
-    if (to >= 0) {
-      HPCDL_RETURN_NOT_OK(
-          mpi_status(wait_politely(&rq[1], MPI_STATUS_IGNORE, progress), "MPI_Wait(recursive doubling)"));
-      traffic->bytes_sent += bytes;
-    }
-    return Status::OK();
+    return exchange_with_partner(comm, tag, rq, to, mine, bytes, from, theirs.data(), bytes, "recursive doubling",
+                                 traffic, progress);
   };
   // mine = op(lower, higher): the partner's partial is the lower one when it came from a lower rank.
   auto combine = [&](bool theirs_is_lower, int divisor) {
