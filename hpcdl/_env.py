@@ -167,7 +167,7 @@ ENGINE_DOCS = {
     ),
     "HPCDL_WAIT_SLEEP_US": (
         "200",
-        "longest sleep between polls of a waiting operation (0: block in MPI; the engine "
+        "longest sleep between polls of a waiting operation (0: poll without sleeping; the engine "
         "thread's within 1 us to 1 ms; a wait only point-to-point transfers keep grows "
         "past it, [pipeline.md](pipeline.md))",
     ),

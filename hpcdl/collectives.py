@@ -51,8 +51,8 @@ def configure(
         Env: HPCDL_STALL_ERROR_SECONDS.
 
     Read from the environment only (by the engine thread): HPCDL_WAIT_SLEEP_US
-    (longest sleep between polls of a waiting operation, default 200; 0 blocks
-    in MPI) and HPCDL_ENGINE_SLICE_US (the engine thread's scheduler slice on
+    (longest sleep between polls of a waiting operation, default 200; 0 polls
+    without sleeping) and HPCDL_ENGINE_SLICE_US (the engine thread's scheduler slice on
     Linux 6.12+, default 100; 0 keeps the system's). HPCDL_AGREEMENT_RADIX: the
     radix of the tree that carries reports to the coordinator (default 4; 2 is
     binomial); HPCDL_AGREEMENT_FLAT=1 sends them to it directly instead

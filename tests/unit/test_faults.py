@@ -161,25 +161,33 @@ def test_rank_killed_with_sigkill_ends_the_job(tmp_path):
     assert "BAD TERMINATION" in out and "Killed (signal 9)" in out, out
 
 
+RING_NEIGHBOURS = r"rank \d or rank \d of the communicator, its neighbours"
+
+
 @pytest.mark.parametrize(
-    "ranks, values, scheme, who, every_one_names_it",
+    "ranks, values, scheme, who, every_one_names_it, wait_sleep_us",
     [
         # several ring chunks of 4 MiB on 3 ranks: ranks 0 and 2 wait on their neighbours
-        (3, "3 << 20", "ring", r"rank \d or rank \d of the communicator, its neighbours", True),
+        (3, "3 << 20", "ring", RING_NEIGHBOURS, True, None),
+        # the same with the polite wait's sleeps capped below 16 us, and with none
+        (3, "3 << 20", "ring", RING_NEIGHBOURS, True, "8"),
+        (3, "3 << 20", "ring", RING_NEIGHBOURS, True, "0"),
         # recursive doubling: rank 0 folds into rank 1, which exchanges with rank 2
-        (3, "16", "recursive doubling", r"rank \d of the communicator, its partner", True),
+        (3, "16", "recursive doubling", r"rank \d of the communicator, its partner", True, None),
         # halving-doubling, 32 KiB per rank on 8: ranks 0, 3 and 5 exchange with rank 1, the
         # others then wait on them
-        (8, "64 << 10", "halving-doubling", r"one of ranks \d, \d, \d of the communicator, its partners", False),
+        (8, "64 << 10", "halving-doubling", r"one of ranks \d, \d, \d of the communicator, its partners", False, None),
     ],
 )
 def test_a_stopped_rank_inside_an_allreduce_ends_the_job_after_stall_error_seconds(
-    tmp_path, ranks, values, scheme, who, every_one_names_it
+    tmp_path, ranks, values, scheme, who, every_one_names_it, wait_sleep_us
 ):
     """A rank that stops (SIGSTOP; likewise one killed under a launcher that leaves
     the others running) sends nothing and never leaves: the ranks waiting on it make
     no progress, and with stall_error_seconds set they fail naming the ranks they wait
-    on instead of waiting for ever, and their uncaught error ends the job."""
+    on instead of waiting for ever, and their uncaught error ends the job, whatever
+    HPCDL_WAIT_SLEEP_US allows between polls."""
+    extra_env = None if wait_sleep_us is None else {"HPCDL_WAIT_SLEEP_US": wait_sleep_us}
     rc, out = run_job(
         tmp_path,
         ranks,
@@ -195,6 +203,7 @@ def test_a_stopped_rank_inside_an_allreduce_ends_the_job_after_stall_error_secon
         h.wait()
         print(f"rank {{RANK}} finished the allreduce", flush=True)
     """,
+        extra_env=extra_env,
     )
     assert rc != 0, out
     assert "finished the allreduce" not in out, out

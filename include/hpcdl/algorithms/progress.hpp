@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <thread>
 
@@ -31,25 +32,26 @@ class Progress {
 // MPI_Waitany without the busy wait: MPICH's progress engine spins at 100% of a
 // core inside MPI_Wait*, which on an oversubscribed node takes the CPU from the
 // rank's own compute and from the neighbours the ring waits for. Test, then
-// sleep with a backoff doubling from 1 us up to the cap; once the wait has
-// lasted a few sleeps, run progress.waiting before each further sleep (with
-// the cap at 0 MPI blocks, and progress never runs). Returns kWaitAbandoned,
-// the requests still posted, when progress says so.
+// sleep with a backoff doubling from 1 us up to the cap (with the cap at 0,
+// poll without sleeping); after kPollsBeforeProgress polls, run
+// progress.waiting before each further sleep, whatever the cap: it is what
+// gives up a wait on a rank that stopped. Returns kWaitAbandoned, the
+// requests still posted, when progress says so.
 inline int wait_any_politely(int n, MPI_Request* requests, int* index, MPI_Status* status, Progress& progress) {
+  constexpr int kPollsBeforeProgress = 4;  // short waits read no clock
   const long cap_us = wait_sleep_cap_us();
-  if (cap_us <= 0) return MPI_Waitany(n, requests, index, status);
-  long sleep_us = 1;
-  std::chrono::steady_clock::time_point since;  // read only once progress runs: none on short waits
-  for (;;) {
+  long sleep_us = std::min(1L, cap_us);
+  std::chrono::steady_clock::time_point since;
+  for (std::uint64_t polls = 1;; ++polls) {
     int flag = 0;
     const int rc = MPI_Testany(n, requests, index, &flag, status);
     if (rc != MPI_SUCCESS || flag) return rc;
-    if (sleep_us >= 16) {
+    if (polls > kPollsBeforeProgress) {
       const auto now = std::chrono::steady_clock::now();
       if (since.time_since_epoch().count() == 0) since = now;
       if (!progress.waiting(std::chrono::duration<double>(now - since).count())) return kWaitAbandoned;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    if (sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
     sleep_us = std::min(sleep_us * 2, cap_us);
   }
 }

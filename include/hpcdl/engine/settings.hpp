@@ -28,7 +28,7 @@ constexpr EnvSetting kEnvSettings[] = {
      static_cast<std::int64_t>(kMaxChunkBytes)},
     {"stall_warning_seconds", "HPCDL_STALL_WARNING_SECONDS", false, 0, kUnbounded},
     {"stall_error_seconds", "HPCDL_STALL_ERROR_SECONDS", false, 0, kUnbounded},
-    // The polite wait's longest sleep (0: block in MPI); the engine thread's
+    // The polite wait's longest sleep (0: poll without sleeping); the engine thread's
     // own polls use it clamped to [1 us, 1 ms] (engine_wait_sleep).
     {"wait_sleep_us", "HPCDL_WAIT_SLEEP_US", true, 0, 1000000},
     {"engine_slice_us", "HPCDL_ENGINE_SLICE_US", true, 0, 100000},  // Linux takes 100 us to 100 ms

@@ -20,7 +20,7 @@ inline long env_long(const char* name, long fallback) {
 }
 
 // The longest sleep between two polls of a waiting hpcdl thread
-// (HPCDL_WAIT_SLEEP_US, default 200 us; 0: block in MPI instead).
+// (HPCDL_WAIT_SLEEP_US, default 200 us; 0: poll without sleeping).
 inline long wait_sleep_cap_us() {
   static const long us = env_long("HPCDL_WAIT_SLEEP_US", 200);
   return us;
