@@ -305,10 +305,10 @@ def link_times(comm, sizes=LINK_SIZES, repeats=20, busy_s=3e-3):
                     while time.perf_counter() < until:
                         pass
                     sent_at = time.perf_counter()
-                    link.wait(link.send(buffer, 1 - rank, 4))
+                    link.wait(link.send(buffer, 1 - rank, 4), 1 - rank, "the probe")
                     pair.send(sent_at, dest=1 - rank, tag=6)
                 else:
-                    link.wait(link.recv(buffer, 1 - rank, 4))
+                    link.wait(link.recv(buffer, 1 - rank, 4), 1 - rank, "the probe")
                     done_at = time.perf_counter()
                     one_way.append(done_at - pair.recv(source=1 - rank, tag=6))
             both = pair.gather(one_way[2:], root=0)
@@ -358,13 +358,15 @@ def wait_costs(comm, wait_s=2.0, rounds=5):
     if pair != MPI.COMM_NULL:
         link = Link(pair)
         buffer = np.zeros(1024, dtype=np.uint8)
-        link.wait(link.send(buffer, 1 - rank, 4) if rank == 0 else link.recv(buffer, 0, 4))  # starts the engine
+        link.wait(
+            link.send(buffer, 1, 4) if rank == 0 else link.recv(buffer, 0, 4), 1 - rank, "the probe"
+        )  # starts the engine
         for _ in range(rounds):
             pair.Barrier()
             if rank == 0:
                 time.sleep(wait_s)
                 pair.send(time.perf_counter(), dest=1, tag=6)
-                link.wait(link.send(buffer, 1, 4))
+                link.wait(link.send(buffer, 1, 4), 1, "the probe")
             else:
                 cpu0, t0 = engine_cpu_seconds(), time.perf_counter()
                 link.recv(buffer, 0, 4).wait()

@@ -73,6 +73,12 @@ def configure(
 configure()  # the environment's stall limits reach the engine
 
 
+def stall_limits() -> tuple[float, float]:
+    """(stall_warning_seconds, stall_error_seconds) in force, for waits outside the
+    engine's operations (the pipeline's transfers); 0 is off."""
+    return _config["stall_warning_seconds"], _config["stall_error_seconds"]
+
+
 def _comm(comm):
     if comm is None:
         return MPI.COMM_WORLD

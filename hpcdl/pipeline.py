@@ -15,7 +15,9 @@ stage as soon as the engine sees the message; waiting for an mpi4py request
 polls with a backoff sleep. Both leave the cores to other ranks and watch
 for an abort message every few milliseconds: a stage that fails tells
 every other stage, which raise too, instead of waiting forever for a message
-that will not come.
+that will not come. A stage that stops (or dies under a launcher that leaves
+the job running) sends nothing: past hpcdl.configure()'s stall limits a wait
+for it warns (StallWarning) and then fails (StallTimeoutError), naming it.
 """
 
 import time
@@ -23,7 +25,9 @@ import time
 from mpi4py import MPI
 
 from hpcdl import _core
-from hpcdl.errors import HpcdlError
+from hpcdl._warn import warn
+from hpcdl.collectives import stall_limits
+from hpcdl.errors import HpcdlError, StallTimeoutError
 
 __all__ = ["PipelineError", "SCHEDULES", "stage_actions", "bubble_fraction", "balanced_split", "pipeline_grid"]
 
@@ -151,21 +155,25 @@ class Link:
 
     def recv_object(self, source):
         request = self.comm.irecv(bytearray(_HEADER_BYTES), source=source, tag=_HEADER_TAG)
-        return self._poll(request.test)
+        return self._poll(request.test, source, "its layout")
 
-    def wait(self, request):
+    def wait(self, request, peer, what):
         """Wait for a request from send()/recv() (an engine handle) or send_object()
-        (mpi4py). Raises its error (a receive of the wrong size: MismatchError), or
-        PipelineError as soon as another stage aborts."""
+        (mpi4py) that stage ``peer`` (its rank on the link) must match; ``what`` names it in a stall's
+        message. Raises its error (a receive of the wrong size: MismatchError),
+        PipelineError as soon as another stage aborts, StallTimeoutError past
+        stall_error_seconds."""
         if isinstance(request, MPI.Request):
-            return self._poll(lambda: (request.Test(), None))
+            return self._poll(lambda: (request.Test(), None), peer, what)
         # The engine's handle wakes this thread the moment it finishes: no polling sleep
         # between the message's arrival and the stage's next action.
-        return self._poll(lambda: (request.wait_for(_HANDLE_WAIT_SLICE_S), None), sleeps=False)
+        return self._poll(lambda: (request.wait_for(_HANDLE_WAIT_SLICE_S), None), peer, what, sleeps=False)
 
-    def _poll(self, test, sleeps=True):
+    def _poll(self, test, peer, what, sleeps=True):
         _core.require_mpi_process("hpcdl.pipeline.Link")
         delay, start, cpu = 0.0, time.perf_counter(), time.thread_time()
+        warn_s, error_s = stall_limits()
+        warned = False
         while True:
             done, value = test()
             if done:
@@ -173,6 +181,15 @@ class Link:
                 self.waited_cpu_s += time.thread_time() - cpu
                 return value
             self.check_abort()
+            waited = time.perf_counter() - start
+            if (error_s and waited >= error_s) or (warn_s and waited >= warn_s and not warned):
+                stall = (
+                    f"stage {self.rank} has waited {waited:.1f} s for stage {peer} ({what}): it may be stopped or dead"
+                )
+                if error_s and waited >= error_s:
+                    raise StallTimeoutError(f"hpcdl: {stall} (stall_error_seconds)")
+                warn(stall, _core.StallWarning)
+                warned = True
             if sleeps:
                 time.sleep(delay)
                 delay = min(max(2 * delay, 1e-6), _MAX_WAIT_SLEEP_S)

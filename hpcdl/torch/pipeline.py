@@ -50,6 +50,10 @@ def _bytes(tensor):
     return tensor.view(-1).view(torch.uint8).numpy()
 
 
+def _message_name(kind, mb):
+    return f"micro-batch {mb}'s {'activation' if kind == FORWARD else 'gradient'}"
+
+
 def _describe(shape, dtype):
     return f"{str(dtype).replace('torch.', '')}{list(shape)}"
 
@@ -338,10 +342,10 @@ class Pipeline:
                     total = loss if total is None else total + loss
             else:
                 self._backward(mb)
-            self._sends = [(r, b) for r, b in self._sends if not r.done()]
+            self._sends = [send for send in self._sends if not send[0].done()]
             self._action_cpu[kind].append(time.thread_time() - cpu - (self._link.waited_cpu_s - waited_cpu))
-        for request, _ in self._sends:
-            self._link.wait(request)
+        for request, _, dest, what in self._sends:
+            self._link.wait(request, dest, f"taking {what}")
         self._sends = []
         return float(total) if self.is_last else None
 
@@ -370,7 +374,9 @@ class Pipeline:
             ) from exc
         self._output_layout = (tuple(out.shape), out.dtype)
         if not self.is_last:
-            self._link.wait(self._link.send_object(self._output_layout, self.stage + 1))
+            self._link.wait(
+                self._link.send_object(self._output_layout, self.stage + 1), self.stage + 1, "taking a layout"
+            )
 
     def _dry_run(self, shape, dtype):
         state = {
@@ -407,17 +413,18 @@ class Pipeline:
 
     def _received(self, kind, mb):
         request, buffer = self._receives.pop((kind, mb))
-        what = f"micro-batch {mb}'s {'activation' if kind == FORWARD else 'gradient'}"
+        what = _message_name(kind, mb)
         agreed = f"the {_describe(buffer.shape, buffer.dtype)} agreed at the first step"
         try:
-            self._link.wait(request)
+            self._link.wait(request, self.stage - 1 if kind == FORWARD else self.stage + 1, what)
         except MismatchError as exc:
             raise ValueError(f"{what} is not {agreed}: {exc}") from exc
         return buffer.to(self._step_device)
 
     def _send(self, tensor, kind, mb, dest):
         host = tensor.detach().to("cpu").contiguous()
-        self._sends.append((self._link.send(_bytes(host), dest, data_tag(kind, mb)), host))
+        what = _message_name(kind, mb)
+        self._sends.append((self._link.send(_bytes(host), dest, data_tag(kind, mb)), host, dest, what))
 
     def _forward(self, mb, inputs, targets):
         if self.is_first:

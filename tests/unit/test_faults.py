@@ -219,6 +219,40 @@ def test_a_stopped_rank_inside_an_allreduce_ends_the_job_after_stall_error_secon
     assert ended and named and (all if every_one_names_it else any)(names_rank_1), out
 
 
+def test_a_stopped_pipeline_stage_is_named_after_the_stall_limits(tmp_path):
+    """Stage 1 of a two-stage pipeline stops (SIGSTOP) before its second step: stage 0
+    waits for its gradient, warns past stall_warning_seconds and fails past
+    stall_error_seconds naming stage 1, instead of waiting for ever; its uncaught
+    error ends the job."""
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
+        import torch
+        import hpcdl.torch as hvt
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        pipe = hvt.Pipeline(model, torch.nn.functional.cross_entropy, micro_batches=2)
+        x, y = torch.randn(4, 8), torch.tensor([0, 1, 0, 1])
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)  # the first, slow, step
+        hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
+        WORLD.Barrier()
+        if pipe.stage == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        pipe.train_step(x if pipe.is_first else None, y if pipe.is_last else None)
+        print(f"rank {RANK} finished the step", flush=True)
+    """,
+    )
+    assert rc != 0, out
+    assert "finished the step" not in out, out
+    stall = (
+        r"stage 0 has waited [\d.]+ s for stage 1 \(micro-batch \d's (activation|gradient)[^)]*\): it may be stopped"
+    )
+    assert re.search(rf"\[hpcdl rank 0\] {stall}", out), out  # the StallWarning
+    assert "[hpcdl rank 0] uncaught PipelineError" in out, out
+    assert re.search(rf"PipelineError: stage 0 of 2 failed: StallTimeoutError: hpcdl: {stall}", out), out
+
+
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
     """Rank 1 frees a communicator while its operation "a" is in flight there and
     rank 0 waits in "b" on it: rank 0 fails naming rank 1."""
