@@ -9,18 +9,56 @@ shape, dtype or order) raises MismatchError on every rank with the first
 differences named, instead of hanging or reducing unrelated bytes.
 check_same_identity: every rank holds the same thing (a data set) under a name
 that may differ (its path): a different identity raises MismatchError on every
-rank naming the ranks of each identity and where each read it.
+rank naming the ranks of each identity and where each read it. Both checks
+wait under hpcdl.configure()'s stall limits (a StallWarning, then a
+StallTimeoutError), so a rank that never comes is reported, not waited for ever.
 """
 
 import hashlib
 import pickle
+import time
 
 import numpy as np
+from mpi4py import MPI
 
 from hpcdl import _core
-from hpcdl.errors import HpcdlError, MismatchError
+from hpcdl._warn import warn
+from hpcdl.collectives import stall_limits
+from hpcdl.errors import HpcdlError, MismatchError, StallTimeoutError
 
 _MAX_LISTED = 5
+_MAX_POLL_SLEEP_S = 1e-3  # these agreements run at set-up: a millisecond late is nothing
+
+
+def _allgather(comm, obj, what):
+    """comm.allgather(obj), waited on politely under hpcdl.configure()'s stall limits:
+    a rank that never comes (stopped, dead, elsewhere) gets a StallWarning and then a
+    StallTimeoutError naming ``what``, where mpi4py's allgather would block for ever."""
+    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = np.zeros(comm.Get_size(), np.int64)
+    _wait(comm.Iallgather(np.array([payload.size], np.int64), sizes), comm, what)
+    blob = np.empty(int(sizes.sum()), np.uint8)
+    displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    _wait(comm.Iallgatherv(payload, [blob, (sizes.tolist(), displs.tolist()), MPI.BYTE]), comm, what)
+    return [pickle.loads(blob[d : d + n].tobytes()) for d, n in zip(displs, sizes)]
+
+
+def _wait(request, comm, what):
+    warn_s, error_s = stall_limits()
+    start, delay, warned = time.perf_counter(), 0.0, False
+    while not request.Test():
+        waited = time.perf_counter() - start
+        if (error_s and waited >= error_s) or (warn_s and waited >= warn_s and not warned):
+            stall = (
+                f"{what} has waited {waited:.1f} s for the {comm.Get_size()} ranks of the communicator: "
+                "some rank has not reached it (stopped, dead, or in another step)"
+            )
+            if error_s and waited >= error_s:
+                raise StallTimeoutError(f"hpcdl: {stall} (stall_error_seconds)")
+            warn(stall, _core.StallWarning)
+            warned = True
+        time.sleep(delay)
+        delay = min(max(2 * delay, 1e-6), _MAX_POLL_SLEEP_S)
 
 
 def call_on_every_rank(comm, fn, *args):
@@ -32,6 +70,8 @@ def call_on_every_rank(comm, fn, *args):
         result, error = fn(*args), None
     except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
         result, error = None, exc
+    # mpi4py's blocking allgather, not _allgather's stall limits: the step may take
+    # one rank long by design (rank 0 plans a packing of millions of files).
     errors = comm.allgather(None if error is None else _describe(error))
     if error is not None:
         raise error
@@ -68,9 +108,9 @@ def check_same_on_all_ranks(comm, entries, what, settings=None):
     _core.require_mpi_process("hpcdl's ranks agreeing")
     mine = _description(entries, settings)
     digest = hashlib.sha1(repr(mine).encode()).hexdigest()
-    if len(set(comm.allgather(digest))) == 1:
+    if len(set(_allgather(comm, digest, f"the check that {what} agree"))) == 1:
         return
-    everyone = comm.allgather(mine)
+    everyone = _allgather(comm, mine, f"the check that {what} agree")
     raise MismatchError(f"{what} differ across ranks: " + "; ".join(_differences(everyone, range(len(everyone)))))
 
 
@@ -113,10 +153,10 @@ def check_same_identity(comm, identity, where, what, hint=""):
     identities differ.
     """
     _core.require_mpi_process("hpcdl's ranks agreeing")
-    identities = comm.allgather(str(identity))
+    identities = _allgather(comm, str(identity), f"the check that {what} agree")
     if len(set(identities)) == 1:
         return
-    wheres = comm.allgather(str(where))
+    wheres = _allgather(comm, str(where), f"the check that {what} agree")
     groups = {}  # identity -> its ranks, in order of each identity's first rank
     for rank, ident in enumerate(identities):
         groups.setdefault(ident, []).append(rank)

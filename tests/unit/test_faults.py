@@ -253,6 +253,36 @@ def test_a_stopped_pipeline_stage_is_named_after_the_stall_limits(tmp_path):
     assert re.search(rf"PipelineError: stage 0 of 2 failed: StallTimeoutError: hpcdl: {stall}", out), out
 
 
+def test_a_rank_that_never_builds_its_optimizer_is_reported_after_the_stall_limits(tmp_path):
+    """Rank 1 stops (SIGSTOP) before it builds its DistributedOptimizer: rank 0's check
+    that the ranks' parameters agree warns past stall_warning_seconds and fails past
+    stall_error_seconds, where an mpi4py collective would wait for ever."""
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
+        import torch
+        import hpcdl.torch as hvt
+        hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
+        WORLD.Barrier()
+        if RANK == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        model = torch.nn.Linear(4, 2)
+        hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
+        print(f"rank {RANK} built its optimizer", flush=True)
+    """,
+    )
+    assert rc != 0, out
+    assert "built its optimizer" not in out, out
+    stall = (
+        r"the check that the parameters of DistributedOptimizer agree has waited [\d.]+ s for the 2 ranks "
+        r"of the communicator: some rank has not reached it"
+    )
+    assert re.search(rf"\[hpcdl rank 0\] {stall}", out), out  # the StallWarning
+    assert "[hpcdl rank 0] uncaught StallTimeoutError" in out, out
+    assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
+
+
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
     """Rank 1 frees a communicator while its operation "a" is in flight there and
     rank 0 waits in "b" on it: rank 0 fails naming rank 1."""
