@@ -22,9 +22,8 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _core
-from hpcdl._warn import warn
-from hpcdl.collectives import stall_limits
-from hpcdl.errors import HpcdlError, MismatchError, StallTimeoutError
+from hpcdl.collectives import StallClock
+from hpcdl.errors import HpcdlError, MismatchError
 
 _MAX_LISTED = 5
 _MAX_POLL_SLEEP_S = 1e-3  # these agreements run at set-up: a millisecond late is nothing
@@ -44,19 +43,14 @@ def _allgather(comm, obj, what):
 
 
 def _wait(request, comm, what):
-    warn_s, error_s = stall_limits()
-    start, delay, warned = time.perf_counter(), 0.0, False
+    stall, delay = StallClock(), 0.0
     while not request.Test():
-        waited = time.perf_counter() - start
-        if (error_s and waited >= error_s) or (warn_s and waited >= warn_s and not warned):
-            stall = (
+        stall.check(
+            lambda waited: (
                 f"{what} has waited {waited:.1f} s for the {comm.Get_size()} ranks of the communicator: "
                 "some rank has not reached it (stopped, dead, or in another step)"
             )
-            if error_s and waited >= error_s:
-                raise StallTimeoutError(f"hpcdl: {stall} (stall_error_seconds)")
-            warn(stall, _core.StallWarning)
-            warned = True
+        )
         time.sleep(delay)
         delay = min(max(2 * delay, 1e-6), _MAX_POLL_SLEEP_S)
 

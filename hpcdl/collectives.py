@@ -10,6 +10,7 @@ tensors (a copy) are taken too: hpcdl._tensors is their one intake.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +20,9 @@ from mpi4py import MPI
 from hpcdl import _core, _tensors
 from hpcdl._env import check_setting as _checked
 from hpcdl._env import engine_settings as _from_environment
+from hpcdl._warn import warn as _warn
 from hpcdl.compression import canonical as _codec_text
+from hpcdl.errors import StallTimeoutError
 
 # The element types allreduce and broadcast take and the reduction ops, as the core
 # defines them (include/hpcdl/util/dtype.hpp), by numpy name.
@@ -73,10 +76,24 @@ def configure(
 configure()  # the environment's stall limits reach the engine
 
 
-def stall_limits() -> tuple[float, float]:
-    """(stall_warning_seconds, stall_error_seconds) in force, for waits outside the
-    engine's operations (the pipeline's transfers); 0 is off."""
-    return _config["stall_warning_seconds"], _config["stall_error_seconds"]
+class StallClock:
+    """hpcdl.configure()'s stall limits for a wait outside the engine's operations
+    (the pipeline's transfers, the agreements at construction), from its creation:
+    check() warns once (StallWarning) past stall_warning_seconds and raises
+    StallTimeoutError past stall_error_seconds (0: never)."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.warned = False
+
+    def check(self, describe):
+        """describe(waited_s): the stall's text, naming what is waited for."""
+        waited = time.perf_counter() - self.start
+        if _config["stall_error_seconds"] and waited >= _config["stall_error_seconds"]:
+            raise StallTimeoutError(f"hpcdl: {describe(waited)} (stall_error_seconds)")
+        if _config["stall_warning_seconds"] and waited >= _config["stall_warning_seconds"] and not self.warned:
+            _warn(describe(waited), _core.StallWarning)
+            self.warned = True
 
 
 def _comm(comm):

@@ -25,9 +25,8 @@ import time
 from mpi4py import MPI
 
 from hpcdl import _core
-from hpcdl._warn import warn
-from hpcdl.collectives import stall_limits
-from hpcdl.errors import HpcdlError, StallTimeoutError
+from hpcdl.collectives import StallClock
+from hpcdl.errors import HpcdlError
 
 __all__ = ["PipelineError", "SCHEDULES", "stage_actions", "bubble_fraction", "balanced_split", "pipeline_grid"]
 
@@ -172,8 +171,7 @@ class Link:
     def _poll(self, test, peer, what, sleeps=True):
         _core.require_mpi_process("hpcdl.pipeline.Link")
         delay, start, cpu = 0.0, time.perf_counter(), time.thread_time()
-        warn_s, error_s = stall_limits()
-        warned = False
+        stall = StallClock()
         while True:
             done, value = test()
             if done:
@@ -181,15 +179,11 @@ class Link:
                 self.waited_cpu_s += time.thread_time() - cpu
                 return value
             self.check_abort()
-            waited = time.perf_counter() - start
-            if (error_s and waited >= error_s) or (warn_s and waited >= warn_s and not warned):
-                stall = (
+            stall.check(
+                lambda waited: (
                     f"stage {self.rank} has waited {waited:.1f} s for stage {peer} ({what}): it may be stopped or dead"
                 )
-                if error_s and waited >= error_s:
-                    raise StallTimeoutError(f"hpcdl: {stall} (stall_error_seconds)")
-                warn(stall, _core.StallWarning)
-                warned = True
+            )
             if sleeps:
                 time.sleep(delay)
                 delay = min(max(2 * delay, 1e-6), _MAX_WAIT_SLEEP_S)
