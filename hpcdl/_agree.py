@@ -16,13 +16,12 @@ StallTimeoutError), so a rank that never comes is reported, not waited for ever.
 
 import hashlib
 import pickle
-import time
 
 import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _core
-from hpcdl.collectives import StallClock
+from hpcdl.collectives import PoliteWait
 from hpcdl.errors import HpcdlError, MismatchError
 
 _MAX_LISTED = 5
@@ -43,16 +42,15 @@ def _allgather(comm, obj, what):
 
 
 def _wait(request, comm, what):
-    stall, delay = StallClock(), 0.0
+    wait = PoliteWait(_MAX_POLL_SLEEP_S)
     while not request.Test():
-        stall.check(
+        wait.check(
             lambda waited: (
                 f"{what} has waited {waited:.1f} s for the {comm.Get_size()} ranks of the communicator: "
                 "some rank has not reached it (stopped, dead, or in another step)"
             )
         )
-        time.sleep(delay)
-        delay = min(max(2 * delay, 1e-6), _MAX_POLL_SLEEP_S)
+        wait.sleep()
 
 
 def call_on_every_rank(comm, fn, *args):

@@ -76,15 +76,17 @@ def configure(
 configure()  # the environment's stall limits reach the engine
 
 
-class StallClock:
-    """hpcdl.configure()'s stall limits for a wait outside the engine's operations
-    (the pipeline's transfers, the agreements at construction), from its creation:
-    check() warns once (StallWarning) past stall_warning_seconds and raises
-    StallTimeoutError past stall_error_seconds (0: never)."""
+class PoliteWait:
+    """A wait outside the engine's operations (the pipeline's link, the agreements at
+    construction), from its creation: sleep() backs off from 1 us, doubling up to
+    max_sleep_s; check() applies hpcdl.configure()'s stall limits, warning once
+    (StallWarning) past stall_warning_seconds and raising StallTimeoutError past
+    stall_error_seconds (0: never)."""
 
-    def __init__(self):
+    def __init__(self, max_sleep_s):
         self.start = time.perf_counter()
         self.warned = False
+        self._delay, self._max_sleep_s = 0.0, max_sleep_s
 
     def check(self, describe):
         """describe(waited_s): the stall's text, naming what is waited for."""
@@ -94,6 +96,10 @@ class StallClock:
         if _config["stall_warning_seconds"] and waited >= _config["stall_warning_seconds"] and not self.warned:
             _warn(describe(waited), _core.StallWarning)
             self.warned = True
+
+    def sleep(self):
+        time.sleep(self._delay)
+        self._delay = min(max(2 * self._delay, 1e-6), self._max_sleep_s)
 
 
 def _comm(comm):

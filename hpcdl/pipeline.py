@@ -25,7 +25,7 @@ import time
 from mpi4py import MPI
 
 from hpcdl import _core
-from hpcdl.collectives import StallClock
+from hpcdl.collectives import PoliteWait
 from hpcdl.errors import HpcdlError
 
 __all__ = ["PipelineError", "SCHEDULES", "stage_actions", "bubble_fraction", "balanced_split", "pipeline_grid"]
@@ -170,23 +170,21 @@ class Link:
 
     def _poll(self, test, peer, what, sleeps=True):
         _core.require_mpi_process("hpcdl.pipeline.Link")
-        delay, start, cpu = 0.0, time.perf_counter(), time.thread_time()
-        stall = StallClock()
+        wait, cpu = PoliteWait(_MAX_WAIT_SLEEP_S), time.thread_time()
         while True:
             done, value = test()
             if done:
-                self.waited_s += time.perf_counter() - start
+                self.waited_s += time.perf_counter() - wait.start
                 self.waited_cpu_s += time.thread_time() - cpu
                 return value
             self.check_abort()
-            stall.check(
+            wait.check(
                 lambda waited: (
                     f"stage {self.rank} has waited {waited:.1f} s for stage {peer} ({what}): it may be stopped or dead"
                 )
             )
             if sleeps:
-                time.sleep(delay)
-                delay = min(max(2 * delay, 1e-6), _MAX_WAIT_SLEEP_S)
+                wait.sleep()
 
     def check_abort(self):
         status = MPI.Status()
