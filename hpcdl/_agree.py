@@ -9,9 +9,16 @@ shape, dtype or order) raises MismatchError on every rank with the first
 differences named, instead of hanging or reducing unrelated bytes.
 check_same_identity: every rank holds the same thing (a data set) under a name
 that may differ (its path): a different identity raises MismatchError on every
-rank naming the ranks of each identity and where each read it. Both checks
-wait under hpcdl.configure()'s stall limits (a StallWarning, then a
+rank naming the ranks of each identity and where each read it.
+
+The waited_* collectives are mpi4py's object and in-place collectives waited on
+under hpcdl.configure()'s stall limits (a StallWarning, then a
 StallTimeoutError), so a rank that never comes is reported, not waited for ever.
+Both checks use them, and so does every collective of hpcdl's Python side
+outside the engine (tests/unit/test_architecture.py holds it), but one:
+call_on_every_rank's own allgather, whose wait is one rank's step, long by design.
+Creating and freeing communicators (Split, Create, Dup, Free) stays blocking: MPI
+has no nonblocking form of them but Comm_idup.
 """
 
 import hashlib
@@ -28,17 +35,88 @@ _MAX_LISTED = 5
 _MAX_POLL_SLEEP_S = 1e-3  # these agreements run at set-up: a millisecond late is nothing
 
 
-def _allgather(comm, obj, what):
+def waited_allgather(comm, obj, what):
     """comm.allgather(obj), waited on politely under hpcdl.configure()'s stall limits:
     a rank that never comes (stopped, dead, elsewhere) gets a StallWarning and then a
     StallTimeoutError naming ``what``, where mpi4py's allgather would block for ever."""
-    payload = np.frombuffer(pickle.dumps(obj), np.uint8)
+    payload = _pickled(obj)
     sizes = np.zeros(comm.Get_size(), np.int64)
     _wait(comm.Iallgather(np.array([payload.size], np.int64), sizes), comm, what)
-    blob = np.empty(int(sizes.sum()), np.uint8)
-    displs = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    blob, displs = _room_for(sizes)
     _wait(comm.Iallgatherv(payload, [blob, (sizes.tolist(), displs.tolist()), MPI.BYTE]), comm, what)
-    return [pickle.loads(blob[d : d + n].tobytes()) for d, n in zip(displs, sizes)]
+    return [_unpickled(blob, d, n) for d, n in zip(displs, sizes)]
+
+
+def waited_bcast(comm, obj, root, what):
+    """comm.bcast(obj, root) under the stall limits (as waited_allgather): root's obj
+    on every rank, the root's own object on the root."""
+    rank = comm.Get_rank()
+    payload = _pickled(obj) if rank == root else None
+    size = np.array([0 if payload is None else payload.size], np.int64)
+    _wait(comm.Ibcast(size, root=root), comm, what)
+    blob = payload if payload is not None else np.empty(int(size[0]), np.uint8)
+    _wait(comm.Ibcast(blob, root=root), comm, what)
+    return obj if rank == root else _unpickled(blob, 0, blob.size)
+
+
+def waited_gather(comm, obj, root, what):
+    """comm.gather(obj, root) under the stall limits: the list of every rank's obj on
+    the root, None elsewhere."""
+    rank = comm.Get_rank()
+    payload = _pickled(obj)
+    sizes = np.zeros(comm.Get_size(), np.int64) if rank == root else None
+    _wait(comm.Igather(np.array([payload.size], np.int64), sizes, root=root), comm, what)
+    if rank != root:
+        _wait(comm.Igatherv(payload, None, root=root), comm, what)
+        return None
+    blob, displs = _room_for(sizes)
+    _wait(comm.Igatherv(payload, [blob, (sizes.tolist(), displs.tolist()), MPI.BYTE], root=root), comm, what)
+    return [_unpickled(blob, d, n) for d, n in zip(displs, sizes)]
+
+
+def waited_scatter(comm, objs, root, what):
+    """comm.scatter(objs, root) under the stall limits: objs (one per rank, on the
+    root; None elsewhere) [rank] on each rank."""
+    parts = None
+    if comm.Get_rank() == root:
+        if len(objs) != comm.Get_size():  # raised on the root only: the others then stall, named
+            raise ValueError(f"{what}: {len(objs)} parts for {comm.Get_size()} ranks")
+        pickled = [_pickled(o) for o in objs]
+        sizes = np.array([p.size for p in pickled], np.int64)
+        parts = [np.concatenate(pickled), (sizes.tolist(), _offsets(sizes).tolist()), MPI.BYTE]
+    size = np.zeros(1, np.int64)
+    _wait(comm.Iscatter(None if parts is None else sizes, size, root=root), comm, what)
+    mine = np.empty(int(size[0]), np.uint8)
+    _wait(comm.Iscatterv(parts, mine, root=root), comm, what)
+    return _unpickled(mine, 0, mine.size)
+
+
+def waited_barrier(comm, what):
+    """comm.Barrier() under the stall limits."""
+    _wait(comm.Ibarrier(), comm, what)
+
+
+def waited_allreduce(comm, array, op, what):
+    """comm.Allreduce(MPI.IN_PLACE, array, op) under the stall limits (array: numpy, in place)."""
+    _wait(comm.Iallreduce(MPI.IN_PLACE, array, op=op), comm, what)
+
+
+def _pickled(obj):
+    # writable: the root's payload is a broadcast's buffer too
+    return np.frombuffer(bytearray(pickle.dumps(obj)), np.uint8)
+
+
+def _room_for(sizes):
+    """A receive buffer for pieces of ``sizes`` bytes, and each piece's offset."""
+    return np.empty(int(sizes.sum()), np.uint8), _offsets(sizes)
+
+
+def _offsets(sizes):
+    return np.concatenate(([0], np.cumsum(sizes)[:-1])).astype(np.int64)
+
+
+def _unpickled(blob, start, length):
+    return pickle.loads(blob[start : start + length].tobytes())
 
 
 def _wait(request, comm, what):
@@ -62,7 +140,7 @@ def call_on_every_rank(comm, fn, *args):
         result, error = fn(*args), None
     except Exception as exc:  # noqa: BLE001 - re-raised below on every rank
         result, error = None, exc
-    # mpi4py's blocking allgather, not _allgather's stall limits: the step may take
+    # mpi4py's blocking allgather, not waited_allgather's stall limits: the step may take
     # one rank long by design (rank 0 plans a packing of millions of files).
     errors = comm.allgather(None if error is None else _describe(error))
     if error is not None:
@@ -100,9 +178,9 @@ def check_same_on_all_ranks(comm, entries, what, settings=None):
     _core.require_mpi_process("hpcdl's ranks agreeing")
     mine = _description(entries, settings)
     digest = hashlib.sha1(repr(mine).encode()).hexdigest()
-    if len(set(_allgather(comm, digest, f"the check that {what} agree"))) == 1:
+    if len(set(waited_allgather(comm, digest, f"the check that {what} agree"))) == 1:
         return
-    everyone = _allgather(comm, mine, f"the check that {what} agree")
+    everyone = waited_allgather(comm, mine, f"the check that {what} agree")
     raise MismatchError(f"{what} differ across ranks: " + "; ".join(_differences(everyone, range(len(everyone)))))
 
 
@@ -145,10 +223,10 @@ def check_same_identity(comm, identity, where, what, hint=""):
     identities differ.
     """
     _core.require_mpi_process("hpcdl's ranks agreeing")
-    identities = _allgather(comm, str(identity), f"the check that {what} agree")
+    identities = waited_allgather(comm, str(identity), f"the check that {what} agree")
     if len(set(identities)) == 1:
         return
-    wheres = _allgather(comm, str(where), f"the check that {what} agree")
+    wheres = waited_allgather(comm, str(where), f"the check that {what} agree")
     groups = {}  # identity -> its ranks, in order of each identity's first rank
     for rank, ident in enumerate(identities):
         groups.setdefault(ident, []).append(rank)

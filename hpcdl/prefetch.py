@@ -26,7 +26,13 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _core, _env, timeline
-from hpcdl._agree import call_on_every_rank, check_same_identity, check_same_on_all_ranks
+from hpcdl._agree import (
+    call_on_every_rank,
+    check_same_identity,
+    check_same_on_all_ranks,
+    waited_allgather,
+    waited_bcast,
+)
 from hpcdl._warn import warn
 from hpcdl.errors import HpcdlError
 from hpcdl.store import Store, probe
@@ -73,7 +79,7 @@ def _read_settings(store, world, asked, staging_bytes, tier_bytes):
     auto = any(v is None for v in asked.values())
     speed = measured() if auto and world.Get_rank() == 0 else None
     if world.Get_size() > 1:
-        speed = world.bcast(speed, root=0)
+        speed = waited_bcast(world, speed, 0, "the prefetcher's broadcast of the store's measured speed")
     if auto and speed is None:  # rank 0 asked for sizes only: this rank measures for itself
         speed = measured()
     chosen = dict(asked)
@@ -389,7 +395,9 @@ class Prefetcher:
                     "start position": position,
                 },
             )
-            every = world.allgather((int(ram_bytes), disk_bytes))  # each rank's tier capacities
+            every = waited_allgather(
+                world, (int(ram_bytes), disk_bytes), "the prefetcher's exchange of tier capacities"
+            )
             peer_ram, peer_disk = _peer_capacities(self.ranks, [ram for ram, _ in every], [disk for _, disk in every])
         else:
             peer_ram = peer_disk = []

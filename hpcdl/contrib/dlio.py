@@ -42,7 +42,7 @@ except ImportError as exc:  # the plugin is only meaningful inside DLIO
     ) from exc
 
 from hpcdl import _env
-from hpcdl._agree import call_on_every_rank
+from hpcdl._agree import call_on_every_rank, waited_allgather
 from hpcdl.prefetch import DEFAULT_RAM_BYTES, Prefetcher
 from hpcdl.store import MANIFEST, Store, pack
 
@@ -125,7 +125,10 @@ class HpcdlDataLoader(BaseDataLoader):
             return
         path = call_on_every_rank(comm, self._store_path)
         if _env.get("HPCDL_DLIO_PACK", False):
-            if not all(comm.allgather(os.path.exists(os.path.join(path, MANIFEST)))):
+            packed = waited_allgather(
+                comm, os.path.exists(os.path.join(path, MANIFEST)), "the check for a packed store"
+            )
+            if not all(packed):
                 pack(os.path.join(self._args.data_folder, self.kind), path, comm=comm, progress=comm.Get_rank() == 0)
         store, tiers = call_on_every_rank(comm, self._open, path)
         # DLIO's batch_size is per rank; the prefetcher takes the global batch.

@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hpcdl
+from hpcdl._agree import waited_allgather, waited_barrier
 from hpcdl.errors import HpcdlError
 
 
@@ -85,7 +86,7 @@ def init(comm=None, process_sets=None):
     comm = hpcdl.init(comm)
     local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     cross = comm.Split(color=local.Get_rank(), key=comm.Get_rank())
-    local_sizes = set(comm.allgather(local.Get_size()))
+    local_sizes = set(waited_allgather(comm, local.Get_size(), "init's exchange of node sizes"))
     _state.update(initialized=True, comm=comm, local=local, cross=cross, homogeneous=len(local_sizes) == 1)
     global_process_set.ranks, global_process_set.process_set_id = list(range(comm.Get_size())), 0
     global_process_set.mpi_comm = comm
@@ -100,7 +101,7 @@ def add_process_set(process_set):
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     world = comm()
-    seen = world.allgather((process_set.ranks, process_set.process_set_id))
+    seen = waited_allgather(world, (process_set.ranks, process_set.process_set_id), "add_process_set")
     problem = None
     if any(ranks != process_set.ranks for ranks, _ in seen):
         problem = f"the ranks differ across ranks: {[ranks for ranks, _ in seen]}"
@@ -125,7 +126,7 @@ def remove_process_set(process_set):
     """Unregister a process set on every rank (collective); False for the global one or one not registered."""
     if process_set is global_process_set or _process_sets.get(process_set.process_set_id) is not process_set:
         return False
-    comm().Barrier()  # every rank lets go of it together
+    waited_barrier(comm(), "remove_process_set")  # every rank lets go of it together
     _forget(process_set)
     return True
 

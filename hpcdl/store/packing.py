@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 from hpcdl import _core
-from hpcdl._agree import call_on_every_rank
+from hpcdl._agree import call_on_every_rank, waited_bcast, waited_gather
 from hpcdl.errors import CorruptDataError
 from hpcdl.store.manifest import (
     _SHARD_PREFIX,
@@ -445,7 +445,9 @@ def pack(
 
     try:
         planned = call_on_every_rank(comm, plan_on_rank0)
-        label_names, plans, skipped_listing, total_bytes = comm.bcast(planned, root=0)
+        label_names, plans, skipped_listing, total_bytes = waited_bcast(
+            comm, planned, 0, "pack's broadcast of the plan"
+        )
         mine = [p for p in plans if p["index"] % nranks == rank]
         total_files = sum(len(p["files"]) for p in plans)
 
@@ -470,7 +472,7 @@ def pack(
             return summaries
 
         summaries = call_on_every_rank(comm, reraise_local)
-        gathered = comm.gather(summaries, root=0)
+        gathered = waited_gather(comm, summaries, 0, "pack's gather of the shards written")
 
         def manifest_on_rank0():
             if rank != 0:
@@ -488,7 +490,7 @@ def pack(
             )
 
         result = call_on_every_rank(comm, manifest_on_rank0)
-        return comm.bcast(result, root=0)
+        return waited_bcast(comm, result, 0, "pack's broadcast of its result")
     finally:
         for lock in locks:
             lock.release()

@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import hpcdl
 from hpcdl import _tensors
-from hpcdl._agree import check_same_on_all_ranks
+from hpcdl._agree import check_same_on_all_ranks, waited_bcast
 from hpcdl.collectives import _joins_completed
 from hpcdl.compression import PowerSGD
 from hpcdl.torch import _buckets, powersgd
@@ -574,7 +574,8 @@ def broadcast_optimizer_state(optimizer, root_rank=0, comm=None):
     be applied once per rank).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
-    state = comm.bcast(optimizer.state_dict() if comm.Get_rank() == root_rank else None, root=root_rank)
+    mine = optimizer.state_dict() if comm.Get_rank() == root_rank else None
+    state = waited_bcast(comm, mine, root_rank, f"broadcast_optimizer_state from rank {root_rank}")
     if comm.Get_rank() != root_rank:
         low_rank = getattr(optimizer, "_low_rank", None)
         if low_rank is not None and "hpcdl_powersgd" in state:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
+from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks, waited_allreduce, waited_gather, waited_scatter
 from hpcdl.errors import MismatchError
 from hpcdl.pipeline import (
     BACKWARD,
@@ -244,7 +244,7 @@ class Pipeline:
     def full_state_dict(self):
         """The whole model's state_dict on stage 0 (None elsewhere); collective over the
         pipeline. Its keys are the original nn.Sequential's."""
-        parts = self.pipeline_comm.gather(self.module.state_dict(), root=0)
+        parts = waited_gather(self.pipeline_comm, self.module.state_dict(), 0, "full_state_dict's gather of the stages")
         if self.stage != 0:
             return None
         merged = collections.OrderedDict()
@@ -261,7 +261,7 @@ class Pipeline:
             owner = {name: s for s in range(self.stages) for name in self.layer_names[slice(*self._layers_of(s))]}
             for key, value in state.items():
                 parts[owner.get(key.split(".", 1)[0], 0)][key] = value
-        mine = self.pipeline_comm.scatter(parts, root=0)
+        mine = waited_scatter(self.pipeline_comm, parts, 0, "load_full_state_dict's scatter to the stages")
         call_on_every_rank(self.pipeline_comm, self.module.load_state_dict, mine)
 
     def close(self):
@@ -474,7 +474,7 @@ def _stage_starts(model, balance, stages, sample, comm):
                 raise ValueError('balance="time" needs sample= (one micro-batch of input) to time the layers')
             # every rank measures; the sum decides, so all ranks cut alike
             times = np.array(_layer_times(layers, sample))
-            comm.Allreduce(MPI.IN_PLACE, times, op=MPI.SUM)
+            waited_allreduce(comm, times, MPI.SUM, 'balance="time"\'s sum of the layer times')
             return balanced_split(times.tolist(), stages)
         if balance == "marks":
             starts = [0] + [i + 1 for i, layer in enumerate(layers) if isinstance(layer, PipeSplit)]

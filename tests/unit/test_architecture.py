@@ -181,3 +181,54 @@ def test_the_check_catches_a_crossing():
     assert cpp_violations("src/engine/engine.cc", [("include/hpcdl/flat.hpp", "z")]) == [
         ("z", "a header outside every part's folder")
     ]
+
+
+# mpi4py's blocking collectives. hpcdl's Python side waits in none of them, where a rank
+# that never comes would block the others with no message, but call_on_every_rank's
+# own (hpcdl/_agree.py says why); the rest go through _agree's waited_* collectives.
+BLOCKING_COLLECTIVES = {
+    "allgather", "allreduce", "alltoall", "barrier", "bcast", "exscan", "gather", "reduce", "scan", "scatter",
+    "Allgather", "Allgatherv", "Allreduce", "Alltoall", "Alltoallv", "Alltoallw", "Barrier", "Bcast", "Exscan",
+    "Gather", "Gatherv", "Reduce", "Reduce_scatter", "Reduce_scatter_block", "Scan", "Scatter", "Scatterv",
+}  # fmt: skip
+COMMUNICATOR = re.compile(r"comm|world", re.I)  # mpi4py receivers: comm, self.pipeline_comm, MPI.COMM_WORLD
+BLOCKING_ALLOWED = {("hpcdl/_agree.py", "call_on_every_rank")}
+
+
+def blocking_collectives(path, source=None, allowed=BLOCKING_ALLOWED):
+    """(function, line, call) for each blocking mpi4py collective `path` calls on a
+    communicator outside the ``allowed`` (file, function)s."""
+    tree = ast.parse(source if source is not None else open(os.path.join(ROOT, path)).read(), path)
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr in BLOCKING_COLLECTIVES
+                and COMMUNICATOR.search(ast.unparse(child.func.value))
+                and (path, function) not in allowed
+            ):
+                found.append((function, child.lineno, ast.unparse(child.func)))
+            visit(child, inner)
+
+    visit(tree, None)
+    return found
+
+
+@pytest.mark.parametrize("path", files("hpcdl/**/*.py"))
+def test_no_blocking_mpi_collective_outside_the_agreements(path):
+    assert not blocking_collectives(path)
+
+
+def test_the_blocking_collective_check_catches_one():
+    source = "def f(comm):\n    x = comm.bcast(1, root=0)\n    hpcdl.allgather(x)\n    self.pipeline_comm.Barrier()\n"
+    assert blocking_collectives("hpcdl/prefetch.py", source) == [
+        ("f", 2, "comm.bcast"),
+        ("f", 4, "self.pipeline_comm.Barrier"),
+    ]
+    assert blocking_collectives("hpcdl/_agree.py", "def call_on_every_rank(comm):\n    comm.allgather(1)\n") == []
+    for path, function in BLOCKING_ALLOWED:  # each allowance is still needed
+        assert [f for f, _, _ in blocking_collectives(path, allowed=set())] == [function]

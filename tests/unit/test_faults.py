@@ -283,6 +283,37 @@ def test_a_rank_that_never_builds_its_optimizer_is_reported_after_the_stall_limi
     assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
 
 
+def test_a_stopped_root_of_broadcast_optimizer_state_is_reported_after_the_stall_limits(tmp_path):
+    """Rank 0, the root, stops (SIGSTOP) before broadcast_optimizer_state (Horovod's
+    call at start): rank 1 warns past stall_warning_seconds and fails past
+    stall_error_seconds naming the broadcast, where mpi4py's bcast would wait for ever."""
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
+        import torch
+        import hpcdl.torch as hvt
+        hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        WORLD.Barrier()
+        if RANK == 0:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        hvt.broadcast_optimizer_state(optimizer, root_rank=0)
+        print(f"rank {RANK} has the optimizer state", flush=True)
+    """,
+    )
+    assert rc != 0, out
+    assert "has the optimizer state" not in out, out
+    stall = (
+        r"broadcast_optimizer_state from rank 0 has waited [\d.]+ s for the 2 ranks of the communicator: "
+        r"some rank has not reached it"
+    )
+    assert re.search(rf"\[hpcdl rank 1\] {stall}", out), out  # the StallWarning
+    assert "[hpcdl rank 1] uncaught StallTimeoutError" in out, out
+    assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
+
+
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
     """Rank 1 frees a communicator while its operation "a" is in flight there and
     rank 0 waits in "b" on it: rank 0 fails naming rank 1."""

@@ -1,0 +1,71 @@
+"""hpcdl._agree's waited_* collectives, the stall-checked stand-ins for mpi4py's
+blocking ones on hpcdl's Python side: each gives what mpi4py's own collective
+gives on the same inputs (objects of a different size on every rank, every root),
+over COMM_SELF, COMM_WORLD and a Dup()."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpcdl._agree import (
+    waited_allgather,
+    waited_allreduce,
+    waited_barrier,
+    waited_bcast,
+    waited_gather,
+    waited_scatter,
+)
+
+from conftest import agree, outcome
+
+pytestmark = pytest.mark.mpi
+
+
+def thing(rank, salt=""):
+    """An object whose pickle's size differs by rank (rank 0's is the smallest)."""
+    return {"rank": rank, "salt": salt, "rows": list(range(rank * 37)), "array": np.arange(rank * 5.0)}
+
+
+def same(a, b):
+    return repr(a) == repr(b)
+
+
+def test_waited_collectives_give_what_mpi4pys_give(comm):
+    rank, size = comm.Get_rank(), comm.Get_size()
+    mine = thing(rank)
+    problems = []
+    if not same(waited_allgather(comm, mine, "test"), comm.allgather(mine)):
+        problems.append("allgather")
+    for root in range(size):
+        sent = thing(rank, f"from {root}")
+        if not same(waited_bcast(comm, sent if rank == root else None, root, "test"), comm.bcast(sent, root)):
+            problems.append(f"bcast from {root}")
+        if not same(waited_gather(comm, sent, root, "test"), comm.gather(sent, root)):
+            problems.append(f"gather to {root}")
+        parts = [thing(r, f"for {r} from {root}") for r in range(size)] if rank == root else None
+        if not same(waited_scatter(comm, parts, root, "test"), comm.scatter(parts, root)):
+            problems.append(f"scatter from {root}")
+    values = np.arange(7.0) * (rank + 1)
+    expected = values.copy()
+    comm.Allreduce(MPI.IN_PLACE, expected, op=MPI.MAX)
+    waited_allreduce(comm, values, MPI.MAX, "test")
+    if not np.array_equal(values, expected):
+        problems.append(f"allreduce: {values} against {expected}")
+    waited_barrier(comm, "test")
+    agree(comm, not problems, problems)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_scatter_of_the_wrong_length_is_named_on_the_root():
+    """The root's parts must be one per rank: it raises at once (the other ranks then
+    wait under the stall limits, as for any rank that never comes), so the test's
+    other ranks take part in a scatter of the right length instead."""
+    comm = MPI.COMM_WORLD
+    refused = None
+    if comm.Get_rank() == 0:
+        _, refused = outcome(waited_scatter, comm, [1], 0, "the test's scatter")
+    got = waited_scatter(comm, list(range(comm.Get_size())) if comm.Get_rank() == 0 else None, 0, "test")
+    named = comm.Get_rank() != 0 or (
+        isinstance(refused, ValueError) and f"1 parts for {comm.Get_size()} ranks" in str(refused)
+    )
+    agree(comm, named and got == comm.Get_rank(), f"{refused!r}, got {got}")
