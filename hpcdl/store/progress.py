@@ -4,7 +4,10 @@ import time
 
 from mpi4py import MPI
 
+from hpcdl.collectives import PoliteWait
+
 _PROGRESS_TAG = 4242
+_MAX_POLL_SLEEP_S = 0.05  # the wait for the last reports: a bar, not a step
 
 
 def _bar(enabled, **kwargs):
@@ -28,7 +31,7 @@ class _Progress:
         self.requests = []
         self.start = time.monotonic()
         self.total_files = total_files
-        self.finished_ranks = 0
+        self.finished = {0}  # the ranks that sent their last report (rank 0 reports to itself)
         self.bar = (
             _bar(
                 enabled and self.rank == 0, total=total_bytes, unit="B", unit_scale=True, desc="[hpcdl rank 0] packing"
@@ -60,12 +63,33 @@ class _Progress:
         self.bar.set_postfix_str(f"{self.files}/{self.total_files} files, {rate:.0f} files/s", refresh=False)
 
     def _collect(self, block):
-        """Show the reports that arrived; with block, wait until every rank said done."""
+        """Show the reports that arrived; with block, wait until every rank said done,
+        under hpcdl.configure()'s stall limits counted from the last report of any rank:
+        a rank that stops writing (stopped, dead, a file system that does not answer)
+        is named once the others are done, where a blocking receive waited for ever."""
         nranks = self.comm.Get_size()
-        while (block and self.finished_ranks < nranks - 1) or self.comm.iprobe(MPI.ANY_SOURCE, _PROGRESS_TAG):
-            files, nbytes, done = self.comm.recv(source=MPI.ANY_SOURCE, tag=_PROGRESS_TAG)
-            self._show(files, nbytes)
-            self.finished_ranks += done
+        wait = PoliteWait(_MAX_POLL_SLEEP_S)
+        while True:
+            status = MPI.Status()
+            if self.comm.iprobe(MPI.ANY_SOURCE, _PROGRESS_TAG, status):
+                files, nbytes, done = self.comm.recv(source=status.Get_source(), tag=_PROGRESS_TAG)
+                self._show(files, nbytes)
+                if done:
+                    self.finished.add(status.Get_source())
+                wait = PoliteWait(_MAX_POLL_SLEEP_S)
+            elif not block or len(self.finished) == nranks:
+                return
+            else:
+                wait.check(self._describe_stall)
+                wait.sleep()
+
+    def _describe_stall(self, waited):
+        silent = sorted(set(range(self.comm.Get_size())) - self.finished)
+        listed = ", ".join(map(str, silent[:8])) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
+        return (
+            f"pack has had no progress report for {waited:.1f} s: rank{'s' if len(silent) > 1 else ''} {listed} "
+            "still writing (stopped, dead, or on a file system that does not answer)"
+        )
 
     def finish(self):
         """Collective: rank 0 waits for every rank's last report."""

@@ -314,6 +314,42 @@ def test_a_stopped_root_of_broadcast_optimizer_state_is_reported_after_the_stall
     assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
 
 
+def test_a_rank_that_stops_while_packing_is_named_after_the_stall_limits(tmp_path):
+    """Rank 1 stops (SIGSTOP) as it starts writing its shard: rank 0, which waits for
+    every rank's last progress report, warns past stall_warning_seconds and fails past
+    stall_error_seconds naming rank 1, where a blocking receive waited for ever."""
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
+        import hpcdl.store.packing as packing
+        from hpcdl import store
+        src = os.path.join(os.environ["JOB_DIR"], "src")
+        if RANK == 0:
+            for i in range(40):
+                os.makedirs(os.path.join(src, f"c{i % 2}"), exist_ok=True)
+                with open(os.path.join(src, f"c{i % 2}", f"{i:03d}.bin"), "wb") as fh:
+                    fh.write(os.urandom(100))
+        WORLD.Barrier()
+        write_shard = packing._write_shard
+        def write_or_stop(*args):
+            if RANK == 1:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            return write_shard(*args)
+        packing._write_shard = write_or_stop
+        hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
+        store.pack(src, os.path.join(os.environ["JOB_DIR"], "store"), shards=2, comm=WORLD, progress=False)
+        print(f"rank {RANK} packed", flush=True)
+    """,
+    )
+    assert rc != 0, out
+    assert "packed" not in out, out
+    stall = r"pack has had no progress report for [\d.]+ s: rank 1 still writing"
+    assert re.search(rf"\[hpcdl rank 0\] {stall}", out), out  # the StallWarning
+    assert "[hpcdl rank 0] uncaught StallTimeoutError" in out, out
+    assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
+
+
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
     """Rank 1 frees a communicator while its operation "a" is in flight there and
     rank 0 waits in "b" on it: rank 0 fails naming rank 1."""
