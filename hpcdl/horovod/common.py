@@ -74,7 +74,10 @@ def init(comm=None, process_sets=None):
     default COMM_WORLD) and register ``process_sets`` (ProcessSets or lists of ranks).
     Collective: every rank of the communicator calls it, as in Horovod. Node-local and
     cross-node communicators are split here once."""
-    if isinstance(comm, (list, tuple)):  # collective over COMM_WORLD, as in Horovod
+    listed = isinstance(comm, (list, tuple))
+    # Every rank arrives under the stall limits first: making communicators blocks in MPI.
+    waited_barrier(MPI.COMM_WORLD if listed or comm is None else comm, "init")
+    if listed:  # collective over COMM_WORLD, as in Horovod
         ranks = [int(r) for r in comm]
         group = MPI.COMM_WORLD.Get_group().Incl(ranks)
         comm = MPI.COMM_WORLD.Create(group)

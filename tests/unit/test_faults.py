@@ -314,6 +314,31 @@ def test_a_stopped_root_of_broadcast_optimizer_state_is_reported_after_the_stall
     assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
 
 
+def test_a_rank_that_never_calls_horovods_init_is_reported_after_the_stall_limits(tmp_path):
+    """Rank 1 stops (SIGSTOP) before hpcdl.horovod.torch.init(): rank 0 warns past
+    stall_warning_seconds and fails past stall_error_seconds naming init, where
+    splitting the node's communicator would block in MPI for ever."""
+    rc, out = run_job(
+        tmp_path,
+        2,
+        """
+        import hpcdl.horovod.torch as hvd
+        hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
+        WORLD.Barrier()
+        if RANK == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        hvd.init()
+        print(f"rank {RANK} initialized", flush=True)
+    """,
+    )
+    assert rc != 0, out
+    assert "initialized" not in out, out
+    stall = r"init has waited [\d.]+ s for the 2 ranks of the communicator: some rank has not reached it"
+    assert re.search(rf"\[hpcdl rank 0\] {stall}", out), out  # the StallWarning
+    assert "[hpcdl rank 0] uncaught StallTimeoutError" in out, out
+    assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
+
+
 def test_a_rank_that_stops_while_packing_is_named_after_the_stall_limits(tmp_path):
     """Rank 1 stops (SIGSTOP) as it starts writing its shard: rank 0, which waits for
     every rank's last progress report, warns past stall_warning_seconds and fails past
