@@ -253,90 +253,51 @@ def test_a_stopped_pipeline_stage_is_named_after_the_stall_limits(tmp_path):
     assert re.search(rf"PipelineError: stage 0 of 2 failed: StallTimeoutError: hpcdl: {stall}", out), out
 
 
-def test_a_rank_that_never_builds_its_optimizer_is_reported_after_the_stall_limits(tmp_path):
-    """Rank 1 stops (SIGSTOP) before it builds its DistributedOptimizer: rank 0's check
-    that the ranks' parameters agree warns past stall_warning_seconds and fails past
-    stall_error_seconds, where an mpi4py collective would wait for ever."""
-    rc, out = run_job(
-        tmp_path,
-        2,
-        """
-        import torch
-        import hpcdl.torch as hvt
-        hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
-        WORLD.Barrier()
-        if RANK == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        model = torch.nn.Linear(4, 2)
-        hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
-        print(f"rank {RANK} built its optimizer", flush=True)
-    """,
-    )
-    assert rc != 0, out
-    assert "built its optimizer" not in out, out
-    stall = (
-        r"the check that the parameters of DistributedOptimizer agree has waited [\d.]+ s for the 2 ranks "
-        r"of the communicator: some rank has not reached it"
-    )
-    assert re.search(rf"\[hpcdl rank 0\] {stall}", out), out  # the StallWarning
-    assert "[hpcdl rank 0] uncaught StallTimeoutError" in out, out
+# A rank stops (SIGSTOP) just before a collective call of hpcdl's Python side: the
+# other rank must warn past stall_warning_seconds and fail past stall_error_seconds
+# naming the call, where an mpi4py collective (or making a communicator) would block
+# for ever. case: (the rank that stops, set-up code, the call, the call's name in the stall).
+STOPPED_BEFORE = {
+    "DistributedOptimizer's check": (
+        1,
+        "import torch\nimport hpcdl.torch as hvt\nmodel = torch.nn.Linear(4, 2)",
+        "hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())",
+        "the check that the parameters of DistributedOptimizer agree",
+    ),
+    "broadcast_optimizer_state's root": (
+        0,
+        "import torch\nimport hpcdl.torch as hvt\noptimizer = torch.optim.SGD(torch.nn.Linear(4, 2).parameters(), lr=0.1)",
+        "hvt.broadcast_optimizer_state(optimizer, root_rank=0)",
+        "broadcast_optimizer_state from rank 0",
+    ),
+    "hpcdl.horovod's init": (1, "import hpcdl.horovod.torch as hvd", "hvd.init()", "init"),
+}
+
+
+def assert_stall_reported(out, rank, stall):
+    """``rank`` warned of the stall (regex), then failed with StallTimeoutError naming it."""
+    assert re.search(rf"\[hpcdl rank {rank}\] {stall}", out), out  # the StallWarning
+    assert f"[hpcdl rank {rank}] uncaught StallTimeoutError" in out, out
     assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
 
 
-def test_a_stopped_root_of_broadcast_optimizer_state_is_reported_after_the_stall_limits(tmp_path):
-    """Rank 0, the root, stops (SIGSTOP) before broadcast_optimizer_state (Horovod's
-    call at start): rank 1 warns past stall_warning_seconds and fails past
-    stall_error_seconds naming the broadcast, where mpi4py's bcast would wait for ever."""
-    rc, out = run_job(
-        tmp_path,
-        2,
-        """
-        import torch
-        import hpcdl.torch as hvt
-        hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
-        model = torch.nn.Linear(4, 2)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        WORLD.Barrier()
-        if RANK == 0:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        hvt.broadcast_optimizer_state(optimizer, root_rank=0)
-        print(f"rank {RANK} has the optimizer state", flush=True)
-    """,
-    )
+@pytest.mark.parametrize("case", STOPPED_BEFORE)
+def test_a_rank_stopped_before_a_collective_call_is_reported_after_the_stall_limits(tmp_path, case):
+    stopped, setup, call, what = STOPPED_BEFORE[case]
+    body = f"""
+{setup}
+hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
+WORLD.Barrier()
+if RANK == {stopped}:
+    os.kill(os.getpid(), signal.SIGSTOP)
+{call}
+print(f"rank {{RANK}} made the call", flush=True)
+"""
+    rc, out = run_job(tmp_path, 2, body)
     assert rc != 0, out
-    assert "has the optimizer state" not in out, out
-    stall = (
-        r"broadcast_optimizer_state from rank 0 has waited [\d.]+ s for the 2 ranks of the communicator: "
-        r"some rank has not reached it"
-    )
-    assert re.search(rf"\[hpcdl rank 1\] {stall}", out), out  # the StallWarning
-    assert "[hpcdl rank 1] uncaught StallTimeoutError" in out, out
-    assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
-
-
-def test_a_rank_that_never_calls_horovods_init_is_reported_after_the_stall_limits(tmp_path):
-    """Rank 1 stops (SIGSTOP) before hpcdl.horovod.torch.init(): rank 0 warns past
-    stall_warning_seconds and fails past stall_error_seconds naming init, where
-    splitting the node's communicator would block in MPI for ever."""
-    rc, out = run_job(
-        tmp_path,
-        2,
-        """
-        import hpcdl.horovod.torch as hvd
-        hpcdl.configure(stall_warning_seconds=1, stall_error_seconds=3)
-        WORLD.Barrier()
-        if RANK == 1:
-            os.kill(os.getpid(), signal.SIGSTOP)
-        hvd.init()
-        print(f"rank {RANK} initialized", flush=True)
-    """,
-    )
-    assert rc != 0, out
-    assert "initialized" not in out, out
-    stall = r"init has waited [\d.]+ s for the 2 ranks of the communicator: some rank has not reached it"
-    assert re.search(rf"\[hpcdl rank 0\] {stall}", out), out  # the StallWarning
-    assert "[hpcdl rank 0] uncaught StallTimeoutError" in out, out
-    assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
+    assert "made the call" not in out, out
+    stall = rf"{re.escape(what)} has waited [\d.]+ s for the 2 ranks of the communicator: some rank has not reached it"
+    assert_stall_reported(out, 1 - stopped, stall)
 
 
 def test_a_rank_that_stops_while_packing_is_named_after_the_stall_limits(tmp_path):
@@ -369,10 +330,7 @@ def test_a_rank_that_stops_while_packing_is_named_after_the_stall_limits(tmp_pat
     )
     assert rc != 0, out
     assert "packed" not in out, out
-    stall = r"pack has had no progress report for [\d.]+ s: rank 1 still writing"
-    assert re.search(rf"\[hpcdl rank 0\] {stall}", out), out  # the StallWarning
-    assert "[hpcdl rank 0] uncaught StallTimeoutError" in out, out
-    assert re.search(rf"StallTimeoutError: hpcdl: {stall}", out), out
+    assert_stall_reported(out, 0, r"pack has had no progress report for [\d.]+ s: rank 1 still writing")
 
 
 def test_freeing_a_communicator_with_operations_in_flight_ends_the_job(tmp_path):
