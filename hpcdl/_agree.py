@@ -102,8 +102,7 @@ def waited_allreduce(comm, array, op, what):
 
 
 def _pickled(obj):
-    # writable: the root's payload is a broadcast's buffer too
-    return np.frombuffer(bytearray(pickle.dumps(obj)), np.uint8)
+    return np.frombuffer(pickle.dumps(obj), np.uint8)
 
 
 def _room_for(sizes):
@@ -116,7 +115,7 @@ def _offsets(sizes):
 
 
 def _unpickled(blob, start, length):
-    return pickle.loads(blob[start : start + length].tobytes())
+    return pickle.loads(blob[start : start + length])  # no copy: a state_dict may be gigabytes
 
 
 def _wait(request, comm, what):
