@@ -1,0 +1,166 @@
+"""The object collectives of hpcdl's Python side (hpcdl._agree's waited_*: mpi4py's
+nonblocking collectives polled under the stall limits) against mpi4py's blocking
+ones (comm.bcast, gather, scatter, allgather) in the same run: what waiting under
+the stall limits costs broadcast_optimizer_state, a pipeline's full_state_dict and
+load_full_state_dict, and the checks at construction.
+
+    mpiexec -n 4 python bench/object_collectives.py                          # one host
+    bench/netcluster.sh run -- mpiexec -n 4 bench/netns-exec.sh \\
+        python bench/object_collectives.py --tag object_collectives_cluster  # emulated 4-host cluster
+
+Size is the bytes of the object each rank contributes (a float32 array): the root's
+object of a bcast, each rank's of a gather or allgather, each rank's part of a
+scatter (the root holds P of them). Both systems run the same objects, interleaved
+call by call; a call's time is the slowest rank's. Per run, the median over
+iterations; over runs, the median of those; the ratio is hpcdl's median over
+mpi4py's (below 1: hpcdl faster). Each system's result is checked once per size.
+Rank 0 prints a table and writes <out>/<tag>.csv (one row per run, op, size and
+system) and <out>/<tag>.png (the ratio against size, per op).
+"""
+
+import argparse
+import csv
+import os
+import statistics
+
+import numpy as np
+from mpi4py import MPI
+
+from hpcdl._agree import waited_allgather, waited_bcast, waited_gather, waited_scatter
+from hpcdl.measure import cell, ratio, save_figure, show
+from hpcdl.units import size_type
+
+OPS = ("bcast", "gather", "scatter", "allgather")
+
+
+def calls(op, comm, size_bytes):
+    """(hpcdl's call, mpi4py's call, check of a result) for op at size on this rank."""
+    rank, p = comm.Get_rank(), comm.Get_size()
+
+    def part(r):
+        return np.full(max(1, size_bytes // 4), r + 1, np.float32)
+
+    mine = part(rank)
+    if op == "bcast":
+        obj = mine if rank == 0 else None
+        return (
+            lambda: waited_bcast(comm, obj, 0, "bench"),
+            lambda: comm.bcast(obj, 0),
+            lambda got: np.array_equal(got, part(0)),
+        )
+    if op == "gather":
+        return (
+            lambda: waited_gather(comm, mine, 0, "bench"),
+            lambda: comm.gather(mine, 0),
+            lambda got: got is None if rank else all(np.array_equal(g, part(r)) for r, g in enumerate(got)),
+        )
+    if op == "scatter":
+        parts = [part(r) for r in range(p)] if rank == 0 else None
+        return (
+            lambda: waited_scatter(comm, parts, 0, "bench"),
+            lambda: comm.scatter(parts, 0),
+            lambda got: np.array_equal(got, mine),
+        )
+    return (
+        lambda: waited_allgather(comm, mine, "bench"),
+        lambda: comm.allgather(mine),
+        lambda got: all(np.array_equal(g, part(r)) for r, g in enumerate(got)),
+    )
+
+
+def timed(comm, call):
+    comm.Barrier()
+    t0 = MPI.Wtime()
+    call()
+    return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="4KiB,1MiB,16MiB,128MiB", help="bytes per object, comma-separated")
+    parser.add_argument("--ops", default=",".join(OPS))
+    parser.add_argument("--iters", type=int, default=5, help="timed calls per system, op, size and run")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--tag", default="object_collectives")
+    args = parser.parse_args()
+    parse_size = size_type()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    ops = [o for o in args.ops.split(",") if o]
+    comm = MPI.COMM_WORLD
+    rank, p = comm.Get_rank(), comm.Get_size()
+    rows, ok = [], True
+    for op in ops:
+        for size in sizes:
+            waited, blocking, correct = calls(op, comm, size)
+            verdicts = comm.allgather((bool(correct(waited())), bool(correct(blocking()))))
+            if not all(a and b for a, b in verdicts):
+                ok = False
+                if rank == 0:
+                    print(f"{op} {size}: a wrong result (hpcdl, mpi4py per rank): {verdicts}")
+                continue
+            for run in range(args.runs):
+                times = {"hpcdl": [], "mpi4py": []}
+                for _ in range(args.iters):
+                    times["hpcdl"].append(timed(comm, waited))
+                    times["mpi4py"].append(timed(comm, blocking))
+                for system, values in times.items():
+                    rows.append(
+                        {
+                            "op": op,
+                            "size_bytes": size,
+                            "ranks": p,
+                            "system": system,
+                            "run": run,
+                            "median_s": statistics.median(values),
+                            "min_s": min(values),
+                        }
+                    )
+    if rank != 0:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.tag}.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["op"])
+        writer.writeheader()
+        writer.writerows({k: cell(v) for k, v in r.items()} for r in rows)
+    summary = {}
+    print(
+        f"{'op':<11}{'size':>12}{'hpcdl ms':>12}{'mpi4py ms':>12}{'hpcdl/mpi4py':>14}   ({p} ranks, median of "
+        f"{args.runs} run medians of {args.iters} calls)"
+    )
+    for op in ops:
+        for size in sizes:
+            med = {
+                s: statistics.median(
+                    [r["median_s"] for r in rows if r["op"] == op and r["size_bytes"] == size and r["system"] == s]
+                    or [None]
+                )
+                for s in ("hpcdl", "mpi4py")
+            }
+            summary[(op, size)] = ratio(med["hpcdl"], med["mpi4py"])
+            print(
+                f"{op:<11}{size:>12}{show(med['hpcdl'] and med['hpcdl'] * 1e3, '12.2f')}"
+                f"{show(med['mpi4py'] and med['mpi4py'] * 1e3, '12.2f')}{show(summary[(op, size)], '14.3f')}"
+            )
+
+    def draw(plt):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for op in ops:
+            points = [(s, summary[(op, s)]) for s in sizes if summary[(op, s)] is not None]
+            ax.plot([s / 2**20 for s, _ in points], [r for _, r in points], marker="o", label=op)
+        ax.axhline(1.0, color="grey", linestyle="--", label="as fast as mpi4py")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("MiB per object")
+        ax.set_ylabel("hpcdl (waited) time / mpi4py time (median)")
+        ax.set_title(f"{args.tag}: {p} ranks")
+        ax.legend()
+        fig.tight_layout()
+        return fig
+
+    save_figure(os.path.join(args.out, f"{args.tag}.png"), draw)
+    if not ok:
+        raise SystemExit("a result was wrong; see above")
+
+
+if __name__ == "__main__":
+    main()
