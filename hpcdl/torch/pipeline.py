@@ -472,8 +472,9 @@ def _stage_starts(model, balance, stages, sample, comm):
         if balance == "time":
             if sample is None:
                 raise ValueError('balance="time" needs sample= (one micro-batch of input) to time the layers')
-            # every rank measures; the sum decides, so all ranks cut alike
-            times = np.array(_layer_times(layers, sample))
+            # Every rank measures; the sum decides, in integer nanoseconds: exact in whatever
+            # order MPI adds them, so every rank gets the same sums and cuts alike.
+            times = np.round(np.array(_layer_times(layers, sample)) * 1e9).astype(np.int64)
             waited_allreduce(comm, times, MPI.SUM, 'balance="time"\'s sum of the layer times')
             return balanced_split(times.tolist(), stages)
         if balance == "marks":

@@ -334,3 +334,17 @@ def test_pipeline_messages_never_match_the_users_receives(comm):
     comm.send(("user", rank), dest=(rank + 1) % size, tag=7)
     got = pending.wait()
     agree(comm, exc is None and diff < 1e-5 and got == ("user", (rank - 1) % size), f"{exc!r} {diff} {got}")
+
+
+@pytest.mark.mpi(min_size=2)
+@multi_rank
+def test_time_balance_cuts_alike_on_every_rank(comm):
+    """balance="time": every rank times the layers itself (different times), and the
+    summed times decide the cut, so every rank must get the same cut."""
+    from hpcdl.torch.pipeline import _stage_starts
+
+    torch.manual_seed(comm.Get_rank())
+    model = make_model(width=32)
+    starts = collective(comm, _stage_starts, model, "time", 2, torch.randn(4, 12), comm)
+    everyone = comm.allgather(starts)
+    agree(comm, all(s == everyone[0] for s in everyone) and 0 < starts[1] < len(model), everyone)
