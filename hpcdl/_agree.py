@@ -233,7 +233,7 @@ def check_same_identity(comm, identity, where, what, hint=""):
     for ident, ranks in list(groups.items())[:_MAX_LISTED]:
         places = list(dict.fromkeys(wheres[r] for r in ranks))
         shown = ", ".join(places[:3]) + (f" and {len(places) - 3} more" if len(places) > 3 else "")
-        parts.append(f"{_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {ident}: {shown}")
+        parts.append(f"{describe_ranks(ranks)} {'has' if len(ranks) == 1 else 'have'} {ident}: {shown}")
     more = len(groups) - _MAX_LISTED
     raise MismatchError(
         f"{what} differ across ranks: "
@@ -243,7 +243,7 @@ def check_same_identity(comm, identity, where, what, hint=""):
     )
 
 
-def _ranks(ranks):
+def describe_ranks(ranks):
     """'rank 3' or 'ranks 0-2, 5' (sorted ranks, consecutive ones as ranges)."""
     runs = []
     for r in ranks:

@@ -4,6 +4,7 @@ import time
 
 from mpi4py import MPI
 
+from hpcdl._agree import describe_ranks
 from hpcdl.collectives import PoliteWait
 
 _PROGRESS_TAG = 4242
@@ -85,10 +86,9 @@ class _Progress:
 
     def _describe_stall(self, waited):
         silent = sorted(set(range(self.comm.Get_size())) - self.finished)
-        listed = ", ".join(map(str, silent[:8])) + (f" and {len(silent) - 8} more" if len(silent) > 8 else "")
         return (
-            f"pack has had no progress report for {waited:.1f} s: rank{'s' if len(silent) > 1 else ''} {listed} "
-            "still writing (stopped, dead, or on a file system that does not answer)"
+            f"pack has had no progress report for {waited:.1f} s: {describe_ranks(silent)} still writing "
+            "(stopped, dead, or on a file system that does not answer)"
         )
 
     def finish(self):
