@@ -22,6 +22,7 @@ has no nonblocking form of them but Comm_idup.
 """
 
 import hashlib
+import io
 import pickle
 
 import numpy as np
@@ -33,6 +34,7 @@ from hpcdl.errors import HpcdlError, MismatchError
 
 _MAX_LISTED = 5
 _MAX_POLL_SLEEP_S = 1e-3  # these agreements run at set-up: a millisecond late is nothing
+_LONG_BCAST_BYTES = 512 << 10  # MPICH's threshold for its long broadcast (scatter, then allgather)
 
 
 def waited_allgather(comm, obj, what):
@@ -49,13 +51,23 @@ def waited_allgather(comm, obj, what):
 
 def waited_bcast(comm, obj, root, what):
     """comm.bcast(obj, root) under the stall limits (as waited_allgather): root's obj
-    on every rank, the root's own object on the root."""
-    rank = comm.Get_rank()
+    on every rank, the root's own object on the root. From _LONG_BCAST_BYTES on, the
+    bytes are scattered in P pieces and then allgathered, as MPI's own long broadcast
+    does: MPICH's nonblocking broadcast takes a tree instead, 1.3x slower at 16 MiB
+    on the emulated cluster (docs/performance.md, "Set-up collectives")."""
+    rank, ranks = comm.Get_rank(), comm.Get_size()
     payload = _pickled(obj) if rank == root else None
     size = np.array([0 if payload is None else payload.size], np.int64)
     _wait(comm.Ibcast(size, root=root), comm, what)
     blob = payload if payload is not None else np.empty(int(size[0]), np.uint8)
-    _wait(comm.Ibcast(blob, root=root), comm, what)
+    if blob.size < _LONG_BCAST_BYTES or ranks == 1:
+        _wait(comm.Ibcast(blob, root=root), comm, what)
+    else:
+        counts = [(blob.size * (r + 1)) // ranks - (blob.size * r) // ranks for r in range(ranks)]
+        pieces = [blob, (counts, _offsets(np.array(counts)).tolist()), MPI.BYTE]
+        mine = MPI.IN_PLACE if rank == root else blob[pieces[1][1][rank] :][: counts[rank]]
+        _wait(comm.Iscatterv(pieces if rank == root else None, mine, root=root), comm, what)
+        _wait(comm.Iallgatherv(MPI.IN_PLACE, pieces), comm, what)
     return obj if rank == root else _unpickled(blob, 0, blob.size)
 
 
@@ -102,7 +114,11 @@ def waited_allreduce(comm, array, op, what):
 
 
 def _pickled(obj):
-    return np.frombuffer(pickle.dumps(obj), np.uint8)
+    """obj's pickle as a writable uint8 array, without a copy of the bytes (a long
+    broadcast's root receives into it)."""
+    stream = io.BytesIO()
+    pickle.dump(obj, stream, protocol=pickle.HIGHEST_PROTOCOL)
+    return np.frombuffer(stream.getbuffer(), np.uint8)
 
 
 def _room_for(sizes):

@@ -8,6 +8,7 @@ import pytest
 from mpi4py import MPI
 
 from hpcdl._agree import (
+    _LONG_BCAST_BYTES,
     waited_allgather,
     waited_allreduce,
     waited_barrier,
@@ -21,28 +22,31 @@ from conftest import agree, outcome
 pytestmark = pytest.mark.mpi
 
 
-def thing(rank, salt=""):
-    """An object whose pickle's size differs by rank (rank 0's is the smallest)."""
-    return {"rank": rank, "salt": salt, "rows": list(range(rank * 37)), "array": np.arange(rank * 5.0)}
+def thing(rank, salt="", long=False):
+    """An object whose pickle's size differs by rank (rank 0's is the smallest); a long
+    one is above _LONG_BCAST_BYTES, where a broadcast scatters and allgathers."""
+    extra = _LONG_BCAST_BYTES // 8 + 1001 if long else 0
+    return {"rank": rank, "salt": salt, "rows": list(range(rank * 37)), "array": np.arange(rank * 5.0 + extra)}
 
 
 def same(a, b):
     return repr(a) == repr(b)
 
 
-def test_waited_collectives_give_what_mpi4pys_give(comm):
+@pytest.mark.parametrize("long", [False, True], ids=["short", "long"])
+def test_waited_collectives_give_what_mpi4pys_give(comm, long):
     rank, size = comm.Get_rank(), comm.Get_size()
-    mine = thing(rank)
+    mine = thing(rank, long=long)
     problems = []
     if not same(waited_allgather(comm, mine, "test"), comm.allgather(mine)):
         problems.append("allgather")
     for root in range(size):
-        sent = thing(rank, f"from {root}")
+        sent = thing(rank, f"from {root}", long)
         if not same(waited_bcast(comm, sent if rank == root else None, root, "test"), comm.bcast(sent, root)):
             problems.append(f"bcast from {root}")
         if not same(waited_gather(comm, sent, root, "test"), comm.gather(sent, root)):
             problems.append(f"gather to {root}")
-        parts = [thing(r, f"for {r} from {root}") for r in range(size)] if rank == root else None
+        parts = [thing(r, f"for {r} from {root}", long) for r in range(size)] if rank == root else None
         if not same(waited_scatter(comm, parts, root, "test"), comm.scatter(parts, root)):
             problems.append(f"scatter from {root}")
     values = np.arange(7.0) * (rank + 1)
