@@ -20,17 +20,20 @@ measured) and <out>/<tag>.png (the ratio against size, per op).
 import argparse
 import csv
 import os
-import statistics
 
 import numpy as np
 from mpi4py import MPI
 
 import hpcdl
-from hpcdl.measure import cell, ratio, save_figure, show
+from hpcdl.measure import cell, interleaved_runs, medians_and_ratios, plot_ratios, ratio_lines
 from hpcdl.units import size_type
 
 ROW = 256  # float32 per row: 1 KiB rows
 OPS = ("allgather", "alltoall", "reducescatter")
+
+
+def mib(size):
+    return f"{size >> 20}Mi"
 
 
 def allgather_rows(size_bytes, rank, p):
@@ -93,13 +96,6 @@ class Case:
         return bool(np.array_equal(got, self.expected))
 
 
-def timed(comm, call):
-    comm.Barrier()
-    t0 = MPI.Wtime()
-    call()
-    return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1MiB,4MiB,16MiB,64MiB", help="bytes each rank sends, comma-separated")
@@ -132,23 +128,17 @@ def main():
                 if rank == 0:
                     print(f"{op} {size}: a wrong result (hpcdl, mpi per rank): {verdicts}")
                 continue
-            for run in range(args.runs):
-                times = {"hpcdl": [], "mpi": []}
-                for _ in range(args.iters):
-                    times["hpcdl"].append(timed(comm, case.hpcdl))
-                    times["mpi"].append(timed(comm, case.mpi_call))
-                for system, values in times.items():
-                    rows.append(
-                        {
-                            "op": op,
-                            "size_bytes": size,
-                            "ranks": p,
-                            "system": system,
-                            "run": run,
-                            "median_s": statistics.median(values),
-                            "min_s": min(values),
-                        }
-                    )
+            rows.extend(
+                interleaved_runs(
+                    comm,
+                    {"hpcdl": case.hpcdl, "mpi": case.mpi_call},
+                    args.runs,
+                    args.iters,
+                    op=op,
+                    size_bytes=size,
+                    ranks=p,
+                )
+            )
             if rank == 0:
                 with open(csv_path, "a", newline="") as f:
                     csv.DictWriter(f, fieldnames=fields).writerows(
@@ -157,41 +147,22 @@ def main():
     mpi_comm.Free()
     if rank != 0:
         return
-    summary = {}
+    summary = medians_and_ratios(rows, ops, sizes, ("hpcdl", "mpi"))
     print(
-        f"{'op':<14}{'size':>10}{'hpcdl ms':>12}{'mpi ms':>12}{'hpcdl/mpi':>11}   ({p} ranks, median of "
-        f"{args.runs} run medians of {args.iters} calls)"
+        f"{'op':<14}{'size':>12}{'hpcdl ms':>12}{'mpi ms':>12}{'ratio':>12}   ({p} ranks, median of {args.runs} run medians of {args.iters} calls)"
     )
-    for op in ops:
-        for size in sizes:
-            med = {
-                s: statistics.median(
-                    [r["median_s"] for r in rows if r["op"] == op and r["size_bytes"] == size and r["system"] == s]
-                    or [None]
-                )
-                for s in ("hpcdl", "mpi")
-            }
-            summary[(op, size)] = ratio(med["hpcdl"], med["mpi"])
-            print(
-                f"{op:<14}{size >> 20:>8}Mi{show(med['hpcdl'] and med['hpcdl'] * 1e3, '12.2f')}"
-                f"{show(med['mpi'] and med['mpi'] * 1e3, '12.2f')}{show(summary[(op, size)], '11.3f')}"
-            )
-
-    def draw(plt):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for op in ops:
-            points = [(s, summary[(op, s)]) for s in sizes if summary[(op, s)] is not None]
-            ax.plot([s >> 20 for s, _ in points], [r for _, r in points], marker="o", label=op)
-        ax.axhline(1.1, color="grey", linestyle="--", label="1.1x MPI")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("MiB sent per rank")
-        ax.set_ylabel("hpcdl time / MPI time (median)")
-        ax.set_title(f"{args.tag}: {p} ranks")
-        ax.legend()
-        fig.tight_layout()
-        return fig
-
-    save_figure(os.path.join(args.out, f"{args.tag}.png"), draw)
+    print("\n".join(ratio_lines(summary, mib)))
+    plot_ratios(
+        os.path.join(args.out, f"{args.tag}.png"),
+        summary,
+        ops,
+        sizes,
+        f"{args.tag}: {p} ranks",
+        "hpcdl time / MPI time (median)",
+        1.1,
+        "1.1x MPI",
+        "MiB sent per rank",
+    )
     if not ok:
         raise SystemExit("a result was wrong; see above")
 

@@ -21,13 +21,12 @@ system) and <out>/<tag>.png (the ratio against size, per op).
 import argparse
 import csv
 import os
-import statistics
 
 import numpy as np
 from mpi4py import MPI
 
 from hpcdl._agree import waited_allgather, waited_bcast, waited_gather, waited_scatter
-from hpcdl.measure import cell, ratio, save_figure, show
+from hpcdl.measure import cell, interleaved_runs, medians_and_ratios, plot_ratios, ratio_lines
 from hpcdl.units import size_type
 
 OPS = ("bcast", "gather", "scatter", "allgather")
@@ -68,13 +67,6 @@ def calls(op, comm, size_bytes):
     )
 
 
-def timed(comm, call):
-    comm.Barrier()
-    t0 = MPI.Wtime()
-    call()
-    return comm.allreduce(MPI.Wtime() - t0, op=MPI.MAX)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4KiB,1MiB,16MiB,128MiB", help="bytes per object, comma-separated")
@@ -99,23 +91,11 @@ def main():
                 if rank == 0:
                     print(f"{op} {size}: a wrong result (hpcdl, mpi4py per rank): {verdicts}")
                 continue
-            for run in range(args.runs):
-                times = {"hpcdl": [], "mpi4py": []}
-                for _ in range(args.iters):
-                    times["hpcdl"].append(timed(comm, waited))
-                    times["mpi4py"].append(timed(comm, blocking))
-                for system, values in times.items():
-                    rows.append(
-                        {
-                            "op": op,
-                            "size_bytes": size,
-                            "ranks": p,
-                            "system": system,
-                            "run": run,
-                            "median_s": statistics.median(values),
-                            "min_s": min(values),
-                        }
-                    )
+            rows.extend(
+                interleaved_runs(
+                    comm, {"hpcdl": waited, "mpi4py": blocking}, args.runs, args.iters, op=op, size_bytes=size, ranks=p
+                )
+            )
     if rank != 0:
         return
     os.makedirs(args.out, exist_ok=True)
@@ -123,41 +103,22 @@ def main():
         writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["op"])
         writer.writeheader()
         writer.writerows({k: cell(v) for k, v in r.items()} for r in rows)
-    summary = {}
+    summary = medians_and_ratios(rows, ops, sizes, ("hpcdl", "mpi4py"))
     print(
-        f"{'op':<11}{'size':>12}{'hpcdl ms':>12}{'mpi4py ms':>12}{'hpcdl/mpi4py':>14}   ({p} ranks, median of "
-        f"{args.runs} run medians of {args.iters} calls)"
+        f"{'op':<14}{'size':>12}{'hpcdl ms':>12}{'mpi4py ms':>12}{'ratio':>12}   ({p} ranks, median of {args.runs} run medians of {args.iters} calls)"
     )
-    for op in ops:
-        for size in sizes:
-            med = {
-                s: statistics.median(
-                    [r["median_s"] for r in rows if r["op"] == op and r["size_bytes"] == size and r["system"] == s]
-                    or [None]
-                )
-                for s in ("hpcdl", "mpi4py")
-            }
-            summary[(op, size)] = ratio(med["hpcdl"], med["mpi4py"])
-            print(
-                f"{op:<11}{size:>12}{show(med['hpcdl'] and med['hpcdl'] * 1e3, '12.2f')}"
-                f"{show(med['mpi4py'] and med['mpi4py'] * 1e3, '12.2f')}{show(summary[(op, size)], '14.3f')}"
-            )
-
-    def draw(plt):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for op in ops:
-            points = [(s, summary[(op, s)]) for s in sizes if summary[(op, s)] is not None]
-            ax.plot([s / 2**20 for s, _ in points], [r for _, r in points], marker="o", label=op)
-        ax.axhline(1.0, color="grey", linestyle="--", label="as fast as mpi4py")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("MiB per object")
-        ax.set_ylabel("hpcdl (waited) time / mpi4py time (median)")
-        ax.set_title(f"{args.tag}: {p} ranks")
-        ax.legend()
-        fig.tight_layout()
-        return fig
-
-    save_figure(os.path.join(args.out, f"{args.tag}.png"), draw)
+    print("\n".join(ratio_lines(summary, str)))
+    plot_ratios(
+        os.path.join(args.out, f"{args.tag}.png"),
+        summary,
+        ops,
+        sizes,
+        f"{args.tag}: {p} ranks",
+        "hpcdl (waited) time / mpi4py time (median)",
+        1.0,
+        "as fast as mpi4py",
+        "MiB per object",
+    )
     if not ok:
         raise SystemExit("a result was wrong; see above")
 
