@@ -15,8 +15,9 @@ The waited_* collectives are mpi4py's object and in-place collectives waited on
 under hpcdl.configure()'s stall limits (a StallWarning, then a
 StallTimeoutError), so a rank that never comes is reported, not waited for ever.
 Both checks use them, and so does every collective of hpcdl's Python side
-outside the engine (tests/unit/test_architecture.py holds it), but one:
-call_on_every_rank's own allgather, whose wait is one rank's step, long by design.
+outside the engine (tests/unit/test_architecture.py holds it), but
+call_on_every_rank's own allgather, whose wait is one rank's step, long by design,
+and the benchmarks' timing barrier (hpcdl.measure.slowest).
 Creating and freeing communicators (Split, Create, Dup, Free) stays blocking: MPI
 has no nonblocking form of them but Comm_idup.
 """

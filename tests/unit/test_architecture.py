@@ -192,7 +192,9 @@ BLOCKING_COLLECTIVES = {
     "Gather", "Gatherv", "Reduce", "Reduce_scatter", "Reduce_scatter_block", "Scan", "Scatter", "Scatterv",
 }  # fmt: skip
 COMMUNICATOR = re.compile(r"comm|world", re.I)  # mpi4py receivers: comm, self.pipeline_comm, MPI.COMM_WORLD
-BLOCKING_ALLOWED = {("hpcdl/_agree.py", "call_on_every_rank")}
+# call_on_every_rank: its wait is one rank's step, long by design; measure.slowest: a
+# benchmark's timing barrier, where polling would add its sleeps to the times measured.
+BLOCKING_ALLOWED = {("hpcdl/_agree.py", "call_on_every_rank"), ("hpcdl/measure.py", "slowest")}
 
 
 def blocking_collectives(path, source=None, allowed=BLOCKING_ALLOWED):
@@ -231,4 +233,4 @@ def test_the_blocking_collective_check_catches_one():
     ]
     assert blocking_collectives("hpcdl/_agree.py", "def call_on_every_rank(comm):\n    comm.allgather(1)\n") == []
     for path, function in BLOCKING_ALLOWED:  # each allowance is still needed
-        assert [f for f, _, _ in blocking_collectives(path, allowed=set())] == [function]
+        assert function in [f for f, _, _ in blocking_collectives(path, allowed=set())]
