@@ -65,8 +65,9 @@ def waited_bcast(comm, obj, root, what):
         _wait(comm.Ibcast(blob, root=root), comm, what)
     else:
         counts = [(blob.size * (r + 1)) // ranks - (blob.size * r) // ranks for r in range(ranks)]
-        pieces = [blob, (counts, _offsets(np.array(counts)).tolist()), MPI.BYTE]
-        mine = MPI.IN_PLACE if rank == root else blob[pieces[1][1][rank] :][: counts[rank]]
+        displs = _offsets(np.array(counts)).tolist()
+        pieces = [blob, (counts, displs), MPI.BYTE]
+        mine = MPI.IN_PLACE if rank == root else blob[displs[rank] : displs[rank] + counts[rank]]
         _wait(comm.Iscatterv(pieces if rank == root else None, mine, root=root), comm, what)
         _wait(comm.Iallgatherv(MPI.IN_PLACE, pieces), comm, what)
     return obj if rank == root else _unpickled(blob, 0, blob.size)
