@@ -35,6 +35,7 @@ from hpcdl.errors import HpcdlError, MismatchError
 
 _MAX_LISTED = 5
 _MAX_POLL_SLEEP_S = 1e-3  # these agreements run at set-up: a millisecond late is nothing
+_REFUSED = -1  # the size a rank sends for an object it could not pickle (or a scatter's wrong parts)
 _LONG_BCAST_BYTES = 512 << 10  # MPICH's threshold for its long broadcast (scatter, then allgather)
 
 
@@ -42,9 +43,10 @@ def waited_allgather(comm, obj, what):
     """comm.allgather(obj), waited on politely under hpcdl.configure()'s stall limits:
     a rank that never comes (stopped, dead, elsewhere) gets a StallWarning and then a
     StallTimeoutError naming ``what``, where mpi4py's allgather would block for ever."""
-    payload = _pickled(obj)
+    payload, refused = _pickled_or_refused(obj)
     sizes = np.zeros(comm.Get_size(), np.int64)
-    _wait(comm.Iallgather(np.array([payload.size], np.int64), sizes), comm, what)
+    _wait(comm.Iallgather(_size_of(payload), sizes), comm, what)
+    _raise_if_refused(sizes, refused, what)
     blob, displs = _room_for(sizes)
     _wait(comm.Iallgatherv(payload, [blob, (sizes.tolist(), displs.tolist()), MPI.BYTE]), comm, what)
     return [_unpickled(blob, d, n) for d, n in zip(displs, sizes)]
@@ -57,9 +59,10 @@ def waited_bcast(comm, obj, root, what):
     does: MPICH's nonblocking broadcast takes a tree instead, 1.3x slower at 16 MiB
     on the emulated cluster (docs/performance.md, "Set-up collectives")."""
     rank, ranks = comm.Get_rank(), comm.Get_size()
-    payload = _pickled(obj) if rank == root else None
-    size = np.array([0 if payload is None else payload.size], np.int64)
+    payload, refused = _pickled_or_refused(obj) if rank == root else (None, None)
+    size = _size_of(payload)
     _wait(comm.Ibcast(size, root=root), comm, what)
+    _raise_if_refused(np.array([size[0] if r == root else 0 for r in range(ranks)]), refused, what)
     blob = payload if payload is not None else np.empty(int(size[0]), np.uint8)
     if blob.size < _LONG_BCAST_BYTES or ranks == 1:
         _wait(comm.Ibcast(blob, root=root), comm, what)
@@ -77,9 +80,10 @@ def waited_gather(comm, obj, root, what):
     """comm.gather(obj, root) under the stall limits: the list of every rank's obj on
     the root, None elsewhere."""
     rank = comm.Get_rank()
-    payload = _pickled(obj)
-    sizes = np.zeros(comm.Get_size(), np.int64) if rank == root else None
-    _wait(comm.Igather(np.array([payload.size], np.int64), sizes, root=root), comm, what)
+    payload, refused = _pickled_or_refused(obj)
+    sizes = np.zeros(comm.Get_size(), np.int64)  # every rank's: all raise when one could not pickle
+    _wait(comm.Iallgather(_size_of(payload), sizes), comm, what)
+    _raise_if_refused(sizes, refused, what)
     if rank != root:
         _wait(comm.Igatherv(payload, None, root=root), comm, what)
         return None
@@ -91,15 +95,20 @@ def waited_gather(comm, obj, root, what):
 def waited_scatter(comm, objs, root, what):
     """comm.scatter(objs, root) under the stall limits: objs (one per rank, on the
     root; None elsewhere) [rank] on each rank."""
-    parts = None
+    parts = sizes = refused = None
+    ranks = comm.Get_size()
     if comm.Get_rank() == root:
-        if len(objs) != comm.Get_size():  # raised on the root only: the others then stall, named
-            raise ValueError(f"{what}: {len(objs)} parts for {comm.Get_size()} ranks")
-        pickled = [_pickled(o) for o in objs]
-        sizes = np.array([p.size for p in pickled], np.int64)
-        parts = [np.concatenate(pickled), (sizes.tolist(), _offsets(sizes).tolist()), MPI.BYTE]
+        if len(objs) != ranks:
+            refused = ValueError(f"{what}: {len(objs)} parts for {ranks} ranks")
+        pickled = [] if refused else [_pickled_or_refused(o) for o in objs]
+        refused = refused or next((error for _, error in pickled if error is not None), None)
+        sizes = np.full(ranks, _REFUSED, np.int64)
+        if refused is None:
+            sizes = np.array([p.size for p, _ in pickled], np.int64)
+            parts = [np.concatenate([p for p, _ in pickled]), (sizes.tolist(), _offsets(sizes).tolist()), MPI.BYTE]
     size = np.zeros(1, np.int64)
-    _wait(comm.Iscatter(None if parts is None else sizes, size, root=root), comm, what)
+    _wait(comm.Iscatter(sizes, size, root=root), comm, what)
+    _raise_if_refused(np.array([size[0] if r == root else 0 for r in range(ranks)]), refused, what)
     mine = np.empty(int(size[0]), np.uint8)
     _wait(comm.Iscatterv(parts, mine, root=root), comm, what)
     return _unpickled(mine, 0, mine.size)
@@ -115,12 +124,31 @@ def waited_allreduce(comm, array, op, what):
     _wait(comm.Iallreduce(MPI.IN_PLACE, array, op=op), comm, what)
 
 
-def _pickled(obj):
-    """obj's pickle as a writable uint8 array, without a copy of the bytes (a long
-    broadcast's root receives into it)."""
+def _pickled_or_refused(obj):
+    """(obj's pickle as a writable uint8 array, None), without a copy of the bytes (a long
+    broadcast's root receives into it); (None, the error) where obj cannot be pickled,
+    which the collective then sends as the size _REFUSED, so every rank raises."""
     stream = io.BytesIO()
-    pickle.dump(obj, stream, protocol=pickle.HIGHEST_PROTOCOL)
-    return np.frombuffer(stream.getbuffer(), np.uint8)
+    try:
+        pickle.dump(obj, stream, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as error:  # noqa: BLE001 - any pickling error is raised on every rank
+        return None, error
+    return np.frombuffer(stream.getbuffer(), np.uint8), None
+
+
+def _size_of(payload):
+    return np.array([_REFUSED if payload is None else payload.size], np.int64)
+
+
+def _raise_if_refused(sizes, refused, what):
+    """After the sizes: where a rank sent _REFUSED, every rank raises, that rank its own
+    error and the others an HpcdlError naming it, instead of waiting for bytes that
+    will not come."""
+    if refused is not None:
+        raise refused
+    failed = [r for r, n in enumerate(sizes.tolist()) if n == _REFUSED]
+    if failed:
+        raise HpcdlError(f"hpcdl: {what}: {describe_ranks(failed)} could not send (see the error there)")
 
 
 def _room_for(sizes):

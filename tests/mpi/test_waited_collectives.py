@@ -16,6 +16,7 @@ from hpcdl._agree import (
     waited_gather,
     waited_scatter,
 )
+from hpcdl.errors import HpcdlError
 
 from conftest import agree, outcome
 
@@ -60,16 +61,45 @@ def test_waited_collectives_give_what_mpi4pys_give(comm, long):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_scatter_of_the_wrong_length_is_named_on_the_root():
-    """The root's parts must be one per rank: it raises at once (the other ranks then
-    wait under the stall limits, as for any rank that never comes), so the test's
-    other ranks take part in a scatter of the right length instead."""
+def test_a_scatter_of_the_wrong_length_raises_on_every_rank():
+    """The root's parts must be one per rank: it raises its ValueError, and every other
+    rank an HpcdlError naming it, at once, instead of waiting for parts that will not come."""
     comm = MPI.COMM_WORLD
-    refused = None
-    if comm.Get_rank() == 0:
-        _, refused = outcome(waited_scatter, comm, [1], 0, "the test's scatter")
-    got = waited_scatter(comm, list(range(comm.Get_size())) if comm.Get_rank() == 0 else None, 0, "test")
-    named = comm.Get_rank() != 0 or (
-        isinstance(refused, ValueError) and f"1 parts for {comm.Get_size()} ranks" in str(refused)
-    )
-    agree(comm, named and got == comm.Get_rank(), f"{refused!r}, got {got}")
+    rank = comm.Get_rank()
+    _, refused = outcome(waited_scatter, comm, [1] if rank == 0 else None, 0, "the test's scatter")
+    if rank == 0:
+        named = isinstance(refused, ValueError) and f"1 parts for {comm.Get_size()} ranks" in str(refused)
+    else:
+        named = isinstance(refused, HpcdlError) and "the test's scatter: rank 0 could not send" in str(refused)
+    got = waited_scatter(comm, list(range(comm.Get_size())) if rank == 0 else None, 0, "test")
+    agree(comm, named and got == rank, f"{refused!r}, got {got}")
+
+
+def unpicklable(rank):
+    return lambda: rank  # pickle refuses a lambda
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", ["allgather", "bcast", "gather", "scatter"])
+def test_an_object_one_rank_cannot_pickle_raises_on_every_rank(op):
+    """Rank 1's object (the root's, for bcast and scatter) cannot be pickled: that rank
+    raises pickle's error and every other rank an HpcdlError naming rank 1, with no wait
+    (a rank that raised alone would leave the others waiting for its bytes)."""
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+    obj = unpicklable(rank) if rank == 1 else thing(rank)
+    calls = {
+        "allgather": lambda: waited_allgather(comm, obj, "the test's allgather"),
+        "bcast": lambda: waited_bcast(comm, obj if rank == 1 else None, 1, "the test's bcast"),
+        "gather": lambda: waited_gather(comm, obj, 0, "the test's gather"),
+        "scatter": lambda: waited_scatter(
+            comm, [obj] * comm.Get_size() if rank == 1 else None, 1, "the test's scatter"
+        ),
+    }
+    _, error = outcome(calls[op])
+    if rank == 1:
+        named = error is not None and not isinstance(error, HpcdlError) and "lambda" in str(error)
+    else:
+        named = isinstance(error, HpcdlError) and f"the test's {op}: rank 1 could not send" in str(error)
+    waited_barrier(comm, "test")  # every rank is out: the next test's collectives are not mixed with these
+    agree(comm, named, repr(error))
