@@ -21,10 +21,11 @@ from mpi4py import MPI
 
 import hpcdl
 from hpcdl import _tensors
-from hpcdl._agree import check_same_on_all_ranks, waited_bcast
+from hpcdl._agree import check_same_on_all_ranks
 from hpcdl.collectives import _joins_completed
 from hpcdl.compression import PowerSGD
 from hpcdl.torch import _buckets, powersgd
+from hpcdl.torch._state_broadcast import broadcast_state
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state", "ddp_comm_hook"]
 
@@ -567,15 +568,18 @@ def broadcast_parameters(params, root_rank=0, comm=None):
 def broadcast_optimizer_state(optimizer, root_rank=0, comm=None):
     """Give every rank rank ``root_rank``'s optimizer state and hyperparameters.
 
-    One pickled broadcast of state_dict() (a one-time cost at start or after
-    loading a checkpoint on the root), then load_state_dict() on the others.
-    With PowerSGD the step count and Q are the root's, but every rank keeps its
-    own residuals: error feedback is per rank (the root's on every rank would
-    be applied once per rank).
+    The root's state_dict() goes out as a small pickled skeleton, and each of its
+    tensors beyond a page by hpcdl's broadcast into a tensor the other ranks
+    allocate on their own device (a CUDA tensor on its parameter's GPU), then
+    load_state_dict() on the others (hpcdl/torch/_state_broadcast.py). With
+    PowerSGD the step count and Q are the root's, but every rank keeps its own
+    residuals: error feedback is per rank (the root's on every rank would be
+    applied once per rank).
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     mine = optimizer.state_dict() if comm.Get_rank() == root_rank else None
-    state = waited_bcast(comm, mine, root_rank, f"broadcast_optimizer_state from rank {root_rank}")
+    what = f"broadcast_optimizer_state from rank {root_rank}"
+    state = broadcast_state(optimizer, mine, root_rank, comm, _BROADCASTABLE, what)
     if comm.Get_rank() != root_rank:
         low_rank = getattr(optimizer, "_low_rank", None)
         if low_rank is not None and "hpcdl_powersgd" in state:

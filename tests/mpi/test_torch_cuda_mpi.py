@@ -146,6 +146,29 @@ def test_broadcast_parameters_of_device_state_with_buffers(device):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_broadcast_optimizer_state_lands_on_each_ranks_own_device(device):
+    """Adam's state on the root's device reaches every rank bitwise, each tensor beyond a
+    page allocated on that rank's own device (its parameters'), never on the root's GPU."""
+    rank, root = WORLD.Get_rank(), 0
+    model = make_model(seed=rank, hidden=48).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01 * (rank + 1))
+    x, y = full_batch(rank, 4, 1)
+    loss_of(model, x.to(device), y.to(device)).backward()
+    opt.step()
+    collective(WORLD, hvt.broadcast_optimizer_state, opt, root_rank=root)
+    state = opt.state_dict()["state"]
+    moments = [t for entry in state.values() for key, t in entry.items() if key != "step"]
+    digest = repr([t.cpu().contiguous().view(-1).view(torch.uint8).tolist() for t in moments])
+    digests = WORLD.allgather(digest)
+    devices = {str(t.device) for t in moments}
+    agree(
+        WORLD,
+        len(set(digests)) == 1 and devices == {str(device)} and opt.param_groups[0]["lr"] == 0.01 * (root + 1),
+        f"{len(set(digests))} distinct states, devices {devices} (this rank's {device})",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
 def test_pipeline_with_device_stages_equals_single_process(device):
     from helpers.pipeline import make_model as pipeline_model
     from helpers.pipeline import max_difference as pipeline_difference
