@@ -117,6 +117,14 @@ class _ActivationCounter:
         return len(self._live)
 
 
+def _on_cpu(state):
+    """state (a state_dict) with its tensors on the CPU: pickled, a GPU tensor would be
+    unpickled onto the same GPU number on the receiving rank, another rank's GPU there."""
+    return collections.OrderedDict(
+        (key, value.detach().cpu() if isinstance(value, torch.Tensor) else value) for key, value in state.items()
+    )
+
+
 class Pipeline:
     """Train an nn.Sequential cut into ``stages`` stages over the ranks of ``comm``.
 
@@ -242,9 +250,10 @@ class Pipeline:
         return {key: list(value) if isinstance(value, list) else value for key, value in self._last_step.items()}
 
     def full_state_dict(self):
-        """The whole model's state_dict on stage 0 (None elsewhere); collective over the
-        pipeline. Its keys are the original nn.Sequential's."""
-        parts = waited_gather(self.pipeline_comm, self.module.state_dict(), 0, "full_state_dict's gather of the stages")
+        """The whole model's state_dict on stage 0 (None elsewhere), its tensors on the
+        CPU; collective over the pipeline. Its keys are the original nn.Sequential's."""
+        mine = _on_cpu(self.module.state_dict())
+        parts = waited_gather(self.pipeline_comm, mine, 0, "full_state_dict's gather of the stages")
         if self.stage != 0:
             return None
         merged = collections.OrderedDict()
@@ -254,12 +263,13 @@ class Pipeline:
 
     def load_full_state_dict(self, state):
         """Load the whole model's state_dict given on stage 0 (others pass None): each
-        stage receives and loads its part. Collective; an error on any stage raises on all."""
+        stage receives its part on the CPU and loads it onto its own device. Collective;
+        an error on any stage raises on all."""
         parts = None
         if self.stage == 0:
             parts = [collections.OrderedDict() for _ in range(self.stages)]
             owner = {name: s for s in range(self.stages) for name in self.layer_names[slice(*self._layers_of(s))]}
-            for key, value in state.items():
+            for key, value in _on_cpu(state).items():
                 parts[owner.get(key.split(".", 1)[0], 0)][key] = value
         mine = waited_scatter(self.pipeline_comm, parts, 0, "load_full_state_dict's scatter to the stages")
         call_on_every_rank(self.pipeline_comm, self.module.load_state_dict, mine)

@@ -192,6 +192,36 @@ def test_pipeline_with_device_stages_equals_single_process(device):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_full_state_dict_of_device_stages_is_on_the_cpu_and_loads_onto_each_stages_device(device):
+    """full_state_dict gives stage 0 every stage's tensors on the CPU (pickled from a GPU
+    they would land on that GPU's number on stage 0's node), and load_full_state_dict of a
+    state held on stage 0's device puts each stage's part on that stage's own device."""
+    from helpers.pipeline import make_model as pipeline_model
+
+    pair = WORLD.Split(color=WORLD.Get_rank() // 2, key=WORLD.Get_rank())
+    try:
+
+        def run():
+            pipe = hvt.Pipeline(pipeline_model(), F.cross_entropy, micro_batches=4, comm=pair)
+            pipe.module.to(device)
+            full = pipe.full_state_dict()
+            changed = None if pipe.stage else {key: (t + 1).to(device) for key, t in full.items()}
+            pipe.load_full_state_dict(changed)
+            return pipe, full, pipe.module.state_dict()
+
+        pipe, full, mine = collective(WORLD, run)
+    finally:
+        pair.Free()
+    original = pipeline_model().state_dict()
+    gathered = full is None or (
+        set(full) == set(original)
+        and all(t.device.type == "cpu" and torch.equal(t, original[k]) for k, t in full.items())
+    )
+    loaded = all(t.device == device and torch.equal(t.cpu(), original[k] + 1) for k, t in mine.items())
+    agree(WORLD, gathered and loaded and len(mine) > 0, f"stage {pipe.stage}: gathered {gathered}, loaded {loaded}")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_ddp_comm_hook_on_device_equals_reference(device):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
