@@ -22,8 +22,9 @@ _INLINE_BYTES = 4096  # a tensor up to a page (a step count, a small bias's mome
 @dataclass(frozen=True)
 class _Hole:
     """Where the skeleton had a tensor: the index of its broadcast, with its value (a CPU
-    copy) when it rides inline; on_cuda: the root's was on a GPU; param: the index of the
-    parameter whose state it is (state_dict()["state"][param]), or None."""
+    copy) when it rides inline (small, sparse, or of a dtype hpcdl does not broadcast);
+    on_cuda: the root's was on a GPU; param: the index of the parameter whose state it
+    is (state_dict()["state"][param]), or None."""
 
     index: int
     shape: tuple
@@ -76,8 +77,12 @@ def _hollowed(value, sent, param, broadcastable):
     if isinstance(value, torch.Tensor):
         tensor = value.detach()
         index = len(sent)
-        sent.append(tensor.contiguous())
-        inline = tensor.numel() * tensor.element_size() <= _INLINE_BYTES or tensor.dtype not in broadcastable
+        inline = (
+            tensor.layout != torch.strided  # sparse: pickled as it is
+            or tensor.dtype not in broadcastable
+            or tensor.numel() * tensor.element_size() <= _INLINE_BYTES
+        )
+        sent.append(None if inline else tensor.contiguous())
         value = tensor.cpu().clone() if inline else None
         return _Hole(index, tuple(tensor.shape), tensor.dtype, tensor.is_cuda, param, value)
     if isinstance(value, dict):

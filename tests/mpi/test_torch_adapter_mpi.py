@@ -224,7 +224,10 @@ Pair = collections.namedtuple("Pair", "first second")  # at module level: pickle
 
 
 def digest(t):
+    layout = str(t.layout)
+    t = t.to_dense() if t.layout != torch.strided else t
     return (
+        layout,
         str(t.dtype),
         tuple(t.shape),
         str(t.device),
@@ -278,7 +281,7 @@ def test_broadcast_optimizer_state_gives_every_tensor_bitwise_and_sends_the_larg
 @pytest.mark.mpi(min_size=2)
 def test_the_state_broadcast_keeps_every_dtype_shape_and_container():
     """The state broadcast itself (before torch's load_state_dict casts to the parameters'
-    dtype): dtypes hpcdl broadcasts and one it does not (inline), 0-d, empty, strided,
+    dtype): dtypes hpcdl broadcasts and one it does not (inline), 0-d, empty, strided, sparse,
     nested lists, tuples and namedtuples, each bitwise the root's, on the CPU."""
     from hpcdl.torch import _state_broadcast
     from hpcdl.torch.optimizer import _BROADCASTABLE
@@ -300,6 +303,7 @@ def test_the_state_broadcast_keeps_every_dtype_shape_and_container():
                     "none": torch.empty(0, 3),
                 },
                 2: {"nested": [torch.ones(3000, dtype=torch.bfloat16), (torch.zeros(2, dtype=torch.uint8), "text")]},
+                4: {"sparse": torch.sparse_coo_tensor([[0, 4000]], [1.0, 2.0], (5000,))},
             },
             "param_groups": [{"lr": 0.5, "params": [0, 1, 2, 3, 4, 5], "pair": Pair(torch.arange(2000), 3)}],
         }
@@ -308,7 +312,7 @@ def test_the_state_broadcast_keeps_every_dtype_shape_and_container():
     )
     tensors = WORLD.allgather(flat_tensors(got))
     pair = got["param_groups"][0]["pair"]
-    ok = all(t == tensors[root] for t in tensors) and len(tensors[root]) == 28 and type(pair) is Pair
+    ok = all(t == tensors[root] for t in tensors) and len(tensors[root]) == 30 and type(pair) is Pair
     agree(WORLD, ok, f"rank {rank}: {len(tensors[rank])} entries, pair {type(pair).__name__}")
 
 
