@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 import hpcdl
 from hpcdl import _tensors
-from hpcdl._agree import check_same_on_all_ranks
+from hpcdl._agree import call_on_every_rank, check_same_on_all_ranks
 from hpcdl.collectives import _joins_completed
 from hpcdl.compression import PowerSGD
 from hpcdl.torch import _buckets, powersgd
@@ -580,11 +580,17 @@ def broadcast_optimizer_state(optimizer, root_rank=0, comm=None):
     mine = optimizer.state_dict() if comm.Get_rank() == root_rank else None
     what = f"broadcast_optimizer_state from rank {root_rank}"
     state = broadcast_state(optimizer, mine, root_rank, comm, _BROADCASTABLE, what)
-    if comm.Get_rank() != root_rank:
+
+    def load():
+        if comm.Get_rank() == root_rank:
+            return
         low_rank = getattr(optimizer, "_low_rank", None)
         if low_rank is not None and "hpcdl_powersgd" in state:
             state["hpcdl_powersgd"] = low_rank.with_own_residuals(state["hpcdl_powersgd"])
         optimizer.load_state_dict(state)
+
+    # a rank whose optimizer does not take the root's state (other parameter groups) fails every rank
+    call_on_every_rank(comm, load)
 
 
 _ddp_waiter = {"pool": None}

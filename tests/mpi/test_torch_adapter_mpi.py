@@ -279,6 +279,24 @@ def test_broadcast_optimizer_state_gives_every_tensor_bitwise_and_sends_the_larg
 
 
 @pytest.mark.mpi(min_size=2)
+def test_an_optimizer_that_cannot_take_the_roots_state_fails_on_every_rank():
+    """Rank 1's optimizer has one parameter group fewer than the root's: torch refuses the
+    state there, and every rank raises that error (the root too), instead of the root
+    going on alone."""
+    rank = WORLD.Get_rank()
+    model = make_model()
+    groups = [{"params": model[0].parameters()}, {"params": model[2].parameters()}]
+    if rank != 1:
+        groups.append({"params": model[4].parameters()})
+    opt = torch.optim.SGD(groups, lr=0.1)
+    _, error = outcome(hvt.broadcast_optimizer_state, opt, root_rank=0)
+    named = (
+        isinstance(error, ValueError) and ("parameter group" in str(error)) and (rank == 1 or "rank 1" in str(error))
+    )
+    agree(WORLD, named, repr(error))
+
+
+@pytest.mark.mpi(min_size=2)
 def test_the_state_broadcast_keeps_every_dtype_shape_and_container():
     """The state broadcast itself (before torch's load_state_dict casts to the parameters'
     dtype): dtypes hpcdl broadcasts and one it does not (inline), 0-d, empty, strided, sparse,
