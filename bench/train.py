@@ -30,6 +30,7 @@ this checkout's hpcdl, wherever it is started from.
 import argparse
 import csv
 import os
+import resource
 import statistics
 import sys
 import time
@@ -44,7 +45,7 @@ from hpcdl.measure import cell, rate, ratio, save_figure, show
 WORLD = MPI.COMM_WORLD
 POWERSGD_START_ITER = 10  # PowerSGDState's warm-up: plain allreduce before this step (its default is 1000)
 DDP_HOOKS = ("fp16", "bf16", "powersgd-r1", "powersgd-r4")
-CODECS = ("dense", "fp16", "int8", "topk", "topk-reuse", "powersgd")
+CODECS = ("dense", "fp16", "int8", "topk", "topk-allgather", "topk-reuse", "powersgd")
 TOPK_REUSE_STEPS = 20  # topk-reuse: TopK(0.01, reuse_steps=...), docs/compression.md
 FEATURES, CLASSES = 784, 10  # the timed steps' random data
 FLOOR = "no-exchange"
@@ -72,24 +73,34 @@ def train_step(model, opt, x, y, set_to_none=True):
     opt.step()
 
 
+def kernel_seconds():
+    """This process's CPU time in the kernel so far (all threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 def time_systems(systems, step, rounds, steps, warmup_steps=0):
-    """({system: [seconds per step]}, {system: [CPU seconds per step]}): systems alternate in
-    rounds of `steps` steps, so that machine noise hits them alike; round 0 (at least
-    warmup_steps steps) is not timed. A step's time is the slowest rank's; its CPU time, this
-    process's (all threads) averaged over the ranks."""
+    """({system: [seconds per step]}, {system: [CPU seconds per step]}, {system: [kernel CPU
+    seconds per step]}): systems alternate in rounds of `steps` steps, so that machine noise
+    hits them alike; round 0 (at least warmup_steps steps) is not timed. A step's time is the
+    slowest rank's; its CPU time, this process's (all threads, user and kernel) averaged over
+    the ranks, and of it the kernel's (system calls, and the network stack's work the kernel
+    charges to the process). Linux splits a process's CPU time between user and kernel by
+    sampling at clock ticks, so a single step's kernel time is coarse: use their mean."""
     times = {name: [] for name in systems}
     cpu = {name: [] for name in systems}
+    kernel = {name: [] for name in systems}
     for rnd in range(rounds + 1):
         for name, (model, opt) in systems.items():
             WORLD.Barrier()
             for _ in range(steps if rnd else max(steps, warmup_steps)):
-                t0, c0 = time.perf_counter(), time.process_time()
+                t0, c0, k0 = time.perf_counter(), time.process_time(), kernel_seconds()
                 step(model, opt)
-                every = WORLD.allgather((time.perf_counter() - t0, time.process_time() - c0))
+                every = WORLD.allgather((time.perf_counter() - t0, time.process_time() - c0, kernel_seconds() - k0))
                 if rnd:
-                    times[name].append(max(e for e, _ in every))
-                    cpu[name].append(sum(c for _, c in every) / WORLD.Get_size())
-    return times, cpu
+                    times[name].append(max(e for e, _, _ in every))
+                    cpu[name].append(sum(c for _, c, _ in every) / WORLD.Get_size())
+                    kernel[name].append(sum(k for _, _, k in every) / WORLD.Get_size())
+    return times, cpu, kernel
 
 
 def write_csv(path, rows):
@@ -119,6 +130,7 @@ def codecs(names, topk_reuse_steps=TOPK_REUSE_STEPS):
                     "fp16": c.FP16,
                     "int8": lambda: c.Int8(),
                     "topk": lambda: c.TopK(ratio=0.01),
+                    "topk-allgather": lambda: c.TopK(ratio=0.01, algorithm="allgather"),
                     "topk-reuse": lambda: c.TopK(ratio=0.01, reuse_steps=topk_reuse_steps),
                     "powersgd": lambda: c.PowerSGD(rank=1, warmup_steps=POWERSGD_START_ITER),
                 }[name](),
@@ -296,7 +308,7 @@ def main():
     params = sum(p.numel() for p in systems["ddp-gloo"][0].parameters())
 
     # round 0 warms up, PowerSGD's plain-allreduce steps included
-    times, cpu = time_systems(
+    times, cpu, kernel = time_systems(
         systems, lambda model, opt: train_step(model, opt, x, y), args.rounds, args.steps, POWERSGD_START_ITER
     )
     accuracy, _ = accuracy_phase(args, rank, size)
@@ -335,6 +347,7 @@ def main():
                 "throughput_vs_fastest_hook": ratio(fastest_hook, median),
                 "steps_timed": len(times.get(name, ())),
                 "cpu_ms_per_step": None if used is None else used * 1e3,
+                "kernel_cpu_ms_per_step_mean": statistics.mean(kernel[name]) * 1e3 if kernel.get(name) else None,
                 "train_steps": args.train_steps if args.seeds else None,
                 "acc_seeds": len(accuracy.get(name, ())),
                 **accuracy_columns(accuracy.get(name, [])),

@@ -91,7 +91,7 @@ def main():
         cpu_bench.train_step(model, opt, x, y)
         torch.cuda.synchronize(device)
 
-    times, cpu = cpu_bench.time_systems(systems, step, args.rounds, args.steps, warmup_steps=3)
+    times, cpu, _ = cpu_bench.time_systems(systems, step, args.rounds, args.steps, warmup_steps=3)
     dist.destroy_process_group()
     if rank != 0:
         return

@@ -180,7 +180,7 @@ def test_topk_large_tensor_identity_ties_and_misled_sample():
         hpcdl.allreduce(data, compression=codec)
         differ.append(int(np.count_nonzero(data != topk_sum_in_rank_order(inputs, codec))))
     # The sample misled the other way (tiny values where it looks): far more
-    # than 4k + 64 above its threshold, yet no rank sends more than k pairs.
+    # than 8k + 64 above its threshold, yet no rank sends more than k pairs.
     low = contribution(rank, count)
     low[: 65536 * 16 : 16] = 1e-6
     hpcdl.stats(reset=True)
@@ -201,7 +201,7 @@ def test_topk_large_tensor_identity_ties_and_misled_sample():
 def test_named_topk_exact_from_the_last_cut_and_when_x_moves_away(ties):
     """A named tensor's scan starts from its last selection's cut: its results and
     residuals equal those of the exact k largest, step after step, also where x
-    jumps far above that cut (1000 times the gradient: over 4k + 64 candidates)
+    jumps far above that cut (1000 times the gradient: over 8k + 64 candidates)
     or falls below it (a zero gradient: fewer than k), and with ties at the cut."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     codec, count, name = TopK(0.01, algorithm="allgather"), 200_003, "ef.cut"

@@ -73,6 +73,8 @@ def test_every_system_is_measured_or_missing_with_its_reason(tmp_path):
         else:
             assert all(float(value) > 0 for value in figures), row
             assert int(row["steps_timed"]) == 2 and int(row["train_steps"]) == 12, row
+            # two timed steps: the CPU median is their mean, of which the kernel's is a part
+            assert 0 <= float(row["kernel_cpu_ms_per_step_mean"]) <= float(row["cpu_ms_per_step"]) + 1, row
             # two training seeds: the mean of the per-seed accuracies, between their min and max
             seeds = [float(a) for a in row["test_acc_per_seed"].split()]
             assert int(row["acc_seeds"]) == len(seeds) == 2, row

@@ -107,11 +107,11 @@ inline std::size_t topk_reuse_floor(std::size_t k) { return (k + 1) / 2; }
 //   1. a fixed-size strided sample of x guesses a threshold t a little below
 //      the k-th largest magnitude (about 1.5k values at or above it); for a
 //      named tensor (a TopkThreshold given), the last call's t instead,
-//      kept while it leaves between 5k/4 and 2k above it and otherwise moved
-//      toward 3k/2 (next_cut): x changes little from step to step, and the
+//      kept while it leaves between 3k/2 and 4k above it and otherwise moved
+//      toward 2k (next_cut): x changes little from step to step, and the
 //      sample's strided reads, a cache miss each, cost about a fifth of the
 //      selection; a t that misses (fewer than k at or above it, or over
-//      4k + 64 above) costs one more scan, from a sample, over x as the
+//      8k + 64 above) costs one more scan, from a sample, over x as the
 //      first left it;
 //   2. one scan collects, in index order, the indices and values with
 //      magnitude > t and the first k with magnitude == t (so ties on t cost
@@ -122,7 +122,7 @@ inline std::size_t topk_reuse_floor(std::size_t k) { return (k + 1) / 2; }
 //      equal to m; otherwise t itself is the k-th largest and the first
 //      k - |above| equal to t join.
 //   If the sample guessed too high (fewer than k at or above t) or too low
-//   (over 4k + 64 above t), an exact selection over all n values runs instead.
+//   (over 8k + 64 above t), an exact selection over all n values runs instead.
 // With a residual (error feedback) the scan also leaves x in the residual
 // and notes whether any x is NaN or Inf; if so, those residual entries are
 // cleared after the selection (a NaN or Inf is sent this step if it is among
@@ -339,7 +339,7 @@ class TopkSelector {
   // with their values, so the cut never reads x again.
   template <bool kResidual>
   void scan(const FloatSegments& in, float* residual, std::uint32_t t) {
-    cap_ = 4 * k_ + 64;
+    cap_ = 8 * k_ + 64;
     above_ = scratch_.above.get<std::uint32_t>(cap_);
     above_x_ = scratch_.above_x.get<float>(cap_);
     at_ = scratch_.at.get<std::uint32_t>(k_);
@@ -399,15 +399,15 @@ class TopkSelector {
   }
 
   // After cut_above (m: the k-th largest magnitude), the cut the next call's
-  // scan starts from: t while it left between 5k/4 and 2k above it, else the
-  // magnitude where about 3k/2 would lie if they spread evenly between t and
+  // scan starts from: t while it left between 3k/2 and 4k above it, else the
+  // magnitude where about 2k would lie if they spread evenly between t and
   // m as the n_above - k there did (a guess: no second nth_element); 0 (a
   // sample next time) when none lay between them or x is not finite there.
   std::uint32_t next_cut(std::uint32_t t, std::uint32_t m) const {
-    if (4 * n_above_ >= 5 * k_ && n_above_ <= 2 * k_) return t;
+    if (2 * n_above_ >= 3 * k_ && n_above_ <= 4 * k_) return t;
     if (n_above_ <= k_ || m > kLargestFinite) return 0;
     const float top = bits_to_float(m), low = bits_to_float(t);
-    const float aim = top - (top - low) * static_cast<float>(k_ / 2) / static_cast<float>(n_above_ - k_);
+    const float aim = top - (top - low) * static_cast<float>(k_) / static_cast<float>(n_above_ - k_);
     return aim > 0.0f ? detail::topk_magnitude(aim) : 0;
   }
 
