@@ -3,7 +3,7 @@
     perf record -a -g -F 499 -o /tmp/topk.perf -- mpiexec -n 4 python bench/profile_step.py topk --steps 300
     perf report -i /tmp/topk.perf --no-children --sort comm,dso,sym -g none
 
-SYSTEM is one of hpcdl's codecs in bench/train.py (dense, fp16, int8, topk, topk-allgather, topk-reuse, powersgd) or
+SYSTEM is one of hpcdl's codecs in bench/train.py (dense, fp16, int8, topk, topk-allgather, topk-split, topk-reuse, powersgd) or
 no-exchange (the same step with no gradient exchange). The model, batch and
 step are bench/train.py's; after 20 untimed steps rank 0 prints the wall time
 per step and the process CPU time (all threads) per rank and step, mean over

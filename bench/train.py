@@ -45,7 +45,7 @@ from hpcdl.measure import cell, rate, ratio, save_figure, show
 WORLD = MPI.COMM_WORLD
 POWERSGD_START_ITER = 10  # PowerSGDState's warm-up: plain allreduce before this step (its default is 1000)
 DDP_HOOKS = ("fp16", "bf16", "powersgd-r1", "powersgd-r4")
-CODECS = ("dense", "fp16", "int8", "topk", "topk-allgather", "topk-reuse", "powersgd")
+CODECS = ("dense", "fp16", "int8", "topk", "topk-allgather", "topk-split", "topk-reuse", "powersgd")
 TOPK_REUSE_STEPS = 20  # topk-reuse: TopK(0.01, reuse_steps=...), docs/compression.md
 FEATURES, CLASSES = 784, 10  # the timed steps' random data
 FLOOR = "no-exchange"
@@ -131,6 +131,7 @@ def codecs(names, topk_reuse_steps=TOPK_REUSE_STEPS):
                     "int8": lambda: c.Int8(),
                     "topk": lambda: c.TopK(ratio=0.01),
                     "topk-allgather": lambda: c.TopK(ratio=0.01, algorithm="allgather"),
+                    "topk-split": lambda: c.TopK(ratio=0.01, algorithm="split"),
                     "topk-reuse": lambda: c.TopK(ratio=0.01, reuse_steps=topk_reuse_steps),
                     "powersgd": lambda: c.PowerSGD(rank=1, warmup_steps=POWERSGD_START_ITER),
                 }[name](),
@@ -385,7 +386,9 @@ def draw(plt, rows, tag, size, params):
         (
             acc,
             "test_acc",
-            f"held-out accuracy, {rows[0]['train_steps']} steps\n(mean; bars: min-max of the seeds)",
+            f"held-out accuracy, {rows[0]['train_steps']} steps\n(mean; bars: min-max of the seeds)"
+            if rows[0]["train_steps"]
+            else "held-out accuracy: not trained (--seeds 0)",
             acc_floor,
         ),
     ):

@@ -15,7 +15,7 @@ from mpi4py cimport MPI
 
 from libhpcdl.codecs cimport (CCodecKind, CCodecSpec, CTopkThreshold, codec_decode, codec_encode, codec_encoded_bytes,
                               codec_name, kDefaultInt8Block, parse_codec, topk_algorithm_name,
-                              topk_contribution_array, topk_count as c_topk_count, topk_reuse_cap)
+                              topk_contribution_array, topk_count as c_topk_count, topk_reuse_cap, topk_use_split)
 from libhpcdl.engine cimport (CAgreementStats, CDType, CEngine, CEngineNotice, CEngineStats, CEnvSetting, CFloatSegment,
                               CGroupMember,
                               CNoticeKind, COpKind, COpRequest, COpResult, COperation, COpTimes, CReduceOp,
@@ -678,6 +678,19 @@ def codec_config(text):
 def topk_count(size_t count, double ratio):
     """How many values top-k keeps of `count`: max(1, ceil(ratio * count)), at most count (0 of 0)."""
     return c_topk_count(count, ratio)
+
+
+def topk_algorithm_run(text, int ranks, size_t count):
+    """"split" or "allgather": what a top-k allreduce (codec text) of `count` float32 values over
+    `ranks` ranks runs; for algorithm=auto, the choice of docs/compression.md's model."""
+    cdef CCodecSpec spec
+    check_status(parse_codec(text.encode(), &spec))
+    if spec.kind != CCodecKind.kTopK:
+        raise ValueError(f"not a top-k codec: {text!r}")
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, got {ranks}")
+    split = topk_use_split(spec.topk_algorithm, ranks, count, c_topk_count(count, spec.ratio))
+    return "split" if split else "allgather"
 
 
 # ---- codec kernels on one whole array (hpcdl.compression's Codec.encode_into/decode_into) ----

@@ -164,9 +164,10 @@ class TopK(Codec):
     "allgather": every rank sums all ranks' pairs in rank order (bytes per rank
     grow as (p - 1) 8k); "split": a reduce-scatter over p index ranges, an
     exact global top-k of the sums, an allgather of those k pairs (about
-    2 (p - 1)/p 8k per rank, flat in p); "auto" (default): the one that
-    receives fewer bytes for this p and tensor size. Use it with a name, so
-    error feedback keeps what was dropped.
+    2 (p - 1)/p 8k per rank, flat in p); "auto" (default): the one whose bytes
+    received, plus 16 KiB per dependent round (the split has p + 6, the
+    allgather one), are fewer for this p and tensor size (``algorithm_for``
+    says which). Use it with a name, so error feedback keeps what was dropped.
 
     reuse_steps: threshold reuse (Ok-Topk), for named tensors: the magnitude
     of the k-th largest value at a rank's exact selection serves that tensor's
@@ -195,6 +196,11 @@ class TopK(Codec):
     def k(self, count):
         """How many values a tensor of ``count`` elements keeps (the core's topk_count)."""
         return _core.topk_count(int(count), self.ratio)
+
+    def algorithm_for(self, ranks, count):
+        """ "split" or "allgather": what an allreduce of ``count`` float32 values over ``ranks``
+        ranks runs with this codec (with "auto", the core's choice)."""
+        return _core.topk_algorithm_run(self.canonical(), int(ranks), int(count))
 
 
 class PowerSGD(Codec):

@@ -45,3 +45,6 @@ cdef extern from "hpcdl/codecs/codec_spec.hpp" namespace "hpcdl" nogil:
     uint32_t kDefaultInt8Block
     const char* codec_name(CCodecKind kind)
     const char* topk_algorithm_name(CTopkAlgorithm algorithm)
+
+cdef extern from "hpcdl/algorithms/sparse_allreduce.hpp" namespace "hpcdl" nogil:
+    bint topk_use_split(CTopkAlgorithm algorithm, int p, size_t n, size_t k)

@@ -135,7 +135,7 @@ def topk_reference(inputs, residuals, states, codec, op):
     """A top-k allreduce as docs/compression.md states it, in float32: each rank sends its k
     largest |values + residual| (with reuse_steps, what topk_reuse_select sends), scaled by
     1/size for an average; the pairs are summed in rank order into zeros; the split algorithm
-    keeps the k largest sums among the indices sent (lower indices win ties). A rank's residual
+    (named, or auto's choice for this size and count) keeps the k largest sums among the indices sent (lower indices win ties). A rank's residual
     (None: it keeps none) holds values + residual except where its pair reached the result;
     states: per rank its threshold state (topk_reuse_select's), or None. Returns (result, the
     residuals after, the states after)."""
@@ -154,7 +154,7 @@ def topk_reference(inputs, residuals, states, codec, op):
         summed[idx] += x[idx] * scale if scale != 1 else x[idx]
         if residuals[r] is not None:
             residuals[r] = x.copy()
-    if codec.get_config()["algorithm"] == "split":
+    if codec.algorithm_for(size, count) == "split":
         candidates = np.unique(np.concatenate(sent))
         order = np.lexsort((candidates, -np.abs(summed[candidates])))
         chosen = np.sort(candidates[order[:k]])

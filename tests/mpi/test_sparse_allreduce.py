@@ -184,31 +184,44 @@ def received_per_rank(comm, codec, count, make=normal):
 
 
 @pytest.mark.mpi(min_size=3)
-def test_split_bytes_per_rank_flat_in_p_and_auto_picks_the_fewer():
-    """At p = 2 auto runs the allgather (8k in); at this p auto runs the split,
-    every rank receiving at most 2x the p = 2 figure, less than the (p - 1) 8k
-    of the allgather; with every large value in a twentieth of the indices too
-    (the ranges follow the pairs)."""
+def test_split_bytes_per_rank_flat_in_p_and_auto_runs_the_models_choice():
+    """The split: every rank receives at most 2x the p = 2 figure of the
+    allgather (8k), with every large value in a twentieth of the indices too
+    (the ranges follow the pairs), while the allgather receives (p - 1) 8k.
+    auto receives the bytes of the algorithm TopK.algorithm_for names."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     count, ratio = 1_000_003, 0.01
     k = TopK(ratio).k(count)
     pair = WORLD.Split(0 if rank < 2 else MPI.UNDEFINED, rank)
 
     def measure():
-        two = received_per_rank(pair, TopK(ratio), count) if pair != MPI.COMM_NULL else None
+        two = received_per_rank(pair, TopK(ratio, algorithm="allgather"), count) if pair != MPI.COMM_NULL else None
         return (
             two,
             received_per_rank(WORLD, TopK(ratio), count),
             received_per_rank(WORLD, TopK(ratio, algorithm="allgather"), count),
+            received_per_rank(WORLD, TopK(ratio, algorithm="split"), count),
             received_per_rank(WORLD, TopK(ratio, algorithm="split"), count, skewed),
         )
 
-    two, auto, allgather, skew = collective(WORLD, measure)
+    two, auto, allgather, split, skew = collective(WORLD, measure)
     if pair != MPI.COMM_NULL:
         pair.Free()
     p2 = WORLD.bcast(two, root=0)
-    ok = p2 == 8 * k and allgather == (size - 1) * 8 * k and auto <= 2 * p2 and skew <= 2 * p2 and auto < allgather
-    agree(WORLD, ok, f"p=2 {p2} (8k = {8 * k}), p={size}: auto {auto}, allgather {allgather}, skewed split {skew}")
+    chosen = TopK(ratio).algorithm_for(size, count)
+    ok = (
+        p2 == 8 * k
+        and allgather == (size - 1) * 8 * k
+        and split <= 2 * p2
+        and skew <= 2 * p2
+        and auto == {"split": split, "allgather": allgather}[chosen]
+    )
+    agree(
+        WORLD,
+        ok,
+        f"p=2 {p2} (8k = {8 * k}), p={size}: auto ({chosen}) {auto}, allgather {allgather}, split {split}, "
+        f"skewed split {skew}",
+    )
 
 
 @pytest.mark.mpi(min_size=2)

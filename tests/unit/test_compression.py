@@ -326,6 +326,25 @@ def test_topk_algorithm_setting_round_trips_and_is_checked():
     assert split.encoded_size(1000) == TopK(0.01).encoded_size(1000) == 80
 
 
+def test_auto_counts_the_splits_rounds_and_changes_its_mind_once_as_p_grows():
+    """auto weighs bytes received plus a price per dependent round (the split has p + 6, the
+    allgather one): the allgather at p = 2; for a tensor whose 8k is small against a round's
+    price, the allgather at every p (the split's rounds grow with p as fast as the allgather's
+    bytes); for a large one the split from small p on; never back once it took the split."""
+    auto, ranks = TopK(0.01), [2, 3, 4, 5, 6, 8, 12, 16, 32, 64, 128, 256, 512, 1024, 4096]
+    for count in (1000, 100_000, 1_000_003, 16_000_000):  # p k within MPI's int counts
+        chosen = [auto.algorithm_for(p, count) for p in ranks]
+        assert chosen[0] == "allgather", (count, chosen)
+        first_split = chosen.index("split") if "split" in chosen else len(chosen)
+        assert set(chosen[first_split:]) <= {"split"}, (count, chosen)
+    assert {auto.algorithm_for(p, 100_000) for p in ranks} == {"allgather"}
+    assert auto.algorithm_for(3, 16_000_000) == auto.algorithm_for(1024, 1_000_003) == "split"
+    for named in ("allgather", "split"):
+        assert {TopK(0.01, algorithm=named).algorithm_for(p, 16_000_000) for p in ranks} == {named}
+    with pytest.raises(ValueError, match="ranks"):
+        auto.algorithm_for(0, 1000)
+
+
 RESIDUAL_LIFETIME_JOB = """
 import json, sys
 import numpy as np

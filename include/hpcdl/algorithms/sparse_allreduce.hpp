@@ -227,16 +227,29 @@ inline std::uint64_t topk_split_model_bytes(int p, std::size_t n, std::size_t k)
          static_cast<std::uint64_t>(p - 1) * 8;
 }
 
+// Dependent rounds of one split allreduce (a polite wait each: the balance,
+// the p - 1 pairwise exchanges, the 4 radix rounds, the ties, the final
+// allgather); the allgather variant has one.
+inline std::uint64_t topk_split_model_rounds(int p) { return static_cast<std::uint64_t>(p) + 6; }
+
+// What auto charges for one more dependent round, in bytes of a link: a round's
+// latency times the link's rate, ~16 KiB for 250 us at 0.5 Gbit/s or 13 us at
+// 10 Gbit/s. Below that rate the split's bytes decide, above it its rounds
+// (measured in docs/compression.md, "TopK — two reductions").
+constexpr std::uint64_t kTopkRoundBytes = 16 * 1024;
+
 // Split or allgather: the algorithm named, or with "auto" the one whose
-// bytes received per rank are fewer ((p - 1) 8k for the allgather); auto
-// keeps the allgather where the split's counts (p k pairs: MPI's int counts,
-// uint32 histograms) would not fit.
+// bytes received per rank ((p - 1) 8k for the allgather), plus kTopkRoundBytes
+// per dependent round, are fewer; auto keeps the allgather where the split's
+// counts (p k pairs: MPI's int counts, uint32 histograms) would not fit.
 inline bool topk_use_split(TopkAlgorithm algorithm, int p, std::size_t n, std::size_t k) {
   if (algorithm != TopkAlgorithm::kAuto) return algorithm == TopkAlgorithm::kSplit;
   if (static_cast<std::uint64_t>(p) * k > static_cast<std::uint64_t>(INT_MAX) ||
       topk_encoded_bytes(k) > static_cast<std::size_t>(INT_MAX))
     return false;
-  return topk_split_model_bytes(p, n, k) < static_cast<std::uint64_t>(p - 1) * topk_encoded_bytes(k);
+  const std::uint64_t split = topk_split_model_bytes(p, n, k) + topk_split_model_rounds(p) * kTopkRoundBytes;
+  const std::uint64_t allgather = static_cast<std::uint64_t>(p - 1) * topk_encoded_bytes(k) + kTopkRoundBytes;
+  return split < allgather;
 }
 
 // The split allreduce of data's n values (see the top of this file). residual

@@ -23,7 +23,7 @@ constexpr std::uint32_t kDefaultInt8Block = 256;
 
 enum class CodecKind : int { kNone = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kTopK = 4 };
 
-// How top-k is reduced (include/hpcdl/algorithms/sparse_allreduce.hpp): auto picks by bytes received.
+// How top-k is reduced (include/hpcdl/algorithms/sparse_allreduce.hpp): auto weighs bytes received and rounds.
 enum class TopkAlgorithm : int { kAuto = 0, kAllgather = 1, kSplit = 2 };
 
 // Top-k's threshold reuse (topk.hpp, TopkThreshold): at most this many calls per exact selection.
