@@ -133,7 +133,8 @@ def _named_in_stall_warnings(caught, name):
 
 def test_stall_warnings_name_the_late_rank_not_the_joined_one():
     """Rank 0 joins; the last rank is late to an allreduce the others wait in: their
-    warnings name the late rank only, and the join's names the ranks not joined yet."""
+    warnings name the late rank only, and the join's name the ranks not joined yet, which
+    only shrink."""
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     hpcdl.barrier(world)  # hpcdl's channels on world are set up: what follows waits in the agreement
@@ -150,7 +151,10 @@ def test_stall_warnings_name_the_late_rank_not_the_joined_one():
                 hpcdl.join(world)
         if rank == 0:
             named = _named_in_stall_warnings(caught, "hpcdl.join")
-            ok = bool(named) and all(isinstance(n, list) and size - 1 in n and 0 not in n for n in named)
+            # ranks that join once the late one arrives drop out of later warnings, in any order
+            pending = set(range(1, size))
+            ok = bool(named) and all(isinstance(n, list) and n and set(n) <= pending for n in named)
+            ok = ok and size - 1 in named[0] and all(set(b) <= set(a) for a, b in zip(named, named[1:]))
         elif rank < size - 1:
             named = _named_in_stall_warnings(caught, "join.late")
             ok = bool(named) and all(n == [size - 1] for n in named)
