@@ -634,6 +634,22 @@ def free_residual(MPI.Comm comm, name):
     return found
 
 
+def set_residual(MPI.Comm comm, name, values):
+    """Make `values` (1-D float32) tensor `name`'s error-feedback residual on this rank."""
+    import numpy
+    cdef const float[::1] src = numpy.ascontiguousarray(values, dtype=numpy.float32).reshape(-1)
+    cdef vector[float] out
+    cdef size_t i
+    out.resize(src.shape[0])
+    for i in range(<size_t>src.shape[0]):
+        out[i] = src[i]
+    cdef string text = name.encode()
+    cdef CStatus st
+    with nogil:
+        st = CEngine.instance().set_residual(comm.ob_mpi, text, move(out))
+    check_status(st)
+
+
 def residual_bytes():
     """Bytes every error-feedback residual of this process takes."""
     return CEngine.instance().residual_bytes()

@@ -11,8 +11,9 @@ communicator), a residual of what compression dropped and adds it back before
 the next compression of that tensor. A name's residual is freed once
 HPCDL_RESIDUAL_TTL_OPS (default 1000) named compressed allreduces ran on its
 communicator without it, or by ``free_residual(name)``; ``reset_state()``
-forgets all residuals; ``residual_memory()`` is what they take. Without a
-name no state is kept.
+forgets all residuals; ``residual_memory()`` is what they take;
+``residual(name)`` / ``set_residual(name, values)`` read and set one (a
+checkpoint's). Without a name no state is kept.
 
 The C++ core owns the rules: it parses the canonical text (the one reader of
 that syntax, ``from_text``), checks every setting, sizes and runs the kernels;
@@ -43,6 +44,7 @@ __all__ = [
     "from_text",
     "from_text_list",
     "residual",
+    "set_residual",
     "free_residual",
     "residual_memory",
     "reset_state",
@@ -330,6 +332,22 @@ def residual(name, comm=None):
     from mpi4py import MPI
 
     return _core.residual(MPI.COMM_WORLD if comm is None else comm, name)
+
+
+def set_residual(name, values, comm=None):
+    """Make ``values`` (float32, one per element of tensor ``name``) the error-feedback
+    residual of ``name`` on ``comm`` (default COMM_WORLD), on this rank only, e.g. from a
+    checkpoint of ``residual()``: its next compressed allreduce adds it. Set before the
+    communicator's first operation, it is held until then. Between steps: an allreduce of
+    ``name`` in flight keeps the residual it started with."""
+    from mpi4py import MPI
+
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, got {type(name).__name__} {name!r}")
+    values = np.asarray(values)
+    if values.ndim != 1 or values.dtype != np.float32:
+        raise ValueError(f"a residual is a 1-D float32 array, got {values.ndim}-D {values.dtype}")
+    _core.set_residual(MPI.COMM_WORLD if comm is None else comm, name, values)
 
 
 def free_residual(name, comm=None):

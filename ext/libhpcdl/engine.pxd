@@ -125,6 +125,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         vector[CEngineNotice] take_notices(uint64_t* dropped)
         CStatus copy_residual(MPI_Comm comm, const string& name, vector[float]* out, cbool* found)
         CStatus free_residual(MPI_Comm comm, const string& name, cbool* found)
+        CStatus set_residual(MPI_Comm comm, const string& name, vector[float] values)
         uint64_t residual_bytes()
         void shutdown()
 

@@ -38,6 +38,7 @@ _REDUCIBLE = {t: name for t, name in _BROADCASTABLE.items() if t.is_floating_poi
 # per communicator. Default names are counted per communicator ("torch", "torch.1",
 # ...), the same on every rank since construction is collective.
 _names_in_use = {}  # (communicator, name) -> weakref to the optimizer holding it
+_RESIDUALS_KEY = "hpcdl_residuals"  # state_dict()'s error-feedback residuals (codecs other than PowerSGD)
 _defaults_given = {}  # communicator -> default names handed out
 
 
@@ -395,20 +396,103 @@ class _DistributedOptimizerMixin:
     def state_dict(self):
         """The wrapped optimizer's state_dict(); with PowerSGD also its state under
         "hpcdl_powersgd": the steps reduced, and per compressed parameter name its Q (the
-        same on every rank) and this rank's residual."""
+        same on every rank) and this rank's residual. With another codec, this rank's
+        error-feedback residuals under "hpcdl_residuals": per bucket ("bucket.0", ...: its
+        name without the optimizer's), its parameters' names in order ("params"), the
+        engine's residual ("engine", float32) and, for a bucket encoded on its device, that
+        one ("device"); a bucket without a residual yet is left out."""
         state = self._base_class.state_dict(self)
         if self._low_rank is not None:
             state["hpcdl_powersgd"] = self._low_rank.state_dict()
+        elif self._compression is not None:
+            state[_RESIDUALS_KEY] = {
+                self._bucket_key(bucket): saved for bucket in self._buckets if (saved := self._bucket_residuals(bucket))
+            }
         return state
+
+    def _bucket_key(self, bucket):
+        return bucket.name[len(self._name) + 1 :]
+
+    def _bucket_residuals(self, bucket):
+        if bucket.local:
+            return {}
+        saved = {}
+        engine = hpcdl.compression.residual(bucket.name, self._comm)
+        if engine is not None:
+            saved["engine"] = torch.from_numpy(engine)
+        if bucket.encoder is not None:
+            saved["device"] = bucket.residual.detach().clone()
+        if saved:
+            saved["params"] = [self._name_of[p] for p, _, _ in bucket.slots]
+        return saved
 
     def load_state_dict(self, state_dict):
         """The wrapped optimizer's load_state_dict(); a PowerSGD state in it is loaded too (its
-        codec settings, names and shapes checked: a mismatch raises ValueError)."""
+        codec settings, names and shapes checked: a mismatch raises ValueError). Residuals
+        under "hpcdl_residuals" become this rank's, checked first: a bucket this optimizer
+        lacks, other parameters in a bucket, a size that differs, or residuals for an
+        optimizer without a codec raise ValueError; its buckets the state has none for
+        start from zero. A state without "hpcdl_residuals" leaves the residuals as they are."""
         state_dict = dict(state_dict)
         low_rank = state_dict.pop("hpcdl_powersgd", None)
+        residuals = state_dict.pop(_RESIDUALS_KEY, None)
+        if residuals:  # an empty one (nothing compressed yet, or one rank) fits any optimizer
+            self._check_residuals(residuals)
         self._base_class.load_state_dict(self, state_dict)
         if low_rank is not None and self._low_rank is not None:
             self._low_rank.load_state_dict(low_rank)
+        if residuals is not None and self._compression is not None and self._low_rank is None:
+            self._load_residuals(residuals)
+
+    def _check_residuals(self, residuals):
+        if self._compression is None or self._low_rank is not None:
+            raise ValueError(
+                f"the state holds error-feedback residuals ({_RESIDUALS_KEY!r}) but this optimizer runs "
+                f"{'PowerSGD, whose state is its own' if self._low_rank is not None else 'no codec'}: "
+                f"drop that key to start without them"
+            )
+        buckets = {self._bucket_key(bucket): bucket for bucket in self._buckets if not bucket.local}
+        unknown = sorted(set(residuals) - set(buckets))
+        if unknown:
+            raise ValueError(
+                f"the state has residuals of buckets this optimizer does not have: {unknown} (its "
+                f"buckets: {sorted(buckets)}; the parameters and bucket_bytes must be the saver's)"
+            )
+        for name, saved in residuals.items():
+            bucket = buckets[name]
+            params = [self._name_of[p] for p, _, _ in bucket.slots]
+            if saved.get("params") != params:
+                raise ValueError(
+                    f"the state's residuals of bucket '{name}' are of parameters {saved.get('params')}, "
+                    f"this optimizer's bucket holds {params}"
+                )
+            numel = sum(n for _, _, n in bucket.slots)
+            for kind, tensor in saved.items():
+                if kind == "params":
+                    continue
+                if kind not in ("engine", "device") or (kind == "device" and bucket.encoder is None):
+                    raise ValueError(f"the state's residuals of bucket '{name}' hold {kind!r}, which it does not keep")
+                if tensor.numel() != numel:
+                    raise ValueError(
+                        f"the state's {kind} residual of bucket '{name}' has {tensor.numel()} values, not {numel}"
+                    )
+
+    def _load_residuals(self, residuals):
+        for bucket in self._buckets:
+            if bucket.local:
+                continue
+            saved = residuals.get(self._bucket_key(bucket), {})
+            engine = saved.get("engine")
+            numel = sum(n for _, _, n in bucket.slots)
+            values = np.zeros(numel, np.float32) if engine is None else engine.detach().to("cpu", torch.float32)
+            hpcdl.compression.set_residual(bucket.name, np.asarray(values).reshape(-1), self._comm)
+            if bucket.encoder is not None:
+                with torch.no_grad():
+                    device = saved.get("device")
+                    if device is None:
+                        bucket.residual.zero_()
+                    else:
+                        bucket.residual.copy_(device.reshape(-1))
 
     def step(self, closure=None):
         """Average the gradients over all ranks (unless synchronize() already did), then step."""
@@ -574,10 +658,12 @@ def broadcast_optimizer_state(optimizer, root_rank=0, comm=None):
     load_state_dict() on the others (hpcdl/torch/_state_broadcast.py). With
     PowerSGD the step count and Q are the root's, but every rank keeps its own
     residuals: error feedback is per rank (the root's on every rank would be
-    applied once per rank).
+    applied once per rank); so it does with the other codecs' residuals.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     mine = optimizer.state_dict() if comm.Get_rank() == root_rank else None
+    if mine is not None:
+        mine.pop(_RESIDUALS_KEY, None)  # the root's error feedback: every rank keeps its own
     what = f"broadcast_optimizer_state from rank {root_rank}"
     state = broadcast_state(optimizer, mine, root_rank, comm, _BROADCASTABLE, what)
 

@@ -5,15 +5,19 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <string>
 #include <thread>
 
 #include "hpcdl/engine/comm_context.hpp"
+#include "hpcdl/engine/residual_store.hpp"
 #include "hpcdl/engine/submission_queue.hpp"
 #include "hpcdl/util/env.hpp"
 #include "hpcdl/util/mpi_util.hpp"
 
 namespace hpcdl {
+
+using HeldResiduals = std::map<std::string, std::vector<float>>;
 
 #ifdef OPEN_MPI
 // How long freeing a communicator waits for hpcdl's duplication of it (on_comm_freed).
@@ -62,14 +66,19 @@ Status ContextRegistry::context_for(MPI_Comm comm, std::shared_ptr<CommContext>*
   ctx->id = next_id_++;
   rc = MPI_Comm_set_attr(comm, keyval_, ctx.get());
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_set_attr"));
+  HPCDL_RETURN_NOT_OK(adopt_held_residuals(comm, ctx->id));
   *out = ctx;
   contexts_.push_back(std::move(ctx));
   return Status::OK();
 }
 
 Status ContextRegistry::find_id(MPI_Comm comm, bool* found, std::uint64_t* id) {
-  *found = false;
   std::lock_guard<std::mutex> g(queue_.mu);
+  return find_id_locked(comm, found, id);
+}
+
+Status ContextRegistry::find_id_locked(MPI_Comm comm, bool* found, std::uint64_t* id) {
+  *found = false;
   if (keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
   void* attr = nullptr;
   int has = 0;
@@ -78,6 +87,48 @@ Status ContextRegistry::find_id(MPI_Comm comm, bool* found, std::uint64_t* id) {
   *found = true;
   *id = static_cast<CommContext*>(attr)->id;
   return Status::OK();
+}
+
+Status ContextRegistry::set_residual(MPI_Comm comm, const std::string& name, std::vector<float> values) {
+  if (comm == MPI_COMM_NULL) return Status::Invalid("communicator is MPI_COMM_NULL");
+  std::lock_guard<std::mutex> g(queue_.mu);
+  std::uint64_t id = 0;
+  bool has = false;
+  HPCDL_RETURN_NOT_OK(find_id_locked(comm, &has, &id));
+  if (has) {
+    residuals_.put(id, name, std::move(values));
+    return Status::OK();
+  }
+  if (held_keyval_ == MPI_KEYVAL_INVALID)
+    HPCDL_RETURN_NOT_OK(mpi_status(
+        MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &ContextRegistry::on_held_freed, &held_keyval_, nullptr),
+        "MPI_Comm_create_keyval"));
+  void* attr = nullptr;
+  int found = 0;
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, held_keyval_, &attr, &found), "MPI_Comm_get_attr"));
+  if (!found) {
+    attr = new HeldResiduals();
+    const int rc = MPI_Comm_set_attr(comm, held_keyval_, attr);
+    if (rc != MPI_SUCCESS) delete static_cast<HeldResiduals*>(attr);
+    HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_set_attr"));
+  }
+  (*static_cast<HeldResiduals*>(attr))[name] = std::move(values);
+  return Status::OK();
+}
+
+Status ContextRegistry::adopt_held_residuals(MPI_Comm comm, std::uint64_t id) {
+  if (held_keyval_ == MPI_KEYVAL_INVALID) return Status::OK();
+  void* attr = nullptr;
+  int found = 0;
+  HPCDL_RETURN_NOT_OK(mpi_status(MPI_Comm_get_attr(comm, held_keyval_, &attr, &found), "MPI_Comm_get_attr"));
+  if (!found) return Status::OK();
+  for (auto& kv : *static_cast<HeldResiduals*>(attr)) residuals_.put(id, kv.first, std::move(kv.second));
+  return mpi_status(MPI_Comm_delete_attr(comm, held_keyval_), "MPI_Comm_delete_attr");  // frees the map
+}
+
+int ContextRegistry::on_held_freed(MPI_Comm, int, void* held, void*) {
+  delete static_cast<HeldResiduals*>(held);
+  return MPI_SUCCESS;
 }
 
 void ContextRegistry::take(std::vector<std::shared_ptr<CommContext>>* live,

@@ -181,6 +181,10 @@ Status Engine::copy_residual(MPI_Comm comm, const std::string& name, std::vector
   return Status::OK();
 }
 
+Status Engine::set_residual(MPI_Comm comm, const std::string& name, std::vector<float> values) {
+  return loop_.contexts.set_residual(comm, name, std::move(values));
+}
+
 Status Engine::free_residual(MPI_Comm comm, const std::string& name, bool* found) {
   *found = false;
   std::uint64_t id = 0;

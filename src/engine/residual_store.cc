@@ -49,6 +49,19 @@ bool ResidualStore::copy(std::uint64_t context_id, const std::string& name, std:
   return true;
 }
 
+void ResidualStore::put(std::uint64_t context_id, const std::string& name, std::vector<float> values) {
+  std::lock_guard<std::mutex> g(mu_);
+  Context& c = contexts_[context_id];
+  auto it = c.slots.find(name);
+  if (it != c.slots.end()) erase(c, it);
+  it = c.slots.emplace(name, Slot()).first;
+  it->second.in_order = c.by_last_use.insert(c.by_last_use.end(), name);
+  it->second.last_use = c.uses;  // as if used last: the lifetime counts from here
+  it->second.values = std::make_shared<ErrorFeedback>(0);
+  it->second.values->residual = std::move(values);
+  bytes_ += it->second.values->residual.size() * sizeof(float);
+}
+
 bool ResidualStore::free(std::uint64_t context_id, const std::string& name) {
   std::lock_guard<std::mutex> g(mu_);
   auto c = contexts_.find(context_id);

@@ -1,6 +1,7 @@
 """Models and training loops shared by the single-process and MPI PyTorch tests."""
 
 import hashlib
+import io
 
 import torch
 
@@ -35,8 +36,36 @@ def loss_of(model, x, y):
 def params_digest(model):
     h = hashlib.sha1()
     for p in model.parameters():
-        h.update(p.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def through_torch_save(obj):
+    """obj after torch.save and torch.load, as a checkpoint holds it."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
+def train_steps(model, opt, comm, first, count, per_rank=4):
+    """Steps [first, first + count) of full_batch, on this rank's rows, on the model's device."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    device = next(model.parameters()).device
+    for i in range(first, first + count):
+        x, y = full_batch(i, per_rank, size)
+        rows = slice(rank * per_rank, (rank + 1) * per_rank)
+        opt.zero_grad()
+        loss_of(model, x[rows].to(device), y[rows].to(device)).backward()
+        opt.step()
+
+
+def compressed_optimizer(model, codec, name, bucket_bytes=2048):
+    """DistributedOptimizer over SGD with momentum, compressed with codec."""
+    base = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    return hvt.DistributedOptimizer(
+        base, model.named_parameters(), compression=codec, name=name, bucket_bytes=bucket_bytes
+    )
 
 
 def train_distributed(comm, steps, per_rank, dtype=torch.float32, bucket_bytes=512, passes=1, **kw):

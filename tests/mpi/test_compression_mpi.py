@@ -363,6 +363,30 @@ def test_stats_measure_compressed_bytes_exactly(comm):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_set_residual_is_added_by_the_next_allreduce_also_before_the_communicators_first_operation():
+    """Each rank sets its residual (rank + 1 everywhere), on a communicator used before and on a
+    fresh Dup (held until its first operation makes its context); a TopK that keeps every value
+    then returns sum(rank + 1) for zero data, and leaves the residual zero. A Dup freed with a
+    held residual it never used frees it."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    hpcdl.barrier(WORLD)
+    fresh, unused = WORLD.Dup(), WORLD.Dup()
+    try:
+        results = []
+        for comm in (WORLD, fresh):
+            hpcdl.compression.set_residual("set.res", np.full(37, rank + 1.0, np.float32), comm)
+            out = hpcdl.allreduce(np.zeros(37, np.float32), comm=comm, name="set.res", compression=TopK(1.0))
+            left = hpcdl.compression.residual("set.res", comm)
+            results.append(np.array_equal(out, np.full(37, size * (size + 1) / 2, np.float32)) and not left.any())
+        hpcdl.compression.set_residual("never.run", np.ones(5, np.float32), unused)
+        _, wrong = outcome(hpcdl.compression.set_residual, "bad", np.ones((2, 2), np.float32))
+    finally:
+        fresh.Free()
+        unused.Free()
+    agree(WORLD, results == [True, True] and isinstance(wrong, ValueError), f"{results}, 2-D: {wrong!r}")
+
+
+@pytest.mark.mpi(min_size=2)
 def test_free_residual_and_residual_memory():
     """300 uniquely named 1 MiB tensors, each freed after its step: the residuals'
     memory stays at one tensor's instead of growing by 1 MiB per name."""

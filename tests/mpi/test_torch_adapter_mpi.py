@@ -19,14 +19,17 @@ import hpcdl.torch as hvt
 
 from conftest import agree, collective, outcome
 from helpers.torch_adapter import (
+    compressed_optimizer,
     full_batch,
     loss_of,
     make_model,
     max_difference,
     params_digest,
+    through_torch_save,
     train_amp,
     train_distributed,
     train_reference,
+    train_steps,
 )
 
 WORLD = MPI.COMM_WORLD
@@ -517,3 +520,89 @@ def test_sparse_gradients_are_gathered_or_go_dense():
         diff < 1e-6 and gathered_diff < 1e-6 and same,
         f"dense vs densified {diff}, vs gathered {gathered_diff}, ranks identical {same}",
     )
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", [hpcdl.compression.TopK(0.05), hpcdl.compression.Int8(block=64)], ids=str)
+def test_error_feedback_residuals_survive_a_state_dict_round_trip(codec):
+    """3 steps, state_dict() through torch.save, a new model and optimizer (another name) load it,
+    3 more steps: bit for bit the 6 uninterrupted steps. The same resume without the residuals
+    differs (what the state carries matters), and each rank saved its own."""
+
+    def resumed(keep_residuals):
+        model = make_model(seed=3)
+        opt = compressed_optimizer(model, codec, f"ef.first.{codec}.{keep_residuals}")
+        train_steps(model, opt, WORLD, 0, 3)
+        model_state, opt_state = through_torch_save(model.state_dict()), through_torch_save(opt.state_dict())
+        opt.remove_hooks()
+        again = make_model(seed=9)
+        again.load_state_dict(model_state)
+        opt = compressed_optimizer(again, codec, f"ef.second.{codec}.{keep_residuals}")
+        opt.load_state_dict(
+            opt_state if keep_residuals else {k: v for k, v in opt_state.items() if k != "hpcdl_residuals"}
+        )
+        train_steps(again, opt, WORLD, 3, 3)
+        opt.remove_hooks()
+        return params_digest(again), opt_state["hpcdl_residuals"]
+
+    got, saved = collective(WORLD, resumed, True)
+    without, _ = collective(WORLD, resumed, False)
+    whole_model = make_model(seed=3)
+    whole = compressed_optimizer(whole_model, codec, f"ef.whole.{codec}")
+    collective(WORLD, train_steps, whole_model, whole, WORLD, 0, 6)
+    whole.remove_hooks()
+    mine = b"".join(saved[k]["engine"].numpy().tobytes() for k in sorted(saved))
+    distinct = len(set(WORLD.allgather(mine)))
+    nonzero = all(bool(saved[k]["engine"].abs().sum() > 0) for k in saved)
+    agree(
+        WORLD,
+        got == params_digest(whole_model) and without != got and saved and nonzero and distinct == WORLD.Get_size(),
+        f"resumed == uninterrupted {got == params_digest(whole_model)}, without residuals differs {without != got}, "
+        f"buckets saved {sorted(saved)}, non-zero {nonzero}, distinct across ranks {distinct}",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_residuals_that_do_not_fit_the_optimizer_raise_on_load_and_change_nothing():
+    codec = hpcdl.compression.TopK(0.05)
+    model = make_model(seed=3)
+    opt = compressed_optimizer(model, codec, "ef.fit")
+    collective(WORLD, train_steps, model, opt, WORLD, 0, 2)
+    state = through_torch_save(opt.state_dict())
+    before = {k: hpcdl.compression.residual(f"ef.fit.{k}") for k in state["hpcdl_residuals"]}
+    opt.remove_hooks()
+    errors = []
+    other_layout = compressed_optimizer(make_model(seed=3), codec, "ef.fit.layout", bucket_bytes=1 << 20)
+    errors.append(outcome(other_layout.load_state_dict, state)[1])
+    other_layout.remove_hooks()
+    plain = make_model(seed=3)
+    dense = hvt.DistributedOptimizer(
+        torch.optim.SGD(plain.parameters(), lr=0.5), plain.named_parameters(), name="ef.fit.dense"
+    )
+    errors.append(outcome(dense.load_state_dict, state)[1])
+    dense.remove_hooks()
+    same = compressed_optimizer(make_model(seed=3), codec, "ef.fit")  # the saver's name: its residuals must stay
+    shrunk = {k: dict(v, engine=v["engine"][:-1]) for k, v in state["hpcdl_residuals"].items()}
+    errors.append(outcome(same.load_state_dict, dict(state, hpcdl_residuals=shrunk))[1])
+    reordered = {k: dict(v, params=v["params"][::-1]) for k, v in state["hpcdl_residuals"].items()}
+    errors.append(outcome(same.load_state_dict, dict(state, hpcdl_residuals=reordered))[1])
+    same.remove_hooks()
+    kept = all(np.array_equal(hpcdl.compression.residual(f"ef.fit.{k}"), v) for k, v in before.items())
+    expected = ("does not have", "no codec", "values, not", "bucket holds")
+    ok = kept and all(isinstance(e, ValueError) and words in str(e) for e, words in zip(errors, expected))
+    agree(WORLD, ok, f"residuals kept {kept}; errors {errors!r}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_broadcast_optimizer_state_keeps_each_ranks_error_feedback():
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    model = make_model(seed=3)
+    opt = compressed_optimizer(model, hpcdl.compression.TopK(0.05), "ef.bcast")
+    collective(WORLD, train_steps, model, opt, WORLD, 0, 2)
+    mine = opt.state_dict()["hpcdl_residuals"]
+    collective(WORLD, hvt.broadcast_optimizer_state, opt, size - 1)
+    after = opt.state_dict()["hpcdl_residuals"]
+    opt.remove_hooks()
+    own = sorted(after) == sorted(mine) and all(torch.equal(after[k]["engine"], mine[k]["engine"]) for k in mine)
+    distinct = len(set(WORLD.allgather(b"".join(after[k]["engine"].numpy().tobytes() for k in sorted(after)))))
+    agree(WORLD, own and distinct == size, f"own residuals kept {own}, distinct across ranks {distinct} (rank {rank})")

@@ -17,7 +17,17 @@ from hpcdl.compression import FP16, Int8, TopK
 
 from conftest import agree, collective
 from helpers.device import device  # noqa: F401 - the fixture
-from helpers.torch_adapter import full_batch, loss_of, make_model, max_difference, params_digest, train_reference
+from helpers.torch_adapter import (
+    compressed_optimizer,
+    full_batch,
+    loss_of,
+    make_model,
+    max_difference,
+    params_digest,
+    through_torch_save,
+    train_reference,
+    train_steps,
+)
 
 WORLD = MPI.COMM_WORLD
 
@@ -142,6 +152,43 @@ def test_broadcast_parameters_of_device_state_with_buffers(device):
         WORLD,
         len(set(digests)) == 1 and on_device and state["mask"].tolist() == [root % 2 == 0, True],
         f"{len(set(digests))} distinct states, on device {on_device}",
+    )
+
+
+@pytest.mark.mpi(min_size=2)
+def test_error_feedback_on_the_device_survives_a_state_dict_round_trip(device):
+    """Int8 encoded on the device keeps two residuals per bucket (the device encoder's and the
+    engine's): 3 steps, state_dict() through torch.save, a new model and optimizer load it, 3
+    more steps: bit for bit the 6 uninterrupted steps, and the device one is on the device."""
+    codec = Int8(block=64)
+    tag = device.type
+
+    def resumed():
+        model = make_model(seed=3).to(device)
+        opt = compressed_optimizer(model, codec, f"efd.first.{tag}")
+        train_steps(model, opt, WORLD, 0, 3)
+        model_state, opt_state = through_torch_save(model.state_dict()), through_torch_save(opt.state_dict())
+        opt.remove_hooks()
+        again = make_model(seed=9).to(device)
+        again.load_state_dict(model_state)
+        opt = compressed_optimizer(again, codec, f"efd.second.{tag}")
+        opt.load_state_dict(opt_state)
+        train_steps(again, opt, WORLD, 3, 3)
+        opt.remove_hooks()
+        return params_digest(again), opt_state["hpcdl_residuals"]
+
+    got, saved = collective(WORLD, resumed)
+    whole_model = make_model(seed=3).to(device)
+    whole = compressed_optimizer(whole_model, codec, f"efd.whole.{tag}")
+    collective(WORLD, train_steps, whole_model, whole, WORLD, 0, 6)
+    whole.remove_hooks()
+    kinds = {kind for entry in saved.values() for kind in entry}
+    on_device = all(entry["device"].device == next(whole_model.parameters()).device for entry in saved.values())
+    agree(
+        WORLD,
+        got == params_digest(whole_model) and kinds == {"params", "engine", "device"} and on_device,
+        f"resumed == uninterrupted {got == params_digest(whole_model)}, saved {kinds}, device residuals on "
+        f"the model's device {on_device}",
     )
 
 

@@ -69,6 +69,10 @@ class Engine {
   // A copy of tensor `name`'s error-feedback residual on `comm`; *found is
   // false when there is none (never compressed with that name, or reset).
   Status copy_residual(MPI_Comm comm, const std::string& name, std::vector<float>* out, bool* found);
+  // Makes `values` tensor `name`'s residual on `comm`, on this rank alone
+  // (hpcdl.compression.set_residual): before comm's first operation it is
+  // held until then.
+  Status set_residual(MPI_Comm comm, const std::string& name, std::vector<float> values);
   // Frees it (hpcdl.compression.free_residual); *found: there was one.
   Status free_residual(MPI_Comm comm, const std::string& name, bool* found);
   // Bytes every error-feedback residual of this process takes.

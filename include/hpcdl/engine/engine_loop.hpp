@@ -53,10 +53,10 @@ class EngineLoop {
  public:
   EngineLoop() = default;
   SubmissionQueue queue;
-  ContextRegistry contexts{queue};
+  ResidualStore residuals;
+  ContextRegistry contexts{queue, residuals};
   NoticeBoard notices;
   StatsBoard stats;
-  ResidualStore residuals;
 
   // Under queue.mu: starts the engine thread if it is not running; on failure
   // queue.running stays false and a later submission tries again.

@@ -38,6 +38,10 @@ class ResidualStore {
   std::shared_ptr<ErrorFeedback> get(std::uint64_t context_id, const std::string& name, std::size_t count);
   // A copy of it into *out; false when there is none.
   bool copy(std::uint64_t context_id, const std::string& name, std::vector<float>* out);
+  // Makes `values` tensor `name`'s residual on the context (a checkpoint's),
+  // without a threshold; an allreduce of another size zeroes it, as it does
+  // any residual.
+  void put(std::uint64_t context_id, const std::string& name, std::vector<float> values);
   // Frees tensor `name`'s residual on the context; false when there was none.
   bool free(std::uint64_t context_id, const std::string& name);
   // Bytes the residuals of every context take.
