@@ -291,11 +291,16 @@ def test_one_non_finite_step_does_not_poison_error_feedback(codec, bad, op):
     """One step where rank 0's g[3] and g[1500:1510] are non-finite (AMP's loss
     scaling makes such steps on purpose; top-k(0.002) keeps 4 of these 11): that
     step's result is non-finite at g[3], every later step with all-ones inputs
-    is finite on every rank, and so is every residual."""
+    is finite on every rank, and so is every residual. A finite value that only
+    overflows the wire format (1e5 in fp16) may come out finite where its chunk's
+    owner scales the average before encoding (50000.5 fits): its rounding error is
+    then kept and applied at later steps, as error feedback should, so those
+    places are held to finiteness only."""
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     hpcdl.compression.reset_state()
     name = f"ef.poison.{codec}.{op}"
     count, problems = 2000, []
+    carried = np.zeros(count, bool)  # places whose step-0 result came out finite from a bad input
     for step in range(4):
         g = np.ones(count, np.float32)
         if step == 0 and rank == 0:
@@ -304,12 +309,16 @@ def test_one_non_finite_step_does_not_poison_error_feedback(codec, bad, op):
         residual = hpcdl.compression.residual(name)
         if not np.all(np.isfinite(residual)):
             problems.append(f"step {step}: {np.count_nonzero(~np.isfinite(residual))} non-finite residuals")
-        if step == 0 and np.isfinite(g[3]):
+        if step == 0 and np.isfinite(g[3]) and not np.isfinite(bad):
             problems.append(f"step 0: g[3] = {g[3]}, the non-finite input was hidden")
+        if step == 0:
+            bad_places = [3, *range(1500, 1510)]
+            carried[bad_places] = np.isfinite(g[bad_places])  # results are the same bits on every rank
         if step > 0 and not np.all(np.isfinite(g)):
             problems.append(f"step {step}: {np.count_nonzero(~np.isfinite(g))} non-finite results, g[3] = {g[3]}")
-        if step > 0 and codec.name != "topk" and not np.allclose(g, size if op == "sum" else 1, rtol=1e-2):
-            problems.append(f"step {step}: results {g.min()}..{g.max()}")
+        rest = g[~carried]
+        if step > 0 and codec.name != "topk" and not np.allclose(rest, size if op == "sum" else 1, rtol=1e-2):
+            problems.append(f"step {step}: results {rest.min()}..{rest.max()}")
     hpcdl.compression.reset_state()
     agree(WORLD, not problems, problems)
 
