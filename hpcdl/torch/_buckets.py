@@ -45,7 +45,7 @@ class Bucket:
         self.slots = slots  # [(param, offset, numel)]
         self.staged = staged
         self.device = slots[0][0].device
-        numel = sum(n for _, _, n in slots)
+        self.numel = numel = sum(n for _, _, n in slots)
         # One rank: the average is the gradient itself; a device bucket stays on the device.
         self.local = staged and size == 1
         self.dtype = dtype

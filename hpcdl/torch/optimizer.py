@@ -413,6 +413,9 @@ class _DistributedOptimizerMixin:
     def _bucket_key(self, bucket):
         return bucket.name[len(self._name) + 1 :]
 
+    def _bucket_params(self, bucket):
+        return [self._name_of[p] for p, _, _ in bucket.slots]
+
     def _bucket_residuals(self, bucket):
         if bucket.local:
             return {}
@@ -423,7 +426,7 @@ class _DistributedOptimizerMixin:
         if bucket.encoder is not None:
             saved["device"] = bucket.residual.detach().clone()
         if saved:
-            saved["params"] = [self._name_of[p] for p, _, _ in bucket.slots]
+            saved["params"] = self._bucket_params(bucket)
         return saved
 
     def load_state_dict(self, state_dict):
@@ -460,13 +463,13 @@ class _DistributedOptimizerMixin:
             )
         for name, saved in residuals.items():
             bucket = buckets[name]
-            params = [self._name_of[p] for p, _, _ in bucket.slots]
+            params = self._bucket_params(bucket)
             if saved.get("params") != params:
                 raise ValueError(
                     f"the state's residuals of bucket '{name}' are of parameters {saved.get('params')}, "
                     f"this optimizer's bucket holds {params}"
                 )
-            numel = sum(n for _, _, n in bucket.slots)
+            numel = bucket.numel
             for kind, tensor in saved.items():
                 if kind == "params":
                     continue
@@ -483,8 +486,7 @@ class _DistributedOptimizerMixin:
                 continue
             saved = residuals.get(self._bucket_key(bucket), {})
             engine = saved.get("engine")
-            numel = sum(n for _, _, n in bucket.slots)
-            values = np.zeros(numel, np.float32) if engine is None else engine.detach().to("cpu", torch.float32)
+            values = np.zeros(bucket.numel, np.float32) if engine is None else engine.detach().to("cpu", torch.float32)
             hpcdl.compression.set_residual(bucket.name, np.asarray(values).reshape(-1), self._comm)
             if bucket.encoder is not None:
                 with torch.no_grad():
