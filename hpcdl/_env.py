@@ -162,7 +162,7 @@ ENGINE_DOCS = {
         "warn when an operation waits for ranks that have not submitted it (0: off)",
     ),
     "HPCDL_STALL_ERROR_SECONDS": (
-        f"{_core.DEFAULT_STALL_ERROR_SECONDS:g} (0: wait forever)",
+        f"{_core.DEFAULT_STALL_ERROR_SECONDS:g} (torch.distributed's default timeout; 0: wait forever)",
         "fail such an operation instead",
     ),
     "HPCDL_WAIT_SLEEP_US": (

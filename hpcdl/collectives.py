@@ -50,8 +50,8 @@ def configure(
         operation has waited this long for ranks that have not submitted it;
         0 disables. Env: HPCDL_STALL_WARNING_SECONDS (default 60).
     stall_error_seconds: fail such an operation on the ranks that wait for it
-        (StallTimeoutError); 0 (the default) waits forever.
-        Env: HPCDL_STALL_ERROR_SECONDS.
+        (StallTimeoutError); default 1800 (half an hour, torch.distributed's
+        default timeout); 0 waits forever. Env: HPCDL_STALL_ERROR_SECONDS.
 
     Read from the environment only (by the engine thread): HPCDL_WAIT_SLEEP_US
     (longest sleep between polls of a waiting operation, default 200; 0 polls

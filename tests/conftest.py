@@ -2,6 +2,7 @@
 verdict, the ranks agree on it with an allreduce, and only then assert, so a
 failure on one rank never leaves the others hanging in the next collective."""
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -67,6 +68,19 @@ def collective(comm, fn, *args, **kwargs):
         result, err = None, "".join(traceback.format_exception_only(type(exc), exc)).strip()
     agree(comm, err is None, err)
     return result
+
+
+@contextlib.contextmanager
+def stall_limits(**limits):
+    """hpcdl.configure(**limits) for the block, then the limits in force before it."""
+    import hpcdl
+
+    before = hpcdl.configure()
+    hpcdl.configure(**limits)
+    try:
+        yield
+    finally:
+        hpcdl.configure(**{key: before[key] for key in limits})
 
 
 def outcome(fn, *args, **kwargs):

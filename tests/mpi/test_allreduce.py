@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 import hpcdl
 
-from conftest import agree, collective, multi_rank, outcome
+from conftest import agree, collective, multi_rank, outcome, stall_limits
 from helpers import report_tree
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -623,8 +623,7 @@ def test_stall_warning_names_the_missing_rank():
     stall in the set-up itself, the first operation on a communicator, cannot)."""
     rank = WORLD.Get_rank()
     collective(WORLD, hpcdl.barrier)  # the channels exist whichever test ran before
-    hpcdl.configure(stall_warning_seconds=0.3)
-    try:
+    with stall_limits(stall_warning_seconds=0.3):
         a = np.ones(16, dtype=np.float32)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -637,8 +636,6 @@ def test_stall_warning_names_the_missing_rank():
         else:
             ok = bool(stall) and "late.tensor" in stall[0] and "rank 0" in stall[0]
         agree(WORLD, ok and np.all(a == WORLD.Get_size()), stall)
-    finally:
-        hpcdl.configure(stall_warning_seconds=60)
 
 
 def run_named_step(names, arrays, step, seed):
@@ -683,13 +680,10 @@ def test_mismatch_after_many_cached_steps_is_named_on_every_rank():
     # Reports held for stalls are released only after 900 s now: the changed
     # description must complete its subtree's merged report (rank size - 1 is
     # a leaf under an inner rank at P = 4 and 5), not wait for that release.
-    hpcdl.configure(stall_warning_seconds=3600)
-    try:
+    with stall_limits(stall_warning_seconds=3600, stall_error_seconds=3600):
         order = names[::-1] if rank % 2 else names
         handles = [hpcdl.allreduce_async(arrays[n], name=n) for n in order]
         errors = {h.name: outcome(h.wait, timeout=60)[1] for h in handles}
-    finally:
-        hpcdl.configure(stall_warning_seconds=60)
     err = errors["cached.changes"]
     named = (
         isinstance(err, hpcdl.MismatchError)
@@ -715,8 +709,7 @@ def test_stall_of_an_op_seen_before_names_the_missing_rank_inside_the_tree():
     missing = size // 2
     a = np.ones(16, dtype=np.float32)
     warm = [outcome(collective, WORLD, hpcdl.allreduce, a, name="late.cached")[1] for _ in range(3)]
-    hpcdl.configure(stall_warning_seconds=0.3)
-    try:
+    with stall_limits(stall_warning_seconds=0.3):
         a[:] = 1
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -729,22 +722,17 @@ def test_stall_of_an_op_seen_before_names_the_missing_rank_inside_the_tree():
         else:
             ok = bool(stall) and "late.cached" in stall[0] and f"for rank {missing}," in stall[0]
         agree(WORLD, ok and err is None and all(e is None for e in warm) and np.all(a == size), (stall, err, warm))
-    finally:
-        hpcdl.configure(stall_warning_seconds=60)
 
 
 def test_stall_error_fails_waiting_ranks_instead_of_hanging():
     rank = WORLD.Get_rank()
-    hpcdl.configure(stall_error_seconds=0.5)
-    try:
+    with stall_limits(stall_error_seconds=0.5):
         if rank != 0:
             _, err = outcome(hpcdl.allreduce, np.ones(4, dtype=np.float32), name="never.on.rank0")
             ok = isinstance(err, hpcdl.StallTimeoutError) and "rank 0" in str(err)
         else:
             err, ok = None, True
         agree(WORLD, ok, repr(err))
-    finally:
-        hpcdl.configure(stall_error_seconds=0)
     hpcdl.barrier()
 
 
@@ -937,8 +925,7 @@ def test_stall_error_names_a_rank_that_gave_up_not_one_that_never_submitted():
     not as never having submitted it; the engine goes on working."""
     rank, last = WORLD.Get_rank(), WORLD.Get_size() - 1
     collective(WORLD, hpcdl.barrier)  # the channels exist whichever test ran before
-    hpcdl.configure(stall_error_seconds=1.0)
-    try:
+    with stall_limits(stall_error_seconds=1.0):
         a = np.ones(8, dtype=np.float32)
         first = second = None
         if rank != last:
@@ -961,5 +948,3 @@ def test_stall_error_names_a_rank_that_gave_up_not_one_that_never_submitted():
         b = np.ones(8, dtype=np.float32)
         collective(WORLD, hpcdl.allreduce, b, name="after.given.up")
         agree(WORLD, ok and np.all(b == WORLD.Get_size()), repr(err))
-    finally:
-        hpcdl.configure(stall_error_seconds=0)

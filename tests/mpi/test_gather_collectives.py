@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 import hpcdl
 
-from conftest import agree, collective, multi_rank, outcome
+from conftest import agree, collective, multi_rank, outcome, stall_limits
 from helpers.device import device  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -138,8 +138,7 @@ def test_allgather_with_different_dtypes_or_row_shapes_raises_on_every_rank(comm
 def test_a_late_rank_gets_the_stall_warning_on_allgather():
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     collective(WORLD, hpcdl.barrier)  # the channels exist whichever test ran before
-    hpcdl.configure(stall_warning_seconds=0.3)
-    try:
+    with stall_limits(stall_warning_seconds=0.3):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if rank == 0:
@@ -149,8 +148,6 @@ def test_a_late_rank_gets_the_stall_warning_on_allgather():
         named = bool(stall) and "late.gather" in stall[0] and "rank 0" in stall[0]
         ok = (not stall if rank == 0 else named) and out[:, 0].tolist() == list(range(size))
         agree(WORLD, ok, stall)
-    finally:
-        hpcdl.configure(stall_warning_seconds=60)
 
 
 def segment(rank, size, rows):

@@ -23,7 +23,7 @@ from hpcdl import _core
 from hpcdl.compression import BF16, FP16, Int8, PowerSGD, TopK
 from hpcdl.torch import DistributedOptimizer, broadcast_parameters
 
-from conftest import agree, collective, multi_rank, outcome
+from conftest import agree, collective, multi_rank, outcome, stall_limits
 from helpers.compression import compressed_ring_reference, topk_reference
 from helpers.device import device  # noqa: F401 - the fixture
 from helpers.powersgd import Reference
@@ -138,8 +138,7 @@ def test_stall_warnings_name_the_late_rank_not_the_joined_one():
     world = MPI.COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     hpcdl.barrier(world)  # hpcdl's channels on world are set up: what follows waits in the agreement
-    hpcdl.configure(stall_warning_seconds=0.3)
-    try:
+    with stall_limits(stall_warning_seconds=0.3):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if rank == 0:
@@ -161,8 +160,6 @@ def test_stall_warnings_name_the_late_rank_not_the_joined_one():
         else:
             named, ok = [], True  # the late rank waited for no one
         agree(world, ok, named)
-    finally:
-        hpcdl.configure(stall_warning_seconds=60)
 
 
 def _unsupported(comm, kind):

@@ -117,6 +117,16 @@ def test_bad_communicator_and_configuration():
         hpcdl.configure(stall_error_seconds=float("nan"))
 
 
+def test_by_default_a_stall_fails_within_half_an_hour_instead_of_waiting_forever():
+    """A rank that never submits must not keep the others waiting forever unless the
+    user asks for it (0), as torch.distributed's default timeout bounds its waits."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HPCDL_STALL_")}
+    code = "import hpcdl; print(hpcdl.configure()['stall_error_seconds'])"
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert 0 < float(run.stdout) <= 1800, run.stdout
+
+
 def test_python_reads_the_core_rules():
     """Limits, status codes and dtypes come from the C++ core, not retyped in Python."""
     from hpcdl import _core, collectives, errors

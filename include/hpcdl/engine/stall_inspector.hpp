@@ -12,7 +12,9 @@ class CommContext;
 
 // hpcdl.configure()'s defaults (exposed as _core.DEFAULT_STALL_*).
 constexpr double kDefaultStallWarningSeconds = 60.0;
-constexpr double kDefaultStallErrorSeconds = 0.0;  // 0: never
+// A rank that never submits ends the others' wait after half an hour, as
+// torch.distributed's default timeout does, instead of never (0, still allowed).
+constexpr double kDefaultStallErrorSeconds = 1800.0;
 
 // After a rank has left, a wait of the running operation that has made no
 // progress for this long (since the news) is given up: the data that rank
