@@ -9,7 +9,8 @@
     model = hvd_tf.load_model(path)                       # a model saved while training, optimizer re-wrapped
 
 tape (DistributedGradientTape, broadcast_variables), powersgd (the state of
-PowerSGD compression, powersgd_state), keras (DistributedOptimizer,
+PowerSGD compression, powersgd_state), residuals (the other codecs' error
+feedback in a checkpoint, residual_state), keras (DistributedOptimizer,
 the callbacks) and data (tf_dataset) are its modules; hpcdl's core API never
 imports them.
 """
@@ -22,6 +23,7 @@ from hpcdl.tensorflow.keras import (
     load_model,
 )
 from hpcdl.tensorflow.powersgd import PowerSGDState, powersgd_state
+from hpcdl.tensorflow.residuals import ResidualState, residual_state
 from hpcdl.tensorflow.tape import DistributedGradientTape, broadcast_variables
 
 __all__ = [
@@ -34,4 +36,6 @@ __all__ = [
     "tf_dataset",
     "PowerSGDState",
     "powersgd_state",
+    "ResidualState",
+    "residual_state",
 ]

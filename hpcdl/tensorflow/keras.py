@@ -68,7 +68,9 @@ def DistributedOptimizer(
     op "average" or "sum", shapes checked across ranks on the first step;
     IndexedSlices gradients allgathered, or made dense with sparse_as_dense=True.
     With compression=PowerSGD(...) its state (Q and the residuals) is the
-    optimizer's attribute ``powersgd_state``, saved by tf.train.Checkpoint(optimizer=...).
+    optimizer's attribute ``powersgd_state``; with another codec this rank's
+    error-feedback residuals are ``residual_state``: tf.train.Checkpoint(optimizer=...)
+    saves and restores either.
     ``register_local_var(var)`` keeps a variable's gradient this rank's own (Horovod's
     local variables), divided by the ranks' count when scale_local_gradients.
     """
@@ -83,8 +85,11 @@ def DistributedOptimizer(
     distributed._hpcdl_allreduce = _GradientAllreduce(
         compression, op, comm, name, "the gradients of DistributedOptimizer", sparse_as_dense, scale_local_gradients
     )
-    if isinstance(compression, PowerSGD):  # tracked: tf.train.Checkpoint(optimizer=...) saves Q and the residuals
+    # tracked: tf.train.Checkpoint(optimizer=...) saves them with the optimizer's variables
+    if isinstance(compression, PowerSGD):
         distributed.powersgd_state = powersgd_state(name)
+    elif distributed._hpcdl_allreduce.residuals is not None:
+        distributed.residual_state = distributed._hpcdl_allreduce.residuals
     return distributed
 
 

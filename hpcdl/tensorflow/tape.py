@@ -25,8 +25,9 @@ from tensorflow.python.ops import control_flow_util  # XLA context check (no pub
 
 import hpcdl
 from hpcdl._agree import check_same_on_all_ranks, check_same_through_engine
-from hpcdl.compression import PowerSGD
+from hpcdl.compression import PowerSGD, canonical
 from hpcdl.tensorflow.powersgd import _state_for
+from hpcdl.tensorflow.residuals import _residual_state_for
 
 __all__ = ["DistributedGradientTape", "broadcast_variables"]
 
@@ -90,6 +91,8 @@ class _GradientAllreduce:
             ]
             compression = None  # the gradients PowerSGD leaves alone are averaged densely
         self.compression = compression
+        # error feedback (every codec but none and PowerSGD): its residuals go into checkpoints
+        self.residuals = _residual_state_for(name, self.comm) if canonical(compression) else None
         self.op = op
         self.name = name
         self.sparse_as_dense = bool(sparse_as_dense)
@@ -256,6 +259,9 @@ class _GradientAllreduce:
         for i, a in enumerate(arrays):
             groups.setdefault(a.dtype.name, []).append(i)
         extra = {} if self.compression is None else {"compression": self.compression}
+        if self.residuals is not None:  # every group's restored residual fits before any is sent
+            for dtype_name, members in groups.items():
+                self.residuals.before_reduction(dtype_name, [arrays[i].shape for i in members])
         pending = []
         for dtype_name, members in groups.items():
             fused = np.concatenate([np.ravel(arrays[i]) for i in members])
