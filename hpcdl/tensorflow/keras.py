@@ -14,6 +14,7 @@ from mpi4py import MPI
 import hpcdl
 from hpcdl._agree import check_same_on_all_ranks
 from hpcdl.compression import PowerSGD
+from hpcdl.tensorflow import powersgd, residuals
 from hpcdl.tensorflow.powersgd import powersgd_state
 from hpcdl.tensorflow.tape import _GradientAllreduce, _identity, broadcast_variables
 
@@ -82,6 +83,8 @@ def DistributedOptimizer(
         raise ValueError("wrap the optimizer before it is built: its variables would not be carried over")
     cls = type(f"Distributed{type(optimizer).__name__}", (_DistributedOptimizerMixin, type(optimizer)), {})
     distributed = cls.from_config(optimizer.get_config())
+    powersgd._start_afresh(name)  # a tape reuses its name's state step after step; a new optimizer does not
+    residuals._start_afresh(name, MPI.COMM_WORLD if comm is None else comm)
     distributed._hpcdl_allreduce = _GradientAllreduce(
         compression, op, comm, name, "the gradients of DistributedOptimizer", sparse_as_dense, scale_local_gradients
     )

@@ -41,6 +41,11 @@ def powersgd_state(name):
         raise KeyError(f"no PowerSGD state named {name!r} (known: {sorted(_STATES)})") from None
 
 
+def _start_afresh(name):
+    """A new optimizer named ``name``: its PowerSGD state starts anew, not an earlier one's."""
+    _STATES.pop(name, None)
+
+
 def _state_for(codec, name, comm):
     state = _STATES.get(name)
     if state is None:

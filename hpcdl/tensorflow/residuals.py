@@ -49,6 +49,13 @@ def _residual_state_for(name, comm):
     return _STATES[key]
 
 
+def _start_afresh(name, comm):
+    """A new optimizer named ``name`` on ``comm``: nothing of an earlier one of that name is added."""
+    _STATES.pop((name, comm.py2f()), None)
+    for dtype_name in hpcdl.DTYPES:
+        hpcdl.compression.free_residual(f"{name}.{dtype_name}", comm)
+
+
 class ResidualState(base.Trackable):
     """This rank's error-feedback residuals of the fused operations "{name}.{dtype}" on ``comm``."""
 

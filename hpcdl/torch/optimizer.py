@@ -169,6 +169,8 @@ class _DistributedOptimizerMixin:
                     self._grad_as_view,
                 ),
             )
+        for bucket in buckets:  # a new optimizer starts from zero, not from a removed one's of the same name
+            hpcdl.compression.free_residual(bucket.name, self._comm)
         self._buckets += buckets
         self._bucket_of.update((p, (b, off, n)) for b in buckets for p, off, n in b.slots)
         self._passes.update((p, 0) for _, p in named)

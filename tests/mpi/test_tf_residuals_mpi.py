@@ -1,6 +1,7 @@
 """Error-feedback residuals of DistributedGradientTape and the Keras DistributedOptimizer in a
-tf.train.Checkpoint (hpcdl.tensorflow.residuals): a resumed run continues bit for bit, and a
-checkpoint of another model raises on every rank before anything is sent."""
+tf.train.Checkpoint (hpcdl.tensorflow.residuals): a resumed run continues bit for bit, a
+checkpoint of another model raises on every rank before anything is sent, and a new Keras
+optimizer starts without the state of an earlier one of its name."""
 
 import hashlib
 
@@ -11,7 +12,7 @@ from mpi4py import MPI
 
 import hpcdl
 import hpcdl.tensorflow as hvd_tf
-from hpcdl.compression import Int8, TopK
+from hpcdl.compression import Int8, PowerSGD, TopK
 
 from conftest import agree, collective, outcome
 from helpers.tf_adapter import LOSS, full_batch, make_model
@@ -127,3 +128,19 @@ def test_a_checkpoint_of_another_model_raises_before_anything_is_sent(tmp_path_f
     ops = sum(codec["ops"] for codec in hpcdl.stats().get("allreduce", {}).values())
     named = isinstance(err, ValueError) and "tfres.misfit.loader.float32" in str(err) and "shapes" in str(err)
     agree(WORLD, named and ops == 0, f"{err!r}, then {ops} allreduces")
+
+
+@pytest.mark.parametrize("codec", [TopK(0.05), PowerSGD(rank=1, warmup_steps=1)], ids=str)
+def test_a_new_keras_optimizer_named_like_an_earlier_one_starts_afresh(codec):
+    """model.fit twice with a DistributedOptimizer of one name, each on a fresh model, trains
+    as with a name never used: neither the residuals nor PowerSGD's steps and Q carry over."""
+
+    def two_steps(name):
+        run = FitRun(codec, name, True, make_model())
+        run.steps(0, 2)
+        return digest(run.model)
+
+    first = collective(WORLD, two_steps, f"tfres.reused.{codec.name}")
+    again = collective(WORLD, two_steps, f"tfres.reused.{codec.name}")
+    fresh = collective(WORLD, two_steps, f"tfres.fresh.{codec.name}")
+    agree(WORLD, first == again == fresh, f"first {first}, again {again}, fresh {fresh}")

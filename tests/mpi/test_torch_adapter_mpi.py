@@ -563,6 +563,30 @@ def test_error_feedback_residuals_survive_a_state_dict_round_trip(codec):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_new_optimizer_named_like_a_removed_one_starts_without_its_residuals():
+    """An optimizer removed after 2 steps leaves residuals under its bucket names; a new one of
+    the same name on a fresh model trains as one of a name never used (it adds nothing of them)."""
+    codec = hpcdl.compression.TopK(0.05)
+
+    def two_steps(name, remove=True):
+        model = make_model(seed=3)
+        opt = compressed_optimizer(model, codec, name)
+        train_steps(model, opt, WORLD, 0, 2)
+        held = opt.state_dict()["hpcdl_residuals"]
+        if remove:
+            opt.remove_hooks()
+        return params_digest(model), held
+
+    _, left = collective(WORLD, two_steps, "ef.reused")
+    reused, _ = collective(WORLD, two_steps, "ef.reused")
+    fresh, _ = collective(WORLD, two_steps, "ef.never.used")
+    nonzero = bool(left) and all(bool(b["engine"].abs().sum() > 0) for b in left.values())
+    agree(
+        WORLD, nonzero and reused == fresh, f"the first one left residuals {nonzero}; reused == fresh {reused == fresh}"
+    )
+
+
+@pytest.mark.mpi(min_size=2)
 def test_residuals_that_do_not_fit_the_optimizer_raise_on_load_and_change_nothing():
     codec = hpcdl.compression.TopK(0.05)
     model = make_model(seed=3)
@@ -581,7 +605,8 @@ def test_residuals_that_do_not_fit_the_optimizer_raise_on_load_and_change_nothin
     )
     errors.append(outcome(dense.load_state_dict, state)[1])
     dense.remove_hooks()
-    same = compressed_optimizer(make_model(seed=3), codec, "ef.fit")  # the saver's name: its residuals must stay
+    same = compressed_optimizer(make_model(seed=3), codec, "ef.fit")
+    same.load_state_dict(state)  # the saver's residuals, which the failed loads below must leave alone
     shrunk = {k: dict(v, engine=v["engine"][:-1]) for k, v in state["hpcdl_residuals"].items()}
     errors.append(outcome(same.load_state_dict, dict(state, hpcdl_residuals=shrunk))[1])
     reordered = {k: dict(v, params=v["params"][::-1]) for k, v in state["hpcdl_residuals"].items()}
