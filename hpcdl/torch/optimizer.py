@@ -693,7 +693,10 @@ def ddp_comm_hook(state, bucket):
         model.register_comm_hook({"compression": None}, hpcdl.torch.ddp_comm_hook)
 
     state: None or a dict with optional "compression" (an hpcdl.compression
-    codec) and "comm" (mpi4py communicator). Gradients are averaged.
+    codec), "comm" (mpi4py communicator) and "name" (default "ddp": bucket i is
+    the operation "{name}.bucket.{i}", whose name keys a codec's error feedback,
+    so two DDP models compressed in one process need a name each). Gradients
+    are averaged.
     """
     state = state or {}
     buffer = bucket.buffer()
@@ -702,7 +705,7 @@ def ddp_comm_hook(state, bucket):
         buffer,
         op="average",
         comm=state.get("comm"),
-        name=f"ddp.bucket.{bucket.index()}",
+        name=f"{state.get('name', 'ddp')}.bucket.{bucket.index()}",
         **({} if codec is None else {"compression": codec}),
     )
     future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)

@@ -5,8 +5,10 @@ on the concatenated batch), so no rank's answer depends on another's.
 """
 
 import collections
+import contextlib
 import hashlib
 import os
+import socket
 import time
 
 import numpy as np
@@ -337,16 +339,30 @@ def test_the_state_broadcast_keeps_every_dtype_shape_and_container():
     agree(WORLD, ok, f"rank {rank}: {len(tensors[rank])} entries, pair {type(pair).__name__}")
 
 
+@contextlib.contextmanager
+def gloo_group():
+    """torch.distributed's gloo group over WORLD for DDP's set-up, on a port free on rank 0."""
+    import torch.distributed as dist
+
+    if WORLD.Get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = WORLD.bcast(port if WORLD.Get_rank() == 0 else None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=WORLD.Get_rank(), world_size=WORLD.Get_size())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_ddp_comm_hook_equals_reference():
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
-    port = WORLD.bcast(29500 + os.getpid() % 1000 if rank == 0 else None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    try:
+    with gloo_group():
         model = DistributedDataParallel(make_model(), bucket_cap_mb=0.001)
         model.register_comm_hook(None, hvt.ddp_comm_hook)
         opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -362,9 +378,36 @@ def test_ddp_comm_hook_equals_reference():
         collective(WORLD, train)
         diff = max_difference(model.module, train_reference(4, 6, size))
         ops = hpcdl.stats()["allreduce"]["none"]["ops"]
-    finally:
-        dist.destroy_process_group()
     agree(WORLD, diff < 2e-5 and ops >= 4, f"max diff {diff}, hpcdl allreduce ops {ops}")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ddp_comm_hook_keeps_each_named_models_error_feedback_apart():
+    """Two compressed DDP models in one process, named "gen" and "disc": each bucket's residual is
+    its own model's (its size, under its name), none under the default name."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    with gloo_group():
+        models = {"gen": make_model(hidden=8), "disc": make_model(hidden=24)}
+        for name, module in list(models.items()):
+            models[name] = DistributedDataParallel(module, bucket_cap_mb=25)  # one bucket each
+            codec = hpcdl.compression.TopK(0.1)
+            models[name].register_comm_hook({"compression": codec, "name": f"ddp.{name}"}, hvt.ddp_comm_hook)
+
+        def train():
+            for step in range(2):
+                x, y = full_batch(step, 6, size)
+                for model in models.values():
+                    model.zero_grad()
+                    loss_of(model, x[rank * 6 : (rank + 1) * 6], y[rank * 6 : (rank + 1) * 6]).backward()
+
+        collective(WORLD, train)
+        sizes = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
+        kept = {n: hpcdl.compression.residual(f"ddp.{n}.bucket.0") for n in models}
+        default = hpcdl.compression.residual("ddp.bucket.0")
+    ok = all(kept[n] is not None and kept[n].size == sizes[n] for n in models) and default is None
+    agree(WORLD, ok, f"sizes {sizes}, residuals { ({n: None if r is None else r.size for n, r in kept.items()}) }")
 
 
 @pytest.mark.mpi(min_size=2)
