@@ -1,9 +1,13 @@
 """Models and training loops shared by the single-process and MPI PyTorch tests."""
 
+import contextlib
 import hashlib
 import io
+import os
+import socket
 
 import torch
+from mpi4py import MPI
 
 import hpcdl.torch as hvt
 
@@ -147,3 +151,21 @@ def max_difference(a, b):
     return max(
         float((p.detach().double() - q.detach().double()).abs().max()) for p, q in zip(a.parameters(), b.parameters())
     )
+
+
+@contextlib.contextmanager
+def gloo_group():
+    """torch.distributed's gloo group over COMM_WORLD for DDP's set-up, on a port free on rank 0."""
+    import torch.distributed as dist
+
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    port = MPI.COMM_WORLD.bcast(port if MPI.COMM_WORLD.Get_rank() == 0 else None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=MPI.COMM_WORLD.Get_rank(), world_size=MPI.COMM_WORLD.Get_size())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -5,10 +5,7 @@ on the concatenated batch), so no rank's answer depends on another's.
 """
 
 import collections
-import contextlib
 import hashlib
-import os
-import socket
 import time
 
 import numpy as np
@@ -23,6 +20,7 @@ from conftest import agree, collective, outcome
 from helpers.torch_adapter import (
     compressed_optimizer,
     full_batch,
+    gloo_group,
     loss_of,
     make_model,
     max_difference,
@@ -337,24 +335,6 @@ def test_the_state_broadcast_keeps_every_dtype_shape_and_container():
     pair = got["param_groups"][0]["pair"]
     ok = all(t == tensors[root] for t in tensors) and len(tensors[root]) == 30 and type(pair) is Pair
     agree(WORLD, ok, f"rank {rank}: {len(tensors[rank])} entries, pair {type(pair).__name__}")
-
-
-@contextlib.contextmanager
-def gloo_group():
-    """torch.distributed's gloo group over WORLD for DDP's set-up, on a port free on rank 0."""
-    import torch.distributed as dist
-
-    if WORLD.Get_rank() == 0:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-    port = WORLD.bcast(port if WORLD.Get_rank() == 0 else None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=WORLD.Get_rank(), world_size=WORLD.Get_size())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.mpi(min_size=2)

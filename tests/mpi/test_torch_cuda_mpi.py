@@ -3,7 +3,6 @@ the same staging path (device gathering, side-stream copies, device codecs, the 
 thread) on CPU tensors. Every rank computes its reference itself; ranks agree before asserting."""
 
 import contextlib
-import os
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from helpers.device import device  # noqa: F401 - the fixture
 from helpers.torch_adapter import (
     compressed_optimizer,
     full_batch,
+    gloo_group,
     loss_of,
     make_model,
     max_difference,
@@ -270,14 +270,10 @@ def test_full_state_dict_of_device_stages_is_on_the_cpu_and_loads_onto_each_stag
 
 @pytest.mark.mpi(min_size=2)
 def test_ddp_comm_hook_on_device_equals_reference(device):
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
-    port = WORLD.bcast(29700 + os.getpid() % 1000 if rank == 0 else None)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=size)
-    try:
+    with gloo_group():
         ids = [device] if device.type == "cuda" else None
         model = DistributedDataParallel(make_model().to(device), device_ids=ids, bucket_cap_mb=0.001)
         model.register_comm_hook(None, hvt.ddp_comm_hook)
@@ -294,8 +290,6 @@ def test_ddp_comm_hook_on_device_equals_reference(device):
 
         collective(WORLD, run)
         diff = max_difference(model.module.cpu(), train_reference(4, 6, size))
-    finally:
-        dist.destroy_process_group()
     agree(WORLD, diff < 2e-5, f"max diff {diff}")
 
 
