@@ -49,6 +49,11 @@ def _residual_state_for(name, comm):
     return _STATES[key]
 
 
+def _count(shapes):
+    """Elements of a fused group of gradients of these shapes."""
+    return sum(int(np.prod(shape)) for shape in shapes)
+
+
 def _start_afresh(name, comm):
     """A new optimizer named ``name`` on ``comm``: nothing of an earlier one of that name is added."""
     _STATES.pop((name, comm.py2f()), None)
@@ -87,7 +92,7 @@ class ResidualState(base.Trackable):
             shapes = json.loads(str(saved["shapes"]))
             pending = {d: ([tuple(s) for s in shapes[d]], saved[d]) for d in shapes}
         for dtype_name, (group, values) in pending.items():
-            if values.dtype != np.float32 or values.ndim != 1 or values.size != sum(int(np.prod(s)) for s in group):
+            if values.dtype != np.float32 or values.ndim != 1 or values.size != _count(group):
                 raise ValueError(
                     f"the checkpoint's residual of '{self._operation(dtype_name)}' is {values.ndim}-D "
                     f"{values.dtype} of {values.size} values, not float32 for gradients of shapes {group}"
@@ -115,7 +120,7 @@ class ResidualState(base.Trackable):
             return
         restored = self._pending.get(dtype_name)
         if restored is None:
-            values = np.zeros(sum(int(np.prod(s)) for s in shapes), np.float32)
+            values = np.zeros(_count(shapes), np.float32)
         else:
             self._check_fits(dtype_name, restored[0], shapes)
             values = restored[1]
