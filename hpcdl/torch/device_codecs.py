@@ -81,8 +81,11 @@ class Int8Encoder(_Encoder):
         finite = torch.isfinite(amax)
         tiny = amax < _TINY_ABSMAX
         shift = torch.where(tiny, torch.full_like(amax, _TINY_SHIFT), torch.ones_like(amax))
-        scale = torch.where(finite, amax / 127.0, torch.full_like(amax, float("nan")))
-        inv = torch.where(finite & (amax > 0), 127.0 / (amax * shift), torch.zeros_like(amax))
+        # Divisions by a tensor, not a Python number: CUDA computes t / 127.0 as t * (1/127) and
+        # 127.0 / t as reciprocal(t) * 127, one ulp off the core's correctly rounded quotients.
+        levels = torch.full_like(amax, 127.0)
+        scale = torch.where(finite, amax / levels, torch.full_like(amax, float("nan")))
+        inv = torch.where(finite & (amax > 0), levels / (amax * shift), torch.zeros_like(amax))
         staged = blocks * shift[:, None]
         r = torch.round(staged * inv[:, None])
         # the core clamps with max(-127, r) first, which turns NaN into -127

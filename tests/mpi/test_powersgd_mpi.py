@@ -49,11 +49,12 @@ def make_optimizer(model, comm, codec, name, bucket_bytes=256):
 def run(model, opt, comm, steps, first=0):
     rank, size = comm.Get_rank(), comm.Get_size()
     mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    device = next(model.parameters()).device
     timings = []
     for step in range(first, first + steps):
         x, y = full_batch(step, PER_RANK, size)
         opt.zero_grad()
-        loss_of(model, x[mine], y[mine]).backward()
+        loss_of(model, x[mine].to(device), y[mine].to(device)).backward()
         opt.step()
         timings.append(opt.last_timings())
     return timings
