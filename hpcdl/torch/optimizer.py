@@ -684,6 +684,41 @@ def broadcast_optimizer_state(optimizer, root_rank=0, comm=None):
 
 
 _ddp_waiter = {"pool": None}
+# The residuals of "{name}.bucket.{i}" belong to one DDP model: the hook's state dict carries a token
+# under this key. A state that starts using a name takes it over (the residuals are freed: the new model
+# starts from zero, as a new DistributedOptimizer does); an earlier one stepping again after that means
+# two live models compress under one name, and it raises on every rank before anything is sent.
+_DDP_OWNER_KEY = "hpcdl_owner"
+_ddp_names = {}  # (communicator, name) -> _DDPName
+
+
+class _DDPOwner:
+    """A hook state's identity (a dict cannot be weakly referenced)."""
+
+
+class _DDPName:
+    def __init__(self):
+        self.owner = None
+        self.retired = weakref.WeakSet()
+        self.buckets = set()
+
+
+def _claim_ddp_name(state, comm, name, bucket_index):
+    owner = state.setdefault(_DDP_OWNER_KEY, _DDPOwner())
+    use = _ddp_names.setdefault((_comm_key(comm), name), _DDPName())
+    if use.owner is not owner:
+        if owner in use.retired:
+            raise ValueError(
+                f"two DistributedDataParallel models use ddp_comm_hook with a codec under the name {name!r} "
+                f"on one communicator: they would share error-feedback residuals; give each model its own "
+                f'state dict with its own "name"'
+            )
+        if use.owner is not None:
+            use.retired.add(use.owner)
+        for index in use.buckets:
+            hpcdl.compression.free_residual(f"{name}.bucket.{index}", comm)
+        use.owner, use.buckets = owner, set()
+    use.buckets.add(bucket_index)
 
 
 def ddp_comm_hook(state, bucket):
@@ -695,17 +730,20 @@ def ddp_comm_hook(state, bucket):
     state: None or a dict with optional "compression" (an hpcdl.compression
     codec), "comm" (mpi4py communicator) and "name" (default "ddp": bucket i is
     the operation "{name}.bucket.{i}", whose name keys a codec's error feedback,
-    so two DDP models compressed in one process need a name each). Gradients
-    are averaged.
+    so two DDP models compressed in one process need a state dict and a name
+    each: a model whose name another has since used raises ValueError, and a
+    new model under a name starts from zero residuals). Gradients are averaged.
     """
-    state = state or {}
+    state = {} if state is None else state
     buffer = bucket.buffer()
-    codec = state.get("compression")
+    codec, comm, name = state.get("compression"), state.get("comm") or MPI.COMM_WORLD, state.get("name", "ddp")
+    if codec is not None:
+        _claim_ddp_name(state, comm, name, bucket.index())
     handle = hpcdl.allreduce_async(
         buffer,
         op="average",
-        comm=state.get("comm"),
-        name=f"{state.get('name', 'ddp')}.bucket.{bucket.index()}",
+        comm=comm,
+        name=f"{name}.bucket.{bucket.index()}",
         **({} if codec is None else {"compression": codec}),
     )
     future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)

@@ -390,6 +390,54 @@ def test_ddp_comm_hook_keeps_each_named_models_error_feedback_apart():
     agree(WORLD, ok, f"sizes {sizes}, residuals { ({n: None if r is None else r.size for n, r in kept.items()}) }")
 
 
+def _compressed_ddp(name, hidden=8):
+    """A DDP model (one bucket) whose hook compresses with TopK under ``name``, its own state dict."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model(hidden=hidden), bucket_cap_mb=25)
+    model.register_comm_hook({"compression": hpcdl.compression.TopK(0.1), "name": name}, hvt.ddp_comm_hook)
+    return model
+
+
+def _ddp_step(model, step):
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    x, y = full_batch(step, 6, size)
+    model.zero_grad()
+    loss_of(model, x[rank * 6 : (rank + 1) * 6], y[rank * 6 : (rank + 1) * 6]).backward()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_two_live_ddp_models_under_one_name_raise_on_every_rank():
+    """Two compressed DDP models left under one name would mix their error feedback: once the
+    second has stepped, the first stepping again raises on every rank, naming the cure."""
+    with gloo_group():
+        first, second = _compressed_ddp("ddp.clash"), _compressed_ddp("ddp.clash", hidden=24)
+        collective(WORLD, _ddp_step, first, 0)
+        collective(WORLD, _ddp_step, second, 0)
+        _, error = outcome(_ddp_step, first, 1)
+    agree(WORLD, error is not None and "its own state dict with its own" in str(error), repr(error))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_new_ddp_model_under_a_used_name_starts_from_zero_residuals():
+    """A model that takes over a name from one before it does not inherit its residuals: after
+    one step its residual is that of the same model trained under a fresh name."""
+    with gloo_group():
+        earlier = _compressed_ddp("ddp.again")
+        for step in range(2):
+            collective(WORLD, _ddp_step, earlier, step)
+        inherited = hpcdl.compression.residual("ddp.again.bucket.0").copy()
+        later, fresh = _compressed_ddp("ddp.again"), _compressed_ddp("ddp.fresh")
+        collective(WORLD, _ddp_step, later, 5)
+        collective(WORLD, _ddp_step, fresh, 5)
+        got, want = hpcdl.compression.residual("ddp.again.bucket.0"), hpcdl.compression.residual("ddp.fresh.bucket.0")
+    agree(
+        WORLD,
+        np.any(inherited != 0) and np.array_equal(got, want) and not np.array_equal(got, inherited),
+        f"earlier residual nonzero {np.any(inherited != 0)}, later == fresh {np.array_equal(got, want)}",
+    )
+
+
 @pytest.mark.mpi(min_size=2)
 def test_parameters_added_after_wrapping_are_averaged():
     """add_param_group() on the wrapped optimizer: the new layer's gradients are averaged
