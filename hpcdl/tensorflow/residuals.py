@@ -13,6 +13,7 @@ for starts from zero, as the torch optimizer's load_state_dict() does.
 
 import io
 import json
+import zipfile
 
 import numpy as np
 import tensorflow as tf
@@ -88,9 +89,15 @@ class ResidualState(base.Trackable):
         return {_KEY: tf.constant(blob.getvalue())}
 
     def _restore_from_tensors(self, restored_tensors):
-        with np.load(io.BytesIO(restored_tensors[_KEY].numpy()), allow_pickle=False) as saved:
-            shapes = json.loads(str(saved["shapes"]))
-            pending = {d: ([tuple(s) for s in shapes[d]], saved[d]) for d in shapes}
+        try:
+            with np.load(io.BytesIO(restored_tensors[_KEY].numpy()), allow_pickle=False) as saved:
+                shapes = json.loads(str(saved["shapes"]))
+                pending = {d: ([tuple(s) for s in shapes[d]], saved[d]) for d in shapes}
+        except (OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+            raise ValueError(
+                f"the checkpoint's error-feedback residuals of '{self.name}' cannot be read "
+                f"({type(exc).__name__}: {exc}): the file is damaged or not one residual_state() saved"
+            ) from exc
         for dtype_name, (group, values) in pending.items():
             if values.dtype != np.float32 or values.ndim != 1 or values.size != _count(group):
                 raise ValueError(

@@ -4,6 +4,7 @@ checkpoint of another model raises on every rank before anything is sent, and a 
 optimizer starts without the state of an earlier one of its name."""
 
 import hashlib
+import io
 
 import numpy as np
 import pytest
@@ -144,3 +145,17 @@ def test_a_new_keras_optimizer_named_like_an_earlier_one_starts_afresh(codec):
     again = collective(WORLD, two_steps, f"tfres.reused.{codec.name}")
     fresh = collective(WORLD, two_steps, f"tfres.fresh.{codec.name}")
     agree(WORLD, first == again == fresh, f"first {first}, again {again}, fresh {fresh}")
+
+
+@pytest.mark.parametrize("blob", [b"not an npz archive", b"PK\x03\x04 truncated", "npz without shapes"])
+def test_an_unreadable_residual_blob_raises_a_named_error(blob):
+    """What a restore hands residual_state is read by one parser: bytes that are not its npz
+    raise ValueError naming the state, not numpy's or zipfile's error."""
+    if blob == "npz without shapes":
+        buffer = io.BytesIO()
+        np.savez(buffer, float32=np.zeros(3, np.float32))
+        blob = buffer.getvalue()
+    hvd_tf.DistributedGradientTape(tf.GradientTape(), compression=TopK(0.05), name="tfres.unreadable")
+    state = hvd_tf.residual_state("tfres.unreadable")
+    _, err = outcome(state._restore_from_tensors, {"residuals": tf.constant(blob)})
+    agree(WORLD, isinstance(err, ValueError) and "'tfres.unreadable'" in str(err), repr(err))
