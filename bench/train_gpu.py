@@ -8,8 +8,11 @@ exchange (the floor), the same ranks in the same run.
 
 Random images (fp32), the same every step; systems alternate in rounds (bench/train.py's
 time_systems), a step is timed to the end of its GPU work (torch.cuda.synchronize) on the
-slowest rank; figures are medians over all timed steps. Writes TAG.csv and TAG.png; rank 0
-prints a table. Without a CUDA device it refuses at once (CPU training: bench/train.py).
+slowest rank. A run's figure is the median of its timed steps; --runs repeats the whole
+timing, and the summary is the median over runs (a ratio: the median of the runs' ratios).
+Writes TAG.csv (a row per system and run, then the "median" rows) and TAG.png; rank 0
+prints the summary with the runs' spread. Without a CUDA device it refuses at once (CPU
+training: bench/train.py).
 """
 
 import argparse
@@ -19,6 +22,7 @@ import sys
 
 import torch
 from mpi4py import MPI
+from tqdm import tqdm
 
 WORLD = MPI.COMM_WORLD
 FLOOR = "no-exchange"
@@ -30,6 +34,7 @@ def main():
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per system and round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=3, help="repeats of the whole timing; the summary is their median")
     parser.add_argument("--codecs", default="dense,fp16,int8", help="hpcdl codecs (bench/train.py's names)")
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--out", default="bench/results")
@@ -51,7 +56,7 @@ def main():
     import train as cpu_bench  # bench/train.py: the timing loop, the codecs, the CSV
 
     import hpcdl.torch
-    from hpcdl.measure import rate, ratio, save_figure, show
+    from hpcdl.measure import save_figure, show
 
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     local = WORLD.Split_type(MPI.COMM_TYPE_SHARED)
@@ -91,54 +96,82 @@ def main():
         cpu_bench.train_step(model, opt, x, y)
         torch.cuda.synchronize(device)
 
-    times, cpu, _ = cpu_bench.time_systems(systems, step, args.rounds, args.steps, warmup_steps=3)
+    runs = []
+    for _ in tqdm(range(args.runs), desc="[hpcdl rank 0] runs", disable=rank != 0):
+        runs.append(cpu_bench.time_systems(systems, step, args.rounds, args.steps, warmup_steps=3))
     dist.destroy_process_group()
     if rank != 0:
         return
-    medians = {name: statistics.median(t) for name, t in times.items()}
     params = sum(p.numel() for p in floor.parameters())
     name = torch.cuda.get_device_name(device)
     print(
         f"[hpcdl rank 0] {size} ranks on {gpus} x {name}, ResNet-50 ({params / 1e6:.1f} M params), batch "
-        f"{args.batch}/rank, fp32, DDP over {backend}"
+        f"{args.batch}/rank, fp32, DDP over {backend}, medians of {args.runs} runs (the runs' range)"
     )
-    rows = []
-    for system in systems:
-        median = medians[system]
-        rows.append(
-            {
-                "system": system,
-                "ranks": size,
-                "gpus": gpus,
-                "gpu": name,
-                "batch_per_rank": args.batch,
-                "median_step_ms": median * 1e3,
-                "samples_per_s": rate(size * args.batch, median),
-                "step_vs_floor": ratio(median, medians[FLOOR]),
-                "step_vs_ddp": ratio(median, medians[f"ddp-{backend}"]),
-                "cpu_ms_per_step": statistics.median(cpu[system]) * 1e3,
-                "steps_timed": len(times[system]),
-            }
-        )
-        r = rows[-1]
+    setting = {"ranks": size, "gpus": gpus, "gpu": name, "batch_per_rank": args.batch}
+    per_run, summary = summarize(runs, list(systems), f"ddp-{backend}", setting)
+    for r in summary:
+        steps = [m["median_step_ms"] for m in per_run if m["system"] == r["system"]]
         print(
-            f"[hpcdl rank 0] {system:12s} {show(r['median_step_ms'], '8.2f')} ms/step  "
-            f"{show(r['samples_per_s'], '8.0f')} samples/s  {show(r['step_vs_floor'], '5.2f')}x the floor's step  "
-            f"{show(r['step_vs_ddp'], '5.2f')}x DDP's step"
+            f"[hpcdl rank 0] {r['system']:12s} {show(r['median_step_ms'], '8.2f')} ms/step "
+            f"({show(min(steps), '.2f')}-{show(max(steps), '.2f')})  {show(r['samples_per_s'], '8.0f')} samples/s  "
+            f"{show(r['step_vs_floor'], '5.2f')}x the floor's step  {show(r['step_vs_ddp'], '5.2f')}x DDP's step"
         )
+    rows = per_run + summary
     os.makedirs(args.out, exist_ok=True)
     cpu_bench.write_csv(os.path.join(args.out, f"{args.tag}.csv"), rows)
 
-    def draw(plt):
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.bar(range(len(rows)), [r["median_step_ms"] for r in rows], color="tab:blue")
-        ax.set_xticks(range(len(rows)), [r["system"] for r in rows], rotation=30, ha="right")
-        ax.set_ylabel("median step time, ms (lower is better)")
-        ax.set_title(f"{args.tag}: ResNet-50, {size} ranks on {gpus} x {name}, batch {args.batch}/rank", fontsize=9)
-        fig.tight_layout()
-        return fig
+    title = f"{args.tag}: ResNet-50, {size} ranks on {gpus} x {name}, batch {args.batch}/rank"
+    save_figure(os.path.join(args.out, f"{args.tag}.png"), lambda plt: draw(plt, per_run, summary, title))
 
-    save_figure(os.path.join(args.out, f"{args.tag}.png"), draw)
+
+SUMMARIZED = ("median_step_ms", "samples_per_s", "step_vs_floor", "step_vs_ddp", "cpu_ms_per_step")
+
+
+def summarize(runs, systems, ddp, setting):
+    """(a row per system and run, a "median" row per system) from time_systems' (times, cpu, kernel)
+    of each run. A run's figure is the median of its steps, its ratios those of its medians; a
+    summary figure is the median over runs of the runs' figures. ``setting``: the columns every
+    row shares (ranks, batch_per_rank, ...); ``ddp``: the DDP system the ratios divide by."""
+    from hpcdl.measure import rate, ratio
+
+    per_run = []
+    for run, (times, cpu, _) in enumerate(runs, start=1):
+        medians = {system: statistics.median(times[system]) for system in systems}
+        for system in systems:
+            per_run.append(
+                {
+                    "system": system,
+                    "run": run,
+                    **setting,
+                    "median_step_ms": medians[system] * 1e3,
+                    "samples_per_s": rate(setting["ranks"] * setting["batch_per_rank"], medians[system]),
+                    "step_vs_floor": ratio(medians[system], medians[FLOOR]),
+                    "step_vs_ddp": ratio(medians[system], medians[ddp]),
+                    "cpu_ms_per_step": statistics.median(cpu[system]) * 1e3,
+                    "steps_timed": len(times[system]),
+                }
+            )
+    summary = []
+    for system in systems:
+        mine = [r for r in per_run if r["system"] == system]
+        medians = {key: statistics.median(r[key] for r in mine) for key in SUMMARIZED}
+        summary.append(dict(mine[0], run="median", **medians, steps_timed=sum(r["steps_timed"] for r in mine)))
+    return per_run, summary
+
+
+def draw(plt, per_run, summary, title):
+    """Bars: each system's median step over runs; error bars: the runs' range."""
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [[r["median_step_ms"] for r in per_run if r["system"] == s["system"]] for s in summary]
+    heights = [s["median_step_ms"] for s in summary]
+    spread = [[h - min(v) for h, v in zip(heights, steps)], [max(v) - h for h, v in zip(heights, steps)]]
+    ax.bar(range(len(summary)), heights, yerr=spread, capsize=4, color="tab:blue")
+    ax.set_xticks(range(len(summary)), [s["system"] for s in summary], rotation=30, ha="right")
+    ax.set_ylabel(f"step time, ms: median of {len(steps[0])} runs,\nbars their range (lower is better)")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 if __name__ == "__main__":

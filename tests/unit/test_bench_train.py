@@ -147,3 +147,35 @@ def test_the_gpu_benchmark_refuses_clearly_without_a_cuda_device(tmp_path):
         code, output, _ = finish_job(start_job(command, cwd=ROOT), 120)
         assert code == 2 and "no CUDA device" in output, (command, code, output[-2000:])
         assert not os.listdir(tmp_path)
+
+
+def test_the_gpu_benchmark_summarizes_runs_by_their_medians(tmp_path):
+    """bench/train_gpu.py's summary (runnable without a GPU): a run's figures are its medians, its
+    ratios those of its medians; the summary is the median over runs of each figure, so a ratio is
+    the median of the runs' ratios (here 2.0), not the ratio of the median times (1.0)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    try:
+        import train_gpu
+    finally:
+        sys.path.remove(os.path.join(ROOT, "bench"))
+    systems = ["no-exchange", "hpcdl-dense", "ddp-gloo"]
+    floor, dense, ddp = [0.001, 0.002, 0.004], [0.002, 0.002, 0.012], [0.004, 0.004, 0.004]
+    # each run: 3 steps per system, one an outlier (9 s) the median ignores
+    times = [{s: [t[run], 9.0, t[run]] for s, t in zip(systems, (floor, dense, ddp))} for run in range(3)]
+    runs = [(run_times, {s: [0.5] for s in systems}, {}) for run_times in times]
+    setting = {"ranks": 2, "gpus": 1, "gpu": "none", "batch_per_rank": 4}
+    per_run, summary = train_gpu.summarize(runs, systems, "ddp-gloo", setting)
+    assert [(r["system"], r["run"]) for r in per_run] == [(s, run) for run in (1, 2, 3) for s in systems]
+    assert [r["median_step_ms"] for r in per_run if r["system"] == "hpcdl-dense"] == pytest.approx([2, 2, 12])
+    median = {r["system"]: r for r in summary}
+    assert [r["run"] for r in summary] == ["median"] * 3
+    assert median["hpcdl-dense"]["step_vs_floor"] == pytest.approx(2.0)
+    assert median["hpcdl-dense"]["median_step_ms"] == pytest.approx(2.0)
+    assert median["no-exchange"]["step_vs_ddp"] == pytest.approx(0.5)
+    assert median["hpcdl-dense"]["samples_per_s"] == pytest.approx(8 / 0.002)
+    assert median["hpcdl-dense"]["steps_timed"] == 9 and median["hpcdl-dense"]["cpu_ms_per_step"] == 500
+    from hpcdl.measure import save_figure
+
+    path = tmp_path / "gpu.png"
+    save_figure(str(path), lambda plt: train_gpu.draw(plt, per_run, summary, "test"))
+    assert path.stat().st_size > 1000
