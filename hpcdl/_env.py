@@ -69,6 +69,12 @@ def _seconds(text):
     return value
 
 
+def _auto_or_flag(text):
+    if text not in ("auto", "0", "1"):
+        raise ValueError("expected auto, 0 or 1")
+    return text
+
+
 def _count(text):
     if not re.fullmatch(r"[0-9]+", text):
         raise ValueError("expected an integer >= 0 (decimal digits)")
@@ -94,6 +100,15 @@ VARIABLES = {
             "0 turns it off",
             "with several ranks, an uncaught exception ends the job (`MPI_Abort`) instead of leaving the other "
             "ranks waiting ([troubleshooting.md](troubleshooting.md)); read at `import hpcdl`",
+        ),
+        Variable(
+            "HPCDL_EXPECT_GPU",
+            _auto_or_flag,
+            "auto",
+            "`auto`, 0 or 1",
+            "`import hpcdl.torch` fails when torch sees no CUDA device although the rank should have one: "
+            "`auto` when `CUDA_VISIBLE_DEVICES` names devices (as Slurm sets it for `--gpus`), 1 always, 0 "
+            "never ([troubleshooting.md](troubleshooting.md))",
         ),
         Variable(
             "HPCDL_TIMELINE",
@@ -206,6 +221,22 @@ def get(name, default=None):
         return VARIABLES[name].parse(text)
     except ValueError as exc:
         raise ValueError(f"environment variable {name}={text!r}: {exc}") from None
+
+
+# CUDA_VISIBLE_DEVICES values that give a process no GPU (Slurm writes NoDevFiles for a step without one).
+NO_GPU_VISIBLE = ("", "-1", "NoDevFiles")
+
+
+def gpu_expected():
+    """Why this rank should see a GPU (text for an error), or None: HPCDL_EXPECT_GPU, and under
+    its default, a CUDA_VISIBLE_DEVICES that names devices."""
+    setting = get("HPCDL_EXPECT_GPU", "auto")
+    if setting != "auto":
+        return "HPCDL_EXPECT_GPU=1" if setting == "1" else None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None or visible.strip() in NO_GPU_VISIBLE:
+        return None
+    return f"CUDA_VISIBLE_DEVICES={visible!r}"
 
 
 def launched_by_mpi():

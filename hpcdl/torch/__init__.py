@@ -14,6 +14,11 @@ device_codecs, PowerSGD's low-rank buckets in powersgd), pipeline (Pipeline, Pip
 modules; hpcdl's core API never imports them.
 """
 
+import torch
+from mpi4py import MPI
+
+from hpcdl import _env
+from hpcdl.errors import HpcdlError
 from hpcdl.torch.data import TorchDataset
 from hpcdl.torch.optimizer import (
     DEFAULT_BUCKET_BYTES,
@@ -35,3 +40,21 @@ __all__ = [
     "PipelineError",
     "TorchDataset",
 ]
+
+
+def _check_expected_gpu():
+    """A rank that should have a GPU and has none fails here, not by training on the CPU unnoticed."""
+    reason = _env.gpu_expected()
+    if reason is None or torch.cuda.is_available():
+        return
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is built without CUDA"
+    else:
+        why = f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable device (the driver, or the node)"
+    raise HpcdlError(
+        f"[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] {reason} gives this rank GPUs, but {why}: it would train "
+        "on the CPU. Fix the node or the installation, or set HPCDL_EXPECT_GPU=0 to use the CPU anyway."
+    )
+
+
+_check_expected_gpu()

@@ -52,3 +52,32 @@ def test_values_are_parsed_and_unset_gives_the_default(monkeypatch):
     assert _env.get("HPCDL_DLIO_RAM") == 2 << 20
     assert _env.get("HPCDL_ABORT_ON_EXCEPTION", True) is False
     assert _env.get("HPCDL_DLIO_DISK", 7) == 7
+
+
+@pytest.mark.parametrize(
+    "setting,visible,expected",
+    [
+        (None, None, None),
+        (None, "0,1", "CUDA_VISIBLE_DEVICES='0,1'"),
+        (None, "GPU-2fa61452", "CUDA_VISIBLE_DEVICES='GPU-2fa61452'"),
+        (None, "", None),
+        (None, "NoDevFiles", None),
+        (None, "-1", None),
+        ("0", "0,1", None),
+        ("1", None, "HPCDL_EXPECT_GPU=1"),
+        ("auto", "3", "CUDA_VISIBLE_DEVICES='3'"),
+    ],
+)
+def test_a_gpu_is_expected_where_the_launcher_gave_the_rank_one(monkeypatch, setting, visible, expected):
+    for name, value in (("HPCDL_EXPECT_GPU", setting), ("CUDA_VISIBLE_DEVICES", visible)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    assert _env.gpu_expected() == expected
+
+
+def test_a_bad_expect_gpu_setting_names_the_variable(monkeypatch):
+    monkeypatch.setenv("HPCDL_EXPECT_GPU", "yes")
+    with pytest.raises(ValueError, match="HPCDL_EXPECT_GPU='yes': expected auto, 0 or 1"):
+        _env.gpu_expected()
