@@ -106,7 +106,8 @@ VARIABLES = {
             _auto_or_flag,
             "auto",
             "`auto`, 0 or 1",
-            "`import hpcdl.torch` fails when torch sees no CUDA device although the rank should have one: "
+            "`import hpcdl.torch` (or `hpcdl.tensorflow`) fails when the framework sees no GPU although the rank "
+            "should have one: "
             "`auto` when `CUDA_VISIBLE_DEVICES` names devices (as Slurm sets it for `--gpus`), 1 always, 0 "
             "never ([troubleshooting.md](troubleshooting.md))",
         ),

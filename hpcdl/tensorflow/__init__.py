@@ -15,6 +15,9 @@ the callbacks) and data (tf_dataset) are its modules; hpcdl's core API never
 imports them.
 """
 
+import tensorflow as tf
+
+from hpcdl import _expected_gpu
 from hpcdl.tensorflow.data import tf_dataset
 from hpcdl.tensorflow.keras import (
     BroadcastGlobalVariablesCallback,
@@ -39,3 +42,14 @@ __all__ = [
     "ResidualState",
     "residual_state",
 ]
+
+
+def _why_no_gpu():
+    if not tf.test.is_built_with_cuda():
+        return f"TensorFlow {tf.__version__} is built without CUDA"
+    return (
+        f"TensorFlow {tf.__version__} (a CUDA build) finds no usable GPU (its CUDA libraries, the driver, or the node)"
+    )
+
+
+_expected_gpu.check(lambda: bool(tf.config.list_physical_devices("GPU")), _why_no_gpu)

@@ -15,10 +15,8 @@ modules; hpcdl's core API never imports them.
 """
 
 import torch
-from mpi4py import MPI
 
-from hpcdl import _env
-from hpcdl.errors import HpcdlError
+from hpcdl import _expected_gpu
 from hpcdl.torch.data import TorchDataset
 from hpcdl.torch.optimizer import (
     DEFAULT_BUCKET_BYTES,
@@ -42,19 +40,10 @@ __all__ = [
 ]
 
 
-def _check_expected_gpu():
-    """A rank that should have a GPU and has none fails here, not by training on the CPU unnoticed."""
-    reason = _env.gpu_expected()
-    if reason is None or torch.cuda.is_available():
-        return
+def _why_no_gpu():
     if torch.version.cuda is None:
-        why = f"torch {torch.__version__} is built without CUDA"
-    else:
-        why = f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable device (the driver, or the node)"
-    raise HpcdlError(
-        f"[hpcdl rank {MPI.COMM_WORLD.Get_rank()}] {reason} gives this rank GPUs, but {why}: it would train "
-        "on the CPU. Fix the node or the installation, or set HPCDL_EXPECT_GPU=0 to use the CPU anyway."
-    )
+        return f"torch {torch.__version__} is built without CUDA"
+    return f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no usable device (the driver, or the node)"
 
 
-_check_expected_gpu()
+_expected_gpu.check(torch.cuda.is_available, _why_no_gpu)
