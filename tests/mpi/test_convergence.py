@@ -22,7 +22,7 @@ from conftest import agree
 pytestmark = pytest.mark.mpi(min_size=2)
 
 WORLD = MPI.COMM_WORLD
-HIDDEN, STEPS, BATCH, LR = 64, 300, 32, 0.1
+HIDDEN, STEPS, BATCH, LR = 64, 600, 32, 0.1
 
 
 def digits():
