@@ -611,7 +611,8 @@ def agreement_stats():
     _emit_engine_notices()
     cdef CAgreementStats a = CEngine.instance().agreement_stats()
     return {"messages_sent": a.messages_sent, "messages_received": a.messages_received,
-            "entries_received": a.entries_received, "descriptions_received": a.descriptions_received}
+            "entries_received": a.entries_received, "descriptions_received": a.descriptions_received,
+            "one_hop_runs": a.one_hop_runs}
 
 
 def reset_stats():

@@ -198,6 +198,12 @@ ENGINE_DOCS = {
         "the report tree's radix k: ceil(log_k P) hops each way, up to (k - 1) ceil(log_k P) "
         "children at the coordinator (2: binomial; [architecture.md](architecture.md))",
     ),
+    "HPCDL_AGREEMENT_ONE_HOP_RANKS": (
+        "4",
+        "on a communicator of at most this many ranks (and a flat report tree), an operation every "
+        "rank submitted alone runs on the descriptions each rank sends every other, one hop instead "
+        "of the plan's two (0: never; [architecture.md](architecture.md))",
+    ),
     "HPCDL_TIMELINE_MAX_EVENTS": (
         "1000000",
         "trace events a rank keeps in memory while `HPCDL_TIMELINE` (or the "

@@ -593,7 +593,8 @@ def stats(reset: bool = False) -> dict[str, Any]:
     "messages_received", "entries_received" (reports from other ranks, one
     per operation and sender: a rank's child in the report tree sends one for
     its whole subtree), "descriptions_received" (of those, full descriptions
-    of new or changed operations)}. "transfer" counts completed point-to-point
+    of new or changed operations), "one_hop_runs" (operations run on every
+    rank's description before their plan came, HPCDL_AGREEMENT_ONE_HOP_RANKS)}. "transfer" counts completed point-to-point
     transfers (a pipeline's activations and gradients): {"send": {...},
     "receive": {...}}, the same fields, seconds from submission to completion.
     """

@@ -109,7 +109,7 @@ cdef extern from "hpcdl/engine/engine.hpp" namespace "hpcdl" nogil:
         double seconds
 
     cdef cppclass CAgreementStats "hpcdl::AgreementStats":
-        uint64_t messages_sent, messages_received, entries_received, descriptions_received
+        uint64_t messages_sent, messages_received, entries_received, descriptions_received, one_hop_runs
 
     cdef cppclass CEngine "hpcdl::Engine":
         @staticmethod

@@ -83,6 +83,8 @@ Status CommContext::report() {
                                   [this](const std::string& name) { return pending.count(name) == 0; }),
                    unreported.end());
   if (unreported.empty()) return Status::OK();
+  for (const std::string& name : unreported) HPCDL_RETURN_NOT_OK(send_one_hop(name));
+  if (one_hop_unplanned > 0) return Status::OK();  // see one_hop_unplanned
   WireWriter w;
   w.put<std::uint32_t>(static_cast<std::uint32_t>(unreported.size()));
   for (const std::string& name : unreported) {
@@ -239,7 +241,7 @@ void CommContext::mark_ready(std::uint32_t id, int first, int end) {
   for (int k = first; k < end; ++k)
     if (!e.ready[k]) {
       e.ready[k] = 1;
-      ++e.ready_count;
+      if (++e.ready_count == size) completed.push_back(id);
     }
 }
 
@@ -254,11 +256,24 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
     if (result != PlanResult::kRun) w->put_string(message);
     ++*entries;
   };
-  // Entries completed in the same cycle run in id order: only the coordinator
-  // decides, so every rank gets the same order.
+  // Entries completed in the same cycle run in the order they completed (one
+  // a rank reported before another completes first: CommContext::one_hop),
+  // then the rest in id order, the join last (what its last rank left, others
+  // submitted, runs with zeros before it ends): only the coordinator decides,
+  // so every rank gets the same order.
+  auto join_id = coord_ids.find(kJoinName);
+  const bool join_open = join_id != coord_ids.end() && table.count(join_id->second);
+  std::vector<std::uint32_t> order;
+  for (std::uint32_t id : completed)
+    if (!join_open || id != join_id->second) order.push_back(id);
+  completed.clear();
+  for (auto& kv : table)
+    if (kv.second.ready_count < size && (!join_open || kv.first != join_id->second)) order.push_back(kv.first);
+  if (join_open) order.push_back(join_id->second);
   std::string join_failure;  // an operation join refused: the join fails too
-  for (auto it = table.begin(); it != table.end();) {
-    const std::uint32_t id = it->first;
+  for (std::uint32_t id : order) {
+    auto it = table.find(id);
+    if (it == table.end()) continue;  // a join's failure took it
     Entry& e = it->second;
     const std::string& name = coord_names[id];
     const bool is_join = name == kJoinName;
@@ -269,7 +284,7 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
       put_entry(id, PlanResult::kJoined, "");
       w->put<std::int32_t>(last_joined);
       end_join();
-      it = table.erase(it);
+      table.erase(it);
       continue;
     }
     if (!is_join && e.ready_count + static_cast<int>(filled.size()) == size) {
@@ -300,7 +315,7 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
         given_up.erase(name);
         put_entry(id, PlanResult::kRun, "");
       }
-      it = table.erase(it);
+      table.erase(it);
       continue;
     }
     const double waited = seconds_since(e.first_seen);
@@ -318,7 +333,7 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
       for (int r = 0; r < size; ++r)
         if (e.ready[r]) submitted.push_back(r);
       given_up[name] = GivenUp{submitted, waited};
-      it = table.erase(it);
+      table.erase(it);
       continue;
     }
     if (warn_s > 0 && waited >= warn_s && waited - e.warned_at >= warn_s) {
@@ -328,7 +343,6 @@ void CommContext::plan(double warn_s, double error_s, WireWriter* w, std::uint32
          << describe_missing(name, missing, true) << " (ready on " << e.ready_count << " of " << size << " ranks)";
       put_entry(id, PlanResult::kStall, os.str());
     }
-    ++it;
   }
   auto join = coord_ids.find(kJoinName);
   if (!join_failure.empty() && join != coord_ids.end() && table.erase(join->second))
@@ -380,11 +394,15 @@ Status Agreement::poll(CommContext& ctx, bool stall_check, const StallLimits& li
     HPCDL_RETURN_NOT_OK(receive(ctx, MPI_ANY_TAG, &got, &probe));
     if (!got) break;
     arrived = true;
-    if (probe.MPI_TAG != kTagLeave) ++ctx.counted.messages_received;
     if (probe.MPI_TAG == kTagLeave) {
       HPCDL_RETURN_NOT_OK(take_leave_notice(ctx, probe.MPI_SOURCE));
       continue;
     }
+    if (probe.MPI_TAG == kTagOneHop) {  // not counted: messages_received counts reports and plans
+      HPCDL_RETURN_NOT_OK(ctx.take_one_hop(probe.MPI_SOURCE, control_msg_.data(), control_msg_.size()));
+      continue;
+    }
+    ++ctx.counted.messages_received;
     if (probe.MPI_TAG == kTagReady) {
       HPCDL_RETURN_NOT_OK(ctx.take_report(control_msg_.data(), control_msg_.size(), false));
     } else if (probe.MPI_TAG == kTagPlan) {

@@ -14,7 +14,7 @@ Status CommContext::send(int dest, int tag, std::vector<char> bytes) {
   int rc = MPI_Isend(out->bytes.data(), static_cast<int>(out->bytes.size()), MPI_BYTE, dest, tag, ctl, &out->req);
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Isend(control)"));
   outbox.push_back(std::move(out));
-  if (tag != kTagLeave) ++counted.messages_sent;
+  if (tag != kTagLeave && tag != kTagOneHop) ++counted.messages_sent;
   return Status::OK();
 }
 

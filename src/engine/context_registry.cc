@@ -63,6 +63,7 @@ Status ContextRegistry::context_for(MPI_Comm comm, std::shared_ptr<CommContext>*
   MPI_Comm_rank(comm, &ctx->rank);
   MPI_Comm_size(comm, &ctx->size);
   ctx->set_tree(agreement_flat() ? std::max(2, ctx->size) : agreement_radix());
+  ctx->enable_one_hop(agreement_one_hop_ranks());
   ctx->id = next_id_++;
   rc = MPI_Comm_set_attr(comm, keyval_, ctx.get());
   HPCDL_RETURN_NOT_OK(mpi_status(rc, "MPI_Comm_set_attr"));

@@ -138,6 +138,7 @@ bool EngineLoop::run_loop_once(std::chrono::microseconds* idle, std::chrono::ste
       busy = busy || !ctx->plans.empty();
       st = executor_.run_plans(*ctx, progress);
     }
+    if (st.ok()) st = executor_.run_one_hop(*ctx, pass.limits.error_s, progress, &busy);
     if (!st.ok()) {
       fail_context(*ctx, st);
     } else if (!ctx->gone.ok() && !ctx->pending.empty() && ctx->plans.empty() &&
@@ -282,6 +283,7 @@ void EngineLoop::fail_pending(CommContext& ctx, const Status& st) {
   for (auto& kv : ctx.pending) kv.second->finish(st);
   ctx.pending.clear();
   ctx.plans.clear();
+  ctx.stop_one_hop();
   ctx.control_error = Status::OK();  // delivered: later operations meet their own errors, not this one
   std::lock_guard<std::mutex> g(queue.mu);
   ctx.in_flight.clear();

@@ -51,6 +51,17 @@ Status Executor::run_plans(CommContext& ctx, Progress& progress) {
         ctx.names_by_id[id] = name;
         ctx.ids[name] = id;
       }
+      auto ran = ctx.ran_one_hop.find(name);
+      if (ran != ctx.ran_one_hop.end()) {            // this rank ran it on every rank's description (one_hop.cc)
+        if (result == PlanResult::kStall) continue;  // a warning the plan's way sent before it came
+        if (result != PlanResult::kRun)
+          return Status::Internal("operation '" + name + "' ran on every rank's description, but its plan entry " +
+                                  std::to_string(static_cast<int>(result)) + " is no plain run: " + message);
+        if (--ran->second == 0) ctx.ran_one_hop.erase(ran);
+        --ctx.one_hop_unplanned;
+        continue;
+      }
+      if (result != PlanResult::kStall) ctx.conclude_round(name);
       // this rank had not submitted it when the coordinator gave up on it
       const bool too_late = std::find(entry.missing.begin(), entry.missing.end(),
                                       static_cast<std::int32_t>(ctx.rank)) != entry.missing.end();
@@ -67,31 +78,59 @@ Status Executor::run_plans(CommContext& ctx, Progress& progress) {
         continue;
       }
       ctx.pending.erase(it);
+      ctx.one_hop_own.erase(name);
       Status st;
       if (result == PlanResult::kJoined) {
         std::lock_guard<std::mutex> g(op->mu_);
         op->result_.rows.assign(1, static_cast<std::uint64_t>(entry.last_joined));
       } else if (result == PlanResult::kRun || result == PlanResult::kRunJoined) {
-        {
-          std::lock_guard<std::mutex> g(op->mu_);
-          op->times_.agreed_us = now_us();
-        }
-        st = await_ready(ctx, *op, progress);
-        if (st.ok()) st = execute(ctx, *op, progress);
-        if (!st.ok() && !ctx.gone.ok()) st = ctx.gone;  // abandoned because a rank left: say which
+        st = run_agreed(ctx, *op, progress);
       } else {
         ctx.last_reported.erase(name);  // report it in full next time
         st = result == PlanResult::kTimeout ? Status::Timeout(message) : Status::Mismatch(message);
       }
-      {
-        // Retire the name before the waiter wakes: its next step may reuse it at once.
-        std::lock_guard<std::mutex> g(queue_.mu);
-        ctx.in_flight.erase(name);
-      }
-      op->finish(st);
+      retire(ctx, *op, st);
     }
   }
   return ctx.control_error;
+}
+
+Status Executor::run_one_hop(CommContext& ctx, double error_s, Progress& progress, bool* ran) {
+  if (!ctx.one_hop || !ctx.gone.ok() || !ctx.control_error.ok()) return Status::OK();
+  const std::string name = ctx.one_hop_agreed(error_s);
+  if (name.empty()) return Status::OK();
+  *ran = true;
+  auto it = ctx.pending.find(name);
+  if (it == ctx.pending.end()) return Status::Internal("one-hop round of '" + name + "', which is not pending");
+  std::shared_ptr<Operation> op = it->second;
+  ctx.pending.erase(it);
+  ctx.one_hop_own.erase(name);
+  ctx.conclude_round(name);  // its plan entry, when it comes, is only counted off
+  ++ctx.ran_one_hop[name];
+  ++ctx.one_hop_unplanned;
+  ++ctx.counted.one_hop_runs;
+  retire(ctx, *op, run_agreed(ctx, *op, progress));
+  return ctx.control_error;
+}
+
+Status Executor::run_agreed(CommContext& ctx, Operation& op, Progress& progress) {
+  {
+    std::lock_guard<std::mutex> g(op.mu_);
+    op.times_.agreed_us = now_us();
+  }
+  Status st = await_ready(ctx, op, progress);
+  if (st.ok()) st = execute(ctx, op, progress);
+  if (!st.ok() && !ctx.gone.ok()) st = ctx.gone;  // abandoned because a rank left: say which
+  return st;
+}
+
+void Executor::retire(CommContext& ctx, Operation& op, const Status& st) {
+  {
+    // Retire the name before the waiter wakes: its next step may reuse it at once.
+    std::lock_guard<std::mutex> g(queue_.mu);
+    ctx.in_flight.erase(op.name());
+  }
+  op.finish(st);
 }
 
 // This rank has joined: it runs an operation it never submitted with zeros of

@@ -18,13 +18,14 @@ void StatsBoard::count(const std::string& kind, const std::string& codec, std::u
 
 void StatsBoard::add_agreement(AgreementStats* counted) {
   AgreementStats& c = *counted;
-  if (c.messages_sent + c.messages_received == 0) return;
+  if (c.messages_sent + c.messages_received + c.one_hop_runs == 0) return;
   {
     std::lock_guard<std::mutex> g(mu_);
     agreement_.messages_sent += c.messages_sent;
     agreement_.messages_received += c.messages_received;
     agreement_.entries_received += c.entries_received;
     agreement_.descriptions_received += c.descriptions_received;
+    agreement_.one_hop_runs += c.one_hop_runs;
   }
   c = AgreementStats();
 }

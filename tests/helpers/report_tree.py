@@ -29,3 +29,11 @@ def children_counts(size, radix):
     for rank in range(1, size):
         counts[parent(rank, radix)] += 1
     return counts
+
+
+def one_hop_in_effect(size):
+    """Whether operations on a communicator of `size` ranks may run one-hop
+    (docs/architecture.md, "One-hop agreement"): at most
+    HPCDL_AGREEMENT_ONE_HOP_RANKS ranks, more than one, and a flat report tree."""
+    limit = int(os.environ.get("HPCDL_AGREEMENT_ONE_HOP_RANKS", _env.ENGINE_DOCS["HPCDL_AGREEMENT_ONE_HOP_RANKS"][0]))
+    return 1 < size <= limit and radix_in_effect(size) >= size

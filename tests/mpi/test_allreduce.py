@@ -670,6 +670,46 @@ def test_ops_seen_before_reach_each_rank_once_per_tree_child():
     agree(WORLD, right and ok, f"results right: {right}, {children} children, {counts}")
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["world", "halves"])
+def test_a_small_communicator_runs_operations_on_the_descriptions_sent_to_every_rank(halves):
+    """Blocking named steps (each rank's only pending operation) run one-hop on
+    a communicator of at most HPCDL_AGREEMENT_ONE_HOP_RANKS ranks, never on a
+    larger one; steps submitted in a different order on each rank, uneven
+    alltoalls and a mismatch after one-hop rounds still agree, and are right."""
+    comm = WORLD.Split(WORLD.Get_rank() % 2 if halves else 0, WORLD.Get_rank())
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hpcdl.stats(reset=True)
+    WORLD.Barrier()
+    names = [f"onehop.{i}" for i in range(3)]
+    arrays = {n: np.zeros(40 + i, dtype=np.float32) for i, n in enumerate(names)}
+    right = True
+    for step in range(30):
+        a = np.full(257, rank + step, dtype=np.float32)
+        hpcdl.allreduce(a, comm=comm, name="onehop.sum")
+        right = right and bool(np.all(a == sum(range(size)) + size * step))
+        splits = [(rank + peer + step) % 3 for peer in range(size)]  # rows this rank sends each peer
+        rows = np.concatenate([np.full((splits[p], 2), 100 * rank + p, dtype=np.float64) for p in range(size)])
+        got, got_splits = hpcdl.alltoall(rows, splits=splits, comm=comm, name="onehop.a2a")
+        expect = [(src + rank + step) % 3 for src in range(size)]
+        want = np.concatenate([np.full((expect[s], 2), 100 * s + rank, dtype=np.float64) for s in range(size)])
+        right = right and list(got_splits) == expect and np.array_equal(got.reshape(-1, 2), want)
+        if step % 5 == 4:  # several pending at once, in each rank's own order: the plan's way
+            order = np.random.default_rng(100 * step + rank).permutation(len(names))
+            for i in order:
+                arrays[names[i]][:] = step + i
+            for h in [hpcdl.allreduce_async(arrays[names[i]], comm=comm, name=names[i]) for i in order]:
+                h.wait()
+            right = right and all(np.all(arrays[n] == (step + i) * size) for i, n in enumerate(names))
+    ran = comm.allreduce(hpcdl.stats()["agreement"]["one_hop_runs"])
+    counted = ran > 0 if report_tree.one_hop_in_effect(size) else ran == 0
+    # A different description after one-hop rounds fails on every rank, by the plan.
+    b = np.zeros(258 if rank == size - 1 else 257, dtype=np.float32)
+    _, err = outcome(hpcdl.allreduce, b, comm=comm, name="onehop.sum")
+    named = size == 1 or (isinstance(err, hpcdl.MismatchError) and "'onehop.sum'" in str(err))
+    comm.Free()
+    agree(WORLD, right and counted and named, f"right {right}, one-hop runs {ran} of P = {size}, error {err!r}")
+
+
 def test_mismatch_after_many_cached_steps_is_named_on_every_rank():
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     names = ["cached.a", "cached.changes", "cached.b"]

@@ -100,6 +100,56 @@ class CommContext {
   std::vector<std::string> names_by_id;
   std::map<std::string, std::string> last_reported;  // name -> serialized desc last sent
 
+  // One-hop agreement (src/engine/one_hop.cc). On a communicator small enough
+  // (enable_one_hop) a named operation reported while it was the only one
+  // pending on its rank also goes, described in full and with its round, straight
+  // to every other rank. A name's round is how many plan entries (but stall
+  // warnings) for it this rank has taken, counting one run one-hop as its
+  // entry: every rank takes every plan, so rounds agree across ranks, joined
+  // ones included. A rank runs such an operation once every rank's description
+  // of its round has come and equals its own, without waiting for the plan;
+  // the plan's entry for it is then only counted off (ran_one_hop). Every rank
+  // reported it while alone, so it is every rank's next operation, and the
+  // coordinator, planning in the order operations complete, puts it before
+  // anything submitted after it.
+  bool one_hop = false;
+  struct OneHopDesc {
+    std::uint64_t round = 0;
+    std::string desc;
+    std::chrono::steady_clock::time_point arrived;
+  };
+  std::map<std::string, std::vector<std::deque<OneHopDesc>>> one_hop_descs;  // [name][rank], oldest first
+  std::map<std::string, std::uint64_t> rounds;                               // by name
+  struct OneHopOwn {
+    std::uint64_t round = 0;
+    bool alone = false;  // the only operation pending here when reported: its description went out
+    std::string desc;
+    std::chrono::steady_clock::time_point sent;
+  };
+  std::map<std::string, OneHopOwn> one_hop_own;      // pending named operations, as reported
+  std::map<std::string, std::uint32_t> ran_one_hop;  // run one-hop, their plan entry not come yet
+  // The sum of ran_one_hop. Reports wait while it is not 0: the coordinator
+  // then never meets a name's next round while its entry for the last is
+  // open, and reports reach it in submission order.
+  std::uint32_t one_hop_unplanned = 0;
+  // One-hop on a communicator of at most max_ranks ranks whose reports go straight to the coordinator.
+  void enable_one_hop(long max_ranks);
+  // Whether operations named `name` may run one-hop here.
+  bool one_hop_named(const std::string& name) const;
+  // Sends `name`'s description to the other ranks if it is alone (once per submission).
+  Status send_one_hop(const std::string& name);
+  // Another rank's description (a kTagOneHop message) from `source`.
+  Status take_one_hop(int source, const char* bytes, std::size_t n);
+  // The operation whose round every rank described alone and alike (empty:
+  // none); none whose first description came error_s / 2 ago or more (the
+  // coordinator may time it out meanwhile).
+  std::string one_hop_agreed(double error_s);
+  // A plan entry for `name`, or its one-hop run, ended its round here.
+  void conclude_round(const std::string& name);
+  // This rank's pending operations failed outside the plans: no more one-hop here
+  // (without this rank's descriptions, no other rank runs one either).
+  void stop_one_hop();
+
   // Engine thread: point-to-point transfers not yet finished, in submission order.
   std::vector<Transfer> transfers;
 
@@ -115,6 +165,7 @@ class CommContext {
   std::vector<std::vector<std::string>> last_desc;  // [id][rank] serialized desc
   std::vector<char> announced;                      // [id] name already sent in a plan
   std::map<std::uint32_t, Entry> table;
+  std::vector<std::uint32_t> completed;  // ids of table entries every rank reported, in the order they completed
   // Coordinator: names whose operation timed out, with the ranks that had
   // submitted it then (sorted) and how long they waited; until that name runs.
   struct GivenUp {

@@ -33,6 +33,9 @@ class Executor {
       : queue_(queue), notices_(notices), stats_(stats), residuals_(residuals), transfers_(transfers) {}
   // Runs or fails the entries of ctx's queued plans, in order; waits call progress.
   Status run_plans(CommContext& ctx, Progress& progress);
+  // Runs the operation every rank of ctx described alike for one hop, if one is
+  // (CommContext::one_hop; ran: whether one ran).
+  Status run_one_hop(CommContext& ctx, double error_s, Progress& progress, bool* ran);
   // The context whose operation moves data now (nullptr: none).
   const CommContext* executing() const { return executing_; }
   // That operation's requests can be cancelled (a ring).
@@ -43,6 +46,10 @@ class Executor {
   const std::string& stall_text() const { return stall_text_; }
 
  private:
+  // Runs an operation every rank agreed on, once its data is ready.
+  Status run_agreed(CommContext& ctx, Operation& op, Progress& progress);
+  // op left the pending ones with st: its name is free again, its waiter woken.
+  void retire(CommContext& ctx, Operation& op, const Status& st);
   // Waits until a deferred operation the plan has reached is marked ready.
   Status await_ready(CommContext& ctx, Operation& op, Progress& progress);
   Status execute(CommContext& ctx, Operation& op, Progress& progress);  // the caller finishes op

@@ -15,6 +15,8 @@ constexpr int kTagReady = 1;  // up the report tree: operations ready in the sen
 constexpr int kTagPlan = 2;   // down the report tree, from the coordinator: what to run, in order
 constexpr int kTagData = 3;
 constexpr int kTagLeave = 4;  // a rank leaves the communicator (exit, free): to the coordinator, which forwards it
+// To every rank of a small communicator (CommContext::one_hop): u64 round, string description.
+constexpr int kTagOneHop = 5;
 
 // A plan entry: u32 id, u8 result, u8 with_name, [string name], then for all
 // but kRun a string message, and for kTimeout the ranks that had not submitted

@@ -34,6 +34,7 @@ constexpr EnvSetting kEnvSettings[] = {
     {"engine_slice_us", "HPCDL_ENGINE_SLICE_US", true, 0, 100000},  // Linux takes 100 us to 100 ms
     {"agreement_flat", "HPCDL_AGREEMENT_FLAT", true, 0, 1},
     {"agreement_radix", "HPCDL_AGREEMENT_RADIX", true, 2, 65536},
+    {"agreement_one_hop_ranks", "HPCDL_AGREEMENT_ONE_HOP_RANKS", true, 0, 65536},
     {"timeline_max_events", "HPCDL_TIMELINE_MAX_EVENTS", true, 1, std::numeric_limits<std::int64_t>::max()},
     {"residual_ttl_ops", "HPCDL_RESIDUAL_TTL_OPS", true, 0, 999999999999999999},  // error feedback (residual_store.hpp)
 };

@@ -23,6 +23,7 @@ struct AgreementStats {
   std::uint64_t messages_sent = 0, messages_received = 0;  // reports and plans
   std::uint64_t entries_received = 0;       // reports taken from other ranks, one per operation and sender
   std::uint64_t descriptions_received = 0;  // of those, full descriptions (new or changed operations)
+  std::uint64_t one_hop_runs = 0;           // operations run on every rank's description, before their plan
 };
 
 class StatsBoard {

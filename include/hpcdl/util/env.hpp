@@ -47,6 +47,14 @@ inline long agreement_radix() {
   return radix;
 }
 
+// The largest communicator whose operations may run on every rank's
+// description before the plan (HPCDL_AGREEMENT_ONE_HOP_RANKS, default 4;
+// 0: never; CommContext::one_hop).
+inline long agreement_one_hop_ranks() {
+  static const long ranks = env_long("HPCDL_AGREEMENT_ONE_HOP_RANKS", 4);
+  return ranks;
+}
+
 // How many named compressed allreduces may run on a communicator without a
 // name before that name's error-feedback residual is freed
 // (HPCDL_RESIDUAL_TTL_OPS, default 1000; 0 keeps residuals until the
