@@ -594,8 +594,9 @@ def stats(reset: bool = False) -> dict[str, Any]:
     per operation and sender: a rank's child in the report tree sends one for
     its whole subtree), "descriptions_received" (of those, full descriptions
     of new or changed operations), "one_hop_runs" (operations run on every
-    rank's description before their plan came, HPCDL_AGREEMENT_ONE_HOP_RANKS)}. "transfer" counts completed point-to-point
-    transfers (a pipeline's activations and gradients): {"send": {...},
+    rank's description before their plan came, HPCDL_AGREEMENT_ONE_HOP_RANKS)}.
+    "transfer" counts completed point-to-point transfers (a pipeline's
+    activations and gradients): {"send": {...},
     "receive": {...}}, the same fields, seconds from submission to completion.
     """
     out = {"agreement": _core.agreement_stats()}

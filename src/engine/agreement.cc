@@ -84,7 +84,7 @@ Status CommContext::report() {
                    unreported.end());
   if (unreported.empty()) return Status::OK();
   for (const std::string& name : unreported) HPCDL_RETURN_NOT_OK(send_one_hop(name));
-  if (one_hop_unplanned > 0) return Status::OK();  // see one_hop_unplanned
+  if (!ran_one_hop.empty()) return Status::OK();  // see ran_one_hop
   WireWriter w;
   w.put<std::uint32_t>(static_cast<std::uint32_t>(unreported.size()));
   for (const std::string& name : unreported) {

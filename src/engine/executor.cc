@@ -58,7 +58,6 @@ Status Executor::run_plans(CommContext& ctx, Progress& progress) {
           return Status::Internal("operation '" + name + "' ran on every rank's description, but its plan entry " +
                                   std::to_string(static_cast<int>(result)) + " is no plain run: " + message);
         if (--ran->second == 0) ctx.ran_one_hop.erase(ran);
-        --ctx.one_hop_unplanned;
         continue;
       }
       if (result != PlanResult::kStall) ctx.conclude_round(name);
@@ -107,7 +106,6 @@ Status Executor::run_one_hop(CommContext& ctx, double error_s, Progress& progres
   ctx.one_hop_own.erase(name);
   ctx.conclude_round(name);  // its plan entry, when it comes, is only counted off
   ++ctx.ran_one_hop[name];
-  ++ctx.one_hop_unplanned;
   ++ctx.counted.one_hop_runs;
   retire(ctx, *op, run_agreed(ctx, *op, progress));
   return ctx.control_error;

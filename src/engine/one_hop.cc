@@ -39,9 +39,9 @@ Status CommContext::send_one_hop(const std::string& name) {
   OneHopOwn& own = one_hop_own[name];
   own.round = rounds[name];
   own.alone = pending.size() == 1;
+  if (!own.alone) return Status::OK();  // no rank runs this round one-hop: nothing to send
   own.desc = pending.at(name)->req_.desc.serialize(name);
   own.sent = std::chrono::steady_clock::now();
-  if (!own.alone) return Status::OK();  // no rank runs this round one-hop: nothing to send
   WireWriter w;
   w.put<std::uint64_t>(own.round);
   w.put_string(own.desc);
@@ -113,7 +113,6 @@ void CommContext::stop_one_hop() {
   one_hop_own.clear();
   // The plans that would count these off were dropped with the pending operations.
   ran_one_hop.clear();
-  one_hop_unplanned = 0;
 }
 
 }  // namespace hpcdl

@@ -123,15 +123,14 @@ class CommContext {
   struct OneHopOwn {
     std::uint64_t round = 0;
     bool alone = false;  // the only operation pending here when reported: its description went out
-    std::string desc;
+    std::string desc;    // alone: as sent
     std::chrono::steady_clock::time_point sent;
   };
-  std::map<std::string, OneHopOwn> one_hop_own;      // pending named operations, as reported
-  std::map<std::string, std::uint32_t> ran_one_hop;  // run one-hop, their plan entry not come yet
-  // The sum of ran_one_hop. Reports wait while it is not 0: the coordinator
-  // then never meets a name's next round while its entry for the last is
-  // open, and reports reach it in submission order.
-  std::uint32_t one_hop_unplanned = 0;
+  std::map<std::string, OneHopOwn> one_hop_own;  // pending named operations, as reported
+  // Run one-hop, their plan entry not come yet. Reports wait while any is
+  // here: the coordinator then never meets a name's next round while its entry
+  // for the last is open, and reports reach it in submission order.
+  std::map<std::string, std::uint32_t> ran_one_hop;
   // One-hop on a communicator of at most max_ranks ranks whose reports go straight to the coordinator.
   void enable_one_hop(long max_ranks);
   // Whether operations named `name` may run one-hop here.
