@@ -398,6 +398,10 @@ Status Agreement::poll(CommContext& ctx, bool stall_check, const StallLimits& li
       HPCDL_RETURN_NOT_OK(take_leave_notice(ctx, probe.MPI_SOURCE));
       continue;
     }
+    if (probe.MPI_TAG == kTagClose) {  // a rank freed the communicator: its last message here
+      ctx.note_close(probe.MPI_SOURCE);
+      continue;
+    }
     if (probe.MPI_TAG == kTagOneHop) {  // not counted: messages_received counts reports and plans
       HPCDL_RETURN_NOT_OK(ctx.take_one_hop(probe.MPI_SOURCE, control_msg_.data(), control_msg_.size()));
       continue;

@@ -268,6 +268,8 @@ bool EngineLoop::release_freed(CommContext& ctx) {
   if (!set_up) MPI_Testall(2, ctx.setup, &set_up, MPI_STATUSES_IGNORE);
   if (!set_up) return false;
   ctx.set_up = true;
+  bool closed = false;
+  if (ctx.close_control(&closed).ok() && !closed) return false;
   MPI_Comm_free(&ctx.ctl);
   MPI_Comm_free(&ctx.data);
   return true;

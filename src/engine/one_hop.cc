@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <chrono>
 #include <string>
+#include <vector>
 
 #include "hpcdl/engine/comm_context.hpp"
 #include "hpcdl/engine/op_wire.hpp"
+#include "hpcdl/util/mpi_util.hpp"
 #include "hpcdl/util/wire.hpp"
 
 namespace hpcdl {
@@ -18,6 +20,8 @@ namespace {
 // rounds ahead of this one (this rank has joined, or stopped submitting the
 // name); dropping one only sends that round the plan's way.
 constexpr std::size_t kOneHopKept = 8;
+// How long a freed communicator's duplicates wait for the other ranks' closes.
+constexpr double kCloseBoundSeconds = 10.0;
 
 }  // namespace
 
@@ -26,6 +30,43 @@ void CommContext::enable_one_hop(long max_ranks) {
   // takes each rank's reports in the order the rank sent them.
   const bool flat = rank == 0 ? static_cast<int>(children.size()) == size - 1 : parent == 0;
   one_hop = size > 1 && size <= max_ranks && flat;
+  closes_control = one_hop;
+}
+
+void CommContext::note_close(int source) {
+  if (source < 0 || source >= size) return;
+  closed_by.resize(static_cast<std::size_t>(size), 0);
+  closed_by[static_cast<std::size_t>(source)] = 1;
+}
+
+Status CommContext::close_control(bool* closed) {
+  *closed = true;
+  // A rank that left sends nothing more, and a message to it could block for good (CommContext::left).
+  if (!closes_control || !gone.ok()) return Status::OK();
+  if (!closing) {
+    closing = true;
+    closing_since = std::chrono::steady_clock::now();
+    for (int r = 0; r < size; ++r)
+      if (r != rank) HPCDL_RETURN_NOT_OK(send(r, kTagClose, {}));
+  }
+  for (;;) {
+    int flag = 0, n = 0;
+    MPI_Status probe;
+    HPCDL_RETURN_NOT_OK(mpi_status(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, ctl, &flag, &probe), "MPI_Iprobe(close)"));
+    if (!flag) break;
+    MPI_Get_count(&probe, MPI_BYTE, &n);
+    std::vector<char> dropped(static_cast<std::size_t>(std::max(n, 1)));
+    HPCDL_RETURN_NOT_OK(
+        mpi_status(MPI_Recv(dropped.data(), n, MPI_BYTE, probe.MPI_SOURCE, probe.MPI_TAG, ctl, MPI_STATUS_IGNORE),
+                   "MPI_Recv(close)"));
+    if (probe.MPI_TAG == kTagClose) note_close(probe.MPI_SOURCE);
+  }
+  HPCDL_RETURN_NOT_OK(flush_outbox());
+  bool all = outbox.empty();
+  for (int r = 0; r < size && all; ++r)
+    all = r == rank || (!closed_by.empty() && closed_by[static_cast<std::size_t>(r)]);
+  *closed = all || seconds_since(closing_since) >= kCloseBoundSeconds;
+  return Status::OK();
 }
 
 bool CommContext::one_hop_named(const std::string& name) const {

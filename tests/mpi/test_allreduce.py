@@ -710,6 +710,32 @@ def test_a_small_communicator_runs_operations_on_the_descriptions_sent_to_every_
     agree(WORLD, right and counted and named, f"right {right}, one-hop runs {ran} of P = {size}, error {err!r}")
 
 
+def test_a_freed_communicators_last_messages_never_reach_the_next_one():
+    """One-hop's reports and plan entries still travel when a step has ended on
+    every rank; MPI gives the next communicator the freed one's context id. Each
+    Dup runs named steps under the same names as the last, with the other op,
+    and is freed at once: every result is exact and no rank meets a plan of
+    the freed communicator (before the close on free, a MismatchError or a hang
+    came within ~20 rounds at P = 4)."""
+    rank, size = WORLD.Get_rank(), WORLD.Get_size()
+    hpcdl.stats(reset=True)
+    right, errors = True, []
+    for i in range(60):
+        comm = WORLD.Dup()
+        op = "sum" if i % 2 else "average"
+        for k in range(3):
+            a = np.full(64, rank + 1.0)
+            _, err = outcome(hpcdl.allreduce, a, op=op, comm=comm, name=f"freed.{k}")
+            if err is not None:
+                errors.append(f"round {i} step {k}: {err!r}")
+            want = size * (size + 1) / 2 / (1 if op == "sum" else size)
+            right = right and bool(np.all(a == want))
+        comm.Free()
+    ran = WORLD.allreduce(hpcdl.stats()["agreement"]["one_hop_runs"])
+    counted = ran > 0 if report_tree.one_hop_in_effect(size) else ran == 0
+    agree(WORLD, right and not errors and counted, f"right {right}, errors {errors[:2]}, one-hop runs {ran}")
+
+
 def test_mismatch_after_many_cached_steps_is_named_on_every_rank():
     rank, size = WORLD.Get_rank(), WORLD.Get_size()
     names = ["cached.a", "cached.changes", "cached.b"]

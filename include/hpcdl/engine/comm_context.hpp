@@ -131,6 +131,20 @@ class CommContext {
   // here: the coordinator then never meets a name's next round while its entry
   // for the last is open, and reports reach it in submission order.
   std::map<std::string, std::uint32_t> ran_one_hop;
+  // One-hop's reports, descriptions and plan entries still travel after an
+  // operation ended on every rank, and MPI gives the next communicator a freed
+  // one's context id, which would take them in as its own (a wrong plan, a
+  // hang). So before the duplicates of a communicator that ran one-hop are
+  // freed, each rank sends every other a close (kTagClose) and reads the
+  // control channel until every rank's close has come: MPI keeps one sender's
+  // messages in order. Bounded by kCloseBoundSeconds for a rank that left.
+  bool closes_control = false;
+  bool closing = false;
+  std::chrono::steady_clock::time_point closing_since;
+  std::vector<char> closed_by;  // [rank]: its close has come
+  void note_close(int source);
+  // Sends this rank's close (once) and reads what came; *closed once the duplicates may go.
+  Status close_control(bool* closed);
   // One-hop on a communicator of at most max_ranks ranks whose reports go straight to the coordinator.
   void enable_one_hop(long max_ranks);
   // Whether operations named `name` may run one-hop here.

@@ -17,6 +17,8 @@ constexpr int kTagData = 3;
 constexpr int kTagLeave = 4;  // a rank leaves the communicator (exit, free): to the coordinator, which forwards it
 // To every rank of a small communicator (CommContext::one_hop): u64 round, string description.
 constexpr int kTagOneHop = 5;
+// To every rank, empty, as a one-hop communicator's duplicates are freed: the sender's last control message.
+constexpr int kTagClose = 6;
 
 // A plan entry: u32 id, u8 result, u8 with_name, [string name], then for all
 // but kRun a string message, and for kTimeout the ranks that had not submitted
